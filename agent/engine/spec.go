@@ -1,0 +1,112 @@
+package engine
+
+import (
+	"fmt"
+	"unicode/utf8"
+)
+
+// Spec is one generation request as the engine sees it: everything that
+// determines the output bytes. Two runs of the same Spec produce identical
+// files, whichever agents ran which stage.
+type Spec struct {
+	Prompt         string  `json:"prompt" msgpack:"prompt"`
+	NegativePrompt string  `json:"negative_prompt,omitempty" msgpack:"negative_prompt"`
+	Seed           int64   `json:"seed" msgpack:"seed"`
+	Width          int     `json:"width" msgpack:"width"`
+	Height         int     `json:"height" msgpack:"height"`
+	Frames         int     `json:"frames" msgpack:"frames"` // 1 = image (PNG), >1 = video (GIF)
+	Steps          int     `json:"steps" msgpack:"steps"`
+	GuidanceScale  float64 `json:"guidance_scale" msgpack:"guidance_scale"`
+}
+
+// Limits bound what one request may ask for, so a single request cannot
+// exhaust an agent's memory or hold a denoise slot for hours.
+type Limits struct {
+	MaxPromptBytes int // UTF-8 bytes of prompt and of negative prompt, each
+	MinSide        int // pixels; sides must also be multiples of 8 (the VAE factor)
+	MaxSide        int
+	MaxPixels      int // width*height*frames
+	MaxFrames      int
+	MaxSteps       int
+	MaxGuidance    float64
+}
+
+// DefaultLimits fit the built-in engine on a small CPU machine and keep a
+// finished result well under etcd's request size.
+func DefaultLimits() Limits {
+	return Limits{
+		MaxPromptBytes: 2000,    // a long prompt; engines truncate tokens anyway
+		MinSide:        64,      // 8x8 latent, the smallest useful picture
+		MaxSide:        1024,    // 128x128 latent
+		MaxPixels:      4 << 20, // 1024x1024x4 or 256x256x64: bounds output size
+		MaxFrames:      64,      // a few seconds of GIF
+		MaxSteps:       200,     // beyond any real sampler schedule
+		MaxGuidance:    30,      // CFG beyond this is meaningless
+	}
+}
+
+// DefaultSpec is what an unset field means.
+func DefaultSpec() Spec {
+	return Spec{Width: 256, Height: 256, Frames: 1, Steps: 20, GuidanceScale: 5}
+}
+
+// FieldError names the request field that is out of range.
+type FieldError struct {
+	Field string
+	Msg   string
+}
+
+func (e *FieldError) Error() string { return fmt.Sprintf("%s: %s", e.Field, e.Msg) }
+
+// WithDefaults fills zero fields from DefaultSpec.
+func (s Spec) WithDefaults() Spec {
+	d := DefaultSpec()
+	if s.Width == 0 {
+		s.Width = d.Width
+	}
+	if s.Height == 0 {
+		s.Height = d.Height
+	}
+	if s.Frames == 0 {
+		s.Frames = d.Frames
+	}
+	if s.Steps == 0 {
+		s.Steps = d.Steps
+	}
+	if s.GuidanceScale == 0 {
+		s.GuidanceScale = d.GuidanceScale
+	}
+	return s
+}
+
+// Validate reports the first field of s outside l, as a *FieldError.
+func (s Spec) Validate(l Limits) error {
+	bad := func(field, format string, a ...any) error {
+		return &FieldError{Field: field, Msg: fmt.Sprintf(format, a...)}
+	}
+	switch {
+	case s.Prompt == "":
+		return bad("prompt", "must not be empty")
+	case len(s.Prompt) > l.MaxPromptBytes:
+		return bad("prompt", "longer than %d bytes", l.MaxPromptBytes)
+	case !utf8.ValidString(s.Prompt):
+		return bad("prompt", "not valid UTF-8")
+	case len(s.NegativePrompt) > l.MaxPromptBytes:
+		return bad("negative_prompt", "longer than %d bytes", l.MaxPromptBytes)
+	case !utf8.ValidString(s.NegativePrompt):
+		return bad("negative_prompt", "not valid UTF-8")
+	case s.Width < l.MinSide || s.Width > l.MaxSide || s.Width%8 != 0:
+		return bad("width", "%d: must be a multiple of 8 in [%d,%d]", s.Width, l.MinSide, l.MaxSide)
+	case s.Height < l.MinSide || s.Height > l.MaxSide || s.Height%8 != 0:
+		return bad("height", "%d: must be a multiple of 8 in [%d,%d]", s.Height, l.MinSide, l.MaxSide)
+	case s.Frames < 1 || s.Frames > l.MaxFrames:
+		return bad("frames", "%d: must be in [1,%d]", s.Frames, l.MaxFrames)
+	case s.Width*s.Height*s.Frames > l.MaxPixels:
+		return bad("frames", "%dx%dx%d is more than %d pixels", s.Width, s.Height, s.Frames, l.MaxPixels)
+	case s.Steps < 1 || s.Steps > l.MaxSteps:
+		return bad("steps", "%d: must be in [1,%d]", s.Steps, l.MaxSteps)
+	case !(s.GuidanceScale >= 0 && s.GuidanceScale <= l.MaxGuidance): // also rejects NaN
+		return bad("guidance_scale", "%v: must be in [0,%v]", s.GuidanceScale, l.MaxGuidance)
+	}
+	return nil
+}

@@ -1,0 +1,130 @@
+// Package etcdembed runs a single-member etcd inside the process: the default
+// control plane for `latentmesh demo`, `latentmesh dev` and the tests, so a
+// newcomer needs nothing but Go. Production clusters point agents at an
+// external etcd instead (`latentmesh agent --etcd-endpoints`).
+package etcdembed
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"time"
+
+	"go.etcd.io/etcd/server/v3/embed"
+	"go.uber.org/zap"
+)
+
+// Config says where the embedded etcd keeps its data and listens.
+type Config struct {
+	// Dir holds the data. "" means a fresh temporary directory, removed on Close.
+	Dir string
+	// ClientURL is where clients connect. Port 0 picks a free port.
+	ClientURL string
+	// MaxRequestBytes bounds one request. Finished results are written in the
+	// committing transaction, so this must exceed the largest output file.
+	MaxRequestBytes uint
+	// StartTimeout bounds how long Start waits for the member to be ready.
+	StartTimeout time.Duration
+	// Logger receives etcd's own logs (named "etcd"); nil discards them.
+	Logger *zap.Logger
+}
+
+// DefaultConfig is a loopback-only etcd in a temporary directory.
+func DefaultConfig() Config {
+	return Config{
+		ClientURL:       "http://127.0.0.1:0", // loopback only; a free port
+		MaxRequestBytes: 32 << 20,             // results up to ~30 MiB fit in one commit
+		StartTimeout:    30 * time.Second,     // a cold start on a loaded 2-core machine
+	}
+}
+
+// Server is a running embedded etcd.
+type Server struct {
+	etcd    *embed.Etcd
+	dir     string
+	tempDir bool
+}
+
+// Start launches the member and waits until it serves clients.
+func Start(ctx context.Context, cfg Config) (_ *Server, err error) {
+	if cfg.MaxRequestBytes == 0 || cfg.StartTimeout <= 0 || cfg.ClientURL == "" {
+		return nil, errors.New("etcdembed: ClientURL, MaxRequestBytes and StartTimeout must be set (start from DefaultConfig)")
+	}
+	s := &Server{dir: cfg.Dir}
+	if s.dir == "" {
+		if s.dir, err = os.MkdirTemp("", "latentmesh-etcd-"); err != nil {
+			return nil, fmt.Errorf("etcdembed: temp dir: %w", err)
+		}
+		s.tempDir = true
+	}
+	defer func() {
+		if err != nil {
+			s.Close()
+		}
+	}()
+	curl, err := url.Parse(cfg.ClientURL)
+	if err != nil {
+		return nil, fmt.Errorf("etcdembed: client url: %w", err)
+	}
+	// The peer URL is never dialled by a one-member cluster; a free port keeps
+	// several embedded servers (tests, demo) from colliding.
+	purl, _ := url.Parse("http://127.0.0.1:0")
+
+	ec := embed.NewConfig()
+	ec.Name = "latentmesh"
+	ec.Dir = s.dir
+	ec.ListenClientUrls = []url.URL{*curl}
+	ec.AdvertiseClientUrls = []url.URL{*curl}
+	ec.ListenPeerUrls = []url.URL{*purl}
+	ec.AdvertisePeerUrls = []url.URL{*purl}
+	ec.InitialCluster = ec.InitialClusterFromName(ec.Name)
+	ec.MaxRequestBytes = cfg.MaxRequestBytes
+	// Results and finished jobs are rewritten often; keep the history short.
+	ec.AutoCompactionMode = "revision"
+	ec.AutoCompactionRetention = "10000"
+	ec.LogLevel = "error"
+	if cfg.Logger != nil {
+		ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(cfg.Logger.Named("etcd"))
+	} else {
+		ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop())
+	}
+
+	if s.etcd, err = embed.StartEtcd(ec); err != nil {
+		return nil, fmt.Errorf("etcdembed: start: %w", err)
+	}
+	timer := time.NewTimer(cfg.StartTimeout)
+	defer timer.Stop()
+	select {
+	case <-s.etcd.Server.ReadyNotify():
+	case err := <-s.etcd.Err():
+		return nil, fmt.Errorf("etcdembed: %w", err)
+	case <-timer.C:
+		return nil, fmt.Errorf("etcdembed: not ready after %v", cfg.StartTimeout)
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	return s, nil
+}
+
+// Endpoints are the client URLs to give clientv3 or `latentmesh agent`.
+func (s *Server) Endpoints() []string {
+	var eps []string
+	for _, l := range s.etcd.Clients {
+		eps = append(eps, "http://"+l.Addr().String())
+	}
+	return eps
+}
+
+// Close stops the member and removes a temporary data directory. Idempotent.
+func (s *Server) Close() {
+	if s.etcd != nil {
+		s.etcd.Close()
+		s.etcd = nil
+	}
+	if s.tempDir && s.dir != "" {
+		os.RemoveAll(s.dir)
+		s.dir = ""
+	}
+}

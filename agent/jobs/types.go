@@ -1,0 +1,92 @@
+package jobs
+
+import (
+	"errors"
+	"time"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// Stage names one step of the generation pipeline.
+type Stage string
+
+// The pipeline stages, in order.
+const (
+	Encode  Stage = "encode"
+	Denoise Stage = "denoise"
+	Decode  Stage = "decode"
+)
+
+// Stages lists the pipeline in order.
+func Stages() []Stage { return []Stage{Encode, Denoise, Decode} }
+
+// State is where a job is in its life.
+type State string
+
+// Job states. Succeeded, Failed and Cancelled are terminal.
+const (
+	Queued    State = "queued"
+	Running   State = "running"
+	Succeeded State = "succeeded"
+	Failed    State = "failed"
+	Cancelled State = "cancelled"
+)
+
+// Terminal reports whether no further stage will run.
+func (s State) Terminal() bool { return s == Succeeded || s == Failed || s == Cancelled }
+
+// Job is the durable record of one generation request, stored as JSON at
+// <prefix>/jobs/<id>.
+type Job struct {
+	ID        string                 `json:"id"`
+	Spec      engine.Spec            `json:"spec"`
+	Class     routing.Class          `json:"class"`
+	State     State                  `json:"state"`
+	Stage     Stage                  `json:"stage,omitempty"` // the stage queued or running now
+	Stages    map[Stage]*StageRecord `json:"stages,omitempty"`
+	Progress  *Progress              `json:"progress,omitempty"` // filled on read from the progress key
+	Result    *Result                `json:"result,omitempty"`
+	Error     *Error                 `json:"error,omitempty"`
+	CreatedAt time.Time              `json:"created_at"`
+	UpdatedAt time.Time              `json:"updated_at"`
+}
+
+// StageRecord is what one committed stage left behind.
+type StageRecord struct {
+	Node       string    `json:"node"`
+	Attempt    int       `json:"attempt"` // claims taken on this stage's task, including the committed one
+	StartedAt  time.Time `json:"started_at"`
+	FinishedAt time.Time `json:"finished_at"`
+	Millis     float64   `json:"ms"`
+}
+
+// Progress is the running stage's fine-grained progress (denoise steps).
+type Progress struct {
+	Stage Stage  `json:"stage"`
+	Step  int    `json:"step"`
+	Total int    `json:"total"`
+	Node  string `json:"node"`
+}
+
+// Result describes the committed output file.
+type Result struct {
+	ContentType string `json:"content_type"` // image/png or image/gif
+	Bytes       int64  `json:"bytes"`
+	Parts       int    `json:"parts"` // etcd keys the file is split across
+	SHA256      string `json:"sha256"`
+}
+
+// Error is why a job failed, with a stable code for clients.
+type Error struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// Sentinel errors of the job store.
+var (
+	ErrNotFound = errors.New("jobs: no such job")
+	ErrNotReady = errors.New("jobs: result not ready")
+	ErrFenced   = errors.New("jobs: claim lost; commit refused")
+	ErrFinished = errors.New("jobs: job already finished")
+)

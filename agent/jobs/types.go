@@ -48,6 +48,7 @@ type Job struct {
 	Progress  *Progress              `json:"progress,omitempty"` // filled on read from the progress key
 	Result    *Result                `json:"result,omitempty"`
 	Error     *Error                 `json:"error,omitempty"`
+	Rewinds   int                    `json:"rewinds,omitempty"` // restarts from encode after a lost payload
 	CreatedAt time.Time              `json:"created_at"`
 	UpdatedAt time.Time              `json:"updated_at"`
 }
@@ -89,4 +90,5 @@ var (
 	ErrNotReady = errors.New("jobs: result not ready")
 	ErrFenced   = errors.New("jobs: claim lost; commit refused")
 	ErrFinished = errors.New("jobs: job already finished")
+	ErrTaken    = errors.New("jobs: task already claimed")
 )

@@ -1,0 +1,697 @@
+// Package jobs is the durable job and task store of latentmesh, kept in etcd.
+//
+// A job is a record at <prefix>/jobs/<id>. Each stage of a job is one task key
+// under <prefix>/tasks/<stage>/<class>/<order>, ordered by priority class and
+// enqueue time. A worker claims a task by creating <prefix>/claims/<stage>/<task>
+// on its own etcd lease, in a transaction that requires the task unchanged and
+// unclaimed; the claim's revision is its fencing token. The worker commits its
+// stage in one transaction that requires the claim to still exist with that
+// revision on that lease: it writes the stage record, enqueues the next stage's
+// task (or the final result), publishes its output payload records, and deletes
+// the task, the claim and the consumed input payload records. A worker whose
+// lease expired has lost its claim and can never commit, and a dead worker's
+// task becomes claimable again when its lease expires. Nothing is deleted on
+// claim (unlike etcd's recipe queue), so no accepted job is lost.
+//
+// The package knows etcd and the engine's Spec; it does not know how payloads
+// move (transfer) or who the peers are (gossip). Only the agent uses it.
+package jobs
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sort"
+	"strings"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// Input is a payload a task consumes: which payload, who produced it, and the
+// transport's reference to it (opaque here; the agent decodes it).
+type Input struct {
+	Payload string          `json:"payload"`
+	Node    string          `json:"node"`
+	Ref     json.RawMessage `json:"ref"`
+}
+
+// Task is one runnable stage of a job, stored as JSON at its task key.
+type Task struct {
+	ID         string        `json:"id"`
+	JobID      string        `json:"job"`
+	Stage      Stage         `json:"stage"`
+	Class      routing.Class `json:"class"`
+	Spec       engine.Spec   `json:"spec"` // carried so a worker need not read the job
+	Inputs     []Input       `json:"inputs,omitempty"`
+	Hint       string        `json:"hint,omitempty"` // preferred worker node
+	EnqueuedAt time.Time     `json:"enqueued_at"`
+	NotBefore  time.Time     `json:"not_before,omitempty"` // backoff after a failed attempt
+	Attempt    int           `json:"attempt"`              // claims taken so far
+
+	Key string `json:"-"` // etcd key, set on read
+	Rev int64  `json:"-"` // ModRevision seen, set on read
+}
+
+// Claim is a worker's hold on a task.
+type Claim struct {
+	Task      Task
+	Node      string
+	Lease     clientv3.LeaseID
+	Rev       int64 // the claim key's CreateRevision: the fencing token
+	StartedAt time.Time
+}
+
+// claimRecord is what a claim key holds, for operators and status pages.
+type claimRecord struct {
+	Task      string    `json:"task"`
+	Job       string    `json:"job"`
+	Node      string    `json:"node"`
+	StartedAt time.Time `json:"started_at"`
+}
+
+// PayloadRecord says where an output payload lives until its consumer commits.
+type PayloadRecord struct {
+	Input
+	Job   string `json:"job"`
+	Stage Stage  `json:"stage"` // the stage that produced it
+}
+
+// Output is what a stage commits.
+type Output struct {
+	// Payloads are the stage's outputs, inputs of the next stage. Each is
+	// recorded under payloads/ until the next stage commits.
+	Payloads []Input
+	// Hint names the preferred worker for the next stage ("" = anyone).
+	Hint string
+	// Result is the finished file (last stage only).
+	Result      []byte
+	ContentType string
+	// Work is how long the stage's work took on the worker.
+	Work time.Duration
+}
+
+// Config configures a Store.
+type Config struct {
+	Prefix string // key prefix shared by all agents of one mesh
+	// ResultPart bounds one etcd value of a result file.
+	ResultPart int
+	// MaxRewinds bounds restarts from encode after lost payloads.
+	MaxRewinds int
+	// PendingLimit bounds how many queued tasks one scan reads.
+	PendingLimit int64
+	Logger       *zap.Logger
+	Now          func() time.Time
+}
+
+// DefaultConfig uses the default mesh prefix.
+func DefaultConfig() Config {
+	return Config{
+		Prefix:       "/latentmesh/default",
+		ResultPart:   1 << 20, // well under etcd's default 1.5 MiB value limit
+		MaxRewinds:   3,       // a payload lost three times means something is broken
+		PendingLimit: 256,     // enough candidates for ordering; bounded read
+		Logger:       zap.NewNop(),
+		Now:          time.Now,
+	}
+}
+
+// Store reads and writes jobs, tasks, claims and results in etcd.
+type Store struct {
+	cli *clientv3.Client
+	cfg Config
+	log *zap.Logger
+}
+
+// NewStore returns a Store using cli.
+func NewStore(cli *clientv3.Client, cfg Config) (*Store, error) {
+	if cli == nil {
+		return nil, errors.New("jobs: nil etcd client")
+	}
+	if !strings.HasPrefix(cfg.Prefix, "/") || strings.HasSuffix(cfg.Prefix, "/") {
+		return nil, fmt.Errorf("jobs: prefix %q must start and not end with /", cfg.Prefix)
+	}
+	if cfg.ResultPart <= 0 || cfg.PendingLimit <= 0 || cfg.MaxRewinds < 0 {
+		return nil, errors.New("jobs: ResultPart and PendingLimit must be positive (start from DefaultConfig)")
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	return &Store{cli: cli, cfg: cfg, log: cfg.Logger.Named("jobs")}, nil
+}
+
+// Key layout. Values are JSON (except result parts) so etcdctl shows them.
+func (s *Store) jobKey(id string) string       { return s.cfg.Prefix + "/jobs/" + id }
+func (s *Store) progressKey(id string) string  { return s.cfg.Prefix + "/progress/" + id }
+func (s *Store) resultPrefix(id string) string { return s.cfg.Prefix + "/results/" + id + "/" }
+func (s *Store) taskPrefix(st Stage) string    { return s.cfg.Prefix + "/tasks/" + string(st) + "/" }
+func (s *Store) claimPrefix(st Stage) string   { return s.cfg.Prefix + "/claims/" + string(st) + "/" }
+func (s *Store) claimKey(t *Task) string       { return s.claimPrefix(t.Stage) + t.ID }
+func (s *Store) payloadPrefix() string         { return s.cfg.Prefix + "/payloads/" }
+func (s *Store) payloadKey(id string) string   { return s.payloadPrefix() + id }
+func (s *Store) resultKey(id string, i int) string {
+	return fmt.Sprintf("%s%04d", s.resultPrefix(id), i)
+}
+
+// taskKey orders by class, then enqueue time; the task id makes it unique.
+func (s *Store) taskKey(t *Task) string {
+	return fmt.Sprintf("%s%d/%016x-%s", s.taskPrefix(t.Stage), t.Class, t.EnqueuedAt.UnixNano(), t.ID)
+}
+
+// record is the JSON at a job key: the public Job plus bookkeeping.
+type record struct {
+	Job
+	TaskKey string `json:"task_key,omitempty"` // the current stage's task
+}
+
+func newID() string {
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		panic(fmt.Sprintf("jobs: crypto/rand: %v", err)) // the kernel's RNG does not fail
+	}
+	return hex.EncodeToString(b[:])
+}
+
+// Submit stores a new job and its first task in one transaction. The job is
+// durable once Submit returns.
+func (s *Store) Submit(ctx context.Context, spec engine.Spec, class routing.Class) (Job, error) {
+	if !class.Valid() {
+		return Job{}, fmt.Errorf("jobs: invalid class %d", class)
+	}
+	now := s.cfg.Now()
+	t := Task{ID: newID(), JobID: newID(), Stage: Encode, Class: class, Spec: spec, EnqueuedAt: now}
+	t.Key = s.taskKey(&t)
+	rec := record{
+		Job: Job{
+			ID: t.JobID, Spec: spec, Class: class, State: Queued, Stage: Encode,
+			Stages: map[Stage]*StageRecord{}, CreatedAt: now, UpdatedAt: now,
+		},
+		TaskKey: t.Key,
+	}
+	resp, err := s.cli.Txn(ctx).
+		If(clientv3.Compare(clientv3.CreateRevision(s.jobKey(t.JobID)), "=", 0)).
+		Then(clientv3.OpPut(s.jobKey(t.JobID), mustJSON(rec)), clientv3.OpPut(t.Key, mustJSON(t))).
+		Commit()
+	if err != nil {
+		return Job{}, fmt.Errorf("jobs: submit: %w", err)
+	}
+	if !resp.Succeeded {
+		return Job{}, fmt.Errorf("jobs: submit: job id %s collided", t.JobID)
+	}
+	s.log.Debug("submitted", zap.String("job", t.JobID), zap.Stringer("class", class))
+	return rec.Job, nil
+}
+
+func mustJSON(v any) string {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(fmt.Sprintf("jobs: marshal %T: %v", v, err)) // only our own plain structs get here
+	}
+	return string(b)
+}
+
+// getRecord reads a job record and its ModRevision.
+func (s *Store) getRecord(ctx context.Context, id string) (record, int64, error) {
+	if !validID(id) {
+		return record{}, 0, ErrNotFound
+	}
+	resp, err := s.cli.Get(ctx, s.jobKey(id))
+	if err != nil {
+		return record{}, 0, fmt.Errorf("jobs: get %s: %w", id, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return record{}, 0, ErrNotFound
+	}
+	var rec record
+	if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil {
+		return record{}, 0, fmt.Errorf("jobs: decode job %s: %w", id, err)
+	}
+	return rec, resp.Kvs[0].ModRevision, nil
+}
+
+// validID keeps user-supplied ids from escaping their key (no '/').
+func validID(id string) bool {
+	if id == "" || len(id) > 64 {
+		return false
+	}
+	for _, c := range id {
+		if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c == '-' || c == '_') {
+			return false
+		}
+	}
+	return true
+}
+
+// Get returns a job with the running stage's progress.
+func (s *Store) Get(ctx context.Context, id string) (Job, error) {
+	rec, _, err := s.getRecord(ctx, id)
+	if err != nil {
+		return Job{}, err
+	}
+	job := rec.Job
+	if !job.State.Terminal() {
+		resp, err := s.cli.Get(ctx, s.progressKey(id))
+		if err != nil {
+			return Job{}, fmt.Errorf("jobs: progress %s: %w", id, err)
+		}
+		if len(resp.Kvs) == 1 {
+			var p Progress
+			if json.Unmarshal(resp.Kvs[0].Value, &p) == nil {
+				job.Progress = &p
+				job.State = Running
+			}
+		}
+	}
+	return job, nil
+}
+
+// Wait blocks until the job is in a terminal state or ctx is done.
+func (s *Store) Wait(ctx context.Context, id string) (Job, error) {
+	for {
+		rec, rev, err := s.getRecord(ctx, id)
+		if err != nil {
+			return Job{}, err
+		}
+		if rec.State.Terminal() {
+			return rec.Job, nil
+		}
+		// Any event on the key, or a broken watch, sends us back to re-read.
+		wctx, cancel := context.WithCancel(ctx)
+		wch := s.cli.Watch(wctx, s.jobKey(id), clientv3.WithRev(rev+1))
+		select {
+		case <-ctx.Done():
+			cancel()
+			return Job{}, ctx.Err()
+		case <-wch:
+		}
+		cancel()
+	}
+}
+
+// Result returns the committed output file of a succeeded job.
+func (s *Store) Result(ctx context.Context, id string) ([]byte, string, error) {
+	rec, _, err := s.getRecord(ctx, id)
+	if err != nil {
+		return nil, "", err
+	}
+	if rec.State != Succeeded || rec.Result == nil {
+		return nil, "", ErrNotReady
+	}
+	resp, err := s.cli.Get(ctx, s.resultPrefix(id), clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+	if err != nil {
+		return nil, "", fmt.Errorf("jobs: result %s: %w", id, err)
+	}
+	if len(resp.Kvs) != rec.Result.Parts {
+		return nil, "", fmt.Errorf("jobs: result %s has %d parts, record says %d", id, len(resp.Kvs), rec.Result.Parts)
+	}
+	out := make([]byte, 0, rec.Result.Bytes)
+	for _, kv := range resp.Kvs {
+		out = append(out, kv.Value...)
+	}
+	if sum := sha256.Sum256(out); hex.EncodeToString(sum[:]) != rec.Result.SHA256 || int64(len(out)) != rec.Result.Bytes {
+		return nil, "", fmt.Errorf("jobs: result %s does not match its checksum", id)
+	}
+	return out, rec.Result.ContentType, nil
+}
+
+// Cancel stops a job: its queued task and unconsumed inputs are deleted, and a
+// worker running it will find the job cancelled when it tries to commit.
+func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
+	for {
+		rec, rev, err := s.getRecord(ctx, id)
+		if err != nil {
+			return Job{}, err
+		}
+		if rec.State.Terminal() {
+			return rec.Job, ErrFinished
+		}
+		ops := []clientv3.Op{clientv3.OpDelete(s.progressKey(id))}
+		if rec.TaskKey != "" {
+			ops = append(ops, clientv3.OpDelete(rec.TaskKey))
+			if t, err := s.readTask(ctx, rec.TaskKey); err == nil {
+				ops = append(ops, s.releaseOps(t.Inputs)...)
+			}
+		}
+		rec.State, rec.Stage, rec.TaskKey = Cancelled, "", ""
+		rec.UpdatedAt = s.cfg.Now()
+		rec.Error = &Error{Code: "cancelled", Message: "cancelled by request"}
+		ops = append(ops, clientv3.OpPut(s.jobKey(id), mustJSON(rec)))
+		resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(s.jobKey(id)), "=", rev)).Then(ops...).Commit()
+		if err != nil {
+			return Job{}, fmt.Errorf("jobs: cancel %s: %w", id, err)
+		}
+		if resp.Succeeded {
+			return rec.Job, nil
+		}
+		// The job moved on (a stage committed) between read and write: retry.
+	}
+}
+
+func (s *Store) readTask(ctx context.Context, key string) (Task, error) {
+	resp, err := s.cli.Get(ctx, key)
+	if err != nil {
+		return Task{}, err
+	}
+	if len(resp.Kvs) == 0 {
+		return Task{}, ErrNotFound
+	}
+	var t Task
+	if err := json.Unmarshal(resp.Kvs[0].Value, &t); err != nil {
+		return Task{}, err
+	}
+	t.Key, t.Rev = key, resp.Kvs[0].ModRevision
+	return t, nil
+}
+
+func (s *Store) releaseOps(in []Input) []clientv3.Op {
+	ops := make([]clientv3.Op, 0, len(in))
+	for _, i := range in {
+		ops = append(ops, clientv3.OpDelete(s.payloadKey(i.Payload)))
+	}
+	return ops
+}
+
+// Pending returns the unclaimed tasks of a stage (at most PendingLimit, in key
+// order) and the etcd revision they were read at, for WaitChange.
+func (s *Store) Pending(ctx context.Context, stage Stage) ([]Task, int64, error) {
+	resp, err := s.cli.Txn(ctx).Then(
+		clientv3.OpGet(s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithLimit(s.cfg.PendingLimit),
+			clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)),
+		clientv3.OpGet(s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
+	).Commit()
+	if err != nil {
+		return nil, 0, fmt.Errorf("jobs: pending %s: %w", stage, err)
+	}
+	claimed := map[string]bool{}
+	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
+		claimed[strings.TrimPrefix(string(kv.Key), s.claimPrefix(stage))] = true
+	}
+	var out []Task
+	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
+		var t Task
+		if err := json.Unmarshal(kv.Value, &t); err != nil {
+			s.log.Warn("skipping undecodable task", zap.ByteString("key", kv.Key), zap.Error(err))
+			continue
+		}
+		if claimed[t.ID] {
+			continue
+		}
+		t.Key, t.Rev = string(kv.Key), kv.ModRevision
+		out = append(out, t)
+	}
+	return out, resp.Header.Revision, nil
+}
+
+// Depth counts a stage's tasks: queued (unclaimed) and running (claimed).
+func (s *Store) Depth(ctx context.Context, stage Stage) (queued, running int64, err error) {
+	resp, err := s.cli.Txn(ctx).Then(
+		clientv3.OpGet(s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithCountOnly()),
+		clientv3.OpGet(s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithCountOnly()),
+	).Commit()
+	if err != nil {
+		return 0, 0, fmt.Errorf("jobs: depth %s: %w", stage, err)
+	}
+	total := resp.Responses[0].GetResponseRange().Count
+	running = resp.Responses[1].GetResponseRange().Count
+	return total - running, running, nil
+}
+
+// WaitChange blocks until a task or claim of the stage changes after rev, the
+// deadline passes (zero = none), or ctx is done. Workers call it instead of
+// polling when they find nothing to do.
+func (s *Store) WaitChange(ctx context.Context, stage Stage, rev int64, deadline time.Time) error {
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	if !deadline.IsZero() {
+		wctx, cancel = context.WithDeadline(wctx, deadline)
+		defer cancel()
+	}
+	tasks := s.cli.Watch(wctx, s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
+	claims := s.cli.Watch(wctx, s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithFilterPut())
+	select {
+	case <-tasks:
+	case <-claims:
+	case <-wctx.Done():
+	}
+	return ctx.Err()
+}
+
+// TryClaim claims t for node on lease. It fails with ErrTaken when another
+// worker got there first or the task changed since it was read.
+func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv3.LeaseID) (*Claim, error) {
+	now := s.cfg.Now()
+	ck := s.claimKey(&t)
+	cr := claimRecord{Task: t.ID, Job: t.JobID, Node: node, StartedAt: now}
+	claimed := t
+	claimed.Attempt++
+	resp, err := s.cli.Txn(ctx).
+		If(clientv3.Compare(clientv3.ModRevision(t.Key), "=", t.Rev),
+			clientv3.Compare(clientv3.CreateRevision(ck), "=", 0)).
+		Then(clientv3.OpPut(ck, mustJSON(cr), clientv3.WithLease(lease)),
+			clientv3.OpPut(t.Key, mustJSON(claimed))).
+		Commit()
+	if err != nil {
+		return nil, fmt.Errorf("jobs: claim %s: %w", t.ID, err)
+	}
+	if !resp.Succeeded {
+		return nil, ErrTaken
+	}
+	claimed.Rev = resp.Header.Revision
+	p := Progress{Stage: t.Stage, Node: node}
+	// Progress is advisory and lives on the worker's lease; losing it is harmless.
+	if _, err := s.cli.Put(ctx, s.progressKey(t.JobID), mustJSON(p), clientv3.WithLease(lease)); err != nil {
+		s.log.Debug("progress", zap.Error(err))
+	}
+	return &Claim{Task: claimed, Node: node, Lease: lease, Rev: resp.Header.Revision, StartedAt: now}, nil
+}
+
+// SetProgress records the running stage's step count (advisory, on the lease).
+func (s *Store) SetProgress(ctx context.Context, c *Claim, step, total int) error {
+	p := Progress{Stage: c.Task.Stage, Step: step, Total: total, Node: c.Node}
+	_, err := s.cli.Put(ctx, s.progressKey(c.Task.JobID), mustJSON(p), clientv3.WithLease(c.Lease))
+	return err
+}
+
+// fenced are the conditions every write by a claim holder carries.
+func (s *Store) fenced(c *Claim) []clientv3.Cmp {
+	ck := s.claimKey(&c.Task)
+	return []clientv3.Cmp{
+		clientv3.Compare(clientv3.CreateRevision(ck), "=", c.Rev),
+		clientv3.Compare(clientv3.LeaseValue(ck), "=", int64(c.Lease)),
+	}
+}
+
+// finishOps delete the task, its claim and its progress.
+func (s *Store) finishOps(c *Claim) []clientv3.Op {
+	return []clientv3.Op{
+		clientv3.OpDelete(c.Task.Key),
+		clientv3.OpDelete(s.claimKey(&c.Task)),
+		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
+	}
+}
+
+// update runs a fenced read-modify-write of the claim's job record: mutate
+// edits the record and returns the extra ops of the transaction. It retries
+// when only the job record changed under it (another writer, e.g. Cancel
+// racing a commit), returns ErrFenced when the claim is gone, and ErrFinished
+// (after dropping the claim) when the job was cancelled meanwhile.
+func (s *Store) update(ctx context.Context, c *Claim, what string, mutate func(*record) ([]clientv3.Op, error)) error {
+	for {
+		rec, rev, err := s.getRecord(ctx, c.Task.JobID)
+		if errors.Is(err, ErrNotFound) {
+			return s.drop(ctx, c, ErrFinished)
+		}
+		if err != nil {
+			return err
+		}
+		if rec.State.Terminal() {
+			return s.drop(ctx, c, ErrFinished)
+		}
+		extra, err := mutate(&rec)
+		if err != nil {
+			return err
+		}
+		rec.UpdatedAt = s.cfg.Now()
+		ops := append(s.finishOps(c), clientv3.OpPut(s.jobKey(rec.ID), mustJSON(rec)))
+		ops = append(ops, extra...)
+		cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(s.jobKey(rec.ID)), "=", rev))
+		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(clientv3.OpGet(s.claimKey(&c.Task))).Commit()
+		if err != nil {
+			return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, err)
+		}
+		if resp.Succeeded {
+			return nil
+		}
+		kvs := resp.Responses[0].GetResponseRange().Kvs
+		if len(kvs) == 0 || kvs[0].CreateRevision != c.Rev || kvs[0].Lease != int64(c.Lease) {
+			return ErrFenced
+		}
+		// Claim intact: only the job record moved. Read it again.
+	}
+}
+
+// drop deletes the claim (if still ours) and returns why.
+func (s *Store) drop(ctx context.Context, c *Claim, why error) error {
+	_, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(clientv3.OpDelete(s.claimKey(&c.Task))).Commit()
+	if err != nil {
+		return fmt.Errorf("jobs: drop claim: %w", err)
+	}
+	return why
+}
+
+// Commit finishes the claimed stage with out, atomically: the stage record, the
+// next task or the result, the output payload records, and the release of the
+// consumed inputs. ErrFenced means the claim was lost (lease expired): nothing
+// was written and the caller must discard its output. ErrFinished means the job
+// was cancelled meanwhile: the claim was dropped; discard the output too.
+func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
+	next, last := nextStage(c.Task.Stage)
+	if last && out.Result == nil {
+		return errors.New("jobs: commit of the last stage without a result")
+	}
+	if !last && len(out.Payloads) == 0 {
+		return fmt.Errorf("jobs: commit of %s without output payloads", c.Task.Stage)
+	}
+	return s.update(ctx, c, "commit", func(rec *record) ([]clientv3.Op, error) {
+		now := s.cfg.Now()
+		if rec.Stages == nil {
+			rec.Stages = map[Stage]*StageRecord{}
+		}
+		rec.Stages[c.Task.Stage] = &StageRecord{
+			Node: c.Node, Attempt: c.Task.Attempt, StartedAt: c.StartedAt, FinishedAt: now,
+			Millis: float64(out.Work.Microseconds()) / 1000,
+		}
+		ops := s.releaseOps(c.Task.Inputs)
+		if last {
+			sum := sha256.Sum256(out.Result)
+			parts := 0
+			for off := 0; off < len(out.Result) || parts == 0; off += s.cfg.ResultPart {
+				end := min(off+s.cfg.ResultPart, len(out.Result))
+				ops = append(ops, clientv3.OpPut(s.resultKey(rec.ID, parts), string(out.Result[off:end])))
+				parts++
+			}
+			rec.State, rec.Stage, rec.TaskKey = Succeeded, "", ""
+			rec.Result = &Result{ContentType: out.ContentType, Bytes: int64(len(out.Result)), Parts: parts, SHA256: hex.EncodeToString(sum[:])}
+			return ops, nil
+		}
+		t := Task{
+			ID: newID(), JobID: rec.ID, Stage: next, Class: rec.Class, Spec: rec.Spec,
+			Inputs: out.Payloads, Hint: out.Hint, EnqueuedAt: now,
+		}
+		t.Key = s.taskKey(&t)
+		for _, p := range out.Payloads {
+			ops = append(ops, clientv3.OpPut(s.payloadKey(p.Payload), mustJSON(PayloadRecord{Input: p, Job: rec.ID, Stage: c.Task.Stage})))
+		}
+		rec.State, rec.Stage, rec.TaskKey = Running, next, t.Key
+		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil
+	})
+}
+
+// Fail ends the job with an error (a deterministic failure: retrying would
+// fail the same way). Inputs are released.
+func (s *Store) Fail(ctx context.Context, c *Claim, code, msg string) error {
+	return s.update(ctx, c, "fail", func(rec *record) ([]clientv3.Op, error) {
+		rec.State, rec.Stage, rec.TaskKey = Failed, "", ""
+		rec.Error = &Error{Code: code, Message: msg}
+		return s.releaseOps(c.Task.Inputs), nil
+	})
+}
+
+// Rewind restarts the job from its first stage because an input payload was
+// lost with its producer. The engine is deterministic, so the output is the
+// same. After MaxRewinds the job fails instead.
+func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
+	return s.update(ctx, c, "rewind", func(rec *record) ([]clientv3.Op, error) {
+		ops := s.releaseOps(c.Task.Inputs)
+		if rec.Rewinds >= s.cfg.MaxRewinds {
+			rec.State, rec.Stage, rec.TaskKey = Failed, "", ""
+			rec.Error = &Error{Code: "payload_lost", Message: fmt.Sprintf("input lost %d times; last: %s", rec.Rewinds+1, reason)}
+			return ops, nil
+		}
+		rec.Rewinds++
+		t := Task{ID: newID(), JobID: rec.ID, Stage: Encode, Class: rec.Class, Spec: rec.Spec, EnqueuedAt: s.cfg.Now()}
+		t.Key = s.taskKey(&t)
+		rec.Stage, rec.TaskKey = Encode, t.Key
+		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil
+	})
+}
+
+// Abandon gives the task back to the queue after a transient failure; it
+// becomes claimable again after backoff.
+func (s *Store) Abandon(ctx context.Context, c *Claim, backoff time.Duration) error {
+	t := c.Task
+	t.NotBefore = s.cfg.Now().Add(backoff)
+	resp, err := s.cli.Txn(ctx).If(s.fenced(c)...).
+		Then(clientv3.OpPut(t.Key, mustJSON(t)), clientv3.OpDelete(s.claimKey(&c.Task)), clientv3.OpDelete(s.progressKey(t.JobID))).
+		Commit()
+	if err != nil {
+		return fmt.Errorf("jobs: abandon %s: %w", t.ID, err)
+	}
+	if !resp.Succeeded {
+		return ErrFenced
+	}
+	return nil
+}
+
+func nextStage(st Stage) (next Stage, last bool) {
+	switch st {
+	case Encode:
+		return Denoise, false
+	case Denoise:
+		return Decode, false
+	}
+	return "", true
+}
+
+// WatchReleases calls release with the id of every payload produced by node
+// whose record is deleted (consumed, cancelled or rewound), until ctx is done.
+// The producer frees the buffer then.
+func (s *Store) WatchReleases(ctx context.Context, node string, release func(payload string)) {
+	// Watch from now on; payloads of a previous incarnation died with it.
+	for ctx.Err() == nil {
+		wch := s.cli.Watch(clientv3.WithRequireLeader(ctx), s.payloadPrefix(), clientv3.WithPrefix(), clientv3.WithPrevKV(), clientv3.WithFilterPut())
+		for wr := range wch {
+			for _, ev := range wr.Events {
+				if ev.PrevKv == nil {
+					continue
+				}
+				var pr PayloadRecord
+				if json.Unmarshal(ev.PrevKv.Value, &pr) == nil && pr.Node == node {
+					release(pr.Payload)
+				}
+			}
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(time.Second): // watch broke (leader loss): re-establish
+		}
+	}
+}
+
+// Payloads lists the payload records, for status pages and leak checks.
+func (s *Store) Payloads(ctx context.Context) ([]PayloadRecord, error) {
+	resp, err := s.cli.Get(ctx, s.payloadPrefix(), clientv3.WithPrefix())
+	if err != nil {
+		return nil, err
+	}
+	out := make([]PayloadRecord, 0, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		var pr PayloadRecord
+		if err := json.Unmarshal(kv.Value, &pr); err == nil {
+			out = append(out, pr)
+		}
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Payload < out[j].Payload })
+	return out, nil
+}

@@ -413,18 +413,19 @@ func (s *Store) Pending(ctx context.Context, stage Stage) ([]Task, int64, error)
 	return out, resp.Header.Revision, nil
 }
 
-// Depth counts a stage's tasks: queued (unclaimed) and running (claimed).
-func (s *Store) Depth(ctx context.Context, stage Stage) (queued, running int64, err error) {
+// Depth counts a stage's tasks, queued (unclaimed) and running (claimed), at
+// etcd revision rev (for WaitChange).
+func (s *Store) Depth(ctx context.Context, stage Stage) (queued, running, rev int64, err error) {
 	resp, err := s.cli.Txn(ctx).Then(
 		clientv3.OpGet(s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithCountOnly()),
 		clientv3.OpGet(s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithCountOnly()),
 	).Commit()
 	if err != nil {
-		return 0, 0, fmt.Errorf("jobs: depth %s: %w", stage, err)
+		return 0, 0, 0, fmt.Errorf("jobs: depth %s: %w", stage, err)
 	}
 	total := resp.Responses[0].GetResponseRange().Count
 	running = resp.Responses[1].GetResponseRange().Count
-	return total - running, running, nil
+	return total - running, running, resp.Header.Revision, nil
 }
 
 // WaitChange blocks until a task or claim of the stage changes after rev, the

@@ -149,7 +149,7 @@ func TestLifecycle(t *testing.T) {
 		t.Fatalf("payloads leaked: %+v", prs)
 	}
 	for _, st := range Stages() {
-		if q, r, _ := s.Depth(ctx, st); q != 0 || r != 0 {
+		if q, r, _, _ := s.Depth(ctx, st); q != 0 || r != 0 {
 			t.Fatalf("%s depth %d/%d after finish", st, q, r)
 		}
 	}
@@ -220,7 +220,7 @@ func TestCancelWhileRunning(t *testing.T) {
 	if err := s.Commit(ctx, den, Output{Payloads: payload("lat", "den")}); !errors.Is(err, ErrFinished) {
 		t.Fatalf("commit after cancel: %v, want ErrFinished", err)
 	}
-	if q, r, _ := s.Depth(ctx, Denoise); q != 0 || r != 0 {
+	if q, r, _, _ := s.Depth(ctx, Denoise); q != 0 || r != 0 {
 		t.Fatalf("denoise depth after cancel %d/%d", q, r)
 	}
 	if _, _, err := s.Result(ctx, job.ID); !errors.Is(err, ErrNotReady) {
@@ -281,7 +281,7 @@ func TestRewindThenFail(t *testing.T) {
 	if got.State != Failed || got.Error.Code != "payload_lost" || got.Rewinds != 1 {
 		t.Fatalf("after two losses: %+v", got)
 	}
-	if q, _, _ := s.Depth(ctx, Encode); q != 0 {
+	if q, _, _, _ := s.Depth(ctx, Encode); q != 0 {
 		t.Fatalf("failed job left an encode task")
 	}
 }

@@ -1,0 +1,469 @@
+// Package agent is the latentmesh node daemon: one per GPU node. It joins the
+// mesh (gossip), pulls stage tasks it has credit for (jobs, routing), runs
+// them on its engine, moves payloads peer to peer (transfer), and serves the
+// client HTTP API and a local admin endpoint.
+//
+// The agent is the top of the stack: it may import every other package of
+// latentmesh; none of them imports it. cmd/latentmesh and testbed build agents.
+package agent
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/libp2p/go-libp2p"
+	"github.com/libp2p/go-libp2p/core/crypto"
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
+	"github.com/libp2p/go-libp2p/p2p/transport/tcp"
+	"github.com/prometheus/client_golang/prometheus"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/gossip"
+	"github.com/latentmesh/latentmesh/routing"
+	"github.com/latentmesh/latentmesh/transfer"
+)
+
+// Version is reported in node records and `latentmesh version`.
+const Version = "0.1.0"
+
+// Agent is one running node. Build it with New, then Start; Close stops it.
+type Agent struct {
+	cfg Config
+	log *zap.Logger
+	cli *clientv3.Client
+
+	id      string
+	host    host.Host
+	xfer    *transfer.Service
+	member  *gossip.Membership
+	store   *jobs.Store
+	engine  *engine.Engine
+	credits map[jobs.Stage]*routing.Credits
+	metrics *httpapi.Metrics
+
+	httpLn, adminLn net.Listener
+	httpSrv         *http.Server
+	adminSrv        *http.Server
+
+	ctx    context.Context // cancelled by Close: the stop signal of every goroutine
+	cancel context.CancelFunc
+	wg     sync.WaitGroup
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// New builds an agent on an etcd client the caller owns. It opens the libp2p
+// host, the transfer service and the listeners, so addresses are known before
+// Start registers them.
+func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
+	if cli == nil {
+		return nil, errors.New("agent: nil etcd client")
+	}
+	if cfg, err = cfg.validate(); err != nil {
+		return nil, err
+	}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}}
+	a.ctx, a.cancel = context.WithCancel(context.Background())
+	defer func() {
+		if err != nil {
+			a.Close()
+		}
+	}()
+
+	if a.engine, err = engine.New(cfg.Engine); err != nil {
+		return nil, fmt.Errorf("agent: engine: %w", err)
+	}
+	if a.host, err = newHost(cfg); err != nil {
+		return nil, err
+	}
+	a.id = cfg.NodeID
+	if a.id == "" {
+		pid := a.host.ID().String()
+		a.id = hostname() + "-" + pid[len(pid)-6:]
+	}
+	a.log = cfg.Logger.With(zap.String("node", a.id))
+	cfg.Transfer.Logger = a.log
+	if a.xfer, err = transfer.New(cfg.Transfer, a.host); err != nil {
+		return nil, fmt.Errorf("agent: transfer: %w", err)
+	}
+	jc := cfg.Jobs
+	jc.Logger = a.log
+	if a.store, err = jobs.NewStore(cli, jc); err != nil {
+		return nil, err
+	}
+	reg := prometheus.NewRegistry()
+	if a.metrics, err = httpapi.NewMetrics(reg); err != nil {
+		return nil, fmt.Errorf("agent: metrics: %w", err)
+	}
+	for _, r := range cfg.Roles {
+		a.credits[r] = routing.NewCredits(cfg.Slots[r])
+	}
+	if cfg.HTTPListen != "" {
+		if a.httpLn, err = net.Listen("tcp", cfg.HTTPListen); err != nil {
+			return nil, fmt.Errorf("agent: http listen: %w", err)
+		}
+	}
+	if cfg.AdminListen != "" {
+		if a.adminLn, err = net.Listen("tcp", cfg.AdminListen); err != nil {
+			return nil, fmt.Errorf("agent: admin listen: %w", err)
+		}
+	}
+
+	rec := gossip.NodeRecord{
+		ID:        a.id,
+		PeerID:    a.host.ID().String(),
+		DataAddr:  a.xfer.DataAddr(),
+		Roles:     stagesToRoles(cfg.Roles),
+		Host:      hostname(),
+		Version:   Version,
+		StartedAt: time.Now().UTC(),
+	}
+	for _, ma := range a.host.Addrs() {
+		rec.P2PAddrs = append(rec.P2PAddrs, ma.String())
+	}
+	if a.httpLn != nil {
+		rec.HTTPAddr = a.httpLn.Addr().String()
+	}
+	if a.adminLn != nil {
+		rec.AdminAddr = a.adminLn.Addr().String()
+	}
+	gc := cfg.Gossip
+	gc.Logger = a.log
+	if a.member, err = gossip.New(gc, cli, rec); err != nil {
+		return nil, fmt.Errorf("agent: gossip: %w", err)
+	}
+	return a, nil
+}
+
+// newHost opens the libp2p host that carries control messages. It listens on
+// TCP only: payloads never travel over it, and TCP keeps the dependency
+// surface (and the goroutine count) small.
+func newHost(cfg Config) (host.Host, error) {
+	key, err := loadIdentity(cfg.IdentityFile)
+	if err != nil {
+		return nil, err
+	}
+	h, err := libp2p.New(
+		libp2p.Identity(key),
+		libp2p.ListenAddrStrings(cfg.P2PListen),
+		libp2p.Transport(tcp.NewTCPTransport),
+		libp2p.DisableRelay(),
+		libp2p.DisableMetrics(),
+		libp2p.DisableIdentifyAddressDiscovery(),
+		libp2p.ResourceManager(&network.NullResourceManager{}),
+	)
+	if err != nil {
+		return nil, fmt.Errorf("agent: libp2p host on %s: %w", cfg.P2PListen, err)
+	}
+	return h, nil
+}
+
+// loadIdentity reads an Ed25519 key from path, creating it on first start;
+// "" returns a fresh key.
+func loadIdentity(path string) (crypto.PrivKey, error) {
+	if path != "" {
+		if b, err := os.ReadFile(path); err == nil {
+			k, err := crypto.UnmarshalPrivateKey(b)
+			if err != nil {
+				return nil, fmt.Errorf("agent: identity %s: %w", path, err)
+			}
+			return k, nil
+		} else if !errors.Is(err, os.ErrNotExist) {
+			return nil, fmt.Errorf("agent: identity: %w", err)
+		}
+	}
+	k, _, err := crypto.GenerateEd25519Key(rand.Reader)
+	if err != nil {
+		return nil, fmt.Errorf("agent: identity: %w", err)
+	}
+	if path != "" {
+		b, err := crypto.MarshalPrivateKey(k)
+		if err != nil {
+			return nil, err
+		}
+		if err := os.WriteFile(path, b, 0o600); err != nil {
+			return nil, fmt.Errorf("agent: write identity: %w", err)
+		}
+	}
+	return k, nil
+}
+
+func stagesToRoles(st []jobs.Stage) []string {
+	out := make([]string, len(st))
+	for i, s := range st {
+		out[i] = string(s)
+	}
+	return out
+}
+
+// Start joins the mesh, starts the stage workers and serves HTTP.
+func (a *Agent) Start(ctx context.Context) error {
+	a.member.UpdateMeta(a.meta())
+	if err := a.member.Start(ctx); err != nil {
+		return fmt.Errorf("agent: join: %w", err)
+	}
+	a.goRun(func() { a.store.WatchReleases(a.ctx, a.id, a.xfer.Release) })
+	for _, st := range a.cfg.Roles {
+		a.goRun(func() { a.worker(st) })
+	}
+	a.goRun(a.reportLoop)
+	if a.httpLn != nil {
+		a.httpSrv = &http.Server{Handler: httpapi.NewHandler(a.apiConfig(), a), ReadHeaderTimeout: 10 * time.Second}
+		a.goRun(func() { a.serve(a.httpSrv, a.httpLn, "http") })
+	}
+	if a.adminLn != nil {
+		a.adminSrv = &http.Server{Handler: httpapi.NewAdminHandler(httpapi.AdminConfig{
+			Live:    func() error { return nil },
+			Ready:   a.ready,
+			Status:  func(ctx context.Context) (any, error) { return a.Status(ctx) },
+			Metrics: a.metrics.Handler(),
+			Token:   a.cfg.AdminToken,
+			Logger:  a.log,
+		}), ReadHeaderTimeout: 10 * time.Second}
+		a.goRun(func() { a.serve(a.adminSrv, a.adminLn, "admin") })
+	}
+	a.log.Info("agent started",
+		zap.Strings("roles", stagesToRoles(a.cfg.Roles)),
+		zap.String("http", a.HTTPAddr()), zap.String("admin", a.AdminAddr()),
+		zap.String("data", a.xfer.DataAddr()), zap.String("peer", a.host.ID().String()))
+	return nil
+}
+
+func (a *Agent) apiConfig() httpapi.Config {
+	c := a.cfg.API
+	c.Logger = a.log
+	c.Metrics = a.metrics
+	return c
+}
+
+func (a *Agent) goRun(f func()) {
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		f()
+	}()
+}
+
+func (a *Agent) serve(srv *http.Server, ln net.Listener, name string) {
+	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		a.log.Error("server stopped", zap.String("server", name), zap.Error(err))
+	}
+}
+
+// ready is /readyz: registered in etcd with a live lease.
+func (a *Agent) ready() error {
+	if a.member.Lease() == 0 {
+		return errors.New("not registered in etcd (no lease)")
+	}
+	return nil
+}
+
+// ID is the node id.
+func (a *Agent) ID() string { return a.id }
+
+// HTTPAddr is the client API address ("" when disabled).
+func (a *Agent) HTTPAddr() string { return addrOf(a.httpLn) }
+
+// AdminAddr is the admin endpoint address ("" when disabled).
+func (a *Agent) AdminAddr() string { return addrOf(a.adminLn) }
+
+func addrOf(ln net.Listener) string {
+	if ln == nil {
+		return ""
+	}
+	return ln.Addr().String()
+}
+
+// Store is the job store this agent uses (the demo submits through it).
+func (a *Agent) Store() *jobs.Store { return a.store }
+
+// Close leaves the mesh and stops everything. Running tasks are abandoned:
+// their claims vanish with the revoked lease and other agents take them.
+// Idempotent.
+func (a *Agent) Close() error {
+	a.closeOnce.Do(func() {
+		a.cancel()
+		shutdownCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		var errs []error
+		for _, srv := range []*http.Server{a.httpSrv, a.adminSrv} {
+			if srv != nil {
+				errs = append(errs, srv.Shutdown(shutdownCtx))
+			}
+		}
+		for _, ln := range []net.Listener{a.httpLn, a.adminLn} {
+			if ln != nil {
+				ln.Close() // never served when Start was not called
+			}
+		}
+		a.wg.Wait()
+		if a.member != nil {
+			errs = append(errs, a.member.Close())
+		}
+		if a.xfer != nil {
+			errs = append(errs, a.xfer.Close())
+		}
+		if a.host != nil {
+			errs = append(errs, a.host.Close())
+		}
+		a.closeErr = errors.Join(errs...)
+	})
+	return a.closeErr
+}
+
+// The httpapi.Jobs interface: the job store, counted in metrics.
+
+// Submit stores a new job.
+func (a *Agent) Submit(ctx context.Context, spec engine.Spec, class routing.Class) (jobs.Job, error) {
+	j, err := a.store.Submit(ctx, spec, class)
+	if err == nil {
+		a.metrics.JobSubmitted(class)
+	}
+	return j, err
+}
+
+// Get reads a job.
+func (a *Agent) Get(ctx context.Context, id string) (jobs.Job, error) { return a.store.Get(ctx, id) }
+
+// Wait blocks until the job finishes.
+func (a *Agent) Wait(ctx context.Context, id string) (jobs.Job, error) { return a.store.Wait(ctx, id) }
+
+// Result returns a finished job's file.
+func (a *Agent) Result(ctx context.Context, id string) ([]byte, string, error) {
+	return a.store.Result(ctx, id)
+}
+
+// Cancel stops a job.
+func (a *Agent) Cancel(ctx context.Context, id string) (jobs.Job, error) {
+	return a.store.Cancel(ctx, id)
+}
+
+// meta is this node's gossiped soft state.
+func (a *Agent) meta() gossip.NodeMeta {
+	m := gossip.NodeMeta{Roles: stagesToRoles(a.cfg.Roles)}
+	var used, total int
+	for st, c := range a.credits {
+		free := uint32(c.Free())
+		switch st {
+		case jobs.Encode:
+			m.Free.Encode = free
+		case jobs.Denoise:
+			m.Free.Denoise = free
+		case jobs.Decode:
+			m.Free.Decode = free
+		}
+		used += c.InUse()
+		total += c.Total()
+		m.Running += uint32(c.InUse())
+	}
+	if total > 0 {
+		m.Load = float32(used) / float32(total)
+	}
+	return m
+}
+
+// reportLoop refreshes queue-depth and credit gauges.
+func (a *Agent) reportLoop() {
+	t := time.NewTicker(2 * time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-a.ctx.Done():
+			return
+		case <-t.C:
+		}
+		for _, st := range jobs.Stages() {
+			if q, _, _, err := a.store.Depth(a.ctx, st); err == nil {
+				a.metrics.SetQueueDepth(st, int(q))
+			}
+		}
+		for st, c := range a.credits {
+			a.metrics.SetFreeCredits(st, c.Free())
+		}
+	}
+}
+
+// Status is the admin view of this node and what it sees of the mesh.
+type Status struct {
+	Node    gossip.NodeRecord         `json:"node"`
+	Credits map[jobs.Stage]CreditInfo `json:"credits"`
+	Peers   []PeerStatus              `json:"peers"`
+	Queues  map[jobs.Stage]QueueInfo  `json:"queues"`
+	Held    HeldInfo                  `json:"held_payloads"`
+}
+
+// CreditInfo is one stage's slot ledger.
+type CreditInfo struct {
+	Total int `json:"total"`
+	Free  int `json:"free"`
+}
+
+// PeerStatus is one peer as this node sees it.
+type PeerStatus struct {
+	ID      string            `json:"id"`
+	Roles   []string          `json:"roles"`
+	Alive   bool              `json:"alive"`
+	Suspect bool              `json:"suspect,omitempty"`
+	Free    map[string]uint32 `json:"free_credits"`
+	Load    float32           `json:"load"`
+	HTTP    string            `json:"http_addr,omitempty"`
+}
+
+// QueueInfo is one stage's queue.
+type QueueInfo struct {
+	Queued  int64 `json:"queued"`
+	Running int64 `json:"running"`
+}
+
+// HeldInfo counts payloads this node holds for consumers.
+type HeldInfo struct {
+	Count int   `json:"count"`
+	Bytes int64 `json:"bytes"`
+}
+
+// Status reports this node, its peers and the queues.
+func (a *Agent) Status(ctx context.Context) (Status, error) {
+	st := Status{
+		Node:    a.member.Self().Record,
+		Credits: map[jobs.Stage]CreditInfo{},
+		Queues:  map[jobs.Stage]QueueInfo{},
+	}
+	for s, c := range a.credits {
+		st.Credits[s] = CreditInfo{Total: c.Total(), Free: c.Free()}
+	}
+	for _, p := range a.member.Peers() {
+		st.Peers = append(st.Peers, PeerStatus{
+			ID: p.Record.ID, Roles: p.Record.Roles, Alive: p.Alive, Suspect: p.Suspect,
+			Free: map[string]uint32{"encode": p.Meta.Free.Encode, "denoise": p.Meta.Free.Denoise, "decode": p.Meta.Free.Decode},
+			Load: p.Meta.Load, HTTP: p.Record.HTTPAddr,
+		})
+	}
+	for _, s := range jobs.Stages() {
+		q, r, _, err := a.store.Depth(ctx, s)
+		if err != nil {
+			return Status{}, err
+		}
+		st.Queues[s] = QueueInfo{Queued: q, Running: r}
+	}
+	st.Held.Count, st.Held.Bytes = a.xfer.Held()
+	return st, nil
+}
+
+// sameHost reports whether node runs on this agent's host.
+func (a *Agent) sameHost(p gossip.Peer) bool {
+	return strings.EqualFold(p.Record.Host, hostname())
+}

@@ -1,0 +1,157 @@
+package agent
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/gossip"
+	"github.com/latentmesh/latentmesh/routing"
+	"github.com/latentmesh/latentmesh/transfer"
+)
+
+// Config is everything one agent needs. Nested configs belong to the layers
+// the agent builds on; the agent overrides only what ties them together
+// (prefix, logger, node identity).
+type Config struct {
+	// NodeID names the agent in etcd and gossip. "" derives one from the
+	// hostname and the libp2p peer id.
+	NodeID string
+	// Roles are the stages this agent serves.
+	Roles []jobs.Stage
+	// Prefix is the etcd key prefix of the mesh.
+	Prefix string
+	// Slots is the number of tasks of each stage run at once: the agent's
+	// credits. A worker pulls only while it holds one.
+	Slots map[jobs.Stage]int
+	// IdentityFile keeps the libp2p private key across restarts; "" uses a
+	// fresh key each start (fine for demo and tests).
+	IdentityFile string
+	// P2PListen is the libp2p control-channel multiaddr.
+	P2PListen string
+	// HTTPListen is the client API address; "" disables it.
+	HTTPListen string
+	// AdminListen is the admin endpoint (health, metrics, status); "" disables it.
+	AdminListen string
+	// AdminToken, when set, is required as a bearer token on admin paths but /livez.
+	AdminToken string
+	// TransientRetries bounds attempts of a task failing for transient reasons
+	// (transfer errors) before the job fails.
+	TransientRetries int
+	// RetryBackoff is the first backoff of a transiently failed task; it doubles per attempt.
+	RetryBackoff time.Duration
+	// ProgressEvery throttles denoise progress writes to etcd.
+	ProgressEvery time.Duration
+
+	Gossip    gossip.Config
+	Transfer  transfer.Config
+	Jobs      jobs.Config
+	Engine    engine.Config
+	API       httpapi.Config
+	Queue     routing.QueuePolicy
+	Admission routing.Admission
+
+	Logger *zap.Logger
+}
+
+// DefaultConfig is one agent serving every stage, with the client API on
+// loopback port 8080 and admin on 9090.
+func DefaultConfig() Config {
+	return Config{
+		Roles:  jobs.Stages(),
+		Prefix: "/latentmesh/default",
+		Slots: map[jobs.Stage]int{
+			jobs.Encode:  4, // encodes are short and bursty
+			jobs.Denoise: 1, // one denoise job owns the GPU (batching is the engine's business)
+			jobs.Decode:  2, // decode one while the next latent lands
+		},
+		P2PListen:        "/ip4/127.0.0.1/tcp/0",
+		HTTPListen:       "127.0.0.1:8080",
+		AdminListen:      "127.0.0.1:9090",       // loopback: admin is for the operator on the node
+		TransientRetries: 5,                      // a peer restarting, a network blip
+		RetryBackoff:     200 * time.Millisecond, // 0.2+0.4+0.8+1.6 s: rides out a restart
+		ProgressEvery:    200 * time.Millisecond, // a smooth progress bar; a few writes a second
+		Gossip:           gossip.DefaultConfig(),
+		Transfer:         transfer.DefaultConfig(),
+		Jobs:             jobs.DefaultConfig(),
+		Engine:           engine.DefaultConfig(),
+		API:              httpapi.DefaultConfig(),
+		Queue:            routing.DefaultQueuePolicy(),
+		Admission:        routing.DefaultAdmission(),
+		Logger:           zap.NewNop(),
+	}
+}
+
+// DefaultLocalConfig suits an agent in a test or the demo: fast gossip and a
+// short lease, ephemeral ports, no fixed HTTP/admin ports.
+func DefaultLocalConfig() Config {
+	c := DefaultConfig()
+	c.Gossip = gossip.DefaultLocalConfig()
+	c.HTTPListen = "127.0.0.1:0"
+	c.AdminListen = "127.0.0.1:0"
+	c.RetryBackoff = 50 * time.Millisecond
+	return c
+}
+
+func (c Config) validate() (Config, error) {
+	if len(c.Roles) == 0 {
+		return c, errors.New("agent: no roles")
+	}
+	seen := map[jobs.Stage]bool{}
+	for _, r := range c.Roles {
+		if _, ok := c.Slots[r]; !ok || c.Slots[r] <= 0 {
+			return c, fmt.Errorf("agent: role %q needs a positive slot count", r)
+		}
+		if seen[r] {
+			return c, fmt.Errorf("agent: role %q given twice", r)
+		}
+		seen[r] = true
+	}
+	if c.TransientRetries < 1 || c.RetryBackoff <= 0 || c.ProgressEvery <= 0 {
+		return c, errors.New("agent: TransientRetries, RetryBackoff and ProgressEvery must be positive")
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	// One prefix and one logger tie the layers together.
+	c.Gossip.Prefix, c.Jobs.Prefix = c.Prefix, c.Prefix
+	c.Gossip.Logger, c.Transfer.Logger, c.Jobs.Logger, c.API.Logger = c.Logger, c.Logger, c.Logger, c.Logger
+	slots := make(map[jobs.Stage]int, len(c.Slots))
+	for k, v := range c.Slots {
+		slots[k] = v
+	}
+	c.Slots = slots
+	c.Roles = append([]jobs.Stage(nil), c.Roles...)
+	return c, nil
+}
+
+// ParseRoles turns "encode,denoise" into stages.
+func ParseRoles(list []string) ([]jobs.Stage, error) {
+	var out []jobs.Stage
+	for _, r := range list {
+		switch st := jobs.Stage(r); st {
+		case jobs.Encode, jobs.Denoise, jobs.Decode:
+			out = append(out, st)
+		default:
+			return nil, fmt.Errorf("agent: unknown role %q (want encode, denoise or decode)", r)
+		}
+	}
+	if len(out) == 0 {
+		return nil, errors.New("agent: no roles given")
+	}
+	return out, nil
+}
+
+func hostname() string {
+	h, err := os.Hostname()
+	if err != nil || h == "" {
+		return "localhost"
+	}
+	return h
+}

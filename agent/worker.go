@@ -1,0 +1,328 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/gossip"
+	"github.com/latentmesh/latentmesh/routing"
+	"github.com/latentmesh/latentmesh/transfer"
+)
+
+// Why a task did not produce output; execute turns each into a store call.
+var (
+	errInputLost = errors.New("agent: input payload lost with its producer") // -> Rewind
+	errTransient = errors.New("agent: transient failure")                    // -> Abandon, retry later
+)
+
+// worker is the pull loop of one stage: take a credit, claim the best task
+// this node may take, run it in its own goroutine, repeat. It never polls:
+// it sleeps on a freed credit, an etcd watch, or the exact time a held-back
+// task becomes eligible.
+func (a *Agent) worker(st jobs.Stage) {
+	credits := a.credits[st]
+	for a.ctx.Err() == nil {
+		freed := credits.Freed() // before TryAcquire, so a release in between is not missed
+		if credits.TryAcquire() != nil {
+			select {
+			case <-freed:
+			case <-a.ctx.Done():
+			}
+			continue
+		}
+		c, err := a.claimNext(st)
+		if err != nil {
+			credits.Release()
+			if a.ctx.Err() != nil {
+				return
+			}
+			a.log.Warn("claim failed", zap.String("stage", string(st)), zap.Error(err))
+			a.sleep(a.cfg.RetryBackoff)
+			continue
+		}
+		a.publishMeta()
+		a.goRun(func() {
+			defer a.publishMeta()
+			defer credits.Release()
+			a.execute(c)
+		})
+	}
+}
+
+func (a *Agent) publishMeta() {
+	if err := a.member.UpdateMeta(a.meta()); err != nil {
+		a.log.Warn("meta update", zap.Error(err))
+	}
+}
+
+func (a *Agent) sleep(d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-a.ctx.Done():
+	}
+}
+
+// claimNext blocks until this node holds a claim on a task of stage st.
+func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
+	for {
+		if err := a.ctx.Err(); err != nil {
+			return nil, err
+		}
+		lease := a.member.Lease()
+		if lease == 0 { // re-registering after a lost lease
+			select {
+			case <-a.member.LeaseChanged():
+			case <-a.ctx.Done():
+			}
+			continue
+		}
+		ok, down, rev, err := a.admit(st)
+		if err != nil {
+			return nil, err
+		}
+		if !ok {
+			// Downstream is full: wait for its queue to move. Credits arrive by
+			// gossip, which etcd cannot watch, so look again within a second.
+			a.store.WaitChange(a.ctx, down, rev, time.Now().Add(time.Second))
+			continue
+		}
+		pend, rev, err := a.store.Pending(a.ctx, st)
+		if err != nil {
+			return nil, err
+		}
+		now := time.Now()
+		var wake time.Time
+		byID := make(map[string]jobs.Task, len(pend))
+		cands := make([]routing.Candidate, 0, len(pend))
+		for _, t := range pend {
+			if t.NotBefore.After(now) {
+				wake = earliest(wake, t.NotBefore)
+				continue
+			}
+			byID[t.ID] = t
+			cands = append(cands, routing.Candidate{ID: t.ID, Class: t.Class, Enqueued: t.EnqueuedAt, Hint: t.Hint})
+		}
+		ordered, retry := a.cfg.Queue.Order(cands, a.id, now)
+		wake = earliest(wake, retry)
+		for _, c := range ordered {
+			claim, err := a.store.TryClaim(a.ctx, byID[c.ID], a.id, lease)
+			if err == nil {
+				return claim, nil
+			}
+			if !errors.Is(err, jobs.ErrTaken) {
+				return nil, err
+			}
+		}
+		if len(ordered) > 0 {
+			continue // others won every race: the queue moved, read it again
+		}
+		a.store.WaitChange(a.ctx, st, rev, wake)
+	}
+}
+
+func earliest(a, b time.Time) time.Time {
+	if a.IsZero() || (!b.IsZero() && b.Before(a)) {
+		return b
+	}
+	return a
+}
+
+// admit applies the backpressure chain: start a task only while the next
+// stage can take what it will produce.
+func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err error) {
+	down, last := nextStage(st)
+	if last {
+		return true, "", 0, nil
+	}
+	queued, _, rev, err := a.store.Depth(a.ctx, down)
+	if err != nil {
+		return false, down, 0, err
+	}
+	free := 0
+	for _, p := range a.member.Peers() {
+		if p.Alive && p.Record.HasRole(string(down)) {
+			free += freeCredits(p.Meta, down)
+		}
+	}
+	inFlight := a.credits[st].InUse() - 1 // less the credit this claim holds
+	return a.cfg.Admission.Admit(int(queued), free, inFlight), down, rev, nil
+}
+
+func nextStage(st jobs.Stage) (jobs.Stage, bool) {
+	switch st {
+	case jobs.Encode:
+		return jobs.Denoise, false
+	case jobs.Denoise:
+		return jobs.Decode, false
+	}
+	return "", true
+}
+
+func freeCredits(m gossip.NodeMeta, st jobs.Stage) int {
+	switch st {
+	case jobs.Encode:
+		return int(m.Free.Encode)
+	case jobs.Denoise:
+		return int(m.Free.Denoise)
+	case jobs.Decode:
+		return int(m.Free.Decode)
+	}
+	return 0
+}
+
+// pickHint names the preferred worker of the next stage: power of two
+// choices among live peers with credit, same host first.
+func (a *Agent) pickHint(st jobs.Stage) string {
+	var targets []routing.Target
+	for _, p := range a.member.Peers() {
+		if p.Alive && !p.Suspect && p.Record.HasRole(string(st)) {
+			targets = append(targets, routing.Target{Node: p.Record.ID, Free: freeCredits(p.Meta, st), SameHost: a.sameHost(p)})
+		}
+	}
+	return routing.PickHint(targets, nil)
+}
+
+// execute runs a claimed task and records the outcome in etcd.
+func (a *Agent) execute(c *jobs.Claim) {
+	st := c.Task.Stage
+	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
+	log.Debug("task claimed")
+	start := time.Now()
+	out, published, err := a.run(a.ctx, c)
+	out.Work = time.Since(start)
+
+	release := func() {
+		for _, id := range published {
+			a.xfer.Release(id)
+		}
+	}
+	switch {
+	case err == nil:
+		err = a.store.Commit(a.ctx, c, out)
+		switch {
+		case err == nil:
+			a.metrics.ObserveStage(st, out.Work)
+			if st == jobs.Decode {
+				a.metrics.JobFinished(jobs.Succeeded)
+			}
+			log.Info("stage committed", zap.Duration("took", out.Work))
+		case errors.Is(err, jobs.ErrFenced), errors.Is(err, jobs.ErrFinished):
+			// Lost the claim or the job was cancelled: the output is nobody's.
+			log.Warn("commit refused; output discarded", zap.Error(err))
+			release()
+		default:
+			log.Error("commit failed", zap.Error(err))
+			release()
+		}
+		return
+	case a.ctx.Err() != nil:
+		// Shutting down: the lease is revoked on Close and another agent takes over.
+		release()
+		return
+	case errors.Is(err, errInputLost):
+		log.Warn("input lost; restarting job from encode", zap.Error(err))
+		err = a.store.Rewind(a.ctx, c, err.Error())
+	case errors.Is(err, errTransient) && c.Task.Attempt < a.cfg.TransientRetries:
+		backoff := a.cfg.RetryBackoff << (c.Task.Attempt - 1)
+		log.Warn("task failed; will retry", zap.Duration("backoff", backoff), zap.Error(err))
+		err = a.store.Abandon(a.ctx, c, backoff)
+	default:
+		code := "engine_error"
+		if errors.Is(err, errTransient) {
+			code = "transfer_failed"
+		}
+		log.Error("task failed; failing job", zap.Error(err))
+		if err = a.store.Fail(a.ctx, c, code, err.Error()); err == nil {
+			a.metrics.JobFinished(jobs.Failed)
+		}
+	}
+	release()
+	if err != nil && !errors.Is(err, jobs.ErrFenced) && !errors.Is(err, jobs.ErrFinished) {
+		log.Error("recording task failure", zap.Error(err))
+	}
+}
+
+// run does the stage's work: pull inputs, call the engine, publish outputs.
+// published lists payloads this call published, for release on failure.
+func (a *Agent) run(ctx context.Context, c *jobs.Claim) (out jobs.Output, published []string, err error) {
+	spec := c.Task.Spec
+	var in engine.Tensor
+	if len(c.Task.Inputs) > 0 {
+		if in, err = a.pull(ctx, c.Task.Inputs[0]); err != nil {
+			return out, nil, err
+		}
+	}
+	var t engine.Tensor
+	switch c.Task.Stage {
+	case jobs.Encode:
+		t, err = a.engine.Encode(ctx, spec)
+	case jobs.Denoise:
+		t, err = a.engine.Denoise(ctx, spec, in, a.progress(ctx, c))
+	case jobs.Decode:
+		out.Result, out.ContentType, err = a.engine.Decode(ctx, spec, in)
+		return out, nil, err
+	default:
+		return out, nil, fmt.Errorf("agent: unknown stage %q", c.Task.Stage)
+	}
+	if err != nil {
+		return out, nil, err
+	}
+	ref, err := a.xfer.Publish(t.Meta, t.Data)
+	if err != nil {
+		return out, nil, fmt.Errorf("%w: publish: %v", errTransient, err)
+	}
+	raw, err := json.Marshal(ref)
+	if err != nil {
+		a.xfer.Release(ref.ID)
+		return out, nil, err
+	}
+	next, _ := nextStage(c.Task.Stage)
+	out.Payloads = []jobs.Input{{Payload: ref.ID, Node: a.id, Ref: raw}}
+	out.Hint = a.pickHint(next)
+	return out, []string{ref.ID}, nil
+}
+
+// pull fetches an input payload from its producer, classifying failures: a
+// payload its producer no longer has, or whose producer left the mesh, is
+// lost (the job restarts); anything else is transient (the task retries).
+func (a *Agent) pull(ctx context.Context, in jobs.Input) (engine.Tensor, error) {
+	var ref transfer.Ref
+	if err := json.Unmarshal(in.Ref, &ref); err != nil {
+		return engine.Tensor{}, fmt.Errorf("%w: undecodable payload ref %s: %v", errInputLost, in.Payload, err)
+	}
+	data, err := a.xfer.Pull(ctx, ref)
+	switch {
+	case err == nil:
+		return engine.Tensor{Meta: ref.Meta, Data: data}, nil
+	case errors.Is(err, transfer.ErrNotFound):
+		return engine.Tensor{}, fmt.Errorf("%w: %s on %s: %v", errInputLost, in.Payload, in.Node, err)
+	case ctx.Err() != nil:
+		return engine.Tensor{}, ctx.Err()
+	}
+	if p, ok := a.member.Peer(in.Node); !ok || !p.Registered {
+		return engine.Tensor{}, fmt.Errorf("%w: producer %s left the mesh: %v", errInputLost, in.Node, err)
+	}
+	return engine.Tensor{}, fmt.Errorf("%w: pull %s from %s: %v", errTransient, in.Payload, in.Node, err)
+}
+
+// progress returns the denoise step callback, throttled to ProgressEvery.
+func (a *Agent) progress(ctx context.Context, c *jobs.Claim) func(step, total int) {
+	var last time.Time
+	return func(step, total int) {
+		if now := time.Now(); step == total || now.Sub(last) >= a.cfg.ProgressEvery {
+			last = now
+			if err := a.store.SetProgress(ctx, c, step, total); err != nil && ctx.Err() == nil {
+				a.log.Debug("progress write", zap.Error(err))
+			}
+		}
+	}
+}

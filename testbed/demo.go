@@ -1,0 +1,215 @@
+package testbed
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// DefaultPrompts are the demo's built-in jobs: four images of different
+// sizes and one short video.
+func DefaultPrompts() []engine.Spec {
+	specs := []engine.Spec{
+		{Prompt: "a red fox in a snowy forest at dawn", Seed: 1, Width: 256, Height: 256},
+		{Prompt: "a lighthouse on a rocky coast under a stormy sky", Seed: 2, Width: 320, Height: 192},
+		{Prompt: "a bowl of ripe oranges on a wooden table", Seed: 3, Width: 192, Height: 256},
+		{Prompt: "neon city street at night in the rain", NegativePrompt: "blurry, low contrast", Seed: 4, Width: 256, Height: 256},
+		{Prompt: "ocean waves rolling onto a sandy beach", Seed: 5, Width: 160, Height: 128, Frames: 8},
+	}
+	for i := range specs {
+		specs[i] = specs[i].WithDefaults()
+	}
+	return specs
+}
+
+// maxPromptLine bounds one line of a prompts file.
+const maxPromptLine = 64 << 10
+
+// LoadPrompts reads a prompts file: one JSON object per line with the fields
+// prompt, negative_prompt, seed, width, height, frames, steps,
+// guidance_scale. Blank lines and lines starting with # are skipped. Every
+// spec is validated against limits; errors name the line.
+func LoadPrompts(r io.Reader, limits engine.Limits) ([]engine.Spec, error) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 0, 4096), maxPromptLine)
+	var specs []engine.Spec
+	for n := 1; sc.Scan(); n++ {
+		line := bytes.TrimSpace(sc.Bytes())
+		if len(line) == 0 || line[0] == '#' {
+			continue
+		}
+		dec := json.NewDecoder(bytes.NewReader(line))
+		dec.DisallowUnknownFields()
+		var s engine.Spec
+		if err := dec.Decode(&s); err != nil {
+			return nil, fmt.Errorf("line %d: %w", n, err)
+		}
+		if dec.More() {
+			return nil, fmt.Errorf("line %d: more than one JSON value", n)
+		}
+		s = s.WithDefaults()
+		if err := s.Validate(limits); err != nil {
+			return nil, fmt.Errorf("line %d: %w", n, err)
+		}
+		specs = append(specs, s)
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("reading prompts: %w", err)
+	}
+	if len(specs) == 0 {
+		return nil, errors.New("no prompts in file")
+	}
+	return specs, nil
+}
+
+// DemoConfig is one run of `latentmesh demo`.
+type DemoConfig struct {
+	Out     string        // directory for the output files (created)
+	Specs   []engine.Spec // nil: DefaultPrompts
+	Cluster ClusterConfig
+	// Log receives the human-readable timeline as jobs finish; nil = none.
+	Log io.Writer
+}
+
+// StageTiming is one stage of one job in the report.
+type StageTiming struct {
+	Ms   float64 `json:"ms"`
+	Node string  `json:"node"`
+}
+
+// DemoJob is one job of the report.
+type DemoJob struct {
+	ID     string                 `json:"id"`
+	Prompt string                 `json:"prompt"`
+	Seed   int64                  `json:"seed"`
+	Output string                 `json:"output"`
+	Stages map[string]StageTiming `json:"stages"`
+}
+
+// DemoReport is what --json prints.
+type DemoReport struct {
+	Topology Topology  `json:"topology"`
+	Seconds  float64   `json:"seconds"`
+	Jobs     []DemoJob `json:"jobs"`
+}
+
+// RunDemo starts an in-process cluster, runs every spec through it, writes
+// one file per job into cfg.Out and reports the stage timeline.
+func RunDemo(ctx context.Context, cfg DemoConfig) (DemoReport, error) {
+	specs := cfg.Specs
+	if specs == nil {
+		specs = DefaultPrompts()
+	}
+	logf := func(format string, a ...any) {
+		if cfg.Log != nil {
+			fmt.Fprintf(cfg.Log, format, a...)
+		}
+	}
+	if err := os.MkdirAll(cfg.Out, 0o755); err != nil {
+		return DemoReport{}, fmt.Errorf("demo: output dir: %w", err)
+	}
+	start := time.Now()
+	logf("starting embedded etcd and a %s cluster...\n", cfg.Cluster.Topology)
+	cl, err := StartCluster(ctx, cfg.Cluster)
+	if err != nil {
+		return DemoReport{}, err
+	}
+	defer cl.Close()
+	for _, a := range cl.Agents {
+		logf("  agent %-10s http=%s admin=%s\n", a.ID(), a.HTTPAddr(), a.AdminAddr())
+	}
+	entry := cl.Agents[0]
+
+	ids := make([]string, len(specs))
+	for i, s := range specs {
+		j, err := entry.Submit(ctx, s, routing.Standard)
+		if err != nil {
+			return DemoReport{}, fmt.Errorf("demo: submit %q: %w", s.Prompt, err)
+		}
+		ids[i] = j.ID
+	}
+	logf("submitted %d jobs\n", len(ids))
+
+	rep := DemoReport{Topology: cfg.Cluster.Topology}
+	for i, id := range ids {
+		job, err := entry.Wait(ctx, id)
+		if err != nil {
+			return rep, fmt.Errorf("demo: wait %s: %w", id, err)
+		}
+		if job.State != jobs.Succeeded {
+			msg := string(job.State)
+			if job.Error != nil {
+				msg = job.Error.Code + ": " + job.Error.Message
+			}
+			return rep, fmt.Errorf("demo: job %s (%q) did not succeed: %s", id, job.Spec.Prompt, msg)
+		}
+		data, ctype, err := entry.Result(ctx, id)
+		if err != nil {
+			return rep, fmt.Errorf("demo: result %s: %w", id, err)
+		}
+		path := filepath.Join(cfg.Out, fileName(i, job.Spec, ctype))
+		if err := os.WriteFile(path, data, 0o644); err != nil {
+			return rep, fmt.Errorf("demo: write: %w", err)
+		}
+		dj := DemoJob{ID: id, Prompt: job.Spec.Prompt, Seed: job.Spec.Seed, Output: path, Stages: map[string]StageTiming{}}
+		for _, st := range jobs.Stages() {
+			if r := job.Stages[st]; r != nil {
+				dj.Stages[string(st)] = StageTiming{Ms: r.Millis, Node: r.Node}
+			}
+		}
+		rep.Jobs = append(rep.Jobs, dj)
+		logf("%s\n", timeline(dj))
+	}
+	rep.Seconds = time.Since(start).Seconds()
+	logf("done: %d files in %s (%.1fs)\n", len(rep.Jobs), cfg.Out, rep.Seconds)
+	return rep, nil
+}
+
+// fileName is NN-slug-seed.ext, stable for the same inputs so runs compare.
+func fileName(i int, s engine.Spec, ctype string) string {
+	ext := ".png"
+	if ctype == "image/gif" {
+		ext = ".gif"
+	}
+	var b strings.Builder
+	for _, r := range strings.ToLower(s.Prompt) {
+		switch {
+		case r >= 'a' && r <= 'z' || r >= '0' && r <= '9':
+			b.WriteRune(r)
+		case b.Len() > 0 && !strings.HasSuffix(b.String(), "-"):
+			b.WriteByte('-')
+		}
+		if b.Len() >= 32 {
+			break
+		}
+	}
+	slug := strings.Trim(b.String(), "-")
+	if slug == "" {
+		slug = "job"
+	}
+	return fmt.Sprintf("%02d-%s-%d%s", i+1, slug, s.Seed, ext)
+}
+
+func timeline(j DemoJob) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "job %s %q seed=%d\n", j.ID, j.Prompt, j.Seed)
+	for _, st := range jobs.Stages() {
+		if t, ok := j.Stages[string(st)]; ok {
+			fmt.Fprintf(&b, "    %-8s %8.1f ms  on %s\n", st, t.Ms, t.Node)
+		}
+	}
+	fmt.Fprintf(&b, "    -> %s", j.Output)
+	return b.String()
+}

@@ -142,7 +142,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		rec.AdminAddr = a.adminLn.Addr().String()
 	}
 	gc := cfg.Gossip
-	gc.Logger = a.log
+	gc.Logger = cfg.Logger // gossip names the node in its own fields
 	if a.member, err = gossip.New(gc, cli, rec); err != nil {
 		return nil, fmt.Errorf("agent: gossip: %w", err)
 	}

@@ -117,6 +117,8 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 				break
 			}
 		}
+	case "":
+		// No agents: the caller adds them (latentmesh dev).
 	default:
 		err = fmt.Errorf("testbed: unknown topology %q", cfg.Topology)
 	}
@@ -126,12 +128,17 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 	return c, nil
 }
 
-// AddAgent starts one more agent with the given roles.
+// AddAgent starts one more agent with the given roles and the cluster's base config.
 func (c *Cluster) AddAgent(ctx context.Context, id string, roles ...jobs.Stage) (*agent.Agent, error) {
 	ac := c.cfg.Agent
 	ac.NodeID = id
 	ac.Roles = roles
 	ac.Logger = c.cfg.Logger
+	return c.AddAgentConfig(ctx, ac)
+}
+
+// AddAgentConfig starts one more agent with a config of the caller's.
+func (c *Cluster) AddAgentConfig(ctx context.Context, ac agent.Config) (*agent.Agent, error) {
 	a, err := agent.New(ac, c.Client)
 	if err != nil {
 		return nil, err

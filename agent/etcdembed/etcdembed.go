@@ -14,6 +14,7 @@ import (
 
 	"go.etcd.io/etcd/server/v3/embed"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 // Config says where the embedded etcd keeps its data and listens.
@@ -27,8 +28,12 @@ type Config struct {
 	MaxRequestBytes uint
 	// StartTimeout bounds how long Start waits for the member to be ready.
 	StartTimeout time.Duration
-	// Logger receives etcd's own logs (named "etcd"); nil discards them.
+	// Logger receives etcd's own logs (named "etcd") at LogLevel and above;
+	// nil discards them.
 	Logger *zap.Logger
+	// LogLevel filters etcd's logs: it warns about every slow request and
+	// logs benign errors on shutdown, so the default shows only panics.
+	LogLevel zapcore.Level
 }
 
 // DefaultConfig is a loopback-only etcd in a temporary directory.
@@ -37,6 +42,7 @@ func DefaultConfig() Config {
 		ClientURL:       "http://127.0.0.1:0", // loopback only; a free port
 		MaxRequestBytes: 32 << 20,             // results up to ~30 MiB fit in one commit
 		StartTimeout:    30 * time.Second,     // a cold start on a loaded 2-core machine
+		LogLevel:        zapcore.DPanicLevel,  // start failures come back as errors anyway
 	}
 }
 
@@ -86,7 +92,7 @@ func Start(ctx context.Context, cfg Config) (_ *Server, err error) {
 	ec.AutoCompactionRetention = "10000"
 	ec.LogLevel = "error"
 	if cfg.Logger != nil {
-		ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(cfg.Logger.Named("etcd"))
+		ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(cfg.Logger.Named("etcd").WithOptions(zap.IncreaseLevel(cfg.LogLevel)))
 	} else {
 		ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(zap.NewNop())
 	}

@@ -1,0 +1,88 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/testbed"
+)
+
+func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	def := agent.DefaultConfig()
+	fs := newFlagSet("agent", "--etcd-endpoints URLS --roles ROLES [flags]", stderr)
+	var (
+		endpoints  = fs.String("etcd-endpoints", "http://127.0.0.1:2379", "comma-separated etcd client `URLS`")
+		roles      = fs.String("roles", "encode,denoise,decode", "comma-separated stages this agent serves")
+		prefix     = fs.String("prefix", def.Prefix, "etcd key prefix of the mesh")
+		nodeID     = fs.String("node-id", "", "node id (default: hostname-<peer id suffix>)")
+		httpAddr   = fs.String("http", def.HTTPListen, "client API listen address (empty: off)")
+		adminAddr  = fs.String("admin", def.AdminListen, "admin listen address: health, metrics, status (empty: off)")
+		adminToken = fs.String("admin-token", "", "bearer token required on admin paths except /livez")
+		p2p        = fs.String("p2p-listen", def.P2PListen, "libp2p control-channel multiaddr")
+		data       = fs.String("data-listen", def.Transfer.DataListen, "raw TCP data-plane listen address")
+		gossipBind = fs.String("gossip-bind", def.Gossip.GossipBind, "memberlist ip:port (port 0: any)")
+		leaseTTL   = fs.Duration("lease-ttl", def.Gossip.LeaseTTL, "etcd lease TTL: a dead agent's claims free up after this")
+		identity   = fs.String("identity", "", "libp2p key `FILE`, created if missing (default: a fresh key each start)")
+		logFormat  = fs.String("log-format", "json", "json or console")
+		verbose    = fs.Bool("v", false, "debug logs")
+		slots      = slotsFlag{}
+		cost       simCost
+	)
+	for k, v := range def.Slots {
+		slots[k] = v
+	}
+	fs.Var(slots, "slots", "tasks run at once per stage, e.g. `encode=4,denoise=1,decode=2`")
+	fs.Var(&cost, "sim-cost", "simulated GPU time, e.g. `encode=5ms,step=20ms,decode=50ms`")
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	log, err := newLogger(*logFormat, *verbose, stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh agent: %v\n", err)
+		return 2
+	}
+	defer log.Sync()
+	cfg := def
+	if cfg.Roles, err = agent.ParseRoles(strings.Split(*roles, ",")); err != nil {
+		fmt.Fprintf(stderr, "latentmesh agent: %v\n", err)
+		return 2
+	}
+	cfg.Prefix, cfg.NodeID, cfg.Slots = *prefix, *nodeID, slots
+	cfg.HTTPListen, cfg.AdminListen, cfg.AdminToken = *httpAddr, *adminAddr, *adminToken
+	cfg.P2PListen, cfg.Transfer.DataListen, cfg.IdentityFile = *p2p, *data, *identity
+	cfg.Gossip.GossipBind, cfg.Gossip.LeaseTTL = *gossipBind, *leaseTTL
+	cost.apply(&cfg.Engine)
+	cfg.Logger = log
+
+	cli, err := testbed.NewEtcdClient(strings.Split(*endpoints, ","), log)
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh agent: %v\n", err)
+		return 1
+	}
+	defer cli.Close()
+	a, err := agent.New(cfg, cli)
+	if err != nil {
+		log.Error("start failed", zap.Error(err))
+		return 1
+	}
+	startCtx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	err = a.Start(startCtx)
+	cancel()
+	if err != nil {
+		log.Error("join failed", zap.Error(err))
+		a.Close()
+		return 1
+	}
+	<-ctx.Done()
+	log.Info("shutting down")
+	if err := a.Close(); err != nil {
+		log.Warn("close", zap.Error(err))
+	}
+	return 0
+}

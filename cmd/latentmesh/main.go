@@ -1,0 +1,60 @@
+// Command latentmesh is the latentmesh binary: the agent daemon, a
+// single-process dev cluster, the demo, a client and benchmarks. Each
+// subcommand parses its flags and calls into a package.
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+)
+
+const usage = `latentmesh: disaggregated diffusion serving on a peer-to-peer mesh
+
+usage: latentmesh <command> [flags]
+
+commands:
+  demo       run built-in (or given) prompts on an embedded cluster and write the files
+  dev        run an embedded etcd (and agents) for use through the HTTP API
+  agent      run one agent daemon against an etcd cluster
+  generate   ask a running agent for one image or video, with a progress bar
+  version    print the version
+
+Run 'latentmesh <command> -h' for a command's flags.
+`
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+// run dispatches a subcommand and returns the exit code: 0 ok, 1 failure,
+// 2 bad usage.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return 2
+	}
+	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
+		"demo":     runDemo,
+		"dev":      runDev,
+		"agent":    runAgent,
+		"generate": runGenerate,
+		"version":  runVersion,
+	}
+	switch args[0] {
+	case "-h", "--help", "help":
+		fmt.Fprint(stdout, usage)
+		return 0
+	}
+	cmd, ok := cmds[args[0]]
+	if !ok {
+		fmt.Fprintf(stderr, "latentmesh: unknown command %q\n\n%s", args[0], usage)
+		return 2
+	}
+	return cmd(ctx, args[1:], stdout, stderr)
+}

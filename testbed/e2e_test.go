@@ -1,0 +1,138 @@
+package testbed
+
+import (
+	"bytes"
+	"context"
+	"image/gif"
+	"image/png"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap/zaptest"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+)
+
+// demoSpecs are small versions of the demo prompts, to keep the race-enabled
+// suite fast: two images of different sizes and a short video.
+func demoSpecs() []engine.Spec {
+	specs := []engine.Spec{
+		{Prompt: "a red fox in a snowy forest", Seed: 1, Width: 128, Height: 96, Steps: 8},
+		{Prompt: "a lighthouse under a stormy sky", NegativePrompt: "blurry", Seed: 2, Width: 96, Height: 128, Steps: 8},
+		{Prompt: "ocean waves on a beach", Seed: 3, Width: 96, Height: 64, Frames: 4, Steps: 6},
+	}
+	for i := range specs {
+		specs[i] = specs[i].WithDefaults()
+	}
+	return specs
+}
+
+func runDemo(t *testing.T, top Topology, specs []engine.Spec) DemoReport {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cfg := DemoConfig{Out: t.TempDir(), Specs: specs, Cluster: DefaultClusterConfig()}
+	cfg.Cluster.Topology = top
+	cfg.Cluster.Logger = zaptest.NewLogger(t)
+	rep, err := RunDemo(ctx, cfg)
+	if err != nil {
+		t.Fatalf("%s demo: %v", top, err)
+	}
+	if len(rep.Jobs) != len(specs) {
+		t.Fatalf("%s demo: %d jobs reported, want %d", top, len(rep.Jobs), len(specs))
+	}
+	return rep
+}
+
+// The same inputs give byte-identical files whether one agent runs every
+// stage or three agents pass payloads over the network.
+func TestTopologiesProduceIdenticalFiles(t *testing.T) {
+	specs := demoSpecs()
+	dis := runDemo(t, Disaggregated, specs)
+	col := runDemo(t, Colocated, specs)
+	for i, s := range specs {
+		a, err := os.ReadFile(dis.Jobs[i].Output)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := os.ReadFile(col.Jobs[i].Output)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(a, b) {
+			t.Errorf("job %d (%q): disaggregated and colocated outputs differ", i, s.Prompt)
+		}
+		checkImage(t, a, s)
+		// Every stage ran on the agent of its role.
+		for st, timing := range dis.Jobs[i].Stages {
+			if !strings.HasPrefix(timing.Node, st) {
+				t.Errorf("job %d: stage %s ran on %s", i, st, timing.Node)
+			}
+		}
+		if n := len(dis.Jobs[i].Stages); n != 3 {
+			t.Errorf("job %d: %d stages in the timeline, want 3", i, n)
+		}
+	}
+}
+
+// checkImage decodes a result and checks its size and frame count.
+func checkImage(t *testing.T, data []byte, s engine.Spec) {
+	t.Helper()
+	if s.Frames > 1 {
+		g, err := gif.DecodeAll(bytes.NewReader(data))
+		if err != nil {
+			t.Fatalf("%q: not a GIF: %v", s.Prompt, err)
+		}
+		if len(g.Image) != s.Frames || g.Config.Width != s.Width || g.Config.Height != s.Height {
+			t.Fatalf("%q: GIF %dx%d with %d frames, want %dx%d with %d", s.Prompt, g.Config.Width, g.Config.Height, len(g.Image), s.Width, s.Height, s.Frames)
+		}
+		return
+	}
+	img, err := png.Decode(bytes.NewReader(data))
+	if err != nil {
+		t.Fatalf("%q: not a PNG: %v", s.Prompt, err)
+	}
+	if b := img.Bounds(); b.Dx() != s.Width || b.Dy() != s.Height {
+		t.Fatalf("%q: PNG %dx%d, want %dx%d", s.Prompt, b.Dx(), b.Dy(), s.Width, s.Height)
+	}
+}
+
+func TestLoadPrompts(t *testing.T) {
+	good := `# a comment
+{"prompt":"a cat","seed":3,"width":128,"height":64}
+
+{"prompt":"a dog","negative_prompt":"blurry","frames":4,"steps":10,"guidance_scale":3.5}
+`
+	specs, err := LoadPrompts(strings.NewReader(good), engine.DefaultLimits())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(specs) != 2 || specs[0].Width != 128 || specs[1].Frames != 4 || specs[1].Width != engine.DefaultSpec().Width {
+		t.Fatalf("specs = %+v", specs)
+	}
+	for name, in := range map[string]string{
+		"unknown field": `{"prompt":"x","colour":"red"}`,
+		"bad json":      `{"prompt":`,
+		"out of range":  `{"prompt":"x","width":100000}`,
+		"empty prompt":  `{"seed":1}`,
+		"two values":    `{"prompt":"x"} {"prompt":"y"}`,
+		"no prompts":    "# nothing\n",
+	} {
+		if _, err := LoadPrompts(strings.NewReader(in), engine.DefaultLimits()); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+}
+
+func TestFileNames(t *testing.T) {
+	s := engine.Spec{Prompt: "A Red Fox, at dawn!", Seed: 9}
+	if got := fileName(0, s, "image/png"); got != "01-a-red-fox-at-dawn-9.png" {
+		t.Fatalf("fileName = %q", got)
+	}
+	if got := filepath.Ext(fileName(1, s, "image/gif")); got != ".gif" {
+		t.Fatalf("gif ext = %q", got)
+	}
+}

@@ -1,0 +1,142 @@
+package testbed
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"sync"
+	"syscall"
+	"time"
+)
+
+// BuildBinary compiles cmd/latentmesh into dir and returns its path. It runs
+// `go build` from the module root, found from this source file.
+func BuildBinary(ctx context.Context, dir string) (string, error) {
+	_, file, _, ok := runtime.Caller(0)
+	if !ok {
+		return "", errors.New("testbed: cannot locate the module root")
+	}
+	root := filepath.Dir(filepath.Dir(file))
+	out := filepath.Join(dir, "latentmesh")
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", out, "./cmd/latentmesh")
+	cmd.Dir = root
+	if b, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("testbed: go build: %w\n%s", err, b)
+	}
+	return out, nil
+}
+
+// Process is a latentmesh subcommand running as its own OS process, with its
+// output captured for assertions.
+type Process struct {
+	Name string
+	cmd  *exec.Cmd
+	out  *lockedBuffer
+	done   chan struct{}
+	err    error // set before done closes
+	killed bool  // set by Kill: its exit status is expected
+}
+
+// lockedBuffer collects a process's stdout and stderr; waiters are woken on
+// every write.
+type lockedBuffer struct {
+	mu      sync.Mutex // guards the fields below
+	buf     bytes.Buffer
+	changed chan struct{}
+	tee     io.Writer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.tee != nil {
+		b.tee.Write(p)
+	}
+	close(b.changed)
+	b.changed = make(chan struct{})
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) snapshot() (string, <-chan struct{}) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String(), b.changed
+}
+
+// StartProcess runs bin with args. tee (may be nil) also receives its output.
+func StartProcess(name, bin string, tee io.Writer, args ...string) (*Process, error) {
+	p := &Process{Name: name, out: &lockedBuffer{changed: make(chan struct{}), tee: tee}, done: make(chan struct{})}
+	p.cmd = exec.Command(bin, args...)
+	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
+	p.cmd.Env = os.Environ()
+	if err := p.cmd.Start(); err != nil {
+		return nil, fmt.Errorf("testbed: start %s: %w", name, err)
+	}
+	go func() {
+		p.err = p.cmd.Wait()
+		close(p.done)
+	}()
+	return p, nil
+}
+
+// Output is everything the process printed so far.
+func (p *Process) Output() string {
+	s, _ := p.out.snapshot()
+	return s
+}
+
+// WaitFor waits until the output matches re and returns the first submatch
+// (or the whole match when re has no group).
+func (p *Process) WaitFor(ctx context.Context, re *regexp.Regexp) (string, error) {
+	for {
+		s, changed := p.out.snapshot()
+		if m := re.FindStringSubmatch(s); m != nil {
+			return m[len(m)-1], nil
+		}
+		select {
+		case <-changed:
+		case <-p.done:
+			s, _ := p.out.snapshot()
+			if m := re.FindStringSubmatch(s); m != nil {
+				return m[len(m)-1], nil
+			}
+			return "", fmt.Errorf("testbed: %s exited (%v) before printing %s; output:\n%s", p.Name, p.err, re, s)
+		case <-ctx.Done():
+			return "", fmt.Errorf("testbed: %s did not print %s: %w; output:\n%s", p.Name, re, ctx.Err(), s)
+		}
+	}
+}
+
+// Kill sends SIGKILL (kill -9) and waits for the process to be gone.
+func (p *Process) Kill() {
+	p.killed = true
+	p.cmd.Process.Signal(syscall.SIGKILL)
+	<-p.done
+}
+
+// Stop sends SIGTERM and waits up to timeout before killing.
+func (p *Process) Stop(timeout time.Duration) error {
+	select {
+	case <-p.done:
+		if p.killed {
+			return nil
+		}
+		return p.err
+	default:
+	}
+	p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+		return p.err
+	case <-time.After(timeout):
+		p.Kill()
+		return fmt.Errorf("testbed: %s ignored SIGTERM for %v", p.Name, timeout)
+	}
+}

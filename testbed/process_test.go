@@ -1,0 +1,256 @@
+package testbed
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/gossip"
+)
+
+// binary is cmd/latentmesh, built once for the multi-process tests.
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "latentmesh-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	binary, err = BuildBinary(ctx, dir)
+	cancel()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// eventually retries cond until it returns nil or timeout passes.
+func eventually(t *testing.T, timeout time.Duration, cond func() error) {
+	t.Helper()
+	deadline := time.Now().Add(timeout)
+	backoff := 20 * time.Millisecond
+	for {
+		err := cond()
+		if err == nil {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("not true after %v: %v", timeout, err)
+		}
+		time.Sleep(backoff)
+		backoff = min(2*backoff, 500*time.Millisecond)
+	}
+}
+
+// mesh is `latentmesh dev --agents 0` plus agent processes.
+type mesh struct {
+	t        *testing.T
+	endpoint string
+	cli      *clientv3.Client
+	procs    []*Process
+}
+
+func startMesh(t *testing.T) *mesh {
+	t.Helper()
+	dev, err := StartProcess("dev", binary, nil, "dev", "--agents", "0", "--etcd-listen", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := &mesh{t: t, procs: []*Process{dev}}
+	t.Cleanup(m.stop)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if m.endpoint, err = dev.WaitFor(ctx, regexp.MustCompile(`etcd endpoint: (\S+)`)); err != nil {
+		t.Fatal(err)
+	}
+	if m.cli, err = NewEtcdClient([]string{m.endpoint}, nil); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func (m *mesh) stop() {
+	for i := len(m.procs) - 1; i >= 0; i-- {
+		if err := m.procs[i].Stop(10 * time.Second); err != nil {
+			m.t.Logf("%s: %v; output:\n%s", m.procs[i].Name, err, m.procs[i].Output())
+		}
+	}
+	if m.cli != nil {
+		m.cli.Close()
+	}
+}
+
+// agent starts `latentmesh agent` with one role and waits for its record.
+func (m *mesh) agent(id, role string, extra ...string) (*Process, gossip.NodeRecord) {
+	m.t.Helper()
+	args := append([]string{"agent", "--etcd-endpoints", m.endpoint, "--roles", role, "--node-id", id,
+		"--http", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--lease-ttl", "2s", "--log-format", "console"}, extra...)
+	p, err := StartProcess(id, binary, nil, args...)
+	if err != nil {
+		m.t.Fatal(err)
+	}
+	m.procs = append(m.procs, p)
+	var rec gossip.NodeRecord
+	eventually(m.t, 30*time.Second, func() error {
+		resp, err := m.cli.Get(context.Background(), "/latentmesh/default/nodes/"+id)
+		if err != nil {
+			return err
+		}
+		if len(resp.Kvs) == 0 {
+			return fmt.Errorf("%s not registered; output:\n%s", id, p.Output())
+		}
+		return json.Unmarshal(resp.Kvs[0].Value, &rec)
+	})
+	return p, rec
+}
+
+// A mesh of separate processes serves `latentmesh generate`, and the file is
+// the same one the in-process engine makes for that request.
+func TestProcessMeshServesGenerate(t *testing.T) {
+	m := startMesh(t)
+	_, enc := m.agent("enc-p", "encode")
+	m.agent("den-p", "denoise")
+	m.agent("dec-p", "decode")
+
+	out := filepath.Join(t.TempDir(), "fox.png")
+	cmd := exec.Command(binary, "generate", "--server", "http://"+enc.HTTPAddr, "--prompt", "a red fox",
+		"--seed", "42", "--size", "128x96", "--steps", "8", "-o", out)
+	b, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("generate: %v\n%s", err, b)
+	}
+	got, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	spec := engine.Spec{Prompt: "a red fox", Seed: 42, Width: 128, Height: 96, Steps: 8}.WithDefaults()
+	checkImage(t, got, spec)
+	if want := referenceOutput(t, spec); !bytes.Equal(got, want) {
+		t.Fatal("mesh output differs from the engine run in one process")
+	}
+
+	// A bad request gets a clear error and a non-zero exit.
+	cmd = exec.Command(binary, "generate", "--server", "http://"+enc.HTTPAddr, "--prompt", "x", "--size", "7x7", "-o", out)
+	if b, err := cmd.CombinedOutput(); err == nil || !bytes.Contains(b, []byte("width")) {
+		t.Fatalf("bad size: err=%v output=%s", err, b)
+	}
+}
+
+// referenceOutput runs the three stages directly on one engine.
+func referenceOutput(t *testing.T, s engine.Spec) []byte {
+	t.Helper()
+	e, err := engine.New(engine.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	cond, err := e.Encode(ctx, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lat, err := e.Denoise(ctx, s, cond, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out, _, err := e.Decode(ctx, s, lat)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// kill -9 of the decode agent while it runs a task: once its lease expires
+// another decode agent takes the task, and the job completes with exactly one
+// committed result.
+func TestKillDecodeAgentMidTask(t *testing.T) {
+	m := startMesh(t)
+	_, enc := m.agent("enc-k", "encode")
+	m.agent("den-k", "denoise")
+	// The first decode agent takes a minute per decode: it will be killed mid-task.
+	slow, _ := m.agent("dec-slow", "decode", "--sim-cost", "decode=60s")
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	c := &httpapi.Client{BaseURL: "http://" + enc.HTTPAddr}
+	w, h, steps := 96, 64, 6
+	job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "a lighthouse", Width: &w, Height: &h, Steps: &steps})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, func() error {
+		j, err := c.Get(ctx, job.ID)
+		if err != nil {
+			return err
+		}
+		if j.Progress == nil || j.Progress.Stage != jobs.Decode || j.Progress.Node != "dec-slow" {
+			return fmt.Errorf("not decoding on dec-slow yet: state=%s stage=%s progress=%+v", j.State, j.Stage, j.Progress)
+		}
+		return nil
+	})
+	slow.Kill()
+	m.agent("dec-new", "decode")
+
+	var done jobs.Job
+	eventually(t, 60*time.Second, func() error {
+		var err error
+		if done, err = c.Get(ctx, job.ID); err != nil {
+			return err
+		}
+		if !done.State.Terminal() {
+			return fmt.Errorf("job %s still %s", job.ID, done.State)
+		}
+		return nil
+	})
+	if done.State != jobs.Succeeded {
+		t.Fatalf("job ended %s: %+v", done.State, done.Error)
+	}
+	dec := done.Stages[jobs.Decode]
+	if dec.Node != "dec-new" || dec.Attempt != 2 {
+		t.Fatalf("decode stage = %+v, want committed by dec-new on attempt 2", dec)
+	}
+	// Exactly one committed result: every part was written once (etcd's
+	// per-key version counts writes since creation) and nothing else remains.
+	resp, err := m.cli.Get(ctx, "/latentmesh/default/results/"+job.ID+"/", clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Kvs) != done.Result.Parts {
+		t.Fatalf("%d result parts, record says %d", len(resp.Kvs), done.Result.Parts)
+	}
+	for _, kv := range resp.Kvs {
+		if kv.Version != 1 {
+			t.Fatalf("result part %s written %d times", kv.Key, kv.Version)
+		}
+	}
+	data, _, err := c.Result(ctx, job.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkImage(t, data, engine.Spec{Prompt: "a lighthouse", Width: w, Height: h, Frames: 1})
+	// No payload record leaked: the latent was released by the commit.
+	left, err := m.cli.Get(ctx, "/latentmesh/default/payloads/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if left.Count != 0 {
+		t.Fatalf("%d payload records left after the job", left.Count)
+	}
+}

@@ -36,9 +36,9 @@ func BuildBinary(ctx context.Context, dir string) (string, error) {
 // Process is a latentmesh subcommand running as its own OS process, with its
 // output captured for assertions.
 type Process struct {
-	Name string
-	cmd  *exec.Cmd
-	out  *lockedBuffer
+	Name   string
+	cmd    *exec.Cmd
+	out    *lockedBuffer
 	done   chan struct{}
 	err    error // set before done closes
 	killed bool  // set by Kill: its exit status is expected

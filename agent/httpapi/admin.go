@@ -1,0 +1,105 @@
+package httpapi
+
+import (
+	"context"
+	"crypto/subtle"
+	"net/http"
+	"net/http/pprof"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// AdminConfig configures the admin endpoint. Nil funcs and a nil Metrics
+// handler leave their endpoint out (404), except Live and Ready, which
+// report ok when nil.
+type AdminConfig struct {
+	Live    func() error                           // /livez: the process can make progress
+	Ready   func() error                           // /readyz: the agent should get traffic
+	Status  func(ctx context.Context) (any, error) // /v1/admin/status, served as JSON
+	Metrics http.Handler                           // /metrics, e.g. Metrics.Handler()
+	Token   string                                 // when set, every path but /livez needs "Authorization: Bearer <Token>"
+	Logger  *zap.Logger
+}
+
+// NewAdminHandler returns the admin endpoint: probes, metrics, status and
+// net/http/pprof under /debug/pprof/, all on a private mux.
+func NewAdminHandler(cfg AdminConfig) http.Handler {
+	log := cfg.Logger
+	if log == nil {
+		log = zap.NewNop()
+	}
+	log = log.Named("admin")
+
+	mux := http.NewServeMux()
+	handle := func(pattern string, h http.Handler) {
+		mux.Handle(pattern, instrument(log, nil, pattern, h))
+	}
+	handle("GET /livez", probe(cfg.Live))
+	// Everything below may need the token.
+	auth := func(h http.Handler) http.Handler { return requireToken(cfg.Token, h) }
+	handle("GET /readyz", auth(probe(cfg.Ready)))
+	if cfg.Metrics != nil {
+		handle("GET /metrics", auth(cfg.Metrics))
+	}
+	if cfg.Status != nil {
+		handle("GET /v1/admin/status", auth(statusHandler(log, cfg.Status)))
+	}
+	handle("/debug/pprof/", auth(http.HandlerFunc(pprof.Index)))
+	handle("/debug/pprof/cmdline", auth(http.HandlerFunc(pprof.Cmdline)))
+	handle("/debug/pprof/profile", auth(http.HandlerFunc(pprof.Profile)))
+	handle("/debug/pprof/symbol", auth(http.HandlerFunc(pprof.Symbol)))
+	handle("/debug/pprof/trace", auth(http.HandlerFunc(pprof.Trace)))
+	handle("/", auth(http.HandlerFunc(notFound)))
+	return mux
+}
+
+// probe answers 200 "ok" while check passes and 503 with its reason when
+// it does not.
+func probe(check func() error) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.Header().Set("Cache-Control", "no-store")
+		if check != nil {
+			if err := check(); err != nil {
+				w.WriteHeader(http.StatusServiceUnavailable)
+				_, _ = w.Write([]byte(err.Error() + "\n"))
+				return
+			}
+		}
+		_, _ = w.Write([]byte("ok\n"))
+	})
+}
+
+func statusHandler(log *zap.Logger, status func(context.Context) (any, error)) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		ctx, cancel := context.WithTimeout(r.Context(), 10*time.Second)
+		defer cancel()
+		v, err := status(ctx)
+		if err != nil {
+			log.Warn("status", zap.Error(err))
+			writeError(w, apiErr(http.StatusServiceUnavailable, typeServer, CodeUnavailable, "status: %v", err))
+			return
+		}
+		writeJSON(w, http.StatusOK, v)
+	})
+}
+
+// requireToken passes requests carrying the bearer token; an empty token
+// lets everything through.
+func requireToken(token string, next http.Handler) http.Handler {
+	if token == "" {
+		return next
+	}
+	want := []byte(token)
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+		if !ok || subtle.ConstantTimeCompare([]byte(strings.TrimSpace(got)), want) != 1 {
+			w.Header().Set("WWW-Authenticate", `Bearer realm="latentmesh-admin"`)
+			writeError(w, apiErr(http.StatusUnauthorized, typeAuth, CodeUnauthorized, "missing or wrong bearer token"))
+			return
+		}
+		next.ServeHTTP(w, r)
+	})
+}

@@ -1,0 +1,195 @@
+package httpapi
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strings"
+	"time"
+
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+// Client speaks the native client API. The zero value is not usable: set
+// BaseURL ("http://host:8080"); HTTP defaults to http.DefaultClient.
+type Client struct {
+	BaseURL string
+	HTTP    *http.Client
+}
+
+// Client-side bounds on what it will read.
+const (
+	maxErrorBody  = 64 << 10
+	maxJobBody    = 1 << 20
+	maxResultBody = 1 << 30 // far above any result the engine's limits allow
+
+	pollInterval = 200 * time.Millisecond // progress refresh while a person watches
+	longPoll     = 30 * time.Second       // GET ?wait= when nobody watches
+)
+
+// Submit creates a job.
+func (c *Client) Submit(ctx context.Context, req JobRequest) (jobs.Job, error) {
+	body, err := json.Marshal(req)
+	if err != nil {
+		return jobs.Job{}, fmt.Errorf("httpapi: encoding request: %w", err)
+	}
+	var job jobs.Job
+	err = c.doJSON(ctx, http.MethodPost, "/v1/jobs", bytes.NewReader(body), &job)
+	return job, err
+}
+
+// Get returns the job's current record, progress included.
+func (c *Client) Get(ctx context.Context, id string) (jobs.Job, error) {
+	var job jobs.Job
+	err := c.doJSON(ctx, http.MethodGet, jobPath(id), nil, &job)
+	return job, err
+}
+
+// Wait long-polls the job for up to max (the server caps it), returning
+// the job when it is terminal or when max runs out, whichever is first.
+func (c *Client) Wait(ctx context.Context, id string, max time.Duration) (jobs.Job, error) {
+	var job jobs.Job
+	p := jobPath(id) + "?wait=" + url.QueryEscape(max.String())
+	err := c.doJSON(ctx, http.MethodGet, p, nil, &job)
+	return job, err
+}
+
+// Result returns the job's output and its content type. A job that has not
+// succeeded yields an *APIError: code "not_ready", "cancelled", or the
+// job's own failure code.
+func (c *Client) Result(ctx context.Context, id string) ([]byte, string, error) {
+	resp, err := c.do(ctx, http.MethodGet, jobPath(id)+"/result", nil)
+	if err != nil {
+		return nil, "", err
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, maxResultBody+1))
+	if err != nil {
+		return nil, "", fmt.Errorf("httpapi: reading result of %s: %w", id, err)
+	}
+	if len(data) > maxResultBody {
+		return nil, "", fmt.Errorf("httpapi: result of %s is larger than %d bytes", id, maxResultBody)
+	}
+	return data, resp.Header.Get("Content-Type"), nil
+}
+
+// Cancel stops the job and returns its record.
+func (c *Client) Cancel(ctx context.Context, id string) (jobs.Job, error) {
+	var job jobs.Job
+	err := c.doJSON(ctx, http.MethodDelete, jobPath(id), nil, &job)
+	return job, err
+}
+
+// Generate submits req, follows the job to its end and returns its output.
+// With progress set, it polls every 200ms and reports each poll; without,
+// it long-polls. On failure the returned job is the last one seen, so a
+// caller can tell whether anything was submitted.
+func (c *Client) Generate(ctx context.Context, req JobRequest, progress func(jobs.Job)) (jobs.Job, []byte, error) {
+	job, err := c.Submit(ctx, req)
+	if err != nil {
+		return job, nil, err
+	}
+	if progress != nil {
+		progress(job)
+	}
+	tick := time.NewTicker(pollInterval)
+	defer tick.Stop()
+	for !job.State.Terminal() {
+		var next jobs.Job
+		if progress == nil {
+			next, err = c.Wait(ctx, job.ID, longPoll)
+		} else {
+			select {
+			case <-ctx.Done():
+				return job, nil, ctx.Err()
+			case <-tick.C:
+			}
+			next, err = c.Get(ctx, job.ID)
+		}
+		if err != nil {
+			return job, nil, err
+		}
+		job = next
+		if progress != nil {
+			progress(job)
+		}
+	}
+	// A failed or cancelled job answers with its reason as an *APIError.
+	data, _, err := c.Result(ctx, job.ID)
+	if err != nil {
+		return job, nil, err
+	}
+	return job, data, nil
+}
+
+func jobPath(id string) string { return "/v1/jobs/" + url.PathEscape(id) }
+
+func (c *Client) doJSON(ctx context.Context, method, path string, body io.Reader, out any) error {
+	resp, err := c.do(ctx, method, path, body)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(io.LimitReader(resp.Body, maxJobBody+1))
+	if err != nil {
+		return fmt.Errorf("httpapi: %s %s: reading response: %w", method, path, err)
+	}
+	if len(b) > maxJobBody {
+		return fmt.Errorf("httpapi: %s %s: response larger than %d bytes", method, path, maxJobBody)
+	}
+	if err := json.Unmarshal(b, out); err != nil {
+		return fmt.Errorf("httpapi: %s %s: decoding response: %w", method, path, err)
+	}
+	return nil
+}
+
+// do sends a request and turns any non-2xx answer into an *APIError; a
+// 2xx response's body is the caller's to close.
+func (c *Client) do(ctx context.Context, method, path string, body io.Reader) (*http.Response, error) {
+	base := strings.TrimRight(c.BaseURL, "/")
+	if base == "" {
+		return nil, errors.New("httpapi: Client.BaseURL is not set")
+	}
+	req, err := http.NewRequestWithContext(ctx, method, base+path, body)
+	if err != nil {
+		return nil, fmt.Errorf("httpapi: %s %s: %w", method, path, err)
+	}
+	req.Header.Set("Accept", "application/json")
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	hc := c.HTTP
+	if hc == nil {
+		hc = http.DefaultClient
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return nil, err // *url.Error: names the method and URL already
+	}
+	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
+		return resp, nil
+	}
+	defer resp.Body.Close()
+	return nil, readAPIError(resp)
+}
+
+// readAPIError decodes an error body, or makes one from the status line
+// when something other than this API (a proxy, say) answered.
+func readAPIError(resp *http.Response) *APIError {
+	b, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+	var env errorEnvelope
+	if err := json.Unmarshal(b, &env); err == nil && env.Error != nil && env.Error.Message != "" {
+		env.Error.Status = resp.StatusCode
+		return env.Error
+	}
+	msg := strings.TrimSpace(string(b))
+	if msg == "" || len(msg) > 200 {
+		msg = http.StatusText(resp.StatusCode)
+	}
+	return &APIError{Status: resp.StatusCode, Type: "http_error", Message: msg}
+}

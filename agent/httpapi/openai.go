@@ -1,0 +1,210 @@
+package httpapi
+
+import (
+	"context"
+	"encoding/base64"
+	"errors"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+// imagesRequest is OpenAI's images request plus latentmesh extensions.
+// Pointers tell an absent field from an explicit zero.
+type imagesRequest struct {
+	Prompt         string `json:"prompt"`
+	N              *int   `json:"n"`
+	Size           string `json:"size"`
+	ResponseFormat string `json:"response_format"`
+	Model          string `json:"model"` // accepted and ignored: the mesh serves one model
+	User           string `json:"user"`  // accepted and ignored
+
+	NegativePrompt    string   `json:"negative_prompt"`
+	NumInferenceSteps *int     `json:"num_inference_steps"`
+	GuidanceScale     *float64 `json:"guidance_scale"`
+	Seed              *int64   `json:"seed"`
+	Priority          string   `json:"priority"`
+	Frames            *int     `json:"frames"`
+}
+
+// ImagesResponse is the body of a successful POST /v1/images/generations.
+type ImagesResponse struct {
+	Created int64        `json:"created"`
+	Data    []ImageDatum `json:"data"`
+}
+
+// ImageDatum is one generated image in OpenAI's shape, with the job that
+// made it under "latentmesh".
+type ImageDatum struct {
+	B64JSON       string    `json:"b64_json"`
+	RevisedPrompt string    `json:"revised_prompt,omitempty"`
+	Latentmesh    ImageInfo `json:"latentmesh"`
+}
+
+// ImageInfo is the latentmesh extension of an ImageDatum.
+type ImageInfo struct {
+	JobID       string `json:"job_id"`
+	Seed        int64  `json:"seed"`
+	ContentType string `json:"content_type"`
+}
+
+// specs validates q and returns one spec per requested image, with seeds
+// seed, seed+1, ...
+func (q imagesRequest) specs(l engine.Limits, maxN int) ([]engine.Spec, JobRequest, error) {
+	n := 1
+	if q.N != nil {
+		n = *q.N
+	}
+	if n < 1 || n > maxN {
+		return nil, JobRequest{}, &engine.FieldError{Field: "n", Msg: "must be in [1," + strconv.Itoa(maxN) + "]"}
+	}
+	switch q.ResponseFormat {
+	case "", "b64_json":
+	case "url":
+		return nil, JobRequest{}, errURLFormat
+	default:
+		return nil, JobRequest{}, &engine.FieldError{Field: "response_format", Msg: "must be b64_json"}
+	}
+	req := JobRequest{
+		Prompt:         q.Prompt,
+		NegativePrompt: q.NegativePrompt,
+		Seed:           q.Seed,
+		Frames:         q.Frames,
+		Steps:          q.NumInferenceSteps,
+		GuidanceScale:  q.GuidanceScale,
+		Priority:       q.Priority,
+	}
+	if q.Size != "" {
+		w, h, err := parseSize(q.Size)
+		if err != nil {
+			return nil, JobRequest{}, err
+		}
+		req.Width, req.Height = &w, &h
+	}
+	spec, _, err := req.spec(l)
+	if err != nil {
+		var fe *engine.FieldError
+		if errors.As(err, &fe) {
+			switch fe.Field {
+			case "width", "height":
+				fe = &engine.FieldError{Field: "size", Msg: fe.Field + " " + fe.Msg}
+			case "steps":
+				fe = &engine.FieldError{Field: "num_inference_steps", Msg: fe.Msg}
+			}
+			return nil, JobRequest{}, fe
+		}
+		return nil, JobRequest{}, err
+	}
+	specs := make([]engine.Spec, n)
+	for i := range specs {
+		specs[i] = spec
+		specs[i].Seed = spec.Seed + int64(i)
+	}
+	return specs, req, nil
+}
+
+var errURLFormat = errors.New(`response_format "url" is not supported: this server does not host images; use "b64_json"`)
+
+func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
+	var q imagesRequest
+	if e := decodeBody(w, r, s.cfg.MaxBodyBytes, &q); e != nil {
+		writeError(w, e)
+		return
+	}
+	specs, req, err := q.specs(s.cfg.Limits, s.cfg.MaxN)
+	if errors.Is(err, errURLFormat) {
+		e := apiErr(http.StatusBadRequest, typeInvalidRequest, CodeUnsupportedFormat, "%s", err.Error())
+		e.Param = "response_format"
+		writeError(w, e)
+		return
+	}
+	if err != nil {
+		writeError(w, fieldError(err))
+		return
+	}
+	class, _ := parseClass(req.Priority) // validated by specs
+
+	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.SyncTimeout)
+	defer cancel()
+
+	submitted := make([]jobs.Job, 0, len(specs))
+	for _, spec := range specs {
+		job, err := s.jobs.Submit(ctx, spec, class)
+		if err != nil {
+			s.cancelAll(submitted)
+			writeError(w, s.storeError(r, "submit", "", err))
+			return
+		}
+		submitted = append(submitted, job)
+	}
+	s.log.Info("images request submitted", zap.Int("n", len(submitted)), zap.String("job", submitted[0].ID))
+
+	// Waiting in turn costs no more than waiting in parallel: the answer
+	// needs every job, so it takes as long as the slowest.
+	out := ImagesResponse{Created: time.Now().Unix(), Data: make([]ImageDatum, 0, len(submitted))}
+	for i, job := range submitted {
+		done, err := s.jobs.Wait(ctx, job.ID)
+		if err != nil {
+			if r.Context().Err() != nil {
+				return // the client left; the jobs stay, fetchable by id
+			}
+			if errors.Is(err, context.DeadlineExceeded) {
+				writeError(w, apiErr(http.StatusGatewayTimeout, typeServer, CodeTimeout,
+					"jobs did not finish within %v; they keep running: poll GET /v1/jobs/{id} for %s",
+					s.cfg.SyncTimeout, strings.Join(ids(submitted[i:]), ", ")))
+				return
+			}
+			writeError(w, s.storeError(r, "wait", job.ID, err))
+			return
+		}
+		if done.State != jobs.Succeeded {
+			s.cancelAll(submitted[i+1:])
+			e := notSucceeded(done)
+			if done.State == jobs.Failed {
+				e.Status = http.StatusBadGateway
+			}
+			writeError(w, e)
+			return
+		}
+		data, ct, err := s.jobs.Result(ctx, job.ID)
+		if err != nil {
+			writeError(w, s.storeError(r, "result", job.ID, err))
+			return
+		}
+		out.Data = append(out.Data, ImageDatum{
+			B64JSON:    base64.StdEncoding.EncodeToString(data),
+			Latentmesh: ImageInfo{JobID: job.ID, Seed: specs[i].Seed, ContentType: ct},
+		})
+	}
+	writeJSON(w, http.StatusOK, out)
+}
+
+// cancelAll withdraws jobs whose request is being answered with an error,
+// so that they stop holding mesh capacity. Best effort: a job that
+// finished meanwhile is left as it is.
+func (s *server) cancelAll(js []jobs.Job) {
+	if len(js) == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	for _, j := range js {
+		if _, err := s.jobs.Cancel(ctx, j.ID); err != nil && !errors.Is(err, jobs.ErrFinished) {
+			s.log.Warn("cancel after failed request", zap.String("job", j.ID), zap.Error(err))
+		}
+	}
+}
+
+func ids(js []jobs.Job) []string {
+	out := make([]string, len(js))
+	for i, j := range js {
+		out[i] = j.ID
+	}
+	return out
+}

@@ -1,0 +1,194 @@
+package httpapi
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"mime"
+	"net/http"
+	"strconv"
+	"strings"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// JobRequest is the body of POST /v1/jobs, shared by the server and Client.
+// A nil pointer means "use the engine default" (engine.DefaultSpec); a nil
+// Seed means "pick one at random", and the chosen seed is in the returned
+// Job's spec. An explicit value is validated as given, so "steps": 0 is an
+// error rather than a request for the default.
+type JobRequest struct {
+	Prompt         string   `json:"prompt"`
+	NegativePrompt string   `json:"negative_prompt,omitempty"`
+	Seed           *int64   `json:"seed,omitempty"`
+	Width          *int     `json:"width,omitempty"`
+	Height         *int     `json:"height,omitempty"`
+	Frames         *int     `json:"frames,omitempty"`
+	Steps          *int     `json:"steps,omitempty"`
+	GuidanceScale  *float64 `json:"guidance_scale,omitempty"`
+	Priority       string   `json:"priority,omitempty"` // interactive, standard (default) or batch
+}
+
+// spec turns r into a validated engine spec and priority class. Errors are
+// *engine.FieldError.
+func (r JobRequest) spec(l engine.Limits) (engine.Spec, routing.Class, error) {
+	s := engine.DefaultSpec()
+	s.Prompt = r.Prompt
+	s.NegativePrompt = r.NegativePrompt
+	s.Seed = randomSeed()
+	setIf(&s.Seed, r.Seed)
+	setIf(&s.Width, r.Width)
+	setIf(&s.Height, r.Height)
+	setIf(&s.Frames, r.Frames)
+	setIf(&s.Steps, r.Steps)
+	setIf(&s.GuidanceScale, r.GuidanceScale)
+	class, err := parseClass(r.Priority)
+	if err != nil {
+		return engine.Spec{}, 0, err
+	}
+	if err := s.Validate(l); err != nil {
+		return engine.Spec{}, 0, err
+	}
+	return s, class, nil
+}
+
+func setIf[T any](dst *T, v *T) {
+	if v != nil {
+		*dst = *v
+	}
+}
+
+// randomSeed stays below 2^53 so that the seed survives a round trip
+// through JavaScript clients, which read JSON numbers as doubles.
+func randomSeed() int64 { return rand.Int64N(1 << 53) }
+
+func parseClass(s string) (routing.Class, error) {
+	c, err := routing.ParseClass(s)
+	if err != nil {
+		return 0, &engine.FieldError{Field: "priority", Msg: fmt.Sprintf("%q: must be interactive, standard or batch", s)}
+	}
+	return c, nil
+}
+
+// parseSize reads "WxH" as OpenAI writes it ("1024x1024"). Only decimal
+// digits are accepted: no signs, spaces or exponents.
+func parseSize(s string) (w, h int, err error) {
+	ws, hs, ok := strings.Cut(s, "x")
+	if !ok || !allDigits(ws) || !allDigits(hs) || len(ws) > 6 || len(hs) > 6 {
+		return 0, 0, &engine.FieldError{Field: "size", Msg: fmt.Sprintf("%q: want WIDTHxHEIGHT, e.g. 512x512", s)}
+	}
+	w, _ = strconv.Atoi(ws)
+	h, _ = strconv.Atoi(hs)
+	return w, h, nil
+}
+
+func allDigits(s string) bool {
+	if s == "" {
+		return false
+	}
+	for _, c := range s {
+		if c < '0' || c > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// fieldError maps a validation failure to a 400 naming the field.
+func fieldError(err error) *APIError {
+	var fe *engine.FieldError
+	if !errors.As(err, &fe) {
+		return apiErr(http.StatusBadRequest, typeInvalidRequest, CodeInvalidJSON, "%v", err)
+	}
+	e := apiErr(http.StatusBadRequest, typeInvalidRequest, codeInvalidFieldPrefix+fe.Field, "%s", fe.Error())
+	e.Param = fe.Field
+	return e
+}
+
+// decodeBody reads exactly one JSON object of at most max bytes from r
+// into dst, rejecting unknown fields and trailing data.
+func decodeBody(w http.ResponseWriter, r *http.Request, max int64, dst any) *APIError {
+	if ct := r.Header.Get("Content-Type"); ct != "" {
+		mt, _, err := mime.ParseMediaType(ct)
+		if err != nil || !(mt == "application/json" || strings.HasSuffix(mt, "+json")) {
+			return apiErr(http.StatusUnsupportedMediaType, typeInvalidRequest, CodeUnsupportedMedia,
+				"Content-Type %q is not supported; send application/json", ct)
+		}
+	}
+	if r.ContentLength > max {
+		return tooLarge(max)
+	}
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, max))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(dst); err != nil {
+		return decodeError(err, max)
+	}
+	if _, err := dec.Token(); err != io.EOF {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return tooLarge(max)
+		}
+		return apiErr(http.StatusBadRequest, typeInvalidRequest, CodeInvalidJSON, "unexpected data after the JSON object")
+	}
+	return nil
+}
+
+func tooLarge(max int64) *APIError {
+	return apiErr(http.StatusRequestEntityTooLarge, typeInvalidRequest, CodeBodyTooLarge,
+		"request body is larger than %d bytes", max)
+}
+
+func decodeError(err error, max int64) *APIError {
+	var (
+		mbe *http.MaxBytesError
+		se  *json.SyntaxError
+		ute *json.UnmarshalTypeError
+	)
+	switch {
+	case errors.As(err, &mbe):
+		return tooLarge(max)
+	case errors.Is(err, io.EOF):
+		return apiErr(http.StatusBadRequest, typeInvalidRequest, CodeInvalidJSON, "request body is empty; want a JSON object")
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		return apiErr(http.StatusBadRequest, typeInvalidRequest, CodeInvalidJSON, "request body is truncated JSON")
+	case errors.As(err, &se):
+		return apiErr(http.StatusBadRequest, typeInvalidRequest, CodeInvalidJSON, "malformed JSON at byte %d: %v", se.Offset, se)
+	case errors.As(err, &ute):
+		field := ute.Field
+		if field == "" {
+			e := apiErr(http.StatusBadRequest, typeInvalidRequest, CodeInvalidType, "request body must be a JSON object, not %s", ute.Value)
+			return e
+		}
+		e := apiErr(http.StatusBadRequest, typeInvalidRequest, CodeInvalidType, "%s: got JSON %s, want %s", field, ute.Value, jsonKind(ute.Type.String()))
+		e.Param = field
+		return e
+	case strings.HasPrefix(err.Error(), "json: unknown field "):
+		// encoding/json has no typed error for this; the message is stable.
+		name, _ := strconv.Unquote(strings.TrimPrefix(err.Error(), "json: unknown field "))
+		e := apiErr(http.StatusBadRequest, typeInvalidRequest, CodeUnknownField, "unknown field %q", name)
+		e.Param = name
+		return e
+	default:
+		return apiErr(http.StatusBadRequest, typeInvalidRequest, CodeInvalidJSON, "malformed JSON: %v", err)
+	}
+}
+
+// jsonKind names a Go type the way a JSON client thinks of it.
+func jsonKind(goType string) string {
+	t := strings.TrimLeft(goType, "*")
+	switch {
+	case t == "string":
+		return "a string"
+	case strings.HasPrefix(t, "int") || strings.HasPrefix(t, "uint"):
+		return "an integer"
+	case strings.HasPrefix(t, "float"):
+		return "a number"
+	case t == "bool":
+		return "a boolean"
+	default:
+		return "a " + t
+	}
+}

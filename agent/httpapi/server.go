@@ -1,0 +1,411 @@
+package httpapi
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"runtime/debug"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// Jobs is what the client API needs from the agent's job store.
+type Jobs interface {
+	// Submit stores a new job for an already validated spec. The job is
+	// durable once Submit returns.
+	Submit(ctx context.Context, spec engine.Spec, class routing.Class) (jobs.Job, error)
+	// Get returns the job, or jobs.ErrNotFound.
+	Get(ctx context.Context, id string) (jobs.Job, error)
+	// Wait blocks until the job's state is terminal or ctx is done.
+	Wait(ctx context.Context, id string) (jobs.Job, error)
+	// Result returns the output file, jobs.ErrNotFound, or jobs.ErrNotReady
+	// when the job has not succeeded.
+	Result(ctx context.Context, id string) (data []byte, contentType string, err error)
+	// Cancel stops the job, or returns jobs.ErrNotFound or jobs.ErrFinished.
+	Cancel(ctx context.Context, id string) (jobs.Job, error)
+}
+
+// Config configures the client API handler.
+type Config struct {
+	Limits       engine.Limits // what one job may ask for
+	MaxN         int           // images per /v1/images/generations request
+	MaxBodyBytes int64         // request bodies larger than this get 413
+	SyncTimeout  time.Duration // how long /v1/images/generations waits for its jobs
+	MaxWait      time.Duration // cap on GET /v1/jobs/{id}?wait=
+	Logger       *zap.Logger
+	Metrics      *Metrics // optional: counts requests by route and status
+}
+
+// DefaultConfig returns a Config with every field set.
+func DefaultConfig() Config {
+	return Config{
+		Limits:       engine.DefaultLimits(),
+		MaxN:         4,                // four images is a page of results; more is a batch job
+		MaxBodyBytes: 64 << 10,         // two 2000-byte prompts and numbers fit many times over
+		SyncTimeout:  10 * time.Minute, // a CPU-only mesh can take minutes per image
+		MaxWait:      time.Minute,      // below common proxy idle timeouts
+		Logger:       zap.NewNop(),
+	}
+}
+
+// withDefaults fills unset (zero or negative) fields from DefaultConfig.
+func (c Config) withDefaults() Config {
+	d := DefaultConfig()
+	if c.Limits == (engine.Limits{}) {
+		c.Limits = d.Limits
+	}
+	if c.MaxN <= 0 {
+		c.MaxN = d.MaxN
+	}
+	if c.MaxBodyBytes <= 0 {
+		c.MaxBodyBytes = d.MaxBodyBytes
+	}
+	if c.SyncTimeout <= 0 {
+		c.SyncTimeout = d.SyncTimeout
+	}
+	if c.MaxWait <= 0 {
+		c.MaxWait = d.MaxWait
+	}
+	if c.Logger == nil {
+		c.Logger = d.Logger
+	}
+	return c
+}
+
+type server struct {
+	cfg  Config
+	jobs Jobs
+	log  *zap.Logger
+}
+
+// NewHandler returns the client API. Unset fields of cfg take their
+// DefaultConfig values; cfg is copied. A nil j is a programming error and
+// panics at construction, never while serving.
+func NewHandler(cfg Config, j Jobs) http.Handler {
+	if j == nil {
+		panic("httpapi: NewHandler needs a Jobs")
+	}
+	cfg = cfg.withDefaults()
+	s := &server{cfg: cfg, jobs: j, log: cfg.Logger.Named("httpapi")}
+	mux := http.NewServeMux()
+	rt := router{mux: mux, log: s.log, metrics: cfg.Metrics}
+	rt.handle("/v1/images/generations", methods{http.MethodPost: s.imagesGenerations})
+	rt.handle("/v1/jobs", methods{http.MethodPost: s.createJob})
+	rt.handle("/v1/jobs/{id}", methods{http.MethodGet: s.getJob, http.MethodDelete: s.cancelJob})
+	rt.handle("/v1/jobs/{id}/result", methods{http.MethodGet: s.getResult})
+	rt.handle("/", methods{"*": notFound})
+	return mux
+}
+
+// methods maps an HTTP method to its handler; "*" matches any method.
+type methods map[string]http.HandlerFunc
+
+// router registers method-less patterns and dispatches on method itself,
+// so that a wrong method gets a JSON 405 rather than ServeMux's text one.
+type router struct {
+	mux     *http.ServeMux
+	log     *zap.Logger
+	metrics *Metrics
+}
+
+func (rt router) handle(pattern string, m methods) {
+	allow := make([]string, 0, len(m))
+	for k := range m {
+		allow = append(allow, k)
+	}
+	slices.Sort(allow)
+	allowHeader := strings.Join(allow, ", ")
+	h := func(w http.ResponseWriter, r *http.Request) {
+		f, ok := m[r.Method]
+		if !ok {
+			f, ok = m["*"]
+		}
+		if !ok && r.Method == http.MethodHead {
+			f, ok = m[http.MethodGet]
+		}
+		if !ok {
+			w.Header().Set("Allow", allowHeader)
+			writeError(w, apiErr(http.StatusMethodNotAllowed, typeInvalidRequest, CodeMethodNotAllowed,
+				"method %s is not allowed on %s; allowed: %s", r.Method, pattern, allowHeader))
+			return
+		}
+		f(w, r)
+	}
+	rt.mux.Handle(pattern, instrument(rt.log, rt.metrics, pattern, http.HandlerFunc(h)))
+}
+
+// statusWriter remembers the status written, for metrics and for knowing
+// whether a recovered panic can still send an error body.
+type statusWriter struct {
+	http.ResponseWriter
+	status int
+}
+
+func (w *statusWriter) WriteHeader(code int) {
+	if w.status == 0 {
+		w.status = code
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *statusWriter) Write(b []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(b)
+}
+
+func (w *statusWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// instrument counts requests by route and status and turns a panic into a
+// logged 500, so that no input can take the agent down.
+func instrument(log *zap.Logger, m *Metrics, route string, next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		sw := &statusWriter{ResponseWriter: w}
+		defer func() {
+			if v := recover(); v != nil {
+				if v == http.ErrAbortHandler {
+					panic(v)
+				}
+				log.Error("handler panic", zap.String("route", route), zap.String("method", r.Method),
+					zap.Any("panic", v), zap.ByteString("stack", debug.Stack()))
+				if sw.status == 0 {
+					writeError(sw, apiErr(http.StatusInternalServerError, typeServer, CodeInternal, "internal error"))
+				}
+			}
+			if m != nil {
+				status := sw.status
+				if status == 0 {
+					status = http.StatusOK
+				}
+				m.observeRequest(route, status)
+			}
+		}()
+		next.ServeHTTP(sw, r)
+	})
+}
+
+func notFound(w http.ResponseWriter, r *http.Request) {
+	writeError(w, apiErr(http.StatusNotFound, typeNotFound, CodeNotFound, "no such endpoint: %s %s", r.Method, r.URL.Path))
+}
+
+// jobID reads and checks the {id} path segment. Ids are opaque, but one
+// that could address some other key in the store (a slash, "..") is never
+// a job's.
+func jobID(w http.ResponseWriter, r *http.Request) (string, bool) {
+	id := r.PathValue("id")
+	if !validID(id) {
+		writeError(w, apiErr(http.StatusNotFound, typeNotFound, CodeJobNotFound, "no job %q", id))
+		return "", false
+	}
+	return id, true
+}
+
+func validID(id string) bool {
+	if id == "" || len(id) > 128 || strings.Trim(id, ".") == "" {
+		return false
+	}
+	for _, c := range id {
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '-', c == '_', c == '.':
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+func (s *server) createJob(w http.ResponseWriter, r *http.Request) {
+	var req JobRequest
+	if e := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); e != nil {
+		writeError(w, e)
+		return
+	}
+	spec, class, err := req.spec(s.cfg.Limits)
+	if err != nil {
+		writeError(w, fieldError(err))
+		return
+	}
+	job, err := s.jobs.Submit(r.Context(), spec, class)
+	if err != nil {
+		writeError(w, s.storeError(r, "submit", "", err))
+		return
+	}
+	s.log.Info("job submitted", zap.String("job", job.ID), zap.Stringer("class", class))
+	w.Header().Set("Location", "/v1/jobs/"+url.PathEscape(job.ID))
+	writeJSON(w, http.StatusAccepted, job)
+}
+
+func (s *server) getJob(w http.ResponseWriter, r *http.Request) {
+	id, ok := jobID(w, r)
+	if !ok {
+		return
+	}
+	wait, e := s.parseWait(r)
+	if e != nil {
+		writeError(w, e)
+		return
+	}
+	if wait > 0 {
+		ctx, cancel := context.WithTimeout(r.Context(), wait)
+		job, err := s.jobs.Wait(ctx, id)
+		cancel()
+		switch {
+		case err == nil:
+			writeJSON(w, http.StatusOK, job)
+			return
+		case r.Context().Err() != nil:
+			return // the client left; nobody to answer
+		case !errors.Is(err, context.DeadlineExceeded):
+			writeError(w, s.storeError(r, "wait", id, err))
+			return
+		}
+		// The wait ran out: answer with the job as it stands.
+	}
+	job, err := s.jobs.Get(r.Context(), id)
+	if err != nil {
+		writeError(w, s.storeError(r, "get", id, err))
+		return
+	}
+	writeJSON(w, http.StatusOK, job)
+}
+
+// parseWait reads ?wait=DURATION, capped at MaxWait.
+func (s *server) parseWait(r *http.Request) (time.Duration, *APIError) {
+	v := r.URL.Query().Get("wait")
+	if v == "" {
+		return 0, nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		// Also accept whole seconds, as many long-poll APIs do.
+		n, nerr := strconv.Atoi(v)
+		if nerr != nil {
+			e := apiErr(http.StatusBadRequest, typeInvalidRequest, codeInvalidFieldPrefix+"wait",
+				"wait: %q is not a duration such as 30s", v)
+			e.Param = "wait"
+			return 0, e
+		}
+		d = time.Duration(n) * time.Second
+	}
+	if d < 0 {
+		e := apiErr(http.StatusBadRequest, typeInvalidRequest, codeInvalidFieldPrefix+"wait", "wait: %q must not be negative", v)
+		e.Param = "wait"
+		return 0, e
+	}
+	return min(d, s.cfg.MaxWait), nil
+}
+
+func (s *server) getResult(w http.ResponseWriter, r *http.Request) {
+	id, ok := jobID(w, r)
+	if !ok {
+		return
+	}
+	data, ct, err := s.jobs.Result(r.Context(), id)
+	if errors.Is(err, jobs.ErrNotReady) {
+		job, gerr := s.jobs.Get(r.Context(), id)
+		if gerr != nil {
+			writeError(w, s.storeError(r, "get", id, gerr))
+			return
+		}
+		writeError(w, notSucceeded(job))
+		return
+	}
+	if err != nil {
+		writeError(w, s.storeError(r, "result", id, err))
+		return
+	}
+	if ct == "" {
+		ct = "application/octet-stream"
+	}
+	h := w.Header()
+	h.Set("Content-Type", ct)
+	h.Set("Content-Length", strconv.Itoa(len(data)))
+	h.Set("X-Content-Type-Options", "nosniff")
+	// A job's output never changes once it succeeded.
+	h.Set("Cache-Control", "private, max-age=31536000, immutable")
+	w.WriteHeader(http.StatusOK)
+	if r.Method != http.MethodHead {
+		_, _ = w.Write(data)
+	}
+}
+
+// notSucceeded explains why a job has no result: still running (409
+// not_ready), cancelled (409 cancelled) or failed (410 with the job's code).
+func notSucceeded(job jobs.Job) *APIError {
+	switch job.State {
+	case jobs.Failed:
+		code, msg := CodeJobFailed, "job failed"
+		if job.Error != nil {
+			if job.Error.Code != "" {
+				code = job.Error.Code
+			}
+			if job.Error.Message != "" {
+				msg = job.Error.Message
+			}
+		}
+		return apiErr(http.StatusGone, typeJob, code, "job %s failed: %s", job.ID, msg)
+	case jobs.Cancelled:
+		return apiErr(http.StatusConflict, typeConflict, CodeCancelled, "job %s was cancelled", job.ID)
+	default:
+		stage := ""
+		if job.Stage != "" {
+			stage = fmt.Sprintf(" (stage %s)", job.Stage)
+		}
+		return apiErr(http.StatusConflict, typeConflict, CodeNotReady, "job %s is %s%s; its result is not ready", job.ID, job.State, stage)
+	}
+}
+
+func (s *server) cancelJob(w http.ResponseWriter, r *http.Request) {
+	id, ok := jobID(w, r)
+	if !ok {
+		return
+	}
+	job, err := s.jobs.Cancel(r.Context(), id)
+	if errors.Is(err, jobs.ErrFinished) {
+		e := apiErr(http.StatusConflict, typeConflict, CodeAlreadyFinished, "job %s already finished", id)
+		if job.State != "" {
+			e.Message = fmt.Sprintf("job %s already finished (%s)", id, job.State)
+		}
+		writeError(w, e)
+		return
+	}
+	if err != nil {
+		writeError(w, s.storeError(r, "cancel", id, err))
+		return
+	}
+	s.log.Info("job cancelled", zap.String("job", id))
+	writeJSON(w, http.StatusOK, job)
+}
+
+// storeError maps an error from Jobs to an HTTP answer. Unknown errors are
+// logged and reported without detail.
+func (s *server) storeError(r *http.Request, op, id string, err error) *APIError {
+	var fe *engine.FieldError
+	switch {
+	case errors.Is(err, jobs.ErrNotFound):
+		return apiErr(http.StatusNotFound, typeNotFound, CodeJobNotFound, "no job %q", id)
+	case errors.Is(err, jobs.ErrNotReady):
+		return apiErr(http.StatusConflict, typeConflict, CodeNotReady, "job %s: result not ready", id)
+	case errors.Is(err, jobs.ErrFinished):
+		return apiErr(http.StatusConflict, typeConflict, CodeAlreadyFinished, "job %s already finished", id)
+	case errors.As(err, &fe):
+		return fieldError(err)
+	case errors.Is(err, context.DeadlineExceeded):
+		return apiErr(http.StatusGatewayTimeout, typeServer, CodeTimeout, "%s timed out", op)
+	case errors.Is(err, context.Canceled) && r.Context().Err() != nil:
+		return apiErr(http.StatusServiceUnavailable, typeServer, CodeUnavailable, "request cancelled")
+	}
+	s.log.Error("job store error", zap.String("op", op), zap.String("job", id), zap.Error(err))
+	return apiErr(http.StatusInternalServerError, typeServer, CodeInternal, "internal error during %s", op)
+}

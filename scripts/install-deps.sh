@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# install-deps.sh installs the Debian packages latentmesh's builds and tests
+# need, and nothing else. It is idempotent: packages already installed are left
+# alone, and apt-get update runs once, only when something must be installed.
+#
+#   libibverbs-dev     infiniband/verbs.h and libibverbs.so, for `go build -tags rdma`
+#   ibverbs-providers  the userspace device drivers (mlx5, rxe soft-RoCE, ...) that
+#                      libibverbs loads at run time; without them no device is listed
+#   iproute2           ip netns / ip link, for the network-namespace testbed
+#   iptables           partition and blackhole faults in the network-namespace testbed
+#
+# Run as root (CI does). Exits non-zero with a message when anything fails.
+set -euo pipefail
+
+PACKAGES=(libibverbs-dev ibverbs-providers iproute2 iptables)
+
+log() { printf 'install-deps: %s\n' "$*"; }
+die() { printf 'install-deps: error: %s\n' "$*" >&2; exit 1; }
+
+# installed reports whether dpkg has the package fully installed (dpkg -s also
+# succeeds for packages removed but with config files left, so check Status).
+installed() {
+	dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed$'
+}
+
+command -v dpkg >/dev/null 2>&1 || die "dpkg not found: this script supports Debian and derivatives only"
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+	if installed "$p"; then
+		log "$p already installed"
+	else
+		missing+=("$p")
+	fi
+done
+
+if [ "${#missing[@]}" -eq 0 ]; then
+	log "all dependencies present, nothing to do"
+	exit 0
+fi
+
+[ "$(id -u)" -eq 0 ] || die "must run as root to install: ${missing[*]}"
+command -v apt-get >/dev/null 2>&1 || die "apt-get not found, cannot install: ${missing[*]}"
+
+export DEBIAN_FRONTEND=noninteractive
+log "installing: ${missing[*]}"
+apt-get -qq update || die "apt-get update failed"
+apt-get -qq -y --no-install-recommends \
+	-o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+	install "${missing[@]}" >/dev/null || die "apt-get install failed for: ${missing[*]}"
+
+for p in "${missing[@]}"; do
+	installed "$p" || die "$p still not installed after apt-get install"
+done
+log "installed: ${missing[*]}"

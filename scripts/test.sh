@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# test.sh runs latentmesh's whole test suite: the one command CI runs
+# (.ci/run) and the README tells newcomers to run. It needs Go and, for the
+# rdma build tag, libibverbs-dev, which scripts/install-deps.sh installs.
+#
+#   FUZZTIME   how long each fuzz target runs beyond its seed corpus (default 3s; 0 skips)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FUZZTIME=${FUZZTIME:-3s}
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "system packages"
+if [ "$(id -u)" -eq 0 ]; then
+	scripts/install-deps.sh
+elif ! dpkg -s libibverbs-dev >/dev/null 2>&1; then
+	echo "test.sh: not root and libibverbs-dev missing: run 'sudo scripts/install-deps.sh' first" >&2
+	exit 1
+fi
+
+step "gofmt"
+unformatted=$(gofmt -l $(git ls-files '*.go' 2>/dev/null || find . -name '*.go'))
+if [ -n "$unformatted" ]; then
+	echo "gofmt would change:" >&2
+	echo "$unformatted" >&2
+	exit 1
+fi
+
+step "go vet (default and rdma build tags)"
+go vet ./...
+go vet -tags rdma ./...
+
+step "go build -tags rdma"
+go build -tags rdma ./...
+
+step "go test -race"
+go test -race -timeout 15m ./...
+
+step "go test -race -tags rdma (transfer)"
+go test -race -tags rdma ./transfer/...
+
+if [ "$FUZZTIME" != "0" ]; then
+	step "fuzz every decoder for $FUZZTIME"
+	for pkg in $(go list ./...); do
+		dir=$(go list -f '{{.Dir}}' "$pkg")
+		for target in $(grep -ho '^func Fuzz[A-Za-z0-9_]*' "$dir"/*_test.go 2>/dev/null | sed 's/^func //'); do
+			echo "fuzz $pkg $target"
+			if ! out=$(go test -run '^$' -fuzz "^${target}\$" -fuzztime "$FUZZTIME" "$pkg" 2>&1); then
+				echo "$out" >&2
+				exit 1
+			fi
+		done
+	done
+fi
+
+step "all tests passed"

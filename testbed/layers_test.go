@@ -1,0 +1,85 @@
+package testbed
+
+import (
+	"encoding/json"
+	"io"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+)
+
+const module = "github.com/latentmesh/latentmesh"
+
+type listedPackage struct {
+	ImportPath string
+	Doc        string
+	Deps       []string
+}
+
+// listPackages runs `go list -json ./...` at the module root.
+func listPackages(t *testing.T) []listedPackage {
+	t.Helper()
+	_, file, _, _ := runtime.Caller(0)
+	cmd := exec.Command("go", "list", "-json", "-tags", "rdma", "./...")
+	cmd.Dir = filepath.Dir(filepath.Dir(file))
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	var pkgs []listedPackage
+	dec := json.NewDecoder(out)
+	for {
+		var p listedPackage
+		if err := dec.Decode(&p); err == io.EOF {
+			break
+		} else if err != nil {
+			t.Fatal(err)
+		}
+		pkgs = append(pkgs, p)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	return pkgs
+}
+
+// Lower layers never import higher ones, and routing stays pure policy.
+func TestLayering(t *testing.T) {
+	forbidden := map[string][]string{
+		"routing":  {module + "/", "go.etcd.io/", "github.com/libp2p/", "github.com/hashicorp/memberlist", "net"},
+		"transfer": {module + "/agent", module + "/gossip", module + "/routing", module + "/cache", module + "/testbed", module + "/cmd"},
+		"gossip":   {module + "/agent", module + "/transfer", module + "/routing", module + "/cache", module + "/testbed", module + "/cmd"},
+		"cache":    {module + "/agent", module + "/testbed", module + "/cmd"},
+		"agent":    {module + "/testbed", module + "/cmd"},
+	}
+	for _, p := range listPackages(t) {
+		rel := strings.TrimPrefix(p.ImportPath, module+"/")
+		layer, _, _ := strings.Cut(rel, "/")
+		rules := forbidden[layer]
+		for _, dep := range p.Deps {
+			for _, bad := range rules {
+				if dep == bad || (strings.HasSuffix(bad, "/") && strings.HasPrefix(dep, bad)) || strings.HasPrefix(dep, bad+"/") {
+					// routing may import itself
+					if strings.HasPrefix(dep, module+"/routing") && layer == "routing" {
+						continue
+					}
+					t.Errorf("%s imports %s (forbidden for %s)", p.ImportPath, dep, layer)
+				}
+			}
+		}
+	}
+}
+
+// Every package says what it owns and who may use it.
+func TestPackageDocs(t *testing.T) {
+	for _, p := range listPackages(t) {
+		if strings.TrimSpace(p.Doc) == "" {
+			t.Errorf("%s has no package comment", p.ImportPath)
+		}
+	}
+}

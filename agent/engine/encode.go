@@ -1,0 +1,160 @@
+package engine
+
+import (
+	"context"
+	"hash/fnv"
+	"math"
+	"strings"
+	"unicode"
+)
+
+// Reserved token ids. Every sequence starts with tokStart; positions after
+// the last token are padding, which the encoder outputs as zero rows (what an
+// encoder with an attention mask hands on), so pooling can skip them.
+const (
+	tokPad   = 0
+	tokStart = 1
+	firstTok = 2
+)
+
+// embedTable generates embedding rows on demand from a seed instead of
+// storing VocabSize x EmbedDim floats: row i is a pure function of
+// (TableSeed, i), which is what a trained table is to its users.
+type embedTable struct {
+	seed uint64
+}
+
+func newEmbedTable(cfg Config) *embedTable { return &embedTable{seed: cfg.TableSeed} }
+
+// Salts keep the different generated tables independent.
+const (
+	saltToken = iota + 1
+	saltPos
+	saltProj
+	saltMix
+	saltTexture
+)
+
+// addRow adds scale * row(kind, id) to dst.
+func (t *embedTable) addRow(dst []float64, kind, id uint64, scale float64) {
+	for j := range dst {
+		dst[j] = mad(gauss(hash4(t.seed, kind, id, uint64(j))), scale, dst[j])
+	}
+}
+
+// tokenize lowercases s, splits it on anything but letters and digits, and
+// hashes each word into [firstTok, vocab). The result starts with tokStart
+// and holds at most maxTokens ids.
+func tokenize(s string, vocab, maxTokens int) []uint32 {
+	ids := []uint32{tokStart}
+	words := strings.FieldsFunc(strings.ToLower(s), func(r rune) bool {
+		return !unicode.IsLetter(r) && !unicode.IsDigit(r)
+	})
+	for _, w := range words {
+		if len(ids) == maxTokens {
+			break
+		}
+		h := fnv.New32a()
+		h.Write([]byte(w))
+		ids = append(ids, firstTok+h.Sum32()%uint32(vocab-firstTok))
+	}
+	return ids
+}
+
+// Encode embeds the prompt and the negative prompt. The result has shape
+// [2, MaxTokens, EmbedDim]: row 0 conditions on the prompt, row 1 on the
+// negative prompt (an empty one embeds the bare start token), which
+// classifier-free guidance steers away from.
+func (e *Engine) Encode(ctx context.Context, s Spec) (Tensor, error) {
+	if err := e.checkSpec(s); err != nil {
+		return Tensor{}, err
+	}
+	if err := spend(ctx, e.cfg.EncodeCost); err != nil {
+		return Tensor{}, err
+	}
+	n, d := e.cfg.MaxTokens, e.cfg.EmbedDim
+	out := make([]float32, 2*n*d)
+	e.encodeInto(out[:n*d], s.Prompt)
+	e.encodeInto(out[n*d:], s.NegativePrompt)
+	meta := e.CondMeta()
+	return newTensor(meta.Shape, meta.NumChunks, out), nil
+}
+
+// encodeInto writes the MaxTokens x EmbedDim encoding of prompt into dst,
+// which must be zero. Each position mixes its token, its position and the
+// mean of the tokens before it (a one-layer causal "transformer"), then is
+// layer-normalised, so word order matters a little and shared words make
+// prompts similar.
+func (e *Engine) encodeInto(dst []float32, prompt string) {
+	d := e.cfg.EmbedDim
+	ids := tokenize(prompt, e.cfg.VocabSize, e.cfg.MaxTokens)
+	sum := make([]float64, d) // running sum of token rows before position t
+	tok := make([]float64, d)
+	x := make([]float64, d)
+	for t, id := range ids {
+		clear(tok)
+		e.table.addRow(tok, saltToken, uint64(id), 1)
+		copy(x, tok)
+		e.table.addRow(x, saltPos, uint64(t), 0.4)
+		if t > 0 {
+			inv := 0.8 / float64(t)
+			for j := range x {
+				x[j] = mad(sum[j], inv, x[j])
+			}
+		}
+		for j := range sum {
+			sum[j] += tok[j]
+		}
+		layerNorm(x)
+		row := dst[t*d : (t+1)*d]
+		for j, v := range x {
+			row[j] = float32(v)
+		}
+	}
+}
+
+// layerNorm scales x to zero mean and unit variance in place.
+func layerNorm(x []float64) {
+	var mean float64
+	for _, v := range x {
+		mean += v
+	}
+	mean /= float64(len(x))
+	var ss float64
+	for _, v := range x {
+		ss = mad(v-mean, v-mean, ss)
+	}
+	inv := 1 / math.Sqrt(ss/float64(len(x))+1e-6)
+	for j, v := range x {
+		x[j] = float64((v - mean) * inv)
+	}
+}
+
+// pool averages the non-padding rows of one n x d encoding and normalises the
+// result, giving the prompt's summary vector.
+func pool(rows []float32, n, d int) []float64 {
+	p := make([]float64, d)
+	count := 0
+	for t := range n {
+		row := rows[t*d : (t+1)*d]
+		zero := true
+		for _, v := range row {
+			if v != 0 {
+				zero = false
+				break
+			}
+		}
+		if zero {
+			continue
+		}
+		count++
+		for j, v := range row {
+			p[j] += float64(v)
+		}
+	}
+	if count == 0 {
+		return p
+	}
+	layerNorm(p)
+	return p
+}

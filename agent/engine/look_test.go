@@ -1,0 +1,93 @@
+package engine
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"image"
+	"image/draw"
+	"image/gif"
+	"image/png"
+	"os"
+	"path/filepath"
+	"testing"
+)
+
+// TestWriteSamples writes sample pictures for a person to look at. It runs
+// only when LATENTMESH_ENGINE_LOOK names an output directory.
+func TestWriteSamples(t *testing.T) {
+	dir := os.Getenv("LATENTMESH_ENGINE_LOOK")
+	if dir == "" {
+		t.Skip("set LATENTMESH_ENGINE_LOOK=dir to write sample pictures")
+	}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	e, err := New(DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	specs := []Spec{
+		{Prompt: "a red fox in the snow", Seed: 1},
+		{Prompt: "a red fox in the snow", Seed: 2},
+		{Prompt: "a red fox in the snow", Seed: 3},
+		{Prompt: "sunset over the ocean", Seed: 1},
+		{Prompt: "a bowl of fruit on a table", Seed: 1},
+		{Prompt: "cyberpunk city at night, neon", Seed: 7},
+		{Prompt: "a red fox in the snow", Seed: 1, GuidanceScale: 1},
+		{Prompt: "a red fox in the snow", Seed: 1, GuidanceScale: 30},
+		{Prompt: "a red fox in the snow", Seed: 1, NegativePrompt: "blurry"},
+		{Prompt: "a red fox in the snow", Seed: 1, Steps: 4},
+		{Prompt: "a red fox in the snow", Seed: 1, Width: 384, Height: 192},
+		{Prompt: "jellyfish drifting in deep water", Seed: 5, Frames: 16},
+	}
+	sheet := image.NewRGBA(image.Rect(0, 0, 4*256, 3*256))
+	for i, s := range specs {
+		s = s.WithDefaults()
+		out, ct, err := run(context.Background(), e, s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ext := ".png"
+		if ct == ContentTypeGIF {
+			ext = ".gif"
+		}
+		name := filepath.Join(dir, fmt.Sprintf("%02d%s", i, ext))
+		if err := os.WriteFile(name, out, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("%s: %+v", name, s)
+		var img image.Image
+		if ct == ContentTypeGIF {
+			g, err := gif.DecodeAll(bytes.NewReader(out))
+			if err != nil {
+				t.Fatal(err)
+			}
+			img = g.Image[len(g.Image)/2]
+		} else if img, err = png.Decode(bytes.NewReader(out)); err != nil {
+			t.Fatal(err)
+		}
+		at := image.Pt(i%4*256, i/4*256)
+		draw.Draw(sheet, image.Rectangle{at, at.Add(image.Pt(256, 256))}, img, image.Point{}, draw.Src)
+	}
+	var buf bytes.Buffer
+	if err := png.Encode(&buf, sheet); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "sheet.png"), buf.Bytes(), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// run is the whole pipeline in one call.
+func run(ctx context.Context, e *Engine, s Spec) ([]byte, string, error) {
+	cond, err := e.Encode(ctx, s)
+	if err != nil {
+		return nil, "", err
+	}
+	lat, err := e.Denoise(ctx, s, cond, nil)
+	if err != nil {
+		return nil, "", err
+	}
+	return e.Decode(ctx, s, lat)
+}

@@ -1,0 +1,38 @@
+package gossip
+
+import (
+	"go/parser"
+	"go/token"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+)
+
+// TestNoLatentmeshImports keeps gossip at the bottom of the stack: it may
+// not import any other latentmesh package.
+func TestNoLatentmeshImports(t *testing.T) {
+	files, err := filepath.Glob("*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	docs := 0
+	for _, name := range files {
+		f, err := parser.ParseFile(token.NewFileSet(), name, nil, parser.ImportsOnly|parser.ParseComments)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if f.Doc != nil && strings.HasPrefix(f.Doc.Text(), "Package gossip ") {
+			docs++
+		}
+		for _, imp := range f.Imports {
+			path, _ := strconv.Unquote(imp.Path.Value)
+			if strings.HasPrefix(path, "github.com/latentmesh/latentmesh/") {
+				t.Errorf("%s imports %s", name, path)
+			}
+		}
+	}
+	if docs != 1 {
+		t.Errorf("%d files carry a package comment, want exactly one", docs)
+	}
+}

@@ -1,0 +1,211 @@
+package rdma
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+)
+
+// fakeVerbs is a loopback verbs implementation: memory regions are Go slices
+// found by key, and a posted READ copies between them. Events records the
+// order in which resources are released.
+type fakeVerbs struct {
+	mu      sync.Mutex // guards the fields below
+	regions map[uint32][]byte
+	nextKey uint32
+	nextQPN uint32
+	events  []string
+	closed  bool
+
+	// Behaviour of queue pairs created from now on.
+	stall   bool  // hold completions until the QP is moved to ERR
+	reverse bool  // complete each posted batch in reverse order
+	failWR  int64 // complete this wr id with an error; -1: none
+	postCap int   // accept at most this many WRs in total; 0: unlimited
+	qps     []*fakeQP
+}
+
+func newFakeVerbs() *fakeVerbs {
+	return &fakeVerbs{regions: make(map[uint32][]byte), nextKey: 100, nextQPN: 0x10, failWR: -1}
+}
+
+func (f *fakeVerbs) event(format string, args ...any) {
+	f.mu.Lock()
+	f.events = append(f.events, fmt.Sprintf(format, args...))
+	f.mu.Unlock()
+}
+
+func (f *fakeVerbs) name() string { return "fake0" }
+
+func (f *fakeVerbs) regMR(buf []byte) (region, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.nextKey++
+	key := f.nextKey
+	f.regions[key] = buf
+	return region{
+		addr: uint64(key) << 32, // a fake address space: one 4 GiB window per key
+		lkey: key,
+		rkey: key,
+		dereg: func() error {
+			f.mu.Lock()
+			delete(f.regions, key)
+			f.events = append(f.events, fmt.Sprintf("dereg %d", key))
+			f.mu.Unlock()
+			return nil
+		},
+	}, nil
+}
+
+// resolve returns the bytes of [addr, addr+n) in the region with key.
+func (f *fakeVerbs) resolve(key uint32, addr uint64, n int64) ([]byte, bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	buf, ok := f.regions[key]
+	if !ok || addr>>32 != uint64(key) {
+		return nil, false
+	}
+	off := int64(addr & (1<<32 - 1))
+	if off+n > int64(len(buf)) {
+		return nil, false
+	}
+	return buf[off : off+n], true
+}
+
+func (f *fakeVerbs) newQP(cfg Config) (queue, QPInfo, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.nextQPN++
+	q := &fakeQP{
+		f: f, qpn: f.nextQPN, stall: f.stall, reverse: f.reverse, failWR: f.failWR, postCap: f.postCap,
+		wake: make(chan struct{}, 1),
+	}
+	f.qps = append(f.qps, q)
+	return q, QPInfo{LID: 1, QPN: q.qpn, MTU: 5, Port: cfg.Port}, nil
+}
+
+func (f *fakeVerbs) close() error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.closed = true
+	f.events = append(f.events, "close device")
+	return nil
+}
+
+type fakeQP struct {
+	f       *fakeVerbs
+	qpn     uint32
+	stall   bool
+	reverse bool
+	failWR  int64
+	postCap int
+	wake    chan struct{}
+
+	mu             sync.Mutex // guards the fields below
+	mods           []Transition
+	held           []uint64 // stalled WR ids
+	ready          []completion
+	outstanding    int
+	maxOutstanding int
+	posted         int
+	closed         bool
+}
+
+func (q *fakeQP) modify(t Transition) error {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.mods = append(q.mods, t)
+	if t.To == StateError {
+		for _, id := range q.held {
+			q.ready = append(q.ready, completion{id: id, err: fmt.Errorf("%w: wr %d: WR flushed", ErrCompletion, id)})
+		}
+		q.held = nil
+		q.signal()
+	}
+	return nil
+}
+
+func (q *fakeQP) signal() {
+	select {
+	case q.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (q *fakeQP) post(t readTarget, wrs []WR) (int, error) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	var batch []completion
+	for i, w := range wrs {
+		if q.postCap > 0 && q.posted == q.postCap {
+			q.ready = append(q.ready, reversed(batch, q.reverse)...)
+			q.signal()
+			return i, fmt.Errorf("send queue full")
+		}
+		q.posted++
+		q.outstanding++
+		q.maxOutstanding = max(q.maxOutstanding, q.outstanding)
+		if q.stall {
+			q.held = append(q.held, w.ID)
+			continue
+		}
+		c := completion{id: w.ID}
+		src, okR := q.f.resolve(t.rkey, w.RemoteAddr, w.Len)
+		dst, okL := q.f.resolve(t.lkey, t.localBase+uint64(w.LocalOff), w.Len)
+		switch {
+		case int64(w.ID) == q.failWR:
+			c.err = fmt.Errorf("%w: wr %d: remote operation error", ErrCompletion, w.ID)
+		case !okR:
+			c.err = fmt.Errorf("%w: wr %d: remote access error", ErrCompletion, w.ID)
+		case !okL:
+			c.err = fmt.Errorf("%w: wr %d: local protection error", ErrCompletion, w.ID)
+		default:
+			copy(dst, src)
+		}
+		batch = append(batch, c)
+	}
+	q.ready = append(q.ready, reversed(batch, q.reverse)...)
+	q.signal()
+	return len(wrs), nil
+}
+
+func reversed(cs []completion, rev bool) []completion {
+	if rev {
+		slices.Reverse(cs)
+	}
+	return cs
+}
+
+func (q *fakeQP) poll(ctx context.Context, out []completion) (int, error) {
+	for {
+		q.mu.Lock()
+		if len(q.ready) > 0 {
+			n := copy(out, q.ready)
+			q.ready = q.ready[n:]
+			q.outstanding -= n
+			q.mu.Unlock()
+			return n, nil
+		}
+		q.mu.Unlock()
+		select {
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		case <-q.wake:
+		}
+	}
+}
+
+func (q *fakeQP) close() error {
+	q.mu.Lock()
+	q.closed = true
+	q.mu.Unlock()
+	q.f.event("close qp %d", q.qpn)
+	return nil
+}
+
+func (q *fakeQP) snapshot() (mods []Transition, maxOut, outstanding int) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return slices.Clone(q.mods), q.maxOutstanding, q.outstanding
+}

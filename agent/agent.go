@@ -376,16 +376,12 @@ func (a *Agent) meta() gossip.NodeMeta {
 	return m
 }
 
-// reportLoop refreshes queue-depth and credit gauges.
+// reportLoop refreshes queue-depth and credit gauges, at once and then
+// every two seconds.
 func (a *Agent) reportLoop() {
 	t := time.NewTicker(2 * time.Second)
 	defer t.Stop()
 	for {
-		select {
-		case <-a.ctx.Done():
-			return
-		case <-t.C:
-		}
 		for _, st := range jobs.Stages() {
 			if q, _, _, err := a.store.Depth(a.ctx, st); err == nil {
 				a.metrics.SetQueueDepth(st, int(q))
@@ -393,6 +389,11 @@ func (a *Agent) reportLoop() {
 		}
 		for st, c := range a.credits {
 			a.metrics.SetFreeCredits(st, c.Free())
+		}
+		select {
+		case <-a.ctx.Done():
+			return
+		case <-t.C:
 		}
 	}
 }

@@ -11,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"go.uber.org/zap/zaptest"
-
 	"github.com/latentmesh/latentmesh/agent/engine"
 )
 
@@ -36,7 +34,7 @@ func runDemo(t *testing.T, top Topology, specs []engine.Spec) DemoReport {
 	defer cancel()
 	cfg := DemoConfig{Out: t.TempDir(), Specs: specs, Cluster: DefaultClusterConfig()}
 	cfg.Cluster.Topology = top
-	cfg.Cluster.Logger = zaptest.NewLogger(t)
+	cfg.Cluster.Logger = testLogger(t)
 	rep, err := RunDemo(ctx, cfg)
 	if err != nil {
 		t.Fatalf("%s demo: %v", top, err)

@@ -254,3 +254,5 @@ func TestKillDecodeAgentMidTask(t *testing.T) {
 		t.Fatalf("%d payload records left after the job", left.Count)
 	}
 }
+
+func errorf(format string, a ...any) error { return fmt.Errorf(format, a...) }

@@ -1,0 +1,152 @@
+package testbed
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/engine"
+)
+
+func startCluster(t *testing.T, top Topology) *Cluster {
+	t.Helper()
+	cfg := DefaultClusterConfig()
+	cfg.Topology = top
+	cfg.Logger = testLogger(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cl, err := StartCluster(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cl.Close() })
+	return cl
+}
+
+func post(t *testing.T, url, body string) (int, []byte) {
+	t.Helper()
+	resp, err := http.Post(url, "application/json", strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, b
+}
+
+// The real agent answers bad input with 4xx JSON errors and keeps serving.
+func TestAPIOnRealCluster(t *testing.T) {
+	cl := startCluster(t, Disaggregated)
+	base := "http://" + cl.Agents[1].HTTPAddr() // any agent serves the API
+
+	bad := map[string]string{
+		"malformed json":  `{"prompt":`,
+		"unknown field":   `{"prompt":"x","colour":"red"}`,
+		"size not WxH":    `{"prompt":"x","size":"big"}`,
+		"size too large":  `{"prompt":"x","size":"4096x4096"}`,
+		"n too large":     `{"prompt":"x","n":100}`,
+		"steps too many":  `{"prompt":"x","num_inference_steps":100000}`,
+		"empty prompt":    `{"prompt":""}`,
+		"url format":      `{"prompt":"x","response_format":"url"}`,
+		"negative n":      `{"prompt":"x","n":-1}`,
+		"guidance string": `{"prompt":"x","guidance_scale":"high"}`,
+	}
+	for name, body := range bad {
+		code, b := post(t, base+"/v1/images/generations", body)
+		var e struct {
+			Error struct{ Message, Type, Code string }
+		}
+		if code < 400 || code >= 500 || json.Unmarshal(b, &e) != nil || e.Error.Message == "" || e.Error.Code == "" {
+			t.Errorf("%s: status %d body %s", name, code, b)
+		}
+	}
+
+	// A good request still works after all that.
+	code, b := post(t, base+"/v1/images/generations", `{"prompt":"a small boat","size":"64x64","n":2,"num_inference_steps":4,"seed":11}`)
+	if code != 200 {
+		t.Fatalf("good request: %d %s", code, b)
+	}
+	var ok struct {
+		Data []struct {
+			B64JSON string `json:"b64_json"`
+		}
+	}
+	if err := json.Unmarshal(b, &ok); err != nil || len(ok.Data) != 2 {
+		t.Fatalf("response %s: %v", b, err)
+	}
+	img0, _ := base64.StdEncoding.DecodeString(ok.Data[0].B64JSON)
+	img1, _ := base64.StdEncoding.DecodeString(ok.Data[1].B64JSON)
+	checkImage(t, img0, engine.Spec{Prompt: "a small boat", Width: 64, Height: 64, Frames: 1})
+	if bytes.Equal(img0, img1) {
+		t.Fatal("n=2 returned the same image twice (seeds should differ)")
+	}
+
+	// Unknown job ids are 404 JSON.
+	resp, err := http.Get(base + "/v1/jobs/doesnotexist")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != 404 {
+		t.Fatalf("unknown job: %d", resp.StatusCode)
+	}
+}
+
+// The admin endpoint reports the node, its peers with roles and credits, and
+// queue depths; metrics are Prometheus text.
+func TestAdminStatus(t *testing.T) {
+	cl := startCluster(t, Disaggregated)
+	admin := "http://" + cl.Agents[0].AdminAddr()
+	var st agent.Status
+	eventually(t, 10*time.Second, func() error {
+		resp, err := http.Get(admin + "/v1/admin/status")
+		if err != nil {
+			return err
+		}
+		defer resp.Body.Close()
+		st = agent.Status{}
+		if err := json.NewDecoder(resp.Body).Decode(&st); err != nil {
+			return err
+		}
+		if len(st.Peers) != 3 {
+			return errorf("%d peers, want 3", len(st.Peers))
+		}
+		for _, p := range st.Peers {
+			if !p.Alive || len(p.Roles) != 1 {
+				return errorf("peer %+v", p)
+			}
+		}
+		return nil
+	})
+	if st.Node.ID != cl.Agents[0].ID() || len(st.Queues) != 3 {
+		t.Fatalf("status: %+v", st)
+	}
+	for _, path := range []string{"/livez", "/readyz"} {
+		resp, err := http.Get(admin + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("%s: %d", path, resp.StatusCode)
+		}
+	}
+	resp, err := http.Get(admin + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, name := range []string{"latentmesh_queue_depth", "latentmesh_free_credits"} {
+		if !bytes.Contains(b, []byte(name)) {
+			t.Errorf("metrics lack %s", name)
+		}
+	}
+}

@@ -1,0 +1,270 @@
+package transfer
+
+import (
+	"bytes"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"math"
+
+	"github.com/vmihailenco/msgpack/v5"
+)
+
+// WireVersion is the version of the control messages this build speaks.
+const WireVersion = 1
+
+// Bounds on variable-length fields of control messages, checked after decode.
+const (
+	maxPayloadIDLen = 64
+	maxTicketLen    = 512
+	maxAddrLen      = 256
+	maxAddrs        = 32
+	maxErrMsgLen    = 1024
+	maxPeerIDLen    = 128
+)
+
+// maxNesting bounds msgpack container nesting inside one frame; our messages
+// nest two levels deep.
+const maxNesting = 8
+
+// validator is implemented by every control message; ReadFrame calls it after
+// decoding so a message is never used before its bounds are checked.
+type validator interface {
+	Validate() error
+}
+
+// WriteFrame encodes v as msgpack and writes it with a 4-byte big-endian
+// length prefix in a single Write.
+func WriteFrame(w io.Writer, v any) error {
+	var buf bytes.Buffer
+	buf.Write([]byte{0, 0, 0, 0})
+	enc := msgpack.NewEncoder(&buf)
+	if err := enc.Encode(v); err != nil {
+		return fmt.Errorf("transfer: encode frame: %w", err)
+	}
+	b := buf.Bytes()
+	n := len(b) - 4
+	if uint64(n) > math.MaxUint32 {
+		return fmt.Errorf("%w: %d bytes", ErrFrameTooLarge, n)
+	}
+	binary.BigEndian.PutUint32(b, uint32(n))
+	_, err := w.Write(b)
+	return err
+}
+
+// ReadFrame reads one length-prefixed msgpack frame of at most max bytes and
+// decodes it into v, which must be a pointer to one of this package's message
+// structs (anything implementing Validate() error). The length is checked
+// before anything is allocated, every msgpack length inside the frame is
+// checked against the bytes actually present before decoding (msgpack v5.4
+// preallocates slices from the declared length), and the decoded message is
+// validated, which rejects unknown versions.
+func ReadFrame(r io.Reader, max int, v any) error {
+	val, ok := v.(validator)
+	if !ok {
+		return fmt.Errorf("transfer: ReadFrame into %T: not a message type", v)
+	}
+	var hdr [4]byte
+	if _, err := io.ReadFull(r, hdr[:]); err != nil {
+		return err
+	}
+	n := binary.BigEndian.Uint32(hdr[:])
+	if max < 0 || uint64(n) > uint64(max) {
+		return fmt.Errorf("%w: %d bytes, limit %d", ErrFrameTooLarge, n, max)
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(r, b); err != nil {
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF
+		}
+		return err
+	}
+	if err := scanMsgpack(b); err != nil {
+		return err
+	}
+	if err := msgpack.Unmarshal(b, v); err != nil {
+		return fmt.Errorf("%w: decode: %v", ErrProtocol, err)
+	}
+	return val.Validate()
+}
+
+// scanMsgpack walks one msgpack value spanning exactly b without decoding it,
+// and fails if any declared string, binary, array or map length exceeds the
+// bytes that remain, if containers nest deeper than maxNesting, or if bytes
+// trail the value. After it passes, decoding b allocates O(len(b)).
+func scanMsgpack(b []byte) error {
+	// stack holds, per open container, how many values it still owes.
+	var stackArr [maxNesting + 1]int
+	stack := stackArr[:1]
+	stack[0] = 1
+	i := 0
+	need := func(k uint64) error {
+		if k > uint64(len(b)-i) {
+			return fmt.Errorf("%w: msgpack length %d exceeds frame", ErrProtocol, k)
+		}
+		return nil
+	}
+	for len(stack) > 0 {
+		if stack[len(stack)-1] == 0 {
+			stack = stack[:len(stack)-1]
+			continue
+		}
+		stack[len(stack)-1]--
+		if i >= len(b) {
+			return fmt.Errorf("%w: truncated msgpack", ErrProtocol)
+		}
+		c := b[i]
+		i++
+		var skip uint64     // bytes of payload that follow
+		var children uint64 // values nested inside
+		switch {
+		case c <= 0x7f || c >= 0xe0 || c == 0xc0 || c == 0xc2 || c == 0xc3:
+		case c >= 0x80 && c <= 0x8f:
+			children = 2 * uint64(c&0x0f)
+		case c >= 0x90 && c <= 0x9f:
+			children = uint64(c & 0x0f)
+		case c >= 0xa0 && c <= 0xbf:
+			skip = uint64(c & 0x1f)
+		default:
+			var lenBytes int
+			var kind byte // 's' skip, 'a' array, 'm' map, 'x' ext
+			switch c {
+			case 0xc4, 0xd9:
+				lenBytes, kind = 1, 's'
+			case 0xc5, 0xda:
+				lenBytes, kind = 2, 's'
+			case 0xc6, 0xdb:
+				lenBytes, kind = 4, 's'
+			case 0xc7:
+				lenBytes, kind = 1, 'x'
+			case 0xc8:
+				lenBytes, kind = 2, 'x'
+			case 0xc9:
+				lenBytes, kind = 4, 'x'
+			case 0xca:
+				skip = 4
+			case 0xcb:
+				skip = 8
+			case 0xcc, 0xd0:
+				skip = 1
+			case 0xcd, 0xd1:
+				skip = 2
+			case 0xce, 0xd2:
+				skip = 4
+			case 0xcf, 0xd3:
+				skip = 8
+			case 0xd4:
+				skip = 2
+			case 0xd5:
+				skip = 3
+			case 0xd6:
+				skip = 5
+			case 0xd7:
+				skip = 9
+			case 0xd8:
+				skip = 17
+			case 0xdc:
+				lenBytes, kind = 2, 'a'
+			case 0xdd:
+				lenBytes, kind = 4, 'a'
+			case 0xde:
+				lenBytes, kind = 2, 'm'
+			case 0xdf:
+				lenBytes, kind = 4, 'm'
+			default:
+				return fmt.Errorf("%w: msgpack byte 0x%02x", ErrProtocol, c)
+			}
+			if lenBytes > 0 {
+				if err := need(uint64(lenBytes)); err != nil {
+					return err
+				}
+				var n uint64
+				for _, x := range b[i : i+lenBytes] {
+					n = n<<8 | uint64(x)
+				}
+				i += lenBytes
+				switch kind {
+				case 's':
+					skip = n
+				case 'x':
+					skip = n + 1
+				case 'a':
+					children = n
+				case 'm':
+					children = 2 * n
+				}
+			}
+		}
+		if err := need(skip); err != nil {
+			return err
+		}
+		i += int(skip)
+		if children > 0 {
+			// Every nested value takes at least one byte.
+			if err := need(children); err != nil {
+				return err
+			}
+			if len(stack) > maxNesting {
+				return fmt.Errorf("%w: msgpack nested deeper than %d", ErrProtocol, maxNesting)
+			}
+			stack = append(stack, int(children))
+		}
+	}
+	if i != len(b) {
+		return fmt.Errorf("%w: %d bytes trail the message", ErrProtocol, len(b)-i)
+	}
+	return nil
+}
+
+// TicketRequest asks a producer, over ProtocolID, for a ticket to pull a payload.
+type TicketRequest struct {
+	V         int    `msgpack:"v"`
+	PayloadID string `msgpack:"payload_id"`
+}
+
+// Validate checks the version and bounds of a decoded request.
+func (m *TicketRequest) Validate() error {
+	if m.V != WireVersion {
+		return fmt.Errorf("%w: ticket request v%d", ErrVersion, m.V)
+	}
+	if m.PayloadID == "" || len(m.PayloadID) > maxPayloadIDLen {
+		return fmt.Errorf("%w: payload id of %d bytes", ErrProtocol, len(m.PayloadID))
+	}
+	return nil
+}
+
+// TicketResponse answers a TicketRequest. On success Ticket is set and ErrCode
+// is empty; the ticket is opaque to the consumer.
+type TicketResponse struct {
+	V        int        `msgpack:"v"`
+	Ticket   []byte     `msgpack:"ticket"`
+	Meta     TensorMeta `msgpack:"meta"`
+	DataAddr string     `msgpack:"data_addr"`
+	ErrCode  string     `msgpack:"err_code"`
+	ErrMsg   string     `msgpack:"err_msg"`
+}
+
+// Validate checks the version and bounds of a decoded response. Meta is
+// checked against the largest payload any build accepts; the caller compares
+// it with the Ref it pulls.
+func (m *TicketResponse) Validate() error {
+	if m.V != WireVersion {
+		return fmt.Errorf("%w: ticket response v%d", ErrVersion, m.V)
+	}
+	if len(m.ErrCode) > maxErrMsgLen || len(m.ErrMsg) > maxErrMsgLen {
+		return fmt.Errorf("%w: error text too long", ErrProtocol)
+	}
+	if m.ErrCode != "" {
+		return nil
+	}
+	if len(m.Ticket) == 0 || len(m.Ticket) > maxTicketLen {
+		return fmt.Errorf("%w: ticket of %d bytes", ErrProtocol, len(m.Ticket))
+	}
+	if m.DataAddr == "" || len(m.DataAddr) > maxAddrLen {
+		return fmt.Errorf("%w: data addr of %d bytes", ErrProtocol, len(m.DataAddr))
+	}
+	if err := m.Meta.Validate(math.MaxInt64); err != nil {
+		return err
+	}
+	return nil
+}

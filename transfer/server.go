@@ -1,0 +1,229 @@
+package transfer
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/crypto"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"go.uber.org/zap"
+)
+
+// ioBlock is how many payload bytes move between deadline refreshes: large
+// enough that the refresh costs nothing, small enough that progress on a slow
+// link keeps a healthy connection alive.
+const ioBlock = 1 << 20
+
+func (s *Service) acceptLoop() {
+	defer s.wg.Done()
+	for {
+		c, err := s.ln.Accept()
+		if err != nil {
+			select {
+			case <-s.stop:
+				return
+			default:
+			}
+			var ne net.Error
+			if errors.As(err, &ne) && ne.Timeout() {
+				continue
+			}
+			s.log.Warn("data accept", zap.Error(err))
+			select {
+			case <-s.stop:
+				return
+			case <-time.After(100 * time.Millisecond):
+			}
+			continue
+		}
+		if !s.trackServing(c) {
+			c.Close()
+			return
+		}
+		go s.serveConn(c)
+	}
+}
+
+// trackServing registers a producer-side connection so Close can close it.
+func (s *Service) trackServing(c net.Conn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.wg.Add(1)
+	s.dataConns[c] = struct{}{}
+	return true
+}
+
+func (s *Service) untrackServing(c net.Conn) {
+	s.mu.Lock()
+	if s.dataConns != nil {
+		delete(s.dataConns, c)
+	}
+	s.mu.Unlock()
+	c.Close()
+	s.wg.Done()
+}
+
+// serveConn authenticates a consumer and serves its requests until it hangs
+// up, errs, idles out or the service closes.
+func (s *Service) serveConn(c net.Conn) {
+	defer s.untrackServing(c)
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.SetNoDelay(true)
+	}
+	log := s.log.With(zap.Stringer("remote", c.RemoteAddr()))
+	c.SetDeadline(time.Now().Add(s.cfg.IOTimeout))
+	consumer, err := s.handshake(c)
+	if err != nil {
+		log.Debug("data handshake", zap.Error(err))
+		code := CodeUnauthorized
+		if errors.Is(err, ErrVersion) {
+			code = CodeVersion
+		}
+		writeErrStatus(c, code, err.Error())
+		return
+	}
+	var rb reqBuf
+	var hdr [9]byte
+	for {
+		c.SetReadDeadline(time.Now().Add(s.cfg.IdleTimeout))
+		q, err := readRequest(c, &rb)
+		if err != nil {
+			if errors.Is(err, ErrProtocol) || errors.Is(err, ErrVersion) {
+				log.Debug("bad data request", zap.Error(err))
+				writeErrStatus(c, CodeBadRequest, err.Error())
+			}
+			return
+		}
+		c.SetDeadline(time.Now().Add(s.cfg.IOTimeout))
+		e, code, err := s.authorize(q, consumer)
+		if err != nil {
+			log.Debug("data request rejected", zap.String("code", code), zap.Error(err))
+			writeErrStatus(c, code, err.Error())
+			return
+		}
+		off, n := int64(q.Offset), int64(q.Length)
+		if !e.rangeReady(off, n) {
+			if err := s.awaitRange(c, e, off, n); err != nil {
+				log.Debug("wait for chunks", zap.Error(err))
+				return
+			}
+		}
+		hdr[0] = statusOK
+		binary.BigEndian.PutUint64(hdr[1:], e.chunkSum(off, n))
+		if _, err := c.Write(hdr[:]); err != nil {
+			return
+		}
+		if err := s.writeBlocks(c, e.buf[off:off+n]); err != nil {
+			log.Debug("data write", zap.Error(err))
+			return
+		}
+	}
+}
+
+// handshake proves the consumer's peer identity: it signs our fresh nonce,
+// our peer id and its own with the key its peer id is derived from.
+func (s *Service) handshake(c net.Conn) (peer.ID, error) {
+	var nonce [nonceLen]byte
+	if _, err := rand.Read(nonce[:]); err != nil {
+		return "", err
+	}
+	if err := writeHello(c, &nonce); err != nil {
+		return "", err
+	}
+	m, err := readAuth(c)
+	if err != nil {
+		return "", err
+	}
+	id, err := verifyAuth(&nonce, []byte(s.self), m)
+	if err != nil {
+		return "", err
+	}
+	if _, err := c.Write([]byte{statusOK}); err != nil {
+		return "", err
+	}
+	return id, nil
+}
+
+// verifyAuth checks that m is a valid signature, for this connection's nonce
+// and this producer, by the peer it names.
+func verifyAuth(nonce *[nonceLen]byte, producer []byte, m authMsg) (peer.ID, error) {
+	pub, err := crypto.UnmarshalPublicKey(m.PubKey)
+	if err != nil {
+		return "", fmt.Errorf("%w: public key: %v", ErrTicket, err)
+	}
+	id, err := peer.IDFromPublicKey(pub)
+	if err != nil || string(id) != string(m.PeerID) {
+		return "", fmt.Errorf("%w: public key does not match peer id", ErrTicket)
+	}
+	ok, err := pub.Verify(authPayload(nonce, producer, m.PeerID), m.Sig)
+	if err != nil || !ok {
+		return "", fmt.Errorf("%w: bad handshake signature", ErrTicket)
+	}
+	return id, nil
+}
+
+// authorize checks a request's ticket and range; on failure it returns the
+// wire code to send back.
+func (s *Service) authorize(q request, consumer peer.ID) (*entry, string, error) {
+	t, code, err := s.key.verify(q.Ticket)
+	if err != nil {
+		return nil, code, err
+	}
+	if t.consumer != consumer {
+		return nil, CodeWrongPeer, fmt.Errorf("%w: issued to %s, presented by %s", ErrTicket, t.consumer, consumer)
+	}
+	if !s.now().Before(t.expiry) {
+		return nil, CodeExpired, fmt.Errorf("%w: at %s", ErrTicketExpired, t.expiry.UTC().Format(time.RFC3339Nano))
+	}
+	e := s.reg.get(t.payloadID)
+	if e == nil {
+		return nil, CodeNotFound, fmt.Errorf("%w: %s", ErrNotFound, t.payloadID)
+	}
+	size := uint64(len(e.buf))
+	if q.Offset > size || q.Length > size-q.Offset {
+		return nil, CodeRange, fmt.Errorf("%w: [%d,+%d) of %d bytes", ErrRange, q.Offset, q.Length, size)
+	}
+	return e, "", nil
+}
+
+// awaitRange waits for chunks to be written, sending a heartbeat status every
+// third of IOTimeout so the consumer can tell a slow producer from a dead one.
+func (s *Service) awaitRange(c net.Conn, e *entry, off, n int64) error {
+	beat := s.cfg.IOTimeout / 3
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), beat)
+		err := e.waitRange(ctx, s.stop, off, n)
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, context.DeadlineExceeded) {
+			return err
+		}
+		c.SetWriteDeadline(time.Now().Add(s.cfg.IOTimeout))
+		if _, err := c.Write([]byte{statusWait}); err != nil {
+			return err
+		}
+	}
+}
+
+// writeBlocks writes b in ioBlock pieces, refreshing the write deadline before each.
+func (s *Service) writeBlocks(c net.Conn, b []byte) error {
+	for len(b) > 0 {
+		k := min(len(b), ioBlock)
+		c.SetWriteDeadline(time.Now().Add(s.cfg.IOTimeout))
+		if _, err := c.Write(b[:k]); err != nil {
+			return err
+		}
+		b = b[k:]
+	}
+	return nil
+}

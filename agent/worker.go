@@ -255,20 +255,17 @@ func (a *Agent) execute(c *jobs.Claim) {
 // published lists payloads this call published, for release on failure.
 func (a *Agent) run(ctx context.Context, c *jobs.Claim) (out jobs.Output, published []string, err error) {
 	spec := c.Task.Spec
-	var in engine.Tensor
-	if len(c.Task.Inputs) > 0 {
-		if in, err = a.pull(ctx, c.Task.Inputs[0]); err != nil {
-			return out, nil, err
-		}
-	}
 	var t engine.Tensor
 	switch c.Task.Stage {
 	case jobs.Encode:
 		t, err = a.engine.Encode(ctx, spec)
 	case jobs.Denoise:
-		t, err = a.engine.Denoise(ctx, spec, in, a.progress(ctx, c))
+		var cond engine.Tensor
+		if cond, err = a.pull(ctx, c.Task.Inputs); err == nil {
+			t, err = a.engine.Denoise(ctx, spec, cond, a.progress(ctx, c))
+		}
 	case jobs.Decode:
-		out.Result, out.ContentType, err = a.engine.Decode(ctx, spec, in)
+		out.Result, out.ContentType, err = a.decode(ctx, spec, c.Task.Inputs)
 		return out, nil, err
 	default:
 		return out, nil, fmt.Errorf("agent: unknown stage %q", c.Task.Stage)
@@ -291,27 +288,88 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim) (out jobs.Output, publis
 	return out, []string{ref.ID}, nil
 }
 
-// pull fetches an input payload from its producer, classifying failures: a
-// payload its producer no longer has, or whose producer left the mesh, is
-// lost (the job restarts); anything else is transient (the task retries).
-func (a *Agent) pull(ctx context.Context, in jobs.Input) (engine.Tensor, error) {
+// input decodes a task's single input reference.
+func input(ins []jobs.Input) (jobs.Input, transfer.Ref, error) {
 	var ref transfer.Ref
-	if err := json.Unmarshal(in.Ref, &ref); err != nil {
-		return engine.Tensor{}, fmt.Errorf("%w: undecodable payload ref %s: %v", errInputLost, in.Payload, err)
+	if len(ins) != 1 {
+		return jobs.Input{}, ref, fmt.Errorf("%w: task has %d inputs, want 1", errInputLost, len(ins))
+	}
+	if err := json.Unmarshal(ins[0].Ref, &ref); err != nil {
+		return ins[0], ref, fmt.Errorf("%w: undecodable payload ref %s: %v", errInputLost, ins[0].Payload, err)
+	}
+	return ins[0], ref, nil
+}
+
+// pull fetches a task's input payload from its producer.
+func (a *Agent) pull(ctx context.Context, ins []jobs.Input) (engine.Tensor, error) {
+	in, ref, err := input(ins)
+	if err != nil {
+		return engine.Tensor{}, err
 	}
 	data, err := a.xfer.Pull(ctx, ref)
+	if err != nil {
+		return engine.Tensor{}, a.pullFailed(ctx, in, err)
+	}
+	return engine.Tensor{Meta: ref.Meta, Data: data}, nil
+}
+
+// decode pulls the latent chunk by chunk and decodes each chunk's frames as
+// it lands, so a video's first frames are decoded while the rest is in flight.
+func (a *Agent) decode(ctx context.Context, spec engine.Spec, ins []jobs.Input) ([]byte, string, error) {
+	in, ref, err := input(ins)
+	if err != nil {
+		return nil, "", err
+	}
+	fd, err := a.engine.NewFrameDecoder(spec)
+	if err != nil {
+		return nil, "", err
+	}
+	if err := ref.Meta.Validate(a.cfg.Transfer.MaxPayloadBytes); err != nil {
+		return nil, "", fmt.Errorf("%w: latent meta: %v", errInputLost, err)
+	}
+	_, chunkBytes := ref.Meta.ChunkRange(0)
+	if chunkBytes%int64(fd.FrameBytes()) != 0 {
+		return nil, "", fmt.Errorf("agent: latent chunks of %d bytes are not whole %d-byte frames", chunkBytes, fd.FrameBytes())
+	}
+	framesPerChunk := int(chunkBytes) / fd.FrameBytes()
+
+	pctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	pull, err := a.xfer.PullChunks(pctx, ref, make([]byte, ref.Meta.Bytes()))
+	if err != nil {
+		return nil, "", a.pullFailed(ctx, in, err)
+	}
+	var decodeErr error
+	for ch := range pull.Chunks() {
+		if decodeErr == nil {
+			if decodeErr = fd.DecodeFrames(ctx, ch.Index*framesPerChunk, ch.Data); decodeErr != nil {
+				cancel() // stop the pull; the loop drains what already landed
+			}
+		}
+	}
+	if decodeErr != nil {
+		return nil, "", decodeErr
+	}
+	if err := pull.Wait(); err != nil {
+		return nil, "", a.pullFailed(ctx, in, err)
+	}
+	return fd.Finish()
+}
+
+// pullFailed classifies a failed pull: a payload its producer no longer has,
+// or whose producer left the mesh, is lost (the job restarts); anything else
+// is transient (the task retries).
+func (a *Agent) pullFailed(ctx context.Context, in jobs.Input, err error) error {
 	switch {
-	case err == nil:
-		return engine.Tensor{Meta: ref.Meta, Data: data}, nil
 	case errors.Is(err, transfer.ErrNotFound):
-		return engine.Tensor{}, fmt.Errorf("%w: %s on %s: %v", errInputLost, in.Payload, in.Node, err)
+		return fmt.Errorf("%w: %s on %s: %v", errInputLost, in.Payload, in.Node, err)
 	case ctx.Err() != nil:
-		return engine.Tensor{}, ctx.Err()
+		return ctx.Err()
 	}
 	if p, ok := a.member.Peer(in.Node); !ok || !p.Registered {
-		return engine.Tensor{}, fmt.Errorf("%w: producer %s left the mesh: %v", errInputLost, in.Node, err)
+		return fmt.Errorf("%w: producer %s left the mesh: %v", errInputLost, in.Node, err)
 	}
-	return engine.Tensor{}, fmt.Errorf("%w: pull %s from %s: %v", errTransient, in.Payload, in.Node, err)
+	return fmt.Errorf("%w: pull %s from %s: %v", errTransient, in.Payload, in.Node, err)
 }
 
 // progress returns the denoise step callback, throttled to ProgressEvery.

@@ -42,6 +42,24 @@ func BenchmarkDenoise(b *testing.B) {
 	}
 }
 
+// BenchmarkDenoiseInto reuses one output buffer, as an agent writing into
+// its arena does; compare its B/op with BenchmarkDenoise's.
+func BenchmarkDenoiseInto(b *testing.B) {
+	e := newEngine(b)
+	for _, bc := range benchSpecs() {
+		b.Run(bc.name, func(b *testing.B) {
+			cond, _ := e.Encode(context.Background(), bc.s)
+			dst := make([]byte, e.LatentMeta(bc.s).Bytes())
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, err := e.DenoiseInto(context.Background(), bc.s, cond, dst, nil, nil); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
 func BenchmarkDecode(b *testing.B) {
 	e := newEngine(b)
 	for _, bc := range benchSpecs() {

@@ -4,6 +4,9 @@ import (
 	"context"
 	"fmt"
 	"math"
+	"time"
+
+	"github.com/latentmesh/latentmesh/transfer"
 )
 
 // Sampler and model constants. They are part of the algorithm: changing any
@@ -32,16 +35,47 @@ const (
 // Denoise runs s.Steps deterministic DDIM steps with classifier-free guidance
 // from seeded noise, conditioned on cond (Encode's output). The result has
 // LatentMeta(s). progress, if not nil, is called after every step; ctx is
-// checked between steps.
+// checked between steps and between the frames of a step.
 func (e *Engine) Denoise(ctx context.Context, s Spec, cond Tensor, progress func(step, total int)) (Tensor, error) {
-	if err := e.checkSpec(s); err != nil {
+	if err := e.checkSpec(s); err != nil { // before sizing dst from s
 		return Tensor{}, err
 	}
-	cv, err := checkTensor("cond", cond, e.CondMeta().Shape)
+	dst := make([]byte, e.LatentMeta(s).Bytes())
+	meta, err := e.DenoiseInto(ctx, s, cond, dst, progress, nil)
 	if err != nil {
 		return Tensor{}, err
 	}
+	return Tensor{Meta: meta, Data: dst}, nil
+}
+
+// DenoiseInto is Denoise writing the latent into dst, which must be exactly
+// LatentMeta(s).Bytes() long (an arena slot, say), instead of a new buffer.
+// It returns the meta of what it wrote.
+//
+// The sampler works in private buffers and writes dst only during its last
+// step, frame by frame in order. chunkDone(k), if not nil, is called as soon
+// as chunk k (frame k of the frame-major latent, bytes
+// LatentMeta(s).ChunkRange(k)) holds its final bytes, while later frames are
+// still being computed, so a consumer may start sending or decoding chunk k
+// at once; it is never written again. Both callbacks run on the calling
+// goroutine and delay the sampler while they run: hand work off rather than
+// doing it inline. progress(Steps, Steps) comes after the last chunkDone.
+//
+// On error dst holds unspecified bytes, chunks already reported included, and
+// whatever was started on them must be abandoned.
+func (e *Engine) DenoiseInto(ctx context.Context, s Spec, cond Tensor, dst []byte,
+	progress func(step, total int), chunkDone func(k int)) (transfer.TensorMeta, error) {
+	if err := e.checkSpec(s); err != nil {
+		return transfer.TensorMeta{}, err
+	}
 	meta := e.LatentMeta(s)
+	if n := meta.Bytes(); int64(len(dst)) != n {
+		return transfer.TensorMeta{}, fmt.Errorf("%w: denoise into %d bytes, latent needs %d", ErrBadTensor, len(dst), n)
+	}
+	cv, err := checkTensor("cond", cond, e.CondMeta().Shape)
+	if err != nil {
+		return transfer.TensorMeta{}, err
+	}
 	nf, nc, h, w := s.Frames, e.cfg.LatentChannels, s.Height/8, s.Width/8
 	side := float64(max(h, w))
 	ew, eh := float64(w)/side, float64(h)/side
@@ -60,11 +94,12 @@ func (e *Engine) Denoise(ctx context.Context, s Spec, cond Tensor, progress func
 	warpX := make([]float64, nf*plane)
 	warpY := make([]float64, nf*plane)
 	coarse := make([]float64, plane)
+	scratch := make([]float64, plane) // boxBlur's
 	for f := range nf {
 		fx := x[f*nc*plane : (f+1)*nc*plane]
-		boxBlur(coarse, fx[0:plane], h, w, radius)
+		boxBlur(coarse, fx[0:plane], scratch, h, w, radius)
 		normalise(warpX[f*plane:(f+1)*plane], coarse)
-		boxBlur(coarse, fx[plane:2*plane], h, w, radius)
+		boxBlur(coarse, fx[plane:2*plane], scratch, h, w, radius)
 		normalise(warpY[f*plane:(f+1)*plane], coarse)
 	}
 	field := func(fx, fy float64) (float64, float64) {
@@ -73,24 +108,28 @@ func (e *Engine) Denoise(ctx context.Context, s Spec, cond Tensor, progress func
 		return warpX[yi*w+xi], warpY[yi*w+xi]
 	}
 	blobsC, blobsU := sceneC.place(field), sceneU.place(field)
-	blur := make([]float64, len(x))
+	blur := make([]float64, nc*plane) // one frame: a step reads no other frame
 	tc := make([]float64, nc)
 	tu := make([]float64, nc)
 	g := s.GuidanceScale
 
 	for i := range s.Steps {
 		if err := ctx.Err(); err != nil {
-			return Tensor{}, err
+			return transfer.TensorMeta{}, err
 		}
 		t := 1 - float64(i)/float64(s.Steps)
 		tn := 1 - float64(i+1)/float64(s.Steps)
 		a, sg := schedule(t)
 		an, sn := schedule(tn)
 		keep := float64(keepStructure * t)
-		for p := range nf * nc {
-			boxBlur(blur[p*plane:(p+1)*plane], x[p*plane:(p+1)*plane], h, w, radius)
-		}
+		last := i == s.Steps-1
+		// Frames are independent within a step, so the step runs frame by
+		// frame and the last one can hand each frame on as it completes.
 		for f := range nf {
+			fx := x[f*nc*plane : (f+1)*nc*plane]
+			for c := range nc {
+				boxBlur(blur[c*plane:(c+1)*plane], fx[c*plane:(c+1)*plane], scratch, h, w, radius)
+			}
 			for y := range h {
 				for xx := range w {
 					pos := y*w + xx
@@ -101,28 +140,41 @@ func (e *Engine) Denoise(ctx context.Context, s Spec, cond Tensor, progress func
 					sceneC.eval(blobsC, f, wx, wy, tc)
 					sceneU.eval(blobsU, f, wx, wy, tu)
 					for c := range nc {
-						k := (f*nc+c)*plane + pos
+						k := c*plane + pos
 						content := mad(g, tc[c]-tu[c], tu[c]) / guidanceRef
 						x0 := mad(keep, blur[k], content)
 						x0 = float64(latentLimit * squash(x0/latentLimit))
-						eps := (x[k] - float64(a*x0)) / sg
-						x[k] = mad(an, x0, float64(sn*eps))
+						eps := (fx[k] - float64(a*x0)) / sg
+						fx[k] = mad(an, x0, float64(sn*eps))
 					}
 				}
 			}
-		}
-		if err := spend(ctx, e.cfg.StepCost); err != nil {
-			return Tensor{}, err
+			if err := spend(ctx, frameShare(e.cfg.StepCost, f, nf)); err != nil {
+				return transfer.TensorMeta{}, err
+			}
+			if last {
+				off, size := meta.ChunkRange(f)
+				putFloat32s(dst[off:off+size], fx)
+				if chunkDone != nil {
+					chunkDone(f)
+				}
+			}
 		}
 		if progress != nil {
 			progress(i+1, s.Steps)
 		}
 	}
-	out := make([]float32, len(x))
-	for i, v := range x {
-		out[i] = float32(v)
+	return meta, nil
+}
+
+// frameShare is frame f's part of a step's simulated cost d, split over nf
+// frames so that the parts sum to d exactly.
+func frameShare(d time.Duration, f, nf int) time.Duration {
+	share := d / time.Duration(nf)
+	if f < int(d%time.Duration(nf)) {
+		share++
 	}
-	return newTensor(meta.Shape, meta.NumChunks, out), nil
+	return share
 }
 
 // schedule is the cosine variance-preserving schedule: at t=1 pure noise
@@ -193,9 +245,9 @@ func normalise(dst, src []float64) {
 }
 
 // boxBlur writes src blurred by two passes of a (2r+1)-wide box filter in
-// each direction (close to a Gaussian) into dst. Edges repeat.
-func boxBlur(dst, src []float64, h, w, r int) {
-	tmp := make([]float64, len(src))
+// each direction (close to a Gaussian) into dst. Edges repeat. tmp is
+// scratch space of len(src).
+func boxBlur(dst, src, tmp []float64, h, w, r int) {
 	copy(dst, src)
 	for range 2 {
 		for y := range h {

@@ -2,10 +2,13 @@ package engine
 
 import (
 	"context"
+	"fmt"
 	"hash/fnv"
 	"math"
 	"strings"
 	"unicode"
+
+	"github.com/latentmesh/latentmesh/transfer"
 )
 
 // Reserved token ids. Every sequence starts with tokStart; positions after
@@ -66,26 +69,43 @@ func tokenize(s string, vocab, maxTokens int) []uint32 {
 // negative prompt (an empty one embeds the bare start token), which
 // classifier-free guidance steers away from.
 func (e *Engine) Encode(ctx context.Context, s Spec) (Tensor, error) {
-	if err := e.checkSpec(s); err != nil {
-		return Tensor{}, err
-	}
-	if err := spend(ctx, e.cfg.EncodeCost); err != nil {
-		return Tensor{}, err
-	}
-	n, d := e.cfg.MaxTokens, e.cfg.EmbedDim
-	out := make([]float32, 2*n*d)
-	e.encodeInto(out[:n*d], s.Prompt)
-	e.encodeInto(out[n*d:], s.NegativePrompt)
 	meta := e.CondMeta()
-	return newTensor(meta.Shape, meta.NumChunks, out), nil
+	dst := make([]byte, meta.Bytes())
+	meta, err := e.EncodeInto(ctx, s, dst)
+	if err != nil {
+		return Tensor{}, err
+	}
+	return Tensor{Meta: meta, Data: dst}, nil
 }
 
-// encodeInto writes the MaxTokens x EmbedDim encoding of prompt into dst,
-// which must be zero. Each position mixes its token, its position and the
-// mean of the tokens before it (a one-layer causal "transformer"), then is
-// layer-normalised, so word order matters a little and shared words make
+// EncodeInto is Encode writing its output into dst, which must be exactly
+// CondMeta().Bytes() long (an arena slot, say), instead of a new buffer. Any
+// previous content of dst is overwritten. It returns the meta of what it
+// wrote; on error dst holds unspecified bytes.
+func (e *Engine) EncodeInto(ctx context.Context, s Spec, dst []byte) (transfer.TensorMeta, error) {
+	meta := e.CondMeta()
+	if err := e.checkSpec(s); err != nil {
+		return transfer.TensorMeta{}, err
+	}
+	if n := meta.Bytes(); int64(len(dst)) != n {
+		return transfer.TensorMeta{}, fmt.Errorf("%w: encode into %d bytes, cond needs %d", ErrBadTensor, len(dst), n)
+	}
+	if err := spend(ctx, e.cfg.EncodeCost); err != nil {
+		return transfer.TensorMeta{}, err
+	}
+	half := len(dst) / 2
+	clear(dst) // padding rows are zero
+	e.encodeInto(dst[:half], s.Prompt)
+	e.encodeInto(dst[half:], s.NegativePrompt)
+	return meta, nil
+}
+
+// encodeInto writes the MaxTokens x EmbedDim float32 encoding of prompt into
+// dst, which must be zero. Each position mixes its token, its position and
+// the mean of the tokens before it (a one-layer causal "transformer"), then
+// is layer-normalised, so word order matters a little and shared words make
 // prompts similar.
-func (e *Engine) encodeInto(dst []float32, prompt string) {
+func (e *Engine) encodeInto(dst []byte, prompt string) {
 	d := e.cfg.EmbedDim
 	ids := tokenize(prompt, e.cfg.VocabSize, e.cfg.MaxTokens)
 	sum := make([]float64, d) // running sum of token rows before position t
@@ -106,10 +126,7 @@ func (e *Engine) encodeInto(dst []float32, prompt string) {
 			sum[j] += tok[j]
 		}
 		layerNorm(x)
-		row := dst[t*d : (t+1)*d]
-		for j, v := range x {
-			row[j] = float32(v)
-		}
+		putFloat32s(dst[4*t*d:4*(t+1)*d], x)
 	}
 }
 

@@ -54,6 +54,14 @@ func Float32Bytes(v []float32) []byte {
 	return b
 }
 
+// putFloat32s writes v, each value rounded to float32, into the first
+// 4*len(v) bytes of dst in the engine's tensor encoding.
+func putFloat32s(dst []byte, v []float64) {
+	for i, f := range v {
+		binary.LittleEndian.PutUint32(dst[4*i:], math.Float32bits(float32(f)))
+	}
+}
+
 // BytesFloat32 decodes little-endian float32 bytes into a new slice in one
 // allocation. len(b) must be a multiple of 4.
 func BytesFloat32(b []byte) ([]float32, error) {

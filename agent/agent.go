@@ -352,6 +352,11 @@ func (a *Agent) Cancel(ctx context.Context, id string) (jobs.Job, error) {
 	return a.store.Cancel(ctx, id)
 }
 
+// StreamFrames streams a video's frame previews as they decode (httpapi.FrameStreamer).
+func (a *Agent) StreamFrames(ctx context.Context, id string, emit func(jobs.Frame) error) (jobs.Job, error) {
+	return a.store.StreamFrames(ctx, id, emit)
+}
+
 // meta is this node's gossiped soft state.
 func (a *Agent) meta() gossip.NodeMeta {
 	m := gossip.NodeMeta{Roles: stagesToRoles(a.cfg.Roles)}

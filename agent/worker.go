@@ -265,7 +265,7 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim) (out jobs.Output, publis
 			t, err = a.engine.Denoise(ctx, spec, cond, a.progress(ctx, c))
 		}
 	case jobs.Decode:
-		out.Result, out.ContentType, err = a.decode(ctx, spec, c.Task.Inputs)
+		out.Result, out.ContentType, err = a.decode(ctx, c)
 		return out, nil, err
 	default:
 		return out, nil, fmt.Errorf("agent: unknown stage %q", c.Task.Stage)
@@ -314,9 +314,12 @@ func (a *Agent) pull(ctx context.Context, ins []jobs.Input) (engine.Tensor, erro
 }
 
 // decode pulls the latent chunk by chunk and decodes each chunk's frames as
-// it lands, so a video's first frames are decoded while the rest is in flight.
-func (a *Agent) decode(ctx context.Context, spec engine.Spec, ins []jobs.Input) ([]byte, string, error) {
-	in, ref, err := input(ins)
+// it lands, so a video's first frames are decoded while the rest is in
+// flight; each decoded video frame is published as a preview for clients
+// streaming the job.
+func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, error) {
+	spec := c.Task.Spec
+	in, ref, err := input(c.Task.Inputs)
 	if err != nil {
 		return nil, "", err
 	}
@@ -342,8 +345,11 @@ func (a *Agent) decode(ctx context.Context, spec engine.Spec, ins []jobs.Input) 
 	var decodeErr error
 	for ch := range pull.Chunks() {
 		if decodeErr == nil {
-			if decodeErr = fd.DecodeFrames(ctx, ch.Index*framesPerChunk, ch.Data); decodeErr != nil {
+			first := ch.Index * framesPerChunk
+			if decodeErr = fd.DecodeFrames(ctx, first, ch.Data); decodeErr != nil {
 				cancel() // stop the pull; the loop drains what already landed
+			} else if spec.Frames > 1 {
+				a.previewFrames(ctx, c, fd, first, framesPerChunk)
 			}
 		}
 	}
@@ -354,6 +360,20 @@ func (a *Agent) decode(ctx context.Context, spec engine.Spec, ins []jobs.Input) 
 		return nil, "", a.pullFailed(ctx, in, err)
 	}
 	return fd.Finish()
+}
+
+// previewFrames publishes decoded frames [first, first+n) as previews. They
+// are advisory: a failure is logged, never fails the task.
+func (a *Agent) previewFrames(ctx context.Context, c *jobs.Claim, fd *engine.FrameDecoder, first, n int) {
+	for f := first; f < first+n; f++ {
+		png, err := fd.FramePreview(f)
+		if err == nil {
+			err = a.store.PutFrame(ctx, c, f, png)
+		}
+		if err != nil && ctx.Err() == nil {
+			a.log.Debug("frame preview", zap.String("job", c.Task.JobID), zap.Int("frame", f), zap.Error(err))
+		}
+	}
 }
 
 // pullFailed classifies a failed pull: a payload its producer no longer has,

@@ -1,6 +1,7 @@
 package testbed
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/base64"
@@ -13,6 +14,8 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
+	"github.com/latentmesh/latentmesh/agent/jobs"
 )
 
 func startCluster(t *testing.T, top Topology) *Cluster {
@@ -148,5 +151,78 @@ func TestAdminStatus(t *testing.T) {
 		if !bytes.Contains(b, []byte(name)) {
 			t.Errorf("metrics lack %s", name)
 		}
+	}
+}
+
+// A client streams a video's frames while the decode agent is still decoding.
+func TestStreamFramesWhileDecoding(t *testing.T) {
+	cfg := DefaultClusterConfig()
+	cfg.Logger = testLogger(t)
+	cfg.Agent.Engine.DecodeCost = 4 * time.Second // one second per frame below
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cl, err := StartCluster(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	base := "http://" + cl.Agents[0].HTTPAddr()
+	c := &httpapi.Client{BaseURL: base}
+	w, h, frames, steps := 96, 64, 4, 4
+	job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "waves", Width: &w, Height: &h, Frames: &frames, Steps: &steps})
+	if err != nil {
+		t.Fatal(err)
+	}
+	req, _ := http.NewRequestWithContext(ctx, "GET", base+"/v1/jobs/"+job.ID+"/frames", nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != 200 || resp.Header.Get("Content-Type") != "text/event-stream" {
+		t.Fatalf("frames: %d %s", resp.StatusCode, resp.Header.Get("Content-Type"))
+	}
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(nil, 1<<20)
+	var event string
+	seen := map[int]bool{}
+	var final jobs.Job
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case strings.HasPrefix(line, "event: "):
+			event = strings.TrimPrefix(line, "event: ")
+		case strings.HasPrefix(line, "data: ") && event == "frame":
+			var f struct {
+				Index int    `json:"index"`
+				B64   string `json:"b64_png"`
+			}
+			if err := json.Unmarshal([]byte(strings.TrimPrefix(line, "data: ")), &f); err != nil {
+				t.Fatal(err)
+			}
+			b, _ := base64.StdEncoding.DecodeString(f.B64)
+			checkImage(t, b, engine.Spec{Prompt: "frame", Width: w, Height: h, Frames: 1})
+			if len(seen) == 0 {
+				// The first frame arrives while the video is still decoding.
+				j, err := c.Get(ctx, job.ID)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if j.State.Terminal() {
+					t.Fatalf("first frame arrived only after the job ended (%s)", j.State)
+				}
+			}
+			seen[f.Index] = true
+		case strings.HasPrefix(line, "data: ") && event == "done":
+			if err := json.Unmarshal([]byte(strings.TrimPrefix(line, "data: ")), &final); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if final.State != jobs.Succeeded {
+		t.Fatalf("stream ended with job %+v", final)
+	}
+	if len(seen) != frames {
+		t.Fatalf("saw frames %v, want %d", seen, frames)
 	}
 }

@@ -237,3 +237,44 @@ func toByte(v float64) uint8 {
 	p := float64(127.5*squash(float64(1.1*v))) + 128
 	return uint8(clamp(math.Floor(p), 0, 255))
 }
+
+// MaxPreviewSide bounds the longest side of a frame preview.
+const MaxPreviewSide = 256
+
+// FramePreview returns decoded frame f as a PNG, subsampled so its longest
+// side is at most MaxPreviewSide: small enough to stream to a client while
+// the rest of the video decodes. It fails if frame f is not decoded yet.
+func (d *FrameDecoder) FramePreview(f int) ([]byte, error) {
+	d.mu.Lock()
+	var src image.Image
+	switch {
+	case f < 0 || f >= d.s.Frames || !d.have[f]:
+		d.mu.Unlock()
+		return nil, fmt.Errorf("%w: frame %d not decoded", ErrMissingFrames, f)
+	case d.pal != nil:
+		src = d.pal[f]
+	default:
+		src = d.rgb
+	}
+	d.mu.Unlock()
+	step := 1
+	for max(d.s.Width, d.s.Height)/step > MaxPreviewSide {
+		step++
+	}
+	var out image.Image = src
+	if step > 1 {
+		b := src.Bounds()
+		small := image.NewRGBA(image.Rect(0, 0, b.Dx()/step, b.Dy()/step))
+		for y := range small.Rect.Dy() {
+			for x := range small.Rect.Dx() {
+				small.Set(x, y, src.At(x*step, y*step))
+			}
+		}
+		out = small
+	}
+	var buf bytes.Buffer
+	if err := png.Encode(&buf, out); err != nil {
+		return nil, fmt.Errorf("engine: encode preview: %w", err)
+	}
+	return buf.Bytes(), nil
+}

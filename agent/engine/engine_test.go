@@ -674,3 +674,41 @@ const (
 	goldenPNG = "b8c14eaffce1f327"
 	goldenGIF = "9844cefd11967b4e"
 )
+
+func TestFramePreview(t *testing.T) {
+	e := newEngine(t)
+	ctx := context.Background()
+	s := Spec{Prompt: "waves", Seed: 3, Width: 512, Height: 128, Frames: 2, Steps: 2, GuidanceScale: 5}
+	cond, err := e.Encode(ctx, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lat, err := e.Denoise(ctx, s, cond, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fd, err := e.NewFrameDecoder(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := fd.FramePreview(0); !errors.Is(err, ErrMissingFrames) {
+		t.Fatalf("preview before decode: %v", err)
+	}
+	if err := fd.DecodeFrames(ctx, 1, lat.Data[fd.FrameBytes():]); err != nil {
+		t.Fatal(err)
+	}
+	b, err := fd.FramePreview(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	img, err := png.Decode(bytes.NewReader(b))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := img.Bounds(); got.Dx() != 256 || got.Dy() != 64 {
+		t.Fatalf("preview %v, want 256x64 (512x128 halved)", got)
+	}
+	if _, err := fd.FramePreview(2); err == nil {
+		t.Fatal("preview of a frame past the end")
+	}
+}

@@ -103,6 +103,7 @@ func NewHandler(cfg Config, j Jobs) http.Handler {
 	rt.handle("/v1/jobs", methods{http.MethodPost: s.createJob})
 	rt.handle("/v1/jobs/{id}", methods{http.MethodGet: s.getJob, http.MethodDelete: s.cancelJob})
 	rt.handle("/v1/jobs/{id}/result", methods{http.MethodGet: s.getResult})
+	rt.handle("/v1/jobs/{id}/frames", methods{http.MethodGet: s.streamFrames})
 	rt.handle("/", methods{"*": notFound})
 	return mux
 }

@@ -163,6 +163,8 @@ func (s *Store) payloadKey(id string) string   { return s.payloadPrefix() + id }
 func (s *Store) resultKey(id string, i int) string {
 	return fmt.Sprintf("%s%04d", s.resultPrefix(id), i)
 }
+func (s *Store) framePrefix(id string) string     { return s.cfg.Prefix + "/frames/" + id + "/" }
+func (s *Store) frameKey(id string, f int) string { return fmt.Sprintf("%s%04d", s.framePrefix(id), f) }
 
 // taskKey orders by class, then enqueue time; the task id makes it unique.
 func (s *Store) taskKey(t *Task) string {
@@ -493,12 +495,13 @@ func (s *Store) fenced(c *Claim) []clientv3.Cmp {
 	}
 }
 
-// finishOps delete the task, its claim and its progress.
+// finishOps delete the task, its claim, its progress and frame previews.
 func (s *Store) finishOps(c *Claim) []clientv3.Op {
 	return []clientv3.Op{
 		clientv3.OpDelete(c.Task.Key),
 		clientv3.OpDelete(s.claimKey(&c.Task)),
 		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
+		clientv3.OpDelete(s.framePrefix(c.Task.JobID), clientv3.WithPrefix()),
 	}
 }
 
@@ -695,4 +698,80 @@ func (s *Store) Payloads(ctx context.Context) ([]PayloadRecord, error) {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Payload < out[j].Payload })
 	return out, nil
+}
+
+// PutFrame publishes a decoded frame preview (a small PNG) while the decode
+// stage runs, for clients streaming the video as it decodes. Previews live on
+// the worker's lease and are deleted when the stage ends.
+func (s *Store) PutFrame(ctx context.Context, c *Claim, frame int, png []byte) error {
+	_, err := s.cli.Put(ctx, s.frameKey(c.Task.JobID, frame), string(png), clientv3.WithLease(c.Lease))
+	return err
+}
+
+// Frame is one decoded frame preview.
+type Frame struct {
+	Index int
+	PNG   []byte
+}
+
+// StreamFrames calls emit with each frame preview of the job as it is
+// decoded, in the order they appear, until the job is terminal (returned) or
+// ctx ends. A frame decoded twice (a retried decode) is emitted once.
+func (s *Store) StreamFrames(ctx context.Context, id string, emit func(Frame) error) (Job, error) {
+	rec, _, err := s.getRecord(ctx, id)
+	if err != nil {
+		return Job{}, err
+	}
+	sent := map[int]bool{}
+	send := func(key, val []byte) error {
+		var f int
+		if _, err := fmt.Sscanf(strings.TrimPrefix(string(key), s.framePrefix(id)), "%d", &f); err != nil || sent[f] {
+			return nil
+		}
+		sent[f] = true
+		return emit(Frame{Index: f, PNG: val})
+	}
+	if rec.State.Terminal() {
+		return rec.Job, nil
+	}
+	// Read what is there, then watch frames and the job from that revision.
+	resp, err := s.cli.Get(ctx, s.framePrefix(id), clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+	if err != nil {
+		return Job{}, fmt.Errorf("jobs: frames %s: %w", id, err)
+	}
+	for _, kv := range resp.Kvs {
+		if err := send(kv.Key, kv.Value); err != nil {
+			return Job{}, err
+		}
+	}
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	frames := s.cli.Watch(wctx, s.framePrefix(id), clientv3.WithPrefix(), clientv3.WithRev(resp.Header.Revision+1), clientv3.WithFilterDelete())
+	jobs := s.cli.Watch(wctx, s.jobKey(id), clientv3.WithRev(resp.Header.Revision+1))
+	for {
+		select {
+		case <-ctx.Done():
+			return Job{}, ctx.Err()
+		case wr, ok := <-frames:
+			if !ok {
+				return Job{}, fmt.Errorf("jobs: frame watch of %s ended", id)
+			}
+			for _, ev := range wr.Events {
+				if err := send(ev.Kv.Key, ev.Kv.Value); err != nil {
+					return Job{}, err
+				}
+			}
+		case _, ok := <-jobs:
+			if !ok {
+				return Job{}, fmt.Errorf("jobs: job watch of %s ended", id)
+			}
+			job, err := s.Get(ctx, id)
+			if err != nil {
+				return Job{}, err
+			}
+			if job.State.Terminal() {
+				return job, nil
+			}
+		}
+	}
 }

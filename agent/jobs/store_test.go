@@ -322,3 +322,63 @@ func TestBadIDs(t *testing.T) {
 		}
 	}
 }
+
+func TestStreamFrames(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	job, _ := s.Submit(ctx, spec(), routing.Standard)
+	enc := claimOne(t, s, Encode, "enc", lease)
+	if err := s.Commit(ctx, enc, Output{Payloads: payload("emb", "enc")}); err != nil {
+		t.Fatal(err)
+	}
+	den := claimOne(t, s, Denoise, "den", lease)
+	if err := s.Commit(ctx, den, Output{Payloads: payload("lat", "den")}); err != nil {
+		t.Fatal(err)
+	}
+	dec := claimOne(t, s, Decode, "dec", lease)
+	if err := s.PutFrame(ctx, dec, 0, []byte("frame0")); err != nil {
+		t.Fatal(err)
+	}
+
+	got := make(chan Frame, 8)
+	done := make(chan Job, 1)
+	go func() {
+		j, err := s.StreamFrames(ctx, job.ID, func(f Frame) error { got <- f; return nil })
+		if err != nil {
+			t.Error(err)
+		}
+		done <- j
+	}()
+	// Frame 0 was there before the stream started; frame 1 arrives during it;
+	// a second copy of frame 1 (a retried decode) is not sent again.
+	if f := <-got; f.Index != 0 || string(f.PNG) != "frame0" {
+		t.Fatalf("first frame %+v", f)
+	}
+	for _, b := range []string{"frame1", "frame1-again"} {
+		if err := s.PutFrame(ctx, dec, 1, []byte(b)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if f := <-got; f.Index != 1 || string(f.PNG) != "frame1" {
+		t.Fatalf("second frame %+v", f)
+	}
+	if err := s.Commit(ctx, dec, Output{Result: []byte("gif"), ContentType: "image/gif"}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case j := <-done:
+		if j.State != Succeeded {
+			t.Fatalf("stream ended with job %s", j.State)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("stream did not end when the job finished")
+	}
+	if len(got) != 0 {
+		t.Fatalf("%d extra frames sent", len(got))
+	}
+	left, _ := cli.Get(ctx, s.framePrefix(job.ID), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if left.Count != 0 {
+		t.Fatalf("%d frame previews left after commit", left.Count)
+	}
+}

@@ -1,0 +1,77 @@
+package httpapi
+
+import (
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"net/http"
+
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+// FrameStreamer is implemented by a Jobs that can stream a video's decoded
+// frames while the decode stage runs. It is optional: without it the frames
+// endpoint answers 501.
+type FrameStreamer interface {
+	// StreamFrames calls emit with each frame preview as it is decoded, until
+	// the job is terminal; it returns the finished job.
+	StreamFrames(ctx context.Context, id string, emit func(jobs.Frame) error) (jobs.Job, error)
+}
+
+// frameEvent is the data of one "frame" server-sent event.
+type frameEvent struct {
+	Index       int    `json:"index"`
+	ContentType string `json:"content_type"`
+	B64         string `json:"b64_png"`
+}
+
+// streamFrames is GET /v1/jobs/{id}/frames: a text/event-stream with one
+// "frame" event per decoded frame (a PNG preview, base64) as the decode
+// agent produces it, then one "done" event carrying the finished job. A
+// client sees the first frames of a video while the rest still decodes.
+func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
+	id, ok := jobID(w, r)
+	if !ok {
+		return
+	}
+	fs, ok := s.jobs.(FrameStreamer)
+	if !ok {
+		writeError(w, apiErr(http.StatusNotImplemented, typeServer, CodeUnavailable, "this server cannot stream frames"))
+		return
+	}
+	// Fail with a proper JSON error before committing to a stream.
+	if _, err := s.jobs.Get(r.Context(), id); err != nil {
+		writeError(w, s.storeError(r, "get", id, err))
+		return
+	}
+	rc := http.NewResponseController(w)
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-store")
+	h.Set("X-Accel-Buffering", "no")
+	w.WriteHeader(http.StatusOK)
+	send := func(event string, v any) error {
+		b, err := json.Marshal(v)
+		if err != nil {
+			return err
+		}
+		if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", event, b); err != nil {
+			return err
+		}
+		return rc.Flush()
+	}
+	job, err := fs.StreamFrames(r.Context(), id, func(f jobs.Frame) error {
+		return send("frame", frameEvent{Index: f.Index, ContentType: "image/png", B64: base64.StdEncoding.EncodeToString(f.PNG)})
+	})
+	if err != nil {
+		if r.Context().Err() == nil {
+			s.log.Warn("frame stream ended", zap.String("job", id), zap.Error(err))
+			_ = send("error", errorEnvelope{Error: apiErr(http.StatusInternalServerError, typeServer, CodeInternal, "stream interrupted")})
+		}
+		return
+	}
+	_ = send("done", job)
+}

@@ -48,6 +48,9 @@ type Config struct {
 	RetryBackoff time.Duration
 	// ProgressEvery throttles denoise progress writes to etcd.
 	ProgressEvery time.Duration
+	// EarlyHandoff commits a chunked (video) denoise stage as soon as its
+	// first frame chunk is final, so decode overlaps the denoiser's tail.
+	EarlyHandoff bool
 
 	Gossip    gossip.Config
 	Transfer  transfer.Config
@@ -77,6 +80,7 @@ func DefaultConfig() Config {
 		TransientRetries: 5,                      // a peer restarting, a network blip
 		RetryBackoff:     200 * time.Millisecond, // 0.2+0.4+0.8+1.6 s: rides out a restart
 		ProgressEvery:    200 * time.Millisecond, // a smooth progress bar; a few writes a second
+		EarlyHandoff:     true,                   // the RFC's chunked denoise->decode overlap
 		Gossip:           gossip.DefaultConfig(),
 		Transfer:         transfer.DefaultConfig(),
 		Jobs:             jobs.DefaultConfig(),

@@ -197,13 +197,28 @@ func (a *Agent) execute(c *jobs.Claim) {
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
 	log.Debug("task claimed")
 	start := time.Now()
-	out, published, err := a.run(a.ctx, c)
+	out, published, committed, err := a.run(a.ctx, c)
 	out.Work = time.Since(start)
 
 	release := func() {
 		for _, id := range published {
 			a.xfer.Release(id)
 		}
+	}
+	if committed {
+		// Early handoff: the commit already happened inside run.
+		switch {
+		case err == nil:
+			a.metrics.ObserveStage(st, out.Work)
+			log.Info("stage committed early", zap.Duration("took", out.Work))
+		case errors.Is(err, jobs.ErrFenced), errors.Is(err, jobs.ErrFinished):
+			log.Warn("early commit refused; output discarded", zap.Error(err))
+			release()
+		default:
+			log.Error("stage failed after early handoff", zap.Error(err))
+			release()
+		}
+		return
 	}
 	switch {
 	case err == nil:
@@ -253,39 +268,112 @@ func (a *Agent) execute(c *jobs.Claim) {
 
 // run does the stage's work: pull inputs, call the engine, publish outputs.
 // published lists payloads this call published, for release on failure.
-func (a *Agent) run(ctx context.Context, c *jobs.Claim) (out jobs.Output, published []string, err error) {
+// committed reports that run already committed the stage itself (early
+// handoff); err is then about the work after the commit.
+func (a *Agent) run(ctx context.Context, c *jobs.Claim) (out jobs.Output, published []string, committed bool, err error) {
 	spec := c.Task.Spec
-	var t engine.Tensor
 	switch c.Task.Stage {
 	case jobs.Encode:
-		t, err = a.engine.Encode(ctx, spec)
-	case jobs.Denoise:
-		var cond engine.Tensor
-		if cond, err = a.pull(ctx, c.Task.Inputs); err == nil {
-			t, err = a.engine.Denoise(ctx, spec, cond, a.progress(ctx, c))
+		p, ref, err := a.xfer.Begin(a.engine.CondMeta())
+		if err != nil {
+			return out, nil, false, fmt.Errorf("%w: publish: %v", errTransient, err)
 		}
+		if _, err := a.engine.EncodeInto(ctx, spec, p.Buf()); err != nil {
+			a.xfer.Release(ref.ID)
+			return out, nil, false, err
+		}
+		if err := p.ChunkReady(0); err != nil {
+			a.xfer.Release(ref.ID)
+			return out, nil, false, err
+		}
+		out, err = a.output(c, ref)
+		return out, []string{ref.ID}, false, err
+	case jobs.Denoise:
+		return a.denoise(ctx, c)
 	case jobs.Decode:
 		out.Result, out.ContentType, err = a.decode(ctx, c)
-		return out, nil, err
-	default:
-		return out, nil, fmt.Errorf("agent: unknown stage %q", c.Task.Stage)
+		return out, nil, false, err
 	}
-	if err != nil {
-		return out, nil, err
-	}
-	ref, err := a.xfer.Publish(t.Meta, t.Data)
-	if err != nil {
-		return out, nil, fmt.Errorf("%w: publish: %v", errTransient, err)
-	}
+	return out, nil, false, fmt.Errorf("agent: unknown stage %q", c.Task.Stage)
+}
+
+// output is the commit record of a stage that produced payload ref.
+func (a *Agent) output(c *jobs.Claim, ref transfer.Ref) (jobs.Output, error) {
 	raw, err := json.Marshal(ref)
 	if err != nil {
-		a.xfer.Release(ref.ID)
-		return out, nil, err
+		return jobs.Output{}, err
 	}
 	next, _ := nextStage(c.Task.Stage)
-	out.Payloads = []jobs.Input{{Payload: ref.ID, Node: a.id, Ref: raw}}
-	out.Hint = a.pickHint(next)
-	return out, []string{ref.ID}, nil
+	return jobs.Output{Payloads: []jobs.Input{{Payload: ref.ID, Node: a.id, Ref: raw}}, Hint: a.pickHint(next)}, nil
+}
+
+// denoise runs the sampler with the latent written straight into a
+// published, chunked payload. With early handoff (a video with more than
+// one chunk) the stage commits as soon as frame chunk 0 is final, so the
+// decode stage starts pulling and decoding while the denoiser finishes the
+// remaining frames; if the denoiser then fails, it releases the payload and
+// the consumer's pull fails with "not found", which rewinds the job.
+func (a *Agent) denoise(ctx context.Context, c *jobs.Claim) (out jobs.Output, published []string, committed bool, err error) {
+	spec := c.Task.Spec
+	cond, err := a.pull(ctx, c.Task.Inputs)
+	if err != nil {
+		return out, nil, false, err
+	}
+	meta := a.engine.LatentMeta(spec)
+	p, ref, err := a.xfer.Begin(meta)
+	if err != nil {
+		return out, nil, false, fmt.Errorf("%w: publish: %v", errTransient, err)
+	}
+	published = []string{ref.ID}
+	if out, err = a.output(c, ref); err != nil {
+		return out, published, false, err
+	}
+	early := a.cfg.EarlyHandoff && meta.Chunks() > 1
+	dctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var commitErr chan error // set once the early commit is under way
+	chunkDone := func(k int) {
+		if err := p.ChunkReady(k); err != nil {
+			a.log.Error("chunk ready", zap.Int("chunk", k), zap.Error(err))
+			cancel()
+			return
+		}
+		if k == 0 && early {
+			commitErr = make(chan error, 1)
+			start := time.Now()
+			go func() {
+				o := out
+				o.Work = time.Since(c.StartedAt)
+				err := a.store.Commit(ctx, c, o)
+				if err != nil {
+					cancel() // nobody will consume the rest
+				}
+				a.log.Debug("early handoff", zap.String("job", c.Task.JobID), zap.Duration("commit", time.Since(start)), zap.Error(err))
+				commitErr <- err
+			}()
+		}
+	}
+	report := a.progress(ctx, c)
+	progress := func(step, total int) {
+		if commitErr == nil { // after the handoff the job's progress is the decoder's
+			report(step, total)
+		}
+	}
+	_, err = a.engine.DenoiseInto(dctx, spec, cond, p.Buf(), progress, chunkDone)
+	if commitErr == nil {
+		return out, published, false, err
+	}
+	// The stage was handed off early: the commit's outcome decides.
+	if cerr := <-commitErr; cerr != nil {
+		return out, published, true, cerr
+	}
+	if err != nil {
+		// Committed, but the tail never came: drop the payload so its
+		// consumer fails fast and rewinds the job.
+		a.xfer.Release(ref.ID)
+		return out, nil, true, err
+	}
+	return out, nil, true, nil
 }
 
 // input decodes a task's single input reference.

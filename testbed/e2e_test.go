@@ -134,3 +134,38 @@ func TestFileNames(t *testing.T) {
 		t.Fatalf("gif ext = %q", got)
 	}
 }
+
+// With early handoff a video's denoise stage commits when its first frame is
+// final, so decode starts while the denoiser finishes the rest; the file is
+// the same as without.
+func TestEarlyHandoffOverlapsDecode(t *testing.T) {
+	spec := engine.Spec{Prompt: "a slow river", Seed: 8, Width: 64, Height: 64, Frames: 8, Steps: 2}.WithDefaults()
+	const step = time.Second // simulated: the last step finishes one frame per 125 ms
+	run := func(early bool) (DemoReport, []byte) {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		cfg := DemoConfig{Out: t.TempDir(), Specs: []engine.Spec{spec}, Cluster: DefaultClusterConfig()}
+		cfg.Cluster.Logger = testLogger(t)
+		cfg.Cluster.Agent.Engine.StepCost = step
+		cfg.Cluster.Agent.EarlyHandoff = early
+		rep, err := RunDemo(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := os.ReadFile(rep.Jobs[0].Output)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return rep, b
+	}
+	rep, early := run(true)
+	// The denoise stage committed before its last step was done.
+	if ms := rep.Jobs[0].Stages["denoise"].Ms; ms >= float64(spec.Steps)*float64(step.Milliseconds()) {
+		t.Fatalf("denoise committed after %.0f ms: no early handoff", ms)
+	}
+	_, late := run(false)
+	if !bytes.Equal(early, late) {
+		t.Fatal("early handoff changed the output")
+	}
+	checkImage(t, early, spec)
+}

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent"
@@ -66,6 +67,14 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return 1
 	}
 	defer cli.Close()
+	// Fail fast and say so when etcd is not there; systemd restarts us.
+	probe, cancelProbe := context.WithTimeout(ctx, 10*time.Second)
+	_, err = cli.Get(probe, cfg.Prefix+"/nodes/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+	cancelProbe()
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh agent: cannot reach etcd at %s: %v\n", *endpoints, err)
+		return 1
+	}
 	a, err := agent.New(cfg, cli)
 	if err != nil {
 		log.Error("start failed", zap.Error(err))

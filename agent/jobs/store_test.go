@@ -71,6 +71,23 @@ func claimOne(t *testing.T, s *Store, stage Stage, node string, lease clientv3.L
 	return c
 }
 
+// claimAt runs the only job's stages before st (committing a payload from
+// each) and returns the claim on its st task.
+func claimAt(t *testing.T, s *Store, lease clientv3.LeaseID, st Stage) *Claim {
+	t.Helper()
+	for _, prev := range Stages() {
+		c := claimOne(t, s, prev, string(prev), lease)
+		if prev == st {
+			return c
+		}
+		if err := s.Commit(context.Background(), c, Output{Payloads: payload("out-"+string(prev), string(prev))}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	t.Fatalf("unknown stage %s", st)
+	return nil
+}
+
 func payload(id, node string) []Input {
 	return []Input{{Payload: id, Node: node, Ref: json.RawMessage(`{"id":"` + id + `"}`)}}
 }
@@ -205,11 +222,7 @@ func TestCancelWhileRunning(t *testing.T) {
 	ctx := context.Background()
 	lease := grant(t, cli)
 	job, _ := s.Submit(ctx, spec(), routing.Standard)
-	enc := claimOne(t, s, Encode, "enc", lease)
-	if err := s.Commit(ctx, enc, Output{Payloads: payload("emb", "enc")}); err != nil {
-		t.Fatal(err)
-	}
-	den := claimOne(t, s, Denoise, "den", lease)
+	den := claimAt(t, s, lease, Denoise)
 	got, err := s.Cancel(ctx, job.ID)
 	if err != nil || got.State != Cancelled {
 		t.Fatalf("cancel: %+v %v", got, err)
@@ -268,11 +281,7 @@ func TestRewindThenFail(t *testing.T) {
 	lease := grant(t, cli)
 	job, _ := s.Submit(ctx, spec(), routing.Standard)
 	for i := 0; i < 2; i++ {
-		enc := claimOne(t, s, Encode, "enc", lease)
-		if err := s.Commit(ctx, enc, Output{Payloads: payload("emb", "enc")}); err != nil {
-			t.Fatal(err)
-		}
-		den := claimOne(t, s, Denoise, "den", lease)
+		den := claimAt(t, s, lease, Denoise)
 		if err := s.Rewind(ctx, den, "producer gone"); err != nil {
 			t.Fatal(err)
 		}
@@ -328,15 +337,7 @@ func TestStreamFrames(t *testing.T) {
 	ctx := context.Background()
 	lease := grant(t, cli)
 	job, _ := s.Submit(ctx, spec(), routing.Standard)
-	enc := claimOne(t, s, Encode, "enc", lease)
-	if err := s.Commit(ctx, enc, Output{Payloads: payload("emb", "enc")}); err != nil {
-		t.Fatal(err)
-	}
-	den := claimOne(t, s, Denoise, "den", lease)
-	if err := s.Commit(ctx, den, Output{Payloads: payload("lat", "den")}); err != nil {
-		t.Fatal(err)
-	}
-	dec := claimOne(t, s, Decode, "dec", lease)
+	dec := claimAt(t, s, lease, Decode)
 	if err := s.PutFrame(ctx, dec, 0, []byte("frame0")); err != nil {
 		t.Fatal(err)
 	}

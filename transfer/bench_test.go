@@ -9,7 +9,7 @@ import (
 	"testing"
 )
 
-var benchSizes = []int64{4 << 20, 64 << 20}
+var benchSizes = []int64{4 << 20, 64 << 20, 256 << 20}
 
 // BenchmarkPullTCP measures a full remote pull (ticket over libp2p, striped
 // TCP, checksum) into a reused destination buffer.
@@ -122,5 +122,88 @@ func BenchmarkRawTCP(b *testing.B) {
 				}
 			})
 		}
+	}
+}
+
+// benchArena is an arena for size-byte payloads: prefaulted, huge pages
+// where the kernel allows, as agents run it.
+func benchArenaConfig(b *testing.B, dir string, size int64) Config {
+	cfg := arenaConfig(b, dir, size+(4<<20))
+	cfg.Arena.HugePages = true
+	cfg.Arena.Prefault = true
+	return cfg
+}
+
+// BenchmarkShmPull measures a same-host pull in copy mode (ticket over
+// libp2p, then a parallel copy from the producer's arena into the
+// consumer's). BenchmarkMemcpy is its baseline.
+func BenchmarkShmPull(b *testing.B) {
+	for _, size := range benchSizes {
+		b.Run(fmt.Sprintf("size=%dMiB", size>>20), func(b *testing.B) {
+			dir := shmDir(b)
+			prod := startService(b, benchArenaConfig(b, dir, size))
+			cons := startService(b, benchArenaConfig(b, dir, size))
+			ref := publishArena(b, prod, u8Meta(size), randBytes(size, 1))
+			dst, err := cons.Alloc(size)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer dst.Release()
+			ctx := testCtx(b)
+			if err := cons.PullInto(ctx, ref, dst.Bytes()); err != nil {
+				b.Fatal(err)
+			}
+			b.SetBytes(size)
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				if err := cons.PullInto(ctx, ref, dst.Bytes()); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkShmView measures a zero-copy handoff: ticket, pin, view, release.
+// Its time does not depend on the size.
+func BenchmarkShmView(b *testing.B) {
+	for _, size := range benchSizes {
+		b.Run(fmt.Sprintf("size=%dMiB", size>>20), func(b *testing.B) {
+			dir := shmDir(b)
+			prod := startService(b, benchArenaConfig(b, dir, size))
+			cons := startService(b, benchArenaConfig(b, dir, 1<<20))
+			ref := publishArena(b, prod, u8Meta(size), randBytes(size, 1))
+			ctx := testCtx(b)
+			view, release, err := cons.PullView(ctx, ref) // dial and map once
+			if err != nil || int64(len(view)) != size {
+				b.Fatal(err)
+			}
+			release()
+			b.ReportAllocs()
+			b.ResetTimer()
+			for b.Loop() {
+				view, release, err := cons.PullView(ctx, ref)
+				if err != nil || int64(len(view)) != size {
+					b.Fatal(err)
+				}
+				release()
+			}
+		})
+	}
+}
+
+// BenchmarkMemcpy is the shm baseline: one copy between two prefaulted
+// arenas' worth of memory, single-threaded as Go's copy is.
+func BenchmarkMemcpy(b *testing.B) {
+	for _, size := range benchSizes {
+		b.Run(fmt.Sprintf("size=%dMiB", size>>20), func(b *testing.B) {
+			src, dst := randBytes(size, 1), make([]byte, size)
+			copy(dst, src)
+			b.SetBytes(size)
+			for b.Loop() {
+				copy(dst, src)
+			}
+		})
 	}
 }

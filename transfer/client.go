@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/libp2p/go-libp2p/core/peerstore"
 	ma "github.com/multiformats/go-multiaddr"
@@ -44,8 +45,9 @@ func (p *ChunkPull) Wait() error {
 	return p.err
 }
 
-// Pull fetches a payload into a fresh buffer. When this service is the
-// producer it returns the published buffer itself, which must not be modified.
+// Pull fetches a payload into a fresh heap buffer. When this service is the
+// producer of a payload held on the heap it returns the published buffer
+// itself, which must not be modified; one held in the arena is copied.
 func (s *Service) Pull(ctx context.Context, ref Ref) ([]byte, error) {
 	if err := ref.Meta.Validate(s.cfg.MaxPayloadBytes); err != nil {
 		return nil, err
@@ -112,7 +114,8 @@ func (s *Service) checkDst(ref Ref, dst []byte) error {
 }
 
 // pullLocal serves a pull of our own payload without a network hop: with dst
-// nil it returns the published buffer, else it copies into dst.
+// nil it returns the published buffer (a heap copy of it when it lives in the
+// arena, which Release may reuse), else it copies into dst.
 func (s *Service) pullLocal(ctx context.Context, ref Ref, dst []byte, onChunk func(int)) ([]byte, error) {
 	e := s.reg.get(ref.ID)
 	if e == nil {
@@ -120,6 +123,13 @@ func (s *Service) pullLocal(ctx context.Context, ref Ref, dst []byte, onChunk fu
 	}
 	if e.meta.Bytes() != ref.Meta.Bytes() || e.meta.Chunks() != ref.Meta.Chunks() {
 		return nil, fmt.Errorf("%w: ref meta does not match payload %s", ErrBadMeta, ref.ID)
+	}
+	if err := e.pin(); err != nil {
+		return nil, err
+	}
+	defer e.unpin()
+	if dst == nil && e.owner != nil {
+		dst = make([]byte, len(e.buf))
 	}
 	for k := range e.ready {
 		off, n := e.meta.ChunkRange(k)
@@ -139,46 +149,38 @@ func (s *Service) pullLocal(ctx context.Context, ref Ref, dst []byte, onChunk fu
 	return dst, nil
 }
 
-// span is one byte range a pull requests; chunk is its chunk index, or -1.
+// span is one byte range a pull requests, inside chunk chunk.
 type span struct {
 	off, n int64
 	chunk  int
 }
 
-// plan splits a payload into the ranges requested: one per chunk for chunked
-// payloads (in index order, so chunk 0 lands first), else up to Conns equal
-// stripes of at least MinStripe bytes.
+// plan splits a payload into the ranges requested, in order: each chunk (the
+// whole payload when it is not chunked) into up to Conns stripes of at least
+// MinStripe bytes, aligned to sumBlock so the producer can send the block
+// checksums. Workers take spans in order, so the stripes of chunk 0 travel in
+// parallel and chunk 0 lands first.
 func (s *Service) plan(meta TensorMeta) []span {
-	size := meta.Bytes()
-	if nc := meta.Chunks(); nc > 1 {
-		out := make([]span, nc)
-		for k := range out {
-			off, n := meta.ChunkRange(k)
-			out[k] = span{off: off, n: n, chunk: k}
-		}
-		return out
-	}
+	nc := meta.Chunks()
+	_, cs := meta.ChunkRange(0)
 	stripes := int64(s.cfg.Conns)
-	if lim := (size + s.cfg.MinStripe - 1) / s.cfg.MinStripe; lim < stripes {
+	if lim := (cs + s.cfg.MinStripe - 1) / s.cfg.MinStripe; lim < stripes {
 		stripes = lim
 	}
 	stripes = max(stripes, 1)
-	out := make([]span, stripes)
-	per := size / stripes
-	var off int64
-	for i := range out {
-		n := per
-		if i == len(out)-1 {
-			n = size - off
+	step := max((cs/stripes+sumBlock-1)/sumBlock*sumBlock, sumBlock)
+	out := make([]span, 0, int64(nc)*((cs+step-1)/step))
+	for k := range nc {
+		base := int64(k) * cs
+		for o := int64(0); o < cs; o += step {
+			out = append(out, span{off: base + o, n: min(step, cs-o), chunk: k})
 		}
-		out[i] = span{off: off, n: n, chunk: -1}
-		off += n
 	}
 	return out
 }
 
-// pull fetches ref from a remote producer into dst, striping ranges over
-// pooled connections.
+// pull fetches ref from a remote producer into dst over the transport
+// TransportFor picks.
 func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(int)) error {
 	if s.isClosed() {
 		return ErrClosed
@@ -191,6 +193,42 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 	defer cancel()
 	defer context.AfterFunc(s.life, cancel)()
 
+	t, err := s.transportFor(ref)
+	if err != nil {
+		return err
+	}
+	switch t {
+	case TransportShm:
+		err = s.pullShm(ctx, pid, ref, dst, onChunk)
+	case TransportRDMA:
+		err = s.pullRDMA(ctx, pid, ref, dst, onChunk)
+	default:
+		return s.pullTCP(ctx, pid, ref, dst, onChunk)
+	}
+	var fb *fallbackError
+	if !errors.As(err, &fb) {
+		return err
+	}
+	if s.cfg.Transport != TransportAuto {
+		return fb.err
+	}
+	s.log.Debug("transport fallback to tcp", zap.String("transport", t), zap.String("payload", ref.ID), zap.Error(fb.err))
+	return s.pullTCP(ctx, pid, ref, dst, onChunk)
+}
+
+// fallbackError is a transport failing before any byte moved, in a way tcp
+// may not (the payload or the destination is outside an arena, the shm
+// socket or queue pair cannot be set up): auto mode then pulls by tcp.
+type fallbackError struct{ err error }
+
+func (e *fallbackError) Error() string { return e.err.Error() }
+func (e *fallbackError) Unwrap() error { return e.err }
+
+// pullTCP fetches ref into dst, striping spans over pooled connections and
+// verifying each block's checksum as it lands.
+func (s *Service) pullTCP(ctx context.Context, pid peer.ID, ref Ref, dst []byte, onChunk func(int)) error {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
 	tk := &ticketHolder{s: s, pid: pid, ref: ref}
 	resp, err := tk.fetch(ctx)
 	if err != nil {
@@ -199,9 +237,22 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 	if resp.Meta.Bytes() != ref.Meta.Bytes() || resp.Meta.Chunks() != ref.Meta.Chunks() {
 		return fmt.Errorf("%w: producer meta %v does not match ref %v", ErrBadMeta, resp.Meta, ref.Meta)
 	}
+	if s.cfg.ChecksumTCP && ref.Checksum != 0 && resp.Checksum != 0 && resp.Checksum != ref.Checksum {
+		return fmt.Errorf("%w: payload %s: producer holds checksum %x, ref says %x", ErrCorrupt, ref.ID, resp.Checksum, ref.Checksum)
+	}
 	addr := resp.DataAddr
 
 	spans := s.plan(ref.Meta)
+	nc := ref.Meta.Chunks()
+	// left[k] counts the spans of chunk k still to land; unverified[k] is
+	// set when one of them came without block checksums.
+	left := make([]atomic.Int32, nc)
+	unverified := make([]atomic.Bool, nc)
+	for _, sp := range spans {
+		left[sp.chunk].Add(1)
+	}
+	needWhole := s.cfg.ChecksumTCP && ref.Checksum != 0
+	var deferred atomic.Bool // some chunk waits for the whole-payload checksum
 	workers := min(s.cfg.Conns, len(spans))
 	var next atomic.Int64
 	var firstErr error
@@ -220,14 +271,23 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 			}
 			sp := spans[i]
 			var err error
-			c, err = s.fetchSpan(ctx, c, addr, pid, tk, sp, dst)
+			var verified bool
+			c, verified, err = s.fetchSpan(ctx, c, addr, pid, tk, sp, dst)
 			if err != nil {
 				errOnce.Do(func() { firstErr = err; cancel() })
 				return
 			}
-			if onChunk != nil && sp.chunk >= 0 {
-				onChunk(sp.chunk)
+			if !verified && s.cfg.ChecksumTCP {
+				unverified[sp.chunk].Store(true)
 			}
+			if left[sp.chunk].Add(-1) != 0 || onChunk == nil {
+				continue
+			}
+			if unverified[sp.chunk].Load() && needWhole {
+				deferred.Store(true)
+				continue
+			}
+			onChunk(sp.chunk)
 		}
 	}
 	if workers == 1 {
@@ -245,13 +305,21 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 	if err := ctx.Err(); err != nil {
 		return err
 	}
-	if s.cfg.ChecksumTCP && ref.Checksum != 0 {
+	anyUnverified := false
+	for k := range unverified {
+		anyUnverified = anyUnverified || unverified[k].Load()
+	}
+	if needWhole && anyUnverified {
 		if got := xxhash.Sum64(dst); got != ref.Checksum {
 			return fmt.Errorf("%w: payload %s checksum %x, want %x", ErrCorrupt, ref.ID, got, ref.Checksum)
 		}
 	}
-	if onChunk != nil && spans[0].chunk < 0 {
-		onChunk(0)
+	if deferred.Load() {
+		for k := range unverified {
+			if unverified[k].Load() {
+				onChunk(k)
+			}
+		}
 	}
 	return nil
 }
@@ -259,21 +327,21 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 // fetchSpan fetches one span on c (dialling when c is nil) and returns the
 // connection to keep using, or nil when it was discarded. A pooled connection
 // the producer has since closed, and an expired ticket, are each retried once.
-func (s *Service) fetchSpan(ctx context.Context, c *dataConn, addr string, pid peer.ID, tk *ticketHolder, sp span, dst []byte) (*dataConn, error) {
+func (s *Service) fetchSpan(ctx context.Context, c *dataConn, addr string, pid peer.ID, tk *ticketHolder, sp span, dst []byte) (*dataConn, bool, error) {
 	retriedConn, retriedTicket := false, false
 	for {
 		reused := c != nil && c.used
 		if c == nil {
 			var err error
 			if c, reused, err = s.pool.get(ctx, addr, pid); err != nil {
-				return nil, err
+				return nil, false, err
 			}
 		}
 		t := tk.current()
-		started, err := s.fetch(ctx, c, t, sp.off, dst[sp.off:sp.off+sp.n])
+		started, verified, err := s.fetch(ctx, c, t, sp.off, dst[sp.off:sp.off+sp.n])
 		if err == nil {
 			c.used = true
-			return c, nil
+			return c, verified, nil
 		}
 		// After an error the stream is in an unknown state, or the producer
 		// has closed it (remote errors): never reuse it.
@@ -283,64 +351,100 @@ func (s *Service) fetchSpan(ctx context.Context, c *dataConn, addr string, pid p
 		remote := errors.As(err, &re)
 		switch {
 		case ctx.Err() != nil:
-			return nil, fmt.Errorf("transfer: pull %s: %w", tk.ref.ID, ctx.Err())
+			return nil, false, fmt.Errorf("transfer: pull %s: %w", tk.ref.ID, ctx.Err())
 		case remote && errors.Is(err, ErrTicketExpired) && !retriedTicket:
 			retriedTicket = true
 			if _, err := tk.refresh(ctx, t); err != nil {
-				return nil, err
+				return nil, false, err
 			}
 		case !remote && !started && reused && !retriedConn:
 			retriedConn = true
 		default:
-			return nil, err
+			return nil, false, err
 		}
 	}
 }
 
-// fetch sends one request on c and reads the answer into dst. started reports
-// whether the producer had begun answering, after which c is unusable on error.
-func (s *Service) fetch(ctx context.Context, c *dataConn, t []byte, off int64, dst []byte) (started bool, err error) {
+// fetch sends one request on c and reads the answer into dst, verifying
+// each block against its checksum as it lands when the producer sent them
+// (verified then reports it). started reports whether the producer had begun
+// answering, after which c is unusable on error.
+func (s *Service) fetch(ctx context.Context, c *dataConn, t []byte, off int64, dst []byte) (started, verified bool, err error) {
 	stop := context.AfterFunc(ctx, c.cancel)
 	defer stop()
 	c.setDeadline(time.Now().Add(s.cfg.IOTimeout))
 	c.wbuf = appendRequest(c.wbuf[:0], request{Offset: uint64(off), Length: uint64(len(dst)), Ticket: t})
 	if _, err := c.Write(c.wbuf); err != nil {
-		return false, fmt.Errorf("%w: %s: write request: %w", ErrUnreachable, c.addr, err)
+		return false, false, fmt.Errorf("%w: %s: write request: %w", ErrUnreachable, c.addr, err)
 	}
 	for {
 		if _, err := io.ReadFull(c, c.rbuf[:1]); err != nil {
-			return false, fmt.Errorf("%w: %s: read status: %w", ErrUnreachable, c.addr, err)
+			return false, false, fmt.Errorf("%w: %s: read status: %w", ErrUnreachable, c.addr, err)
 		}
 		switch c.rbuf[0] {
 		case statusWait:
 			c.setDeadline(time.Now().Add(s.cfg.IOTimeout))
 			continue
 		case statusErr:
-			return false, readErrStatus(c)
+			return false, false, readErrStatus(c)
 		case statusOK:
 		default:
-			return true, fmt.Errorf("%w: status byte %d", ErrProtocol, c.rbuf[0])
+			return true, false, fmt.Errorf("%w: status byte %d", ErrProtocol, c.rbuf[0])
 		}
 		break
 	}
-	if _, err := io.ReadFull(c, c.rbuf[:8]); err != nil {
-		return true, fmt.Errorf("%w: %s: read checksum: %w", ErrCorrupt, c.addr, unexpected(err))
+	block, sums, err := c.readSums(int64(len(dst)))
+	if err != nil {
+		return true, false, err
 	}
-	sum := binary.BigEndian.Uint64(c.rbuf[:8])
-	for got := 0; got < len(dst); {
-		k := min(len(dst)-got, ioBlock)
+	check := s.cfg.ChecksumTCP && len(sums) > 0
+	if len(sums) == 0 {
+		block = ioBlock
+	}
+	for got, i := 0, 0; got < len(dst); i++ {
+		k := min(len(dst)-got, int(block))
 		c.setDeadline(time.Now().Add(s.cfg.IOTimeout))
-		if _, err := io.ReadFull(c, dst[got:got+k]); err != nil {
-			return true, fmt.Errorf("%w: %s: short read at %d of %d bytes: %w", ErrCorrupt, c.addr, got, len(dst), unexpected(err))
+		b := dst[got : got+k]
+		if _, err := io.ReadFull(c, b); err != nil {
+			return true, false, fmt.Errorf("%w: %s: short read at %d of %d bytes: %w", ErrCorrupt, c.addr, got, len(dst), unexpected(err))
+		}
+		if check {
+			if x := xxhash.Sum64(b); x != sums[i] {
+				return true, false, fmt.Errorf("%w: range at %d: block at %d: checksum %x, want %x", ErrCorrupt, off, got, x, sums[i])
+			}
 		}
 		got += k
 	}
-	if sum != 0 && s.cfg.ChecksumTCP {
-		if x := xxhash.Sum64(dst); x != sum {
-			return true, fmt.Errorf("%w: range at %d: checksum %x, want %x", ErrCorrupt, off, x, sum)
-		}
+	return true, check, nil
+}
+
+// readSums reads the block size and block checksums that follow statusOK for
+// a range of n bytes. They alias c's buffer until the next call.
+func (c *dataConn) readSums(n int64) (int64, []uint64, error) {
+	if _, err := io.ReadFull(c, c.rbuf[:8]); err != nil {
+		return 0, nil, fmt.Errorf("%w: %s: read checksum header: %w", ErrCorrupt, c.addr, unexpected(err))
 	}
-	return true, nil
+	block := int64(binary.BigEndian.Uint32(c.rbuf[:4]))
+	count := int64(binary.BigEndian.Uint32(c.rbuf[4:8]))
+	if count == 0 {
+		return 0, nil, nil
+	}
+	if block < minSumBlock || block > maxSumBlock || count != (n+block-1)/block {
+		return 0, nil, fmt.Errorf("%w: %d checksums of %d-byte blocks for %d bytes", ErrProtocol, count, block, n)
+	}
+	if int64(cap(c.sumBuf)) < 8*count {
+		c.sumBuf = make([]byte, 8*count)
+		c.sums = make([]uint64, count)
+	}
+	raw := c.sumBuf[:8*count]
+	if _, err := io.ReadFull(c, raw); err != nil {
+		return 0, nil, fmt.Errorf("%w: %s: read checksums: %w", ErrCorrupt, c.addr, unexpected(err))
+	}
+	sums := c.sums[:count]
+	for i := range sums {
+		sums[i] = binary.BigEndian.Uint64(raw[8*i:])
+	}
+	return block, sums, nil
 }
 
 // ticketHolder is the ticket a pull's stripes share, refreshed at most once
@@ -389,6 +493,36 @@ func (t *ticketHolder) refresh(ctx context.Context, old []byte) ([]byte, error) 
 
 // requestTicket asks the producer for a ticket over the control channel.
 func (s *Service) requestTicket(ctx context.Context, pid peer.ID, ref Ref) (*TicketResponse, error) {
+	str, resp, err := s.requestTicketStream(ctx, pid, ref, false)
+	if err != nil {
+		return nil, err
+	}
+	str.close()
+	return resp, nil
+}
+
+// ctlStream is a control stream kept open after the ticket response to read
+// chunk events on.
+type ctlStream struct {
+	s    *Service
+	str  network.Stream
+	stop func() bool // ends the reset-on-cancel hook
+}
+
+func (c *ctlStream) readEvent(ev *ChunkEvent) error {
+	c.str.SetDeadline(time.Now().Add(c.s.cfg.IOTimeout))
+	return ReadFrame(c.str, c.s.cfg.MaxFrame, ev)
+}
+
+func (c *ctlStream) close() {
+	c.stop()
+	c.str.Close()
+}
+
+// requestTicketStream asks the producer for a ticket, and with watch for
+// chunk events after it, which the caller reads from the returned stream and
+// then closes it.
+func (s *Service) requestTicketStream(ctx context.Context, pid peer.ID, ref Ref, watch bool) (*ctlStream, *TicketResponse, error) {
 	if len(ref.Producer.P2PAddrs) > 0 {
 		addrs := make([]ma.Multiaddr, 0, len(ref.Producer.P2PAddrs))
 		for _, a := range ref.Producer.P2PAddrs {
@@ -409,28 +543,33 @@ func (s *Service) requestTicket(ctx context.Context, pid peer.ID, ref Ref) (*Tic
 	}
 	str, err := s.h.NewStream(ctx, pid, ProtocolID)
 	if err != nil {
-		return nil, unreachable("open stream", err)
+		return nil, nil, unreachable("open stream", err)
 	}
-	defer str.Close()
-	defer context.AfterFunc(ctx, func() { str.Reset() })()
+	c := &ctlStream{s: s, str: str, stop: context.AfterFunc(ctx, func() { str.Reset() })}
+	ok := false
+	defer func() {
+		if !ok {
+			c.stop()
+			str.Reset()
+		}
+	}()
 	str.SetDeadline(time.Now().Add(s.cfg.IOTimeout))
-	if err := WriteFrame(str, &TicketRequest{V: WireVersion, PayloadID: ref.ID}); err != nil {
-		str.Reset()
-		return nil, unreachable("write ticket request", err)
+	if err := WriteFrame(str, &TicketRequest{V: WireVersion, PayloadID: ref.ID, Watch: watch}); err != nil {
+		return nil, nil, unreachable("write ticket request", err)
 	}
 	str.CloseWrite()
 	var resp TicketResponse
 	if err := ReadFrame(str, s.cfg.MaxFrame, &resp); err != nil {
-		str.Reset()
 		if errors.Is(err, ErrProtocol) || errors.Is(err, ErrVersion) || errors.Is(err, ErrFrameTooLarge) || errors.Is(err, ErrBadMeta) {
-			return nil, fmt.Errorf("transfer: ticket response from %s: %w", pid, err)
+			return nil, nil, fmt.Errorf("transfer: ticket response from %s: %w", pid, err)
 		}
-		return nil, unreachable("read ticket response", err)
+		return nil, nil, unreachable("read ticket response", err)
 	}
 	if resp.ErrCode != "" {
-		return nil, &RemoteError{Code: resp.ErrCode, Msg: resp.ErrMsg}
+		return nil, nil, &RemoteError{Code: resp.ErrCode, Msg: resp.ErrMsg}
 	}
-	return &resp, nil
+	ok = true
+	return c, &resp, nil
 }
 
 // dataConn is a consumer-side data-plane connection to one producer.
@@ -440,8 +579,10 @@ type dataConn struct {
 	addr string
 	used bool // has completed at least one request
 
-	rbuf [8]byte
-	wbuf []byte
+	rbuf   [8]byte
+	wbuf   []byte
+	sumBuf []byte   // block checksums as read, reused across requests
+	sums   []uint64 // decoded, reused
 
 	mu sync.Mutex
 	// mu guards the field below.

@@ -32,6 +32,10 @@ var (
 	ErrProtocol = errors.New("transfer: protocol violation")
 	// ErrClosed is returned by calls on a closed Service.
 	ErrClosed = errors.New("transfer: service closed")
+	// ErrTransport means the configured transport cannot reach the
+	// producer (a forced shm towards another host, a forced rdma without a
+	// device, a payload the producer holds outside its arena).
+	ErrTransport = errors.New("transfer: transport unavailable")
 	// ErrBufferSize means a destination slice does not match the payload size.
 	ErrBufferSize = errors.New("transfer: destination size mismatch")
 )

@@ -8,6 +8,8 @@ import (
 	"math"
 
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/latentmesh/latentmesh/transfer/shm"
 )
 
 // WireVersion is the version of the control messages this build speaks.
@@ -220,6 +222,11 @@ func scanMsgpack(b []byte) error {
 type TicketRequest struct {
 	V         int    `msgpack:"v"`
 	PayloadID string `msgpack:"payload_id"`
+	// Watch asks the producer to keep the stream open after the response and
+	// send one ChunkEvent per chunk, in index order, as each becomes ready
+	// (shm and rdma pulls read the producer's memory directly, so they learn
+	// readiness this way).
+	Watch bool `msgpack:"watch,omitempty"`
 }
 
 // Validate checks the version and bounds of a decoded request.
@@ -242,6 +249,51 @@ type TicketResponse struct {
 	DataAddr string     `msgpack:"data_addr"`
 	ErrCode  string     `msgpack:"err_code"`
 	ErrMsg   string     `msgpack:"err_msg"`
+	// Checksum is the xxhash64 of the whole payload as published (0 for one
+	// published with Begin). A consumer compares it with its Ref's, so a Ref
+	// that does not describe what the producer holds is caught before the
+	// per-block checksums vouch for the bytes.
+	Checksum uint64 `msgpack:"checksum,omitempty"`
+	// Shm names the payload in the producer's arena, for a consumer on the
+	// same host; nil when the payload is not in the arena.
+	Shm *shm.Handle `msgpack:"shm,omitempty"`
+	// RDMA names the payload in the producer's registered arena; nil when
+	// the producer has no RDMA device or the payload is not in the arena.
+	RDMA *RDMARegion `msgpack:"rdma,omitempty"`
+}
+
+// RDMARegion is where a payload lies in a producer's registered memory: the
+// region (as rdma.MemInfo) and the payload's offset in it.
+type RDMARegion struct {
+	Addr uint64 `msgpack:"addr"`
+	RKey uint32 `msgpack:"rkey"`
+	Len  uint64 `msgpack:"len"`
+	Off  uint64 `msgpack:"off"`
+}
+
+// ChunkEvent follows a TicketResponse on a watched stream: chunk Chunk is
+// ready (its bytes may be read), or, with Chunk -1, nothing changed yet (a
+// heartbeat, sent every third of the producer's IOTimeout). ErrCode ends the
+// stream with an error.
+type ChunkEvent struct {
+	V       int    `msgpack:"v"`
+	Chunk   int    `msgpack:"chunk"`
+	ErrCode string `msgpack:"err_code,omitempty"`
+	ErrMsg  string `msgpack:"err_msg,omitempty"`
+}
+
+// Validate checks the version and bounds of a decoded event.
+func (m *ChunkEvent) Validate() error {
+	if m.V != WireVersion {
+		return fmt.Errorf("%w: chunk event v%d", ErrVersion, m.V)
+	}
+	if len(m.ErrCode) > maxErrMsgLen || len(m.ErrMsg) > maxErrMsgLen {
+		return fmt.Errorf("%w: error text too long", ErrProtocol)
+	}
+	if m.Chunk < -1 {
+		return fmt.Errorf("%w: chunk %d", ErrProtocol, m.Chunk)
+	}
+	return nil
 }
 
 // Validate checks the version and bounds of a decoded response. Meta is
@@ -265,6 +317,16 @@ func (m *TicketResponse) Validate() error {
 	}
 	if err := m.Meta.Validate(math.MaxInt64); err != nil {
 		return err
+	}
+	if h := m.Shm; h != nil {
+		if h.ArenaID == "" || len(h.ArenaID) > shm.MaxArenaIDLen || h.Off < 0 || h.Len <= 0 || h.Len > math.MaxInt64-h.Off {
+			return fmt.Errorf("%w: shm handle %q off %d len %d", ErrProtocol, h.ArenaID, h.Off, h.Len)
+		}
+	}
+	if r := m.RDMA; r != nil {
+		if r.Len == 0 || r.Addr+r.Len < r.Addr || r.Off > r.Len {
+			return fmt.Errorf("%w: rdma region %#x+%d off %d", ErrProtocol, r.Addr, r.Len, r.Off)
+		}
 	}
 	return nil
 }

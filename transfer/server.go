@@ -91,7 +91,7 @@ func (s *Service) serveConn(c net.Conn) {
 		return
 	}
 	var rb reqBuf
-	var hdr [9]byte
+	var hdr []byte // status, block size, checksums: reused across requests
 	for {
 		c.SetReadDeadline(time.Now().Add(s.cfg.IdleTimeout))
 		q, err := readRequest(c, &rb)
@@ -109,23 +109,39 @@ func (s *Service) serveConn(c net.Conn) {
 			writeErrStatus(c, code, err.Error())
 			return
 		}
-		off, n := int64(q.Offset), int64(q.Length)
-		if !e.rangeReady(off, n) {
-			if err := s.awaitRange(c, e, off, n); err != nil {
-				log.Debug("wait for chunks", zap.Error(err))
-				return
-			}
-		}
-		hdr[0] = statusOK
-		binary.BigEndian.PutUint64(hdr[1:], e.chunkSum(off, n))
-		if _, err := c.Write(hdr[:]); err != nil {
+		if err := e.pin(); err != nil {
+			writeErrStatus(c, CodeNotFound, err.Error())
 			return
 		}
-		if err := s.writeBlocks(c, e.buf[off:off+n]); err != nil {
+		if err := s.serveRange(c, e, int64(q.Offset), int64(q.Length), &hdr); err != nil {
 			log.Debug("data write", zap.Error(err))
+			e.unpin()
 			return
+		}
+		e.unpin()
+	}
+}
+
+// serveRange sends [off, off+n) of e, with its block checksums when the range
+// has them, once its chunks are ready. e is pinned by the caller.
+func (s *Service) serveRange(c net.Conn, e *entry, off, n int64, hdr *[]byte) error {
+	if !e.rangeReady(off, n) {
+		if err := s.awaitRange(c, e, off, n); err != nil {
+			return fmt.Errorf("wait for chunks: %w", err)
 		}
 	}
+	sums := e.rangeSums(off, n)
+	h := append((*hdr)[:0], statusOK)
+	h = binary.BigEndian.AppendUint32(h, sumBlock)
+	h = binary.BigEndian.AppendUint32(h, uint32(len(sums)))
+	for _, x := range sums {
+		h = binary.BigEndian.AppendUint64(h, x)
+	}
+	*hdr = h
+	if _, err := c.Write(h); err != nil {
+		return err
+	}
+	return s.writeBlocks(c, e.buf[off:off+n])
 }
 
 // handshake proves the consumer's peer identity: it signs our fresh nonce,

@@ -6,10 +6,16 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
+	"path/filepath"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cespare/xxhash/v2"
+	"github.com/latentmesh/latentmesh/transfer/arena"
+	"github.com/latentmesh/latentmesh/transfer/rdma"
+	"github.com/latentmesh/latentmesh/transfer/shm"
 	"github.com/libp2p/go-libp2p/core/crypto"
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
@@ -57,6 +63,21 @@ type Config struct {
 	// ChecksumTCP verifies xxhash checksums (whole payload, or per chunk) on
 	// pulls over TCP. On by default: it costs far less than the copy.
 	ChecksumTCP bool
+	// Transport picks how payload bytes move: TransportAuto chooses per
+	// producer (same host with arenas on both ends -> shm; both ends with an
+	// RDMA device -> rdma; else tcp). A forced transport that cannot reach a
+	// producer fails the pull instead of falling back.
+	Transport string
+	// Arena configures the service's one registered memory region. Size 0
+	// means no arena: payload buffers come from the Go heap and the service
+	// offers no shm or rdma.
+	Arena arena.Config
+	// RDMA configures the RDMA device, used when Transport is auto or rdma
+	// and the build has the rdma tag and the host a device.
+	RDMA rdma.Config
+	// ShmDir is the directory holding the shm Unix sockets of the agents on
+	// this host, one per peer id. Consumers find a producer's socket there.
+	ShmDir string
 	// Logger receives the service's logs; named "transfer".
 	Logger *zap.Logger
 }
@@ -73,9 +94,25 @@ func DefaultConfig() Config {
 		MaxPayloadBytes: 4 << 30,
 		MaxFrame:        64 << 10,
 		ChecksumTCP:     true,
-		Logger:          zap.NewNop(),
+		// Let each pull pick the fastest transport both ends can use.
+		Transport: TransportAuto,
+		// No arena by default: tests and tcp-only agents keep heap buffers;
+		// agents size it (arena.DefaultConfig) from their role.
+		Arena: arena.Config{},
+		// Per-host rendezvous; every agent on the host must agree on it.
+		ShmDir: filepath.Join(os.TempDir(), "latentmesh-shm"),
+		RDMA:   rdma.DefaultConfig(),
+		Logger: zap.NewNop(),
 	}
 }
+
+// Transports, the values of Config.Transport and of TransportFor.
+const (
+	TransportAuto = "auto"
+	TransportTCP  = "tcp"
+	TransportShm  = "shm"
+	TransportRDMA = "rdma"
+)
 
 func (c Config) validate() error {
 	switch {
@@ -98,6 +135,21 @@ func (c Config) validate() error {
 	case c.Logger == nil:
 		return errors.New("transfer: config: Logger is nil")
 	}
+	switch c.Transport {
+	case TransportAuto, TransportTCP:
+	case TransportShm, TransportRDMA:
+		if c.Arena.Size == 0 {
+			return fmt.Errorf("transfer: config: Transport %q needs an arena (Arena.Size > 0)", c.Transport)
+		}
+	default:
+		return fmt.Errorf("transfer: config: Transport %q not one of auto, tcp, shm, rdma", c.Transport)
+	}
+	if c.Arena.Size < 0 {
+		return fmt.Errorf("transfer: config: Arena.Size %d < 0", c.Arena.Size)
+	}
+	if c.Arena.Size > 0 && c.ShmDir == "" && c.Transport != TransportTCP {
+		return errors.New("transfer: config: ShmDir is empty")
+	}
 	return nil
 }
 
@@ -106,6 +158,15 @@ type Producer struct {
 	PeerID   string   `msgpack:"peer_id" json:"peer_id"`
 	P2PAddrs []string `msgpack:"p2p_addrs" json:"p2p_addrs"`
 	DataAddr string   `msgpack:"data_addr" json:"data_addr"`
+	// Host identifies the producer's machine (hostname and kernel boot id);
+	// a consumer with the same Host may use shm.
+	Host string `msgpack:"host,omitempty" json:"host,omitempty"`
+	// ShmSocket is the Unix socket the producer serves its arena on; empty
+	// without an arena.
+	ShmSocket string `msgpack:"shm_socket,omitempty" json:"shm_socket,omitempty"`
+	// RDMA is true when the producer has an RDMA device open with its arena
+	// registered.
+	RDMA bool `msgpack:"rdma,omitempty" json:"rdma,omitempty"`
 }
 
 // Ref names a published payload. It is small and serialisable (task records
@@ -136,6 +197,15 @@ type Service struct {
 
 	ln       net.Listener
 	dataAddr string
+	hostID   string // hostIdentity, advertised in Producer.Host
+
+	arena   *arena.Arena // nil without Config.Arena.Size
+	shmSrv  *shm.Server  // serves the arena to same-host consumers; nil without an arena
+	shmPath string       // the Unix socket shmSrv listens on
+	shmCli  *shmPeers    // consumer side: one shm.Peer per producer
+	rdma    *rdmaState   // nil unless an RDMA device is open
+
+	heapFallbacks atomic.Int64
 
 	life      context.Context // cancelled by Close; bounds pulls and waits
 	endLife   context.CancelFunc
@@ -145,12 +215,18 @@ type Service struct {
 
 	mu sync.Mutex
 	// mu guards the fields below.
-	closed    bool
-	dataConns map[net.Conn]struct{} // producer side, closed on Close
+	closed      bool
+	arenaClosed bool
+	dataConns   map[net.Conn]struct{} // producer side, closed on Close
+	bufs        map[int64]*Buffer     // live arena buffers by offset
 }
 
-// New starts a Service on h: it listens on cfg.DataListen and registers the
-// ProtocolID stream handler. The caller owns h and closes it after Close.
+// New starts a Service on h: it listens on cfg.DataListen, registers the
+// ProtocolID stream handler and, with an arena, maps it and serves it to
+// same-host consumers on a Unix socket in cfg.ShmDir. With cfg.Transport
+// auto or rdma it opens an RDMA device; in auto mode a host without one is
+// logged once and pulls use shm or tcp. The caller owns h and closes it after
+// Close.
 func New(cfg Config, h host.Host) (*Service, error) {
 	return newService(cfg, h, time.Now)
 }
@@ -179,18 +255,36 @@ func newService(cfg Config, h host.Host, now func() time.Time) (_ *Service, err 
 		pub:       pub,
 		now:       now,
 		reg:       newRegistry(),
+		hostID:    hostIdentity(),
 		dataConns: make(map[net.Conn]struct{}),
+		bufs:      make(map[int64]*Buffer),
 	}
 	s.life, s.endLife = context.WithCancel(context.Background())
 	s.stop = s.life.Done()
 	defer func() {
 		if err != nil {
 			s.endLife()
+			s.closeTransports()
 		}
 	}()
 	s.pool = newConnPool(s)
+	s.shmCli = newShmPeers(s)
 	if _, err := rand.Read(s.key.secret[:]); err != nil {
 		return nil, fmt.Errorf("transfer: ticket secret: %w", err)
+	}
+	if cfg.Arena.Size > 0 {
+		if s.arena, err = arena.New(cfg.Arena); err != nil {
+			return nil, fmt.Errorf("transfer: %w", err)
+		}
+		if err := s.startShm(); err != nil {
+			if cfg.Transport == TransportShm {
+				return nil, err
+			}
+			s.log.Warn("shm unavailable; same-host pulls use tcp", zap.Error(err))
+		}
+	}
+	if err := s.startRDMA(); err != nil {
+		return nil, err
 	}
 	s.ln, err = net.Listen("tcp", cfg.DataListen)
 	if err != nil {
@@ -203,7 +297,12 @@ func newService(cfg Config, h host.Host, now func() time.Time) (_ *Service, err 
 	s.wg.Add(1)
 	go s.acceptLoop()
 	h.SetStreamHandler(ProtocolID, s.handleStream)
-	s.log.Debug("started", zap.String("data_addr", s.dataAddr), zap.Stringer("peer", s.self))
+	if s.rdma != nil {
+		h.SetStreamHandler(RDMAProtocolID, s.handleRDMAStream)
+	}
+	s.log.Debug("started", zap.String("data_addr", s.dataAddr), zap.Stringer("peer", s.self),
+		zap.String("transport", cfg.Transport), zap.Bool("arena", s.arena != nil),
+		zap.String("shm_socket", s.shmPath), zap.Bool("rdma", s.rdma != nil))
 	return s, nil
 }
 
@@ -213,9 +312,15 @@ func (s *Service) DataAddr() string { return s.dataAddr }
 // Close stops the data listener, removes the stream handler, closes every
 // data connection (pooled, serving or pulling) and waits for the service's
 // goroutines. Pulls in flight fail. It is idempotent.
+//
+// The arena is unmapped last: every Buffer's Bytes, and every view PullView
+// returned, is invalid after Close.
 func (s *Service) Close() error {
 	s.closeOnce.Do(func() {
 		s.h.RemoveStreamHandler(ProtocolID)
+		if s.rdma != nil {
+			s.h.RemoveStreamHandler(RDMAProtocolID)
+		}
 		s.mu.Lock()
 		s.closed = true
 		conns := s.dataConns
@@ -228,8 +333,35 @@ func (s *Service) Close() error {
 		}
 		s.pool.close()
 		s.wg.Wait()
+		s.closeTransports()
 	})
 	return nil
+}
+
+// closeTransports closes shm, rdma and the arena, in that order: nothing may
+// read or write the arena once it is unmapped. Every goroutine that touches
+// the arena has been waited for.
+func (s *Service) closeTransports() {
+	if s.shmCli != nil {
+		s.shmCli.close()
+	}
+	if s.shmSrv != nil {
+		s.shmSrv.Close()
+		os.Remove(s.shmPath)
+	}
+	if s.rdma != nil {
+		s.rdma.close()
+	}
+	if s.arena != nil {
+		s.mu.Lock()
+		s.arenaClosed = true
+		s.bufs = nil
+		s.mu.Unlock()
+		s.reg.drain()
+		if err := s.arena.Close(); err != nil {
+			s.log.Warn("close arena", zap.Error(err))
+		}
+	}
 }
 
 // enter registers a goroutine with the service; it fails once Close began.
@@ -245,7 +377,14 @@ func (s *Service) enter() bool {
 
 func (s *Service) producer() Producer {
 	addrs := s.h.Addrs()
-	p := Producer{PeerID: s.self.String(), DataAddr: s.dataAddr, P2PAddrs: make([]string, 0, len(addrs))}
+	p := Producer{
+		PeerID:    s.self.String(),
+		DataAddr:  s.dataAddr,
+		P2PAddrs:  make([]string, 0, len(addrs)),
+		Host:      s.hostID,
+		ShmSocket: s.shmPath,
+		RDMA:      s.rdma != nil,
+	}
 	for _, a := range addrs {
 		p.P2PAddrs = append(p.P2PAddrs, a.String())
 	}
@@ -255,6 +394,12 @@ func (s *Service) producer() Producer {
 // Publish makes data pullable under a fresh payload id. The service keeps
 // data until Release: the caller must not modify it afterwards. The Ref
 // carries the payload's xxhash checksum.
+//
+// When data is exactly the Bytes of a Buffer from Alloc, the payload stays in
+// the arena with no copy, and same-host (shm) and rdma consumers read it
+// there; the Buffer may be released at once, its memory lives on until
+// Release(id). Any other slice is held as it is, also without a copy, and
+// travels by tcp only.
 func (s *Service) Publish(meta TensorMeta, data []byte) (Ref, error) {
 	if err := meta.Validate(s.cfg.MaxPayloadBytes); err != nil {
 		return Ref{}, err
@@ -265,21 +410,35 @@ func (s *Service) Publish(meta TensorMeta, data []byte) (Ref, error) {
 	if s.isClosed() {
 		return Ref{}, ErrClosed
 	}
-	e := s.reg.add(meta, data)
-	for k := range e.ready {
+	owner := s.bufferFor(data)
+	d := xxhash.New()
+	sums := make([][]uint64, meta.Chunks())
+	for k := range sums {
 		off, n := meta.ChunkRange(k)
-		if len(e.ready) > 1 {
-			e.sums[k] = xxhash.Sum64(data[off : off+n])
-		}
+		sums[k] = blockSums(data[off:off+n], nil)
+		d.Write(data[off : off+n])
+	}
+	e := s.reg.add(meta, data, owner, s.arenaPinner(owner), d.Sum64())
+	for k := range e.ready {
+		e.sums[k] = sums[k]
 		close(e.ready[k])
 	}
-	return Ref{ID: e.id, Producer: s.producer(), Meta: meta, Checksum: xxhash.Sum64(data)}, nil
+	return Ref{ID: e.id, Producer: s.producer(), Meta: meta, Checksum: e.whole}, nil
+}
+
+// arenaPinner is the arena as an entry's pinner when owner is set.
+func (s *Service) arenaPinner(owner *Buffer) pinner {
+	if owner == nil {
+		return nil
+	}
+	return s.arena
 }
 
 // Begin publishes a payload whose chunks are written later: consumers may
 // start pulling at once and receive chunk k as soon as the producer calls
 // ChunkReady(k). The Ref carries no whole-payload checksum; each chunk's
-// checksum is taken at ChunkReady.
+// checksums are taken at ChunkReady. The buffer comes from the arena when it
+// has room, else from the heap (counted in Stats.HeapFallbacks).
 func (s *Service) Begin(meta TensorMeta) (*Pending, Ref, error) {
 	if err := meta.Validate(s.cfg.MaxPayloadBytes); err != nil {
 		return nil, Ref{}, err
@@ -287,16 +446,39 @@ func (s *Service) Begin(meta TensorMeta) (*Pending, Ref, error) {
 	if s.isClosed() {
 		return nil, Ref{}, ErrClosed
 	}
-	e := s.reg.add(meta, make([]byte, meta.Bytes()))
+	var owner *Buffer
+	var buf []byte
+	if s.arena != nil {
+		b, err := s.allocArena(meta.Bytes(), 1)
+		switch {
+		case err == nil:
+			owner, buf = b, b.Bytes()
+		case errors.Is(err, arena.ErrNoSpace):
+			s.heapFallbacks.Add(1)
+			s.log.Debug("arena full, payload on heap", zap.Int64("bytes", meta.Bytes()), zap.Error(err))
+		default:
+			return nil, Ref{}, err
+		}
+	}
+	if buf == nil {
+		buf = make([]byte, meta.Bytes())
+	}
+	e := s.reg.add(meta, buf, owner, s.arenaPinner(owner), 0)
 	p := &Pending{e: e, done: make([]bool, len(e.ready))}
 	return p, Ref{ID: e.id, Producer: s.producer(), Meta: meta}, nil
 }
 
 // Release forgets a payload; later pulls of it fail with ErrNotFound. Pulls
-// already being served finish. Releasing an unknown id is a no-op.
-func (s *Service) Release(id string) { s.reg.remove(id) }
+// already being served finish, and arena memory they read stays allocated
+// until they do. Releasing an unknown id is a no-op.
+func (s *Service) Release(id string) {
+	if e := s.reg.remove(id); e != nil && e.owner != nil {
+		e.owner.unref()
+	}
+}
 
 // Held reports how many payloads the service holds and their total size.
+// Stats adds the arena's occupancy.
 func (s *Service) Held() (count int, bytes int64) { return s.reg.held() }
 
 func (s *Service) isClosed() bool {
@@ -329,6 +511,45 @@ func (s *Service) handleStream(str network.Stream) {
 	resp := s.issue(req.PayloadID, remote)
 	if err := WriteFrame(str, &resp); err != nil {
 		s.log.Debug("write ticket response", zap.Stringer("peer", remote), zap.Error(err))
+		return
+	}
+	if req.Watch && resp.ErrCode == "" {
+		s.watch(str, req.PayloadID)
+	}
+}
+
+// watch sends a ChunkEvent for each chunk of payload id, in index order, as
+// it becomes ready, with heartbeats in between so the consumer can tell a
+// slow producer from a dead one.
+func (s *Service) watch(str network.Stream, id string) {
+	e := s.reg.get(id)
+	if e == nil {
+		return
+	}
+	beat := s.cfg.IOTimeout / 3
+	for k := range e.ready {
+		for {
+			str.SetDeadline(time.Now().Add(s.cfg.IOTimeout))
+			t := time.NewTimer(beat)
+			ev := ChunkEvent{V: WireVersion, Chunk: k}
+			select {
+			case <-e.ready[k]:
+			case <-t.C:
+				ev.Chunk = -1
+			case <-s.stop:
+				t.Stop()
+				WriteFrame(str, &ChunkEvent{V: WireVersion, Chunk: -1, ErrCode: CodeShuttingDown, ErrMsg: "producer closing"})
+				return
+			}
+			t.Stop()
+			if err := WriteFrame(str, &ev); err != nil {
+				s.log.Debug("watch write", zap.Error(err))
+				return
+			}
+			if ev.Chunk == k {
+				break
+			}
+		}
 	}
 }
 
@@ -339,5 +560,15 @@ func (s *Service) issue(id string, consumer peer.ID) TicketResponse {
 		return TicketResponse{V: WireVersion, ErrCode: CodeNotFound, ErrMsg: "payload " + id}
 	}
 	t := s.key.mint(ticket{payloadID: id, consumer: consumer, expiry: s.now().Add(s.cfg.TicketTTL)})
-	return TicketResponse{V: WireVersion, Ticket: t, Meta: e.meta, DataAddr: s.dataAddr}
+	resp := TicketResponse{V: WireVersion, Ticket: t, Meta: e.meta, DataAddr: s.dataAddr, Checksum: e.whole}
+	if e.owner != nil {
+		if s.shmSrv != nil {
+			h := s.shmSrv.Handle(e.owner.ab)
+			resp.Shm = &h
+		}
+		if s.rdma != nil {
+			resp.RDMA = s.rdma.region(e.owner.ab.Off)
+		}
+	}
+	return resp
 }

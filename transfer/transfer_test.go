@@ -128,7 +128,7 @@ func TestTicketChecks(t *testing.T) {
 	}
 	dst := make([]byte, 4096)
 	fetch := func(s *Service, tk []byte, off, n int64) error {
-		_, err := s.fetch(testCtx(t), dialAs(t, s, prod), tk, off, dst[:n])
+		_, _, err := s.fetch(testCtx(t), dialAs(t, s, prod), tk, off, dst[:n])
 		return err
 	}
 	if err := fetch(cons, resp.Ticket, 0, 4096); err != nil || !bytes.Equal(dst, data) {
@@ -166,7 +166,7 @@ func TestTicketChecks(t *testing.T) {
 	// A pull whose ticket expires mid-way fetches a fresh one and goes on.
 	tk := &ticketHolder{s: cons, pid: prod.self, ref: ref, ticket: resp.Ticket}
 	clear(dst)
-	c, err := cons.fetchSpan(testCtx(t), nil, prod.DataAddr(), prod.self, tk, span{0, 4096, -1}, dst)
+	c, _, err := cons.fetchSpan(testCtx(t), nil, prod.DataAddr(), prod.self, tk, span{0, 4096, 0}, dst)
 	if err != nil {
 		t.Fatalf("pull with expired ticket did not refresh: %v", err)
 	}

@@ -17,10 +17,18 @@ import (
 //	then, repeatedly:
 //	consumer -> producer  request:  version(1) | offset(8) | length(8) | len(2) ticket
 //	producer -> consumer  statusWait (heartbeat while chunks are not yet written), any number
-//	                      then statusOK | checksum(8, 0 = none) | length bytes of payload,
+//	                      then statusOK | block(4) | count(4) | count x checksum(8) | length bytes of payload,
 //	                      or statusErr | len(1) code | len(2) message, then close.
+//
+// The checksums are the xxhash64 of each block-sized piece of the range (the
+// last may be shorter), so the consumer verifies each as it lands; count is 0
+// when the range does not line up with the producer's blocks.
 const (
-	dataVersion = 1
+	dataVersion = 2
+
+	// Bounds on the checksum block size a consumer accepts.
+	minSumBlock = 4 << 10
+	maxSumBlock = 64 << 20
 
 	statusOK   = 0
 	statusErr  = 1

@@ -2,6 +2,7 @@ package shm
 
 import (
 	"context"
+	"fmt"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -60,4 +61,14 @@ func parallelCopy(ctx context.Context, dst, src []byte) error {
 	work()
 	wg.Wait()
 	return ctx.Err()
+}
+
+// Copy copies src into dst (equal lengths) the way CopyInto does, in pieces
+// spread over up to min(GOMAXPROCS, 8) goroutines, for callers that hold a
+// View and copy parts of it as they become ready.
+func Copy(ctx context.Context, dst, src []byte) error {
+	if len(dst) != len(src) {
+		return fmt.Errorf("%w: dst is %d bytes, src %d", ErrBadHandle, len(dst), len(src))
+	}
+	return parallelCopy(ctx, dst, src)
 }

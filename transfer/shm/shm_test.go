@@ -324,12 +324,15 @@ func TestCredentialRejection(t *testing.T) {
 		p := startProducer(t, 1<<20, nil)
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		fds := openFds(t)
+		targets := []string{fdTarget(t, p.a.Fd())}
+		fds := fdsOpenOn(t, targets)
 		_, err := Dial(ctx, p.path, AllowUIDs(uint32(os.Getuid())+1))
 		if !errors.Is(err, ErrPeerRejected) {
 			t.Fatalf("Dial = %v, want ErrPeerRejected", err)
 		}
-		eventually(t, "no fd leak", func() bool { return openFds(t) == fds })
+		if n := fdsOpenOn(t, targets); n != fds {
+			t.Fatalf("%d fds open on the producer's arena after the rejection, %d before", n, fds)
+		}
 	})
 	t.Run("same uid accepted", func(t *testing.T) {
 		if err := SameUID()(unix.Ucred{Uid: uint32(os.Getuid())}); err != nil {
@@ -394,7 +397,11 @@ func TestDialRejectsBadHandshake(t *testing.T) {
 		{"short header", func() []byte { return good()[:10] }, []int{a.Fd()}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			before := openFds(t)
+			// Count the fds open on what the fake sends (the arena's memfd,
+			// stdin): unrelated fds opening or closing elsewhere in the
+			// process cannot disturb that count.
+			targets := []string{fdTarget(t, a.Fd()), fdTarget(t, int(os.Stdin.Fd()))}
+			before := fdsOpenOn(t, targets)
 			path := fakeProducer(t, func(c *net.UnixConn) {
 				var oob []byte
 				if tc.fds != nil {
@@ -412,8 +419,10 @@ func TestDialRejectsBadHandshake(t *testing.T) {
 				peer.Close()
 				t.Fatal("Dial accepted a bad handshake")
 			}
-			// Only the fake's listener remains open; every fd the consumer received was closed.
-			eventually(t, "received fds closed", func() bool { return openFds(t) == before+1 })
+			// Dial closed every fd it received before returning its error.
+			if after := fdsOpenOn(t, targets); after != before {
+				t.Fatalf("%d fds open on the sent files after Dial failed, %d before", after, before)
+			}
 		})
 	}
 }
@@ -557,12 +566,34 @@ func TestNoForbiddenImports(t *testing.T) {
 	}
 }
 
-// openFds counts this process's open file descriptors.
-func openFds(t *testing.T) int {
+// fdTarget is what /proc/self/fd/<fd> links to.
+func fdTarget(t *testing.T, fd int) string {
+	t.Helper()
+	s, err := os.Readlink(fmt.Sprintf("/proc/self/fd/%d", fd))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// fdsOpenOn counts this process's fds that link to one of targets.
+func fdsOpenOn(t *testing.T, targets []string) int {
 	t.Helper()
 	ents, err := os.ReadDir("/proc/self/fd")
 	if err != nil {
 		t.Fatal(err)
 	}
-	return len(ents)
+	n := 0
+	for _, e := range ents {
+		s, err := os.Readlink("/proc/self/fd/" + e.Name())
+		if err != nil {
+			continue // the fd ReadDir itself used, closed by now
+		}
+		for _, tgt := range targets {
+			if s == tgt {
+				n++
+			}
+		}
+	}
+	return n
 }

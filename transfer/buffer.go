@@ -1,0 +1,166 @@
+package transfer
+
+import (
+	"fmt"
+	"sync/atomic"
+	"unsafe"
+
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/transfer/arena"
+)
+
+// Buffer is payload memory handed out by Alloc: a region of the service's
+// arena, or a heap slice when the service has no arena. Engines write outputs
+// into one and Publish its Bytes without a copy; consumers pass one's Bytes
+// as the destination of PullInto or PullChunks so a transfer lands straight
+// in the arena (and, for rdma, in registered memory).
+//
+// An arena region is freed once the Buffer is released, every payload
+// published from it has been released, and no transfer still reads it.
+// Bytes must not be used after Release, nor after the Service is closed.
+type Buffer struct {
+	s    *Service
+	ab   arena.Buf // the region, when inArena
+	b    []byte
+	refs atomic.Int32 // owner + payloads publishing it; the region is freed at 0
+	done atomic.Bool  // Release was called
+	// inArena is false for heap buffers, which need no accounting.
+	inArena bool
+}
+
+// Bytes is the buffer's memory, exactly as long as asked of Alloc.
+func (b *Buffer) Bytes() []byte { return b.b }
+
+// Release gives the buffer back. It is idempotent. A payload published from
+// the buffer stays valid until its own Release.
+func (b *Buffer) Release() {
+	if b.done.CompareAndSwap(false, true) {
+		b.unref()
+	}
+}
+
+func (b *Buffer) unref() {
+	if !b.inArena {
+		return
+	}
+	if b.refs.Add(-1) == 0 {
+		b.s.freeBuffer(b)
+	}
+}
+
+// Alloc returns a buffer of n bytes from the service's arena, or from the
+// heap when the service has no arena. An arena without room for n bytes is an
+// error wrapping arena.ErrNoSpace: the caller may wait for releases or use a
+// heap slice, which every call also accepts.
+func (s *Service) Alloc(n int64) (*Buffer, error) {
+	if n <= 0 || n > s.cfg.MaxPayloadBytes {
+		return nil, fmt.Errorf("transfer: alloc of %d bytes not in [1,%d]", n, s.cfg.MaxPayloadBytes)
+	}
+	if s.arena == nil {
+		return &Buffer{s: s, b: make([]byte, n)}, nil
+	}
+	return s.allocArena(n, 1)
+}
+
+// allocArena carves n bytes from the arena, with refs initial references.
+func (s *Service) allocArena(n int64, refs int32) (*Buffer, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return nil, ErrClosed
+	}
+	ab, err := s.arena.Alloc(n)
+	if err != nil {
+		return nil, fmt.Errorf("transfer: alloc %d bytes: %w", n, err)
+	}
+	b := &Buffer{s: s, ab: ab, b: s.arena.Slice(ab), inArena: true}
+	b.refs.Store(refs)
+	s.bufs[ab.Off] = b
+	return b, nil
+}
+
+// freeBuffer returns b's region to the arena; the arena defers it while a
+// transfer pins the region.
+func (s *Service) freeBuffer(b *Buffer) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.bufs[b.ab.Off] == b {
+		delete(s.bufs, b.ab.Off)
+	}
+	if s.arenaClosed {
+		return
+	}
+	if err := s.arena.Free(b.ab); err != nil {
+		s.log.Warn("arena free", zap.Int64("off", b.ab.Off), zap.Error(err))
+	}
+}
+
+// arenaOffset is the offset of p's first byte in the arena, or -1 when p does
+// not lie entirely inside it.
+func (s *Service) arenaOffset(p []byte) int64 {
+	if s.arena == nil || len(p) == 0 {
+		return -1
+	}
+	mem := s.arena.Bytes()
+	base := uintptr(unsafe.Pointer(unsafe.SliceData(mem)))
+	at := uintptr(unsafe.Pointer(unsafe.SliceData(p)))
+	if at < base || at-base > uintptr(len(mem)) || uintptr(len(p)) > uintptr(len(mem))-(at-base) {
+		return -1
+	}
+	return int64(at - base)
+}
+
+// bufferFor returns the live Buffer whose Bytes are exactly p, taking a
+// reference on it, or nil.
+func (s *Service) bufferFor(p []byte) *Buffer {
+	off := s.arenaOffset(p)
+	if off < 0 {
+		return nil
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b := s.bufs[off]
+	if b == nil || b.ab.Len != int64(len(p)) {
+		return nil
+	}
+	for {
+		n := b.refs.Load()
+		if n <= 0 {
+			return nil
+		}
+		if b.refs.CompareAndSwap(n, n+1) {
+			return b
+		}
+	}
+}
+
+// Stats is a snapshot of what a Service holds.
+type Stats struct {
+	// Payloads and PayloadBytes count the published payloads held.
+	Payloads     int
+	PayloadBytes int64
+	// HasArena is true when the service owns an arena; Arena is then its
+	// occupancy (Arena.Free is the free buffer space agents gossip, and
+	// Arena.Fragmentation() how splintered it is).
+	HasArena bool
+	Arena    arena.Stats
+	// HeapFallbacks counts Begin calls served from the heap because the
+	// arena had no room.
+	HeapFallbacks int64
+	// RDMA is true when an RDMA device is open and the arena registered.
+	RDMA bool
+}
+
+// Stats returns a snapshot of the payloads and arena the service holds.
+func (s *Service) Stats() Stats {
+	st := Stats{HeapFallbacks: s.heapFallbacks.Load(), RDMA: s.rdma != nil}
+	st.Payloads, st.PayloadBytes = s.reg.held()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.arena != nil && !s.arenaClosed {
+		st.HasArena = true
+		st.Arena = s.arena.Stats()
+	}
+	return st
+}

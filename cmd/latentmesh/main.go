@@ -22,6 +22,7 @@ commands:
   agent      run one agent daemon against an etcd cluster
   generate   ask a running agent for one image or video, with a progress bar
   version    print the version
+  bench      benchmark the data plane (transfer) and chunked decode (overlap)
 
 Run 'latentmesh <command> -h' for a command's flags.
 `
@@ -45,6 +46,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		"agent":    runAgent,
 		"generate": runGenerate,
 		"version":  runVersion,
+		"bench":    runBench,
 	}
 	switch args[0] {
 	case "-h", "--help", "help":

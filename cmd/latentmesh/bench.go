@@ -1,0 +1,175 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+
+	"github.com/latentmesh/latentmesh/testbed/bench"
+)
+
+const benchUsage = `usage: latentmesh bench <transfer|overlap> [flags]
+
+  transfer   data-plane throughput against raw TCP (tcp) and memcpy (shm),
+             producer and consumer in two processes
+  overlap    chunked pull-and-decode of a video latent against pull whole,
+             then decode
+
+Run 'latentmesh bench <command> -h' for its flags.
+`
+
+func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, benchUsage)
+		return 2
+	}
+	switch args[0] {
+	case "transfer":
+		return runBenchTransfer(ctx, args[1:], stdout, stderr)
+	case "overlap":
+		return runBenchOverlap(ctx, args[1:], stdout, stderr)
+	case "producer":
+		return runBenchProducer(ctx, args[1:], stderr)
+	case "-h", "--help", "help":
+		fmt.Fprint(stdout, benchUsage)
+		return 0
+	}
+	fmt.Fprintf(stderr, "latentmesh bench: unknown benchmark %q\n\n%s", args[0], benchUsage)
+	return 2
+}
+
+// sizesFlag is --sizes 4MiB,64MiB,256MiB.
+type sizesFlag []int64
+
+func (s *sizesFlag) String() string {
+	parts := make([]string, len(*s))
+	for i, n := range *s {
+		parts[i] = bench.FormatSize(n)
+	}
+	return strings.Join(parts, ",")
+}
+
+func (s *sizesFlag) Set(v string) error {
+	n, err := bench.ParseSizes(v)
+	if err != nil {
+		return err
+	}
+	*s = n
+	return nil
+}
+
+// listFlag is a comma-separated list of words.
+type listFlag []string
+
+func (l *listFlag) String() string { return strings.Join(*l, ",") }
+
+func (l *listFlag) Set(v string) error {
+	*l = nil
+	for _, w := range strings.Split(v, ",") {
+		if w = strings.TrimSpace(w); w != "" {
+			*l = append(*l, w)
+		}
+	}
+	if len(*l) == 0 {
+		return fmt.Errorf("empty list %q", v)
+	}
+	return nil
+}
+
+// frameSize is --size WxH.
+type frameSize struct{ w, h int }
+
+func (f *frameSize) String() string { return fmt.Sprintf("%dx%d", f.w, f.h) }
+
+func (f *frameSize) Set(v string) error {
+	if _, err := fmt.Sscanf(v, "%dx%d", &f.w, &f.h); err != nil || f.String() != v {
+		return fmt.Errorf("want WxH, e.g. 256x256, got %q", v)
+	}
+	return nil
+}
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func runBenchTransfer(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	cfg := bench.DefaultTransferConfig()
+	fs := newFlagSet("bench transfer", "[flags]", stderr)
+	sizes := sizesFlag(cfg.Sizes)
+	transports := listFlag(cfg.Transports)
+	fs.Var(&sizes, "sizes", "payload `sizes`, comma-separated (B, KiB, MiB, GiB, KB, MB, GB)")
+	fs.Var(&transports, "transports", "`transports` to measure: tcp (against raw TCP), shm (against memcpy)")
+	fs.IntVar(&cfg.Conns, "conns", cfg.Conns, "TCP connections per pull, for transfer and the raw-TCP baseline")
+	fs.IntVar(&cfg.Reps, "reps", cfg.Reps, "measured repetitions per size, after one warm-up")
+	fs.IntVar(&cfg.Chunks, "chunks", cfg.Chunks, "chunks of the chunked pull measured beside each size (1: none)")
+	fs.BoolVar(&cfg.Transfer.ChecksumTCP, "checksum", cfg.Transfer.ChecksumTCP, "verify xxhash checksums on TCP pulls (the service default)")
+	asJSON := fs.Bool("json", false, "print machine-readable results")
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	cfg.Sizes, cfg.Transports, cfg.Progress = sizes, transports, stderr
+	rep, err := bench.RunTransfer(ctx, cfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh bench transfer: %v\n", err)
+		return 1
+	}
+	if *asJSON {
+		err = writeJSON(stdout, rep)
+	} else {
+		err = rep.WriteTable(stdout)
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, err)
+		return 1
+	}
+	return 0
+}
+
+func runBenchOverlap(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	cfg := bench.DefaultOverlapConfig()
+	fs := newFlagSet("bench overlap", "[flags]", stderr)
+	size := frameSize{cfg.Width, cfg.Height}
+	fs.IntVar(&cfg.Frames, "frames", cfg.Frames, "video frames (one chunk each)")
+	fs.Var(&size, "size", "frame size `WxH` in pixels (multiples of 8)")
+	fs.DurationVar(&cfg.ChunkInterval, "chunk-interval", cfg.ChunkInterval, "how often the producer finishes a frame; 0: one frame's measured decode time (a balanced pipeline)")
+	fs.IntVar(&cfg.Reps, "reps", cfg.Reps, "measured repetitions of each path, after one warm-up")
+	asJSON := fs.Bool("json", false, "print machine-readable results")
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	cfg.Width, cfg.Height, cfg.Progress = size.w, size.h, stderr
+	rep, err := bench.RunOverlap(ctx, cfg)
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh bench overlap: %v\n", err)
+		return 1
+	}
+	if *asJSON {
+		err = writeJSON(stdout, rep)
+	} else {
+		err = rep.WriteTable(stdout)
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, err)
+		return 1
+	}
+	return 0
+}
+
+// runBenchProducer is the hidden producer child of the benchmarks: it serves
+// requests on stdin until stdin closes.
+func runBenchProducer(ctx context.Context, args []string, stderr io.Writer) int {
+	fs := newFlagSet("bench producer", "(started by bench transfer and bench overlap)", stderr)
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	if err := bench.ServeProducer(ctx, bench.DefaultProducerConfig(), os.Stdin, os.Stdout); err != nil {
+		fmt.Fprintf(stderr, "latentmesh bench producer: %v\n", err)
+		return 1
+	}
+	return 0
+}

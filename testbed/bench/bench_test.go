@@ -1,0 +1,242 @@
+package bench
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"go.uber.org/zap/zaptest"
+)
+
+// producerEnv makes the test binary act as the producer child, so tests run
+// the real two-process path without building cmd/latentmesh.
+const producerEnv = "LATENTMESH_BENCH_TEST_PRODUCER"
+
+func TestMain(m *testing.M) {
+	if os.Getenv(producerEnv) == "1" {
+		if err := ServeProducer(context.Background(), DefaultProducerConfig(), os.Stdin, os.Stdout); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	goleak.VerifyTestMain(m)
+}
+
+func testCtx(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// fields decodes v's JSON encoding into a map, to check field names.
+func fields(t *testing.T, v any) map[string]any {
+	t.Helper()
+	b, err := json.Marshal(v)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m map[string]any
+	if err := json.Unmarshal(b, &m); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func TestParseSize(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want int64
+	}{
+		{"4MiB", 4 << 20},
+		{"256MiB", 256 << 20},
+		{"1GiB", 1 << 30},
+		{"512kib", 512 << 10},
+		{"64MB", 64e6},
+		{"1048576", 1 << 20},
+		{"10B", 10},
+		{" 2 MiB ", 2 << 20},
+	} {
+		got, err := ParseSize(tc.in)
+		if err != nil || got != tc.want {
+			t.Errorf("ParseSize(%q) = %d, %v; want %d", tc.in, got, err, tc.want)
+		}
+	}
+	for _, in := range []string{"", "MiB", "4XB", "0MiB", "-1MiB", "1.5MiB", "99999999999GiB", "4MiBs"} {
+		if n, err := ParseSize(in); err == nil {
+			t.Errorf("ParseSize(%q) = %d, want an error", in, n)
+		}
+	}
+}
+
+func TestParseSizes(t *testing.T) {
+	got, err := ParseSizes("4MiB,64MiB,1GiB")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := []int64{4 << 20, 64 << 20, 1 << 30}; fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("ParseSizes = %v, want %v", got, want)
+	}
+	for _, in := range []string{"", "4MiB,", "4MiB,,8MiB", "4MiB;8MiB", "4MiB,big"} {
+		if _, err := ParseSizes(in); err == nil {
+			t.Errorf("ParseSizes(%q): want an error", in)
+		}
+	}
+}
+
+func TestFormatSize(t *testing.T) {
+	for n, want := range map[int64]string{4 << 20: "4MiB", 1 << 30: "1GiB", 1536: "1536B", 3 << 10: "3KiB", 7: "7B"} {
+		if got := FormatSize(n); got != want {
+			t.Errorf("FormatSize(%d) = %q, want %q", n, got, want)
+		}
+	}
+}
+
+func testTransferConfig(t *testing.T) TransferConfig {
+	cfg := DefaultTransferConfig()
+	cfg.Sizes = []int64{1 << 20, 2 << 20}
+	cfg.Reps = 2
+	cfg.Producer = []string{os.Args[0]}
+	cfg.ProducerEnv = []string{producerEnv + "=1"}
+	cfg.Logger = zaptest.NewLogger(t)
+	return cfg
+}
+
+func TestRunTransfer(t *testing.T) {
+	cfg := testTransferConfig(t)
+	var progress strings.Builder
+	cfg.Progress = &progress
+	rep, err := RunTransfer(testCtx(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	results, _ := fields(t, rep)["results"].([]any)
+	// Per size: tcp; then per size: shm and shm-view.
+	var want []string
+	for _, tr := range []string{"tcp", "shm"} {
+		for range cfg.Sizes {
+			want = append(want, tr)
+			if tr == "shm" {
+				want = append(want, "shm-view")
+			}
+		}
+	}
+	if len(results) != len(want) {
+		t.Fatalf("%d results, want %d: %v", len(results), len(want), results)
+	}
+	for i, r := range results {
+		row := r.(map[string]any)
+		for _, k := range []string{"transport", "size_bytes", "conns", "gbps_median", "gbps_min", "gbps_max",
+			"baseline_gbps_median", "ratio_vs_baseline", "allocs_per_op", "chunks", "first_chunk_ms_median", "whole_ms_median"} {
+			if _, ok := row[k]; !ok {
+				t.Errorf("result %d lacks %q: %v", i, k, row)
+			}
+		}
+		size := cfg.Sizes[i%len(cfg.Sizes)]
+		if want[i] != "tcp" {
+			size = cfg.Sizes[(i-len(cfg.Sizes))/2]
+		}
+		if row["transport"] != want[i] || row["size_bytes"] != float64(size) || row["conns"] != float64(cfg.Conns) {
+			t.Errorf("result %d: %v, want transport %s, size %d", i, row, want[i], size)
+		}
+		positive := []string{"gbps_median", "gbps_min", "gbps_max", "baseline_gbps_median", "ratio_vs_baseline"}
+		if want[i] == "shm-view" {
+			positive = append(positive, "handoff_ms_median")
+		} else {
+			positive = append(positive, "first_chunk_ms_median", "whole_ms_median")
+			if row["chunks"] != float64(cfg.Chunks) {
+				t.Errorf("result %d: chunks %v, want %d", i, row["chunks"], cfg.Chunks)
+			}
+		}
+		for _, k := range positive {
+			if v, _ := row[k].(float64); !(v > 0) {
+				t.Errorf("result %d: %s = %v, want > 0", i, k, row[k])
+			}
+		}
+		if row["gbps_min"].(float64) > row["gbps_median"].(float64) || row["gbps_median"].(float64) > row["gbps_max"].(float64) {
+			t.Errorf("result %d: min/median/max out of order: %v", i, row)
+		}
+	}
+	var table strings.Builder
+	if err := rep.WriteTable(&table); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(table.String(), "2MiB") || !strings.Contains(progress.String(), "rep 2/2") {
+		t.Errorf("table:\n%s\nprogress:\n%s", table.String(), progress.String())
+	}
+}
+
+func TestRunTransferRejects(t *testing.T) {
+	for name, mod := range map[string]func(*TransferConfig){
+		"unknown":   func(c *TransferConfig) { c.Transports = []string{"carrier-pigeon"} },
+		"indivisor": func(c *TransferConfig) { c.Sizes = []int64{1<<20 + 1} },
+		"no conns":  func(c *TransferConfig) { c.Conns = 0 },
+	} {
+		t.Run(name, func(t *testing.T) {
+			cfg := testTransferConfig(t)
+			mod(&cfg)
+			if _, err := RunTransfer(testCtx(t), cfg); err == nil {
+				t.Fatal("want an error")
+			}
+		})
+	}
+}
+
+// A producer that dies at start fails the run with its stderr attached.
+func TestProducerFailureShowsStderr(t *testing.T) {
+	cfg := testTransferConfig(t)
+	cfg.Producer = []string{"/bin/sh", "-c", "echo producer exploded >&2; exit 3"}
+	_, err := RunTransfer(testCtx(t), cfg)
+	if err == nil || !strings.Contains(err.Error(), "producer exploded") {
+		t.Fatalf("got %v, want the producer's stderr", err)
+	}
+}
+
+func TestRunOverlap(t *testing.T) {
+	cfg := DefaultOverlapConfig()
+	cfg.Frames, cfg.Width, cfg.Height = 4, 64, 64
+	cfg.ChunkInterval = 10 * time.Millisecond
+	cfg.Reps = 2
+	cfg.Producer = []string{os.Args[0]}
+	cfg.ProducerEnv = []string{producerEnv + "=1"}
+	cfg.Logger = zaptest.NewLogger(t)
+	rep, err := RunOverlap(testCtx(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	o, _ := fields(t, rep)["overlap"].(map[string]any)
+	for _, k := range []string{"frames", "width", "height", "latent_bytes", "chunk_interval_ms", "decode_frame_ms", "reps", "first_frame_ratio", "total_ratio"} {
+		if v, _ := o[k].(float64); !(v > 0) {
+			t.Errorf("overlap.%s = %v, want > 0", k, o[k])
+		}
+	}
+	for _, path := range []string{"chunked", "whole"} {
+		p, _ := o[path].(map[string]any)
+		for _, k := range []string{"time_to_first_frame_ms", "total_ms"} {
+			if v, _ := p[k].(float64); !(v > 0) {
+				t.Errorf("overlap.%s.%s = %v, want > 0", path, k, p[k])
+			}
+		}
+	}
+	// 4 frames x 4 channels x 8 x 8 float32.
+	if o["latent_bytes"] != float64(4*4*8*8*4) || o["chunk_interval_ms"] != 10.0 {
+		t.Errorf("overlap: %v", o)
+	}
+	// The chunked path cannot finish its first frame later than the whole
+	// path: the whole path waits for every chunk the chunked one waits for.
+	if r := rep.Overlap; r.Chunked.TimeToFirstFrameMS > r.Whole.TimeToFirstFrameMS {
+		t.Errorf("chunked first frame %.1f ms after whole's %.1f ms", r.Chunked.TimeToFirstFrameMS, r.Whole.TimeToFirstFrameMS)
+	}
+	var table strings.Builder
+	if err := rep.WriteTable(&table); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(table.String(), "chunked / whole") {
+		t.Errorf("table:\n%s", table.String())
+	}
+}

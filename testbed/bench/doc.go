@@ -1,0 +1,16 @@
+// Package bench is latentmesh's benchmark harness, behind `latentmesh bench`.
+//
+// RunTransfer measures the data plane: pulls of payloads of several sizes
+// from a producer in another process, interleaved repetition by repetition
+// with a baseline measured in the same run (raw TCP over plain Go sockets for
+// tcp, memcpy for shm), so a noisy shared machine moves both alike and the
+// ratio stays meaningful. RunOverlap measures what chunked transfer buys a
+// decoder: time to first decoded frame and total time for a video latent
+// pulled chunk by chunk while the producer is still writing it, against the
+// same latent pulled whole and then decoded.
+//
+// The consumer (the calling process) re-executes a producer command (by
+// default this binary's hidden `bench producer`), which runs ServeProducer and
+// takes requests as JSON lines on stdin. Only cmd/latentmesh and tests use
+// this package.
+package bench

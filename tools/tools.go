@@ -5,7 +5,7 @@
 package tools
 
 import (
-	_ "github.com/cespare/xxhash/v2"
+	_ "github.com/zeebo/xxh3"
 	_ "github.com/hashicorp/memberlist"
 	_ "github.com/libp2p/go-libp2p"
 	_ "github.com/vmihailenco/msgpack/v5"

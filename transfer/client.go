@@ -11,7 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/cespare/xxhash/v2"
+	"github.com/zeebo/xxh3"
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/libp2p/go-libp2p/core/peerstore"
@@ -310,7 +310,7 @@ func (s *Service) pullTCP(ctx context.Context, pid peer.ID, ref Ref, dst []byte,
 		anyUnverified = anyUnverified || unverified[k].Load()
 	}
 	if needWhole && anyUnverified {
-		if got := xxhash.Sum64(dst); got != ref.Checksum {
+		if got := xxh3.Hash(dst); got != ref.Checksum {
 			return fmt.Errorf("%w: payload %s checksum %x, want %x", ErrCorrupt, ref.ID, got, ref.Checksum)
 		}
 	}
@@ -409,7 +409,7 @@ func (s *Service) fetch(ctx context.Context, c *dataConn, t []byte, off int64, d
 			return true, false, fmt.Errorf("%w: %s: short read at %d of %d bytes: %w", ErrCorrupt, c.addr, got, len(dst), unexpected(err))
 		}
 		if check {
-			if x := xxhash.Sum64(b); x != sums[i] {
+			if x := xxh3.Hash(b); x != sums[i] {
 				return true, false, fmt.Errorf("%w: range at %d: block at %d: checksum %x, want %x", ErrCorrupt, off, got, x, sums[i])
 			}
 		}

@@ -249,7 +249,7 @@ type TicketResponse struct {
 	DataAddr string     `msgpack:"data_addr"`
 	ErrCode  string     `msgpack:"err_code"`
 	ErrMsg   string     `msgpack:"err_msg"`
-	// Checksum is the xxhash64 of the whole payload as published (0 for one
+	// Checksum is the XXH3-64 of the whole payload as published (0 for one
 	// published with Begin). A consumer compares it with its Ref's, so a Ref
 	// that does not describe what the producer holds is caught before the
 	// per-block checksums vouch for the bytes.

@@ -12,7 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/cespare/xxhash/v2"
+	"github.com/zeebo/xxh3"
 	"github.com/latentmesh/latentmesh/transfer/arena"
 	"github.com/latentmesh/latentmesh/transfer/rdma"
 	"github.com/latentmesh/latentmesh/transfer/shm"
@@ -60,7 +60,7 @@ type Config struct {
 	// MaxFrame bounds a control frame. Tickets and metadata are small; 64 KiB
 	// keeps a hostile peer from making us allocate much.
 	MaxFrame int
-	// ChecksumTCP verifies xxhash checksums (whole payload, or per chunk) on
+	// ChecksumTCP verifies XXH3 checksums (whole payload, or per chunk) on
 	// pulls over TCP. On by default: it costs far less than the copy.
 	ChecksumTCP bool
 	// Transport picks how payload bytes move: TransportAuto chooses per
@@ -175,7 +175,7 @@ type Ref struct {
 	ID       string     `msgpack:"id" json:"id"`
 	Producer Producer   `msgpack:"producer" json:"producer"`
 	Meta     TensorMeta `msgpack:"meta" json:"meta"`
-	// Checksum is the xxhash64 of the whole payload; 0 means none (chunked
+	// Checksum is the XXH3-64 of the whole payload; 0 means none (chunked
 	// payloads published with Begin carry per-chunk checksums instead).
 	Checksum uint64 `msgpack:"checksum" json:"checksum"`
 }
@@ -393,7 +393,7 @@ func (s *Service) producer() Producer {
 
 // Publish makes data pullable under a fresh payload id. The service keeps
 // data until Release: the caller must not modify it afterwards. The Ref
-// carries the payload's xxhash checksum.
+// carries the payload's XXH3 checksum.
 //
 // When data is exactly the Bytes of a Buffer from Alloc, the payload stays in
 // the arena with no copy, and same-host (shm) and rdma consumers read it
@@ -411,7 +411,7 @@ func (s *Service) Publish(meta TensorMeta, data []byte) (Ref, error) {
 		return Ref{}, ErrClosed
 	}
 	owner := s.bufferFor(data)
-	d := xxhash.New()
+	d := xxh3.New()
 	sums := make([][]uint64, meta.Chunks())
 	for k := range sums {
 		off, n := meta.ChunkRange(k)

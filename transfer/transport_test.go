@@ -440,8 +440,8 @@ func TestCorruptBlockDetected(t *testing.T) {
 		t.Fatal(err)
 	}
 	e := prod.reg.get(ref.ID)
-	if len(e.sums[0]) != 7 {
-		t.Fatalf("%d block sums for 6 MiB + 5, want 7", len(e.sums[0]))
+	if want := (6<<20 + 5 + sumBlock - 1) / sumBlock; len(e.sums[0]) != want {
+		t.Fatalf("%d block sums for 6 MiB + 5, want %d", len(e.sums[0]), want)
 	}
 	e.buf[2<<20+17] ^= 0x01
 	prod.Held()

@@ -20,7 +20,7 @@ import (
 //	                      then statusOK | block(4) | count(4) | count x checksum(8) | length bytes of payload,
 //	                      or statusErr | len(1) code | len(2) message, then close.
 //
-// The checksums are the xxhash64 of each block-sized piece of the range (the
+// The checksums are the XXH3-64 of each block-sized piece of the range (the
 // last may be shorter), so the consumer verifies each as it lands; count is 0
 // when the range does not line up with the producer's blocks.
 const (

@@ -12,7 +12,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/zeebo/xxh3"
 	"github.com/latentmesh/latentmesh/transfer/arena"
 	"github.com/latentmesh/latentmesh/transfer/rdma"
 	"github.com/latentmesh/latentmesh/transfer/shm"
@@ -21,6 +20,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/libp2p/go-libp2p/core/protocol"
+	"github.com/zeebo/xxh3"
 	"go.uber.org/zap"
 )
 

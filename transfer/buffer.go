@@ -150,11 +150,37 @@ type Stats struct {
 	HeapFallbacks int64
 	// RDMA is true when an RDMA device is open and the arena registered.
 	RDMA bool
+	// Pulls counts completed pulls by the transport that moved the bytes
+	// ("local", "shm", "rdma", "tcp"; an auto-mode fallback counts as tcp).
+	Pulls map[string]int64
+}
+
+// transports indexes pull counters.
+var transports = [...]string{TransportLocal, TransportShm, TransportRDMA, TransportTCP}
+
+// pullCounters counts completed pulls per transport.
+type pullCounters [len(transports)]atomic.Int64
+
+func (p *pullCounters) add(t string) {
+	for i, name := range transports {
+		if name == t {
+			p[i].Add(1)
+			return
+		}
+	}
+}
+
+func (p *pullCounters) snapshot() map[string]int64 {
+	m := make(map[string]int64, len(transports))
+	for i, name := range transports {
+		m[name] = p[i].Load()
+	}
+	return m
 }
 
 // Stats returns a snapshot of the payloads and arena the service holds.
 func (s *Service) Stats() Stats {
-	st := Stats{HeapFallbacks: s.heapFallbacks.Load(), RDMA: s.rdma != nil}
+	st := Stats{HeapFallbacks: s.heapFallbacks.Load(), RDMA: s.rdma != nil, Pulls: s.pulls.snapshot()}
 	st.Payloads, st.PayloadBytes = s.reg.held()
 	s.mu.Lock()
 	defer s.mu.Unlock()

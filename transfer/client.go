@@ -143,6 +143,7 @@ func (s *Service) pullLocal(ctx context.Context, ref Ref, dst []byte, onChunk fu
 			onChunk(k)
 		}
 	}
+	s.pulls.add(TransportLocal)
 	if dst == nil {
 		return e.buf, nil
 	}
@@ -203,17 +204,20 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 	case TransportRDMA:
 		err = s.pullRDMA(ctx, pid, ref, dst, onChunk)
 	default:
-		return s.pullTCP(ctx, pid, ref, dst, onChunk)
+		t, err = TransportTCP, s.pullTCP(ctx, pid, ref, dst, onChunk)
 	}
 	var fb *fallbackError
-	if !errors.As(err, &fb) {
-		return err
+	if errors.As(err, &fb) {
+		if s.cfg.Transport != TransportAuto {
+			return fb.err
+		}
+		s.log.Debug("transport fallback to tcp", zap.String("transport", t), zap.String("payload", ref.ID), zap.Error(fb.err))
+		t, err = TransportTCP, s.pullTCP(ctx, pid, ref, dst, onChunk)
 	}
-	if s.cfg.Transport != TransportAuto {
-		return fb.err
+	if err == nil {
+		s.pulls.add(t)
 	}
-	s.log.Debug("transport fallback to tcp", zap.String("transport", t), zap.String("payload", ref.ID), zap.Error(fb.err))
-	return s.pullTCP(ctx, pid, ref, dst, onChunk)
+	return err
 }
 
 // fallbackError is a transport failing before any byte moved, in a way tcp

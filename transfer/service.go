@@ -206,6 +206,7 @@ type Service struct {
 	rdma    *rdmaState   // nil unless an RDMA device is open
 
 	heapFallbacks atomic.Int64
+	pulls         pullCounters
 
 	life      context.Context // cancelled by Close; bounds pulls and waits
 	endLife   context.CancelFunc

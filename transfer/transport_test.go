@@ -456,3 +456,27 @@ func TestCorruptBlockDetected(t *testing.T) {
 		t.Fatalf("checksum off: %v", err)
 	}
 }
+
+func TestStatsCountPullsByTransport(t *testing.T) {
+	for _, mode := range []string{TransportTCP, TransportShm} {
+		t.Run(mode, func(t *testing.T) {
+			dir := shmDir(t)
+			pc, cc := arenaConfig(t, dir, 4<<20), arenaConfig(t, dir, 4<<20)
+			pc.Transport, cc.Transport = mode, mode
+			prod, cons := startService(t, pc), startService(t, cc)
+			ref := publishArena(t, prod, u8Meta(1<<20), randBytes(1<<20, 3))
+			if _, err := cons.Pull(testCtx(t), ref); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := prod.Pull(testCtx(t), ref); err != nil {
+				t.Fatal(err)
+			}
+			if got := cons.Stats().Pulls; got[mode] != 1 || got[TransportLocal] != 0 {
+				t.Fatalf("consumer pulls %v, want one by %s", got, mode)
+			}
+			if got := prod.Stats().Pulls; got[TransportLocal] != 1 {
+				t.Fatalf("producer pulls %v, want one local", got)
+			}
+		})
+	}
+}

@@ -378,6 +378,9 @@ func (a *Agent) meta() gossip.NodeMeta {
 	if total > 0 {
 		m.Load = float32(used) / float32(total)
 	}
+	if st := a.xfer.Stats(); st.HasArena {
+		m.FreeBufferBytes = uint64(st.Arena.Free)
+	}
 	return m
 }
 
@@ -409,7 +412,17 @@ type Status struct {
 	Credits map[jobs.Stage]CreditInfo `json:"credits"`
 	Peers   []PeerStatus              `json:"peers"`
 	Queues  map[jobs.Stage]QueueInfo  `json:"queues"`
-	Held    HeldInfo                  `json:"held_payloads"`
+	Data    DataInfo                  `json:"data_plane"`
+}
+
+// DataInfo is this node's data plane: what it holds and how it pulled.
+type DataInfo struct {
+	Transport    string           `json:"transport"` // configured mode
+	HeldPayloads int              `json:"held_payloads"`
+	HeldBytes    int64            `json:"held_bytes"`
+	ArenaBytes   int64            `json:"arena_bytes,omitempty"`
+	ArenaFree    int64            `json:"arena_free,omitempty"`
+	Pulls        map[string]int64 `json:"pulls_by_transport"`
 }
 
 // CreditInfo is one stage's slot ledger.
@@ -433,12 +446,6 @@ type PeerStatus struct {
 type QueueInfo struct {
 	Queued  int64 `json:"queued"`
 	Running int64 `json:"running"`
-}
-
-// HeldInfo counts payloads this node holds for consumers.
-type HeldInfo struct {
-	Count int   `json:"count"`
-	Bytes int64 `json:"bytes"`
 }
 
 // Status reports this node, its peers and the queues.
@@ -465,7 +472,11 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 		}
 		st.Queues[s] = QueueInfo{Queued: q, Running: r}
 	}
-	st.Held.Count, st.Held.Bytes = a.xfer.Held()
+	xs := a.xfer.Stats()
+	st.Data = DataInfo{
+		Transport: a.cfg.Transfer.Transport, HeldPayloads: xs.Payloads, HeldBytes: xs.PayloadBytes,
+		ArenaBytes: xs.Arena.Size, ArenaFree: xs.Arena.Free, Pulls: xs.Pulls,
+	}
 	return st, nil
 }
 

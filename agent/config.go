@@ -14,6 +14,7 @@ import (
 	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
+	"github.com/latentmesh/latentmesh/transfer/arena"
 )
 
 // Config is everything one agent needs. Nested configs belong to the layers
@@ -64,8 +65,11 @@ type Config struct {
 }
 
 // DefaultConfig is one agent serving every stage, with the client API on
-// loopback port 8080 and admin on 9090.
+// loopback port 8080 and admin on 9090, a 1 GiB registered arena and the
+// transport chosen per peer pair.
 func DefaultConfig() Config {
+	tc := transfer.DefaultConfig()
+	tc.Arena = arena.DefaultConfig() // stage outputs and pulls live here
 	return Config{
 		Roles:  jobs.Stages(),
 		Prefix: "/latentmesh/default",
@@ -82,7 +86,7 @@ func DefaultConfig() Config {
 		ProgressEvery:    200 * time.Millisecond, // a smooth progress bar; a few writes a second
 		EarlyHandoff:     true,                   // the RFC's chunked denoise->decode overlap
 		Gossip:           gossip.DefaultConfig(),
-		Transfer:         transfer.DefaultConfig(),
+		Transfer:         tc,
 		Jobs:             jobs.DefaultConfig(),
 		Engine:           engine.DefaultConfig(),
 		API:              httpapi.DefaultConfig(),
@@ -100,6 +104,9 @@ func DefaultLocalConfig() Config {
 	c.HTTPListen = "127.0.0.1:0"
 	c.AdminListen = "127.0.0.1:0"
 	c.RetryBackoff = 50 * time.Millisecond
+	// Several agents share one test machine: a small arena, still pre-faulted.
+	c.Transfer.Arena.Size = 64 << 20
+	c.Transfer.Arena.HugePages = false
 	return c
 }
 

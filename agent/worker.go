@@ -315,10 +315,11 @@ func (a *Agent) output(c *jobs.Claim, ref transfer.Ref) (jobs.Output, error) {
 // the consumer's pull fails with "not found", which rewinds the job.
 func (a *Agent) denoise(ctx context.Context, c *jobs.Claim) (out jobs.Output, published []string, committed bool, err error) {
 	spec := c.Task.Spec
-	cond, err := a.pull(ctx, c.Task.Inputs)
+	cond, releaseCond, err := a.pull(ctx, c.Task.Inputs)
 	if err != nil {
 		return out, nil, false, err
 	}
+	defer releaseCond()
 	meta := a.engine.LatentMeta(spec)
 	p, ref, err := a.xfer.Begin(meta)
 	if err != nil {
@@ -388,17 +389,34 @@ func input(ins []jobs.Input) (jobs.Input, transfer.Ref, error) {
 	return ins[0], ref, nil
 }
 
-// pull fetches a task's input payload from its producer.
-func (a *Agent) pull(ctx context.Context, ins []jobs.Input) (engine.Tensor, error) {
+// pull fetches a task's input payload from its producer into a buffer of
+// this agent's arena; call release when done with the tensor.
+func (a *Agent) pull(ctx context.Context, ins []jobs.Input) (t engine.Tensor, release func(), err error) {
 	in, ref, err := input(ins)
 	if err != nil {
-		return engine.Tensor{}, err
+		return engine.Tensor{}, nil, err
 	}
-	data, err := a.xfer.Pull(ctx, ref)
+	if err := ref.Meta.Validate(a.cfg.Transfer.MaxPayloadBytes); err != nil {
+		return engine.Tensor{}, nil, fmt.Errorf("%w: payload meta: %v", errInputLost, err)
+	}
+	dst, release := a.buffer(ref.Meta.Bytes())
+	if err := a.xfer.PullInto(ctx, ref, dst); err != nil {
+		release()
+		return engine.Tensor{}, nil, a.pullFailed(ctx, in, err)
+	}
+	return engine.Tensor{Meta: ref.Meta, Data: dst}, release, nil
+}
+
+// buffer returns n bytes for a pull to land in: arena memory when the arena
+// has room (transfers write straight into it), else the heap, which every
+// transport also accepts.
+func (a *Agent) buffer(n int64) ([]byte, func()) {
+	b, err := a.xfer.Alloc(n)
 	if err != nil {
-		return engine.Tensor{}, a.pullFailed(ctx, in, err)
+		a.log.Debug("pull into heap", zap.Int64("bytes", n), zap.Error(err))
+		return make([]byte, n), func() {}
 	}
-	return engine.Tensor{Meta: ref.Meta, Data: data}, nil
+	return b.Bytes(), b.Release
 }
 
 // decode pulls the latent chunk by chunk and decodes each chunk's frames as
@@ -424,9 +442,11 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 	}
 	framesPerChunk := int(chunkBytes) / fd.FrameBytes()
 
+	dst, release := a.buffer(ref.Meta.Bytes())
+	defer release()
 	pctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	pull, err := a.xfer.PullChunks(pctx, ref, make([]byte, ref.Meta.Bytes()))
+	pull, err := a.xfer.PullChunks(pctx, ref, dst)
 	if err != nil {
 		return nil, "", a.pullFailed(ctx, in, err)
 	}

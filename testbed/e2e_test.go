@@ -12,6 +12,9 @@ import (
 	"time"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
+	"github.com/latentmesh/latentmesh/transfer"
 )
 
 // demoSpecs are small versions of the demo prompts, to keep the race-enabled
@@ -168,4 +171,82 @@ func TestEarlyHandoffOverlapsDecode(t *testing.T) {
 		t.Fatal("early handoff changed the output")
 	}
 	checkImage(t, early, spec)
+}
+
+// runOnCluster submits specs to a cluster and returns the output files.
+func runOnCluster(t *testing.T, cl *Cluster, specs []engine.Spec) [][]byte {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	entry := cl.Agents[0]
+	var ids []string
+	for _, s := range specs {
+		j, err := entry.Submit(ctx, s, routing.Standard)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, j.ID)
+	}
+	var out [][]byte
+	for _, id := range ids {
+		j, err := entry.Wait(ctx, id)
+		if err != nil || j.State != jobs.Succeeded {
+			t.Fatalf("job %s: %+v %v", id, j.Error, err)
+		}
+		b, _, err := entry.Result(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, b)
+	}
+	return out
+}
+
+// The end-to-end pipeline works over each transport, and the files are the
+// same whichever moved the payloads.
+func TestEndToEndOverEachTransport(t *testing.T) {
+	specs := demoSpecs()
+	var want [][]byte
+	for _, mode := range []string{transfer.TransportTCP, transfer.TransportShm} {
+		t.Run(mode, func(t *testing.T) {
+			cfg := DefaultClusterConfig()
+			cfg.Logger = testLogger(t)
+			cfg.Agent.Transfer.Transport = mode
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			cl, err := StartCluster(ctx, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer cl.Close()
+			got := runOnCluster(t, cl, specs)
+			if want == nil {
+				want = got
+			}
+			for i := range specs {
+				checkImage(t, got[i], specs[i])
+				if !bytes.Equal(got[i], want[i]) {
+					t.Errorf("job %d: output over %s differs from tcp", i, mode)
+				}
+			}
+			// Every cross-agent pull (denoise and decode pull one payload per
+			// job) went over the forced transport.
+			var pulls int64
+			for _, a := range cl.Agents {
+				st, err := a.Status(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				for tr, n := range st.Data.Pulls {
+					if n > 0 && tr != mode {
+						t.Errorf("%s pulled %d payloads over %s", a.ID(), n, tr)
+					}
+				}
+				pulls += st.Data.Pulls[mode]
+			}
+			if pulls != int64(2*len(specs)) {
+				t.Errorf("%d pulls over %s, want %d", pulls, mode, 2*len(specs))
+			}
+		})
+	}
 }

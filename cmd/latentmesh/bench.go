@@ -107,7 +107,7 @@ func runBenchTransfer(ctx context.Context, args []string, stdout, stderr io.Writ
 	fs.IntVar(&cfg.Conns, "conns", cfg.Conns, "TCP connections per pull, for transfer and the raw-TCP baseline")
 	fs.IntVar(&cfg.Reps, "reps", cfg.Reps, "measured repetitions per size, after one warm-up")
 	fs.IntVar(&cfg.Chunks, "chunks", cfg.Chunks, "chunks of the chunked pull measured beside each size (1: none)")
-	fs.BoolVar(&cfg.Transfer.ChecksumTCP, "checksum", cfg.Transfer.ChecksumTCP, "verify xxhash checksums on TCP pulls (the service default)")
+	fs.BoolVar(&cfg.Transfer.ChecksumTCP, "checksum", cfg.Transfer.ChecksumTCP, "verify XXH3 block checksums on TCP pulls (the service default)")
 	asJSON := fs.Bool("json", false, "print machine-readable results")
 	if code := parse(fs, args); code >= 0 {
 		return code

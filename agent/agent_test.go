@@ -1,0 +1,102 @@
+package agent
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+func TestParseRoles(t *testing.T) {
+	tests := []struct {
+		in      []string
+		want    int
+		wantErr bool
+	}{
+		{[]string{"encode", "denoise", "decode"}, 3, false},
+		{[]string{"decode"}, 1, false},
+		{[]string{"render"}, 0, true},
+		{[]string{""}, 0, true},
+		{nil, 0, true},
+	}
+	for _, tt := range tests {
+		got, err := ParseRoles(tt.in)
+		if (err != nil) != tt.wantErr || len(got) != tt.want {
+			t.Errorf("ParseRoles(%q) = %v, %v", tt.in, got, err)
+		}
+	}
+}
+
+func TestConfigValidate(t *testing.T) {
+	tests := map[string]func(*Config){
+		"no roles":        func(c *Config) { c.Roles = nil },
+		"role twice":      func(c *Config) { c.Roles = []jobs.Stage{jobs.Decode, jobs.Decode} },
+		"no slots":        func(c *Config) { c.Slots = map[jobs.Stage]int{jobs.Encode: 1} },
+		"zero slots":      func(c *Config) { c.Slots[jobs.Denoise] = 0 },
+		"no retries":      func(c *Config) { c.TransientRetries = 0 },
+		"no backoff":      func(c *Config) { c.RetryBackoff = 0 },
+		"no progress gap": func(c *Config) { c.ProgressEvery = 0 },
+	}
+	for name, edit := range tests {
+		c := DefaultConfig()
+		c.Slots = map[jobs.Stage]int{jobs.Encode: 1, jobs.Denoise: 1, jobs.Decode: 1}
+		edit(&c)
+		if _, err := c.validate(); err == nil {
+			t.Errorf("%s: accepted", name)
+		}
+	}
+	c := DefaultConfig()
+	c.Prefix = "/mesh/a"
+	got, err := c.validate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	// One prefix ties the layers together, and the slots map is a copy.
+	if got.Gossip.Prefix != "/mesh/a" || got.Jobs.Prefix != "/mesh/a" {
+		t.Fatalf("prefixes not propagated: %q %q", got.Gossip.Prefix, got.Jobs.Prefix)
+	}
+	got.Slots[jobs.Encode] = 99
+	if c.Slots[jobs.Encode] == 99 {
+		t.Fatal("validate shares the caller's slots map")
+	}
+}
+
+func TestIdentityPersists(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "identity.key")
+	a, err := loadIdentity(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := loadIdentity(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !a.Equals(b) {
+		t.Fatal("second start got a different identity")
+	}
+	if fi, err := os.Stat(path); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("identity file mode: %v %v", fi, err)
+	}
+	if err := os.WriteFile(path, []byte("not a key"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := loadIdentity(path); err == nil {
+		t.Fatal("corrupt identity accepted")
+	}
+	if k, err := loadIdentity(""); err != nil || k == nil {
+		t.Fatalf("ephemeral identity: %v", err)
+	}
+}
+
+func TestEarliest(t *testing.T) {
+	a, b := time.Unix(10, 0), time.Unix(20, 0)
+	for _, tt := range []struct{ x, y, want time.Time }{
+		{time.Time{}, a, a}, {a, time.Time{}, a}, {a, b, a}, {b, a, a}, {time.Time{}, time.Time{}, time.Time{}},
+	} {
+		if got := earliest(tt.x, tt.y); !got.Equal(tt.want) {
+			t.Errorf("earliest(%v, %v) = %v", tt.x, tt.y, got)
+		}
+	}
+}

@@ -114,11 +114,17 @@ func runBenchTransfer(ctx context.Context, args []string, stdout, stderr io.Writ
 	}
 	cfg.Sizes, cfg.Transports, cfg.Progress = sizes, transports, stderr
 	rep, err := bench.RunTransfer(ctx, cfg)
+	return report("transfer", rep, err, *asJSON, stdout, stderr)
+}
+
+// report prints a benchmark's results as a table, or JSON with --json, and
+// returns the exit code.
+func report(name string, rep interface{ WriteTable(io.Writer) error }, err error, asJSON bool, stdout, stderr io.Writer) int {
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh bench transfer: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh bench %s: %v\n", name, err)
 		return 1
 	}
-	if *asJSON {
+	if asJSON {
 		err = writeJSON(stdout, rep)
 	} else {
 		err = rep.WriteTable(stdout)
@@ -144,20 +150,7 @@ func runBenchOverlap(ctx context.Context, args []string, stdout, stderr io.Write
 	}
 	cfg.Width, cfg.Height, cfg.Progress = size.w, size.h, stderr
 	rep, err := bench.RunOverlap(ctx, cfg)
-	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh bench overlap: %v\n", err)
-		return 1
-	}
-	if *asJSON {
-		err = writeJSON(stdout, rep)
-	} else {
-		err = rep.WriteTable(stdout)
-	}
-	if err != nil {
-		fmt.Fprintln(stderr, err)
-		return 1
-	}
-	return 0
+	return report("overlap", rep, err, *asJSON, stdout, stderr)
 }
 
 // runBenchProducer is the hidden producer child of the benchmarks: it serves

@@ -22,15 +22,18 @@ var (
 	errTransient = errors.New("agent: transient failure")                    // -> Abandon, retry later
 )
 
-// worker is the pull loop of one stage: take a credit, claim the best task
-// this node may take, run it in its own goroutine, repeat. It never polls:
-// it sleeps on a freed credit, an etcd watch, or the exact time a held-back
-// task becomes eligible.
+// worker is the pull loop of one stage: wait for a free credit, claim the
+// best task this node may take, take the credit, run the task in its own
+// goroutine, repeat. It never polls: it sleeps on a freed credit, an etcd
+// watch, or the exact time a held-back task becomes eligible. The credit is
+// taken only once a task is claimed, so an idle agent gossips all its
+// credits as free; this loop is the ledger's only taker, so a credit seen
+// free before the claim is still free after it.
 func (a *Agent) worker(st jobs.Stage) {
 	credits := a.credits[st]
 	for a.ctx.Err() == nil {
-		freed := credits.Freed() // before TryAcquire, so a release in between is not missed
-		if credits.TryAcquire() != nil {
+		freed := credits.Freed() // before Free, so a release in between is not missed
+		if credits.Free() == 0 {
 			select {
 			case <-freed:
 			case <-a.ctx.Done():
@@ -39,13 +42,15 @@ func (a *Agent) worker(st jobs.Stage) {
 		}
 		c, err := a.claimNext(st)
 		if err != nil {
-			credits.Release()
 			if a.ctx.Err() != nil {
 				return
 			}
 			a.log.Warn("claim failed", zap.String("stage", string(st)), zap.Error(err))
 			a.sleep(a.cfg.RetryBackoff)
 			continue
+		}
+		if err := credits.TryAcquire(); err != nil {
+			panic("agent: credit taken by someone else while claiming") // only this loop takes credits
 		}
 		a.publishMeta()
 		a.goRun(func() {
@@ -153,7 +158,7 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err e
 			free += freeCredits(p.Meta, down)
 		}
 	}
-	inFlight := a.credits[st].InUse() - 1 // less the credit this claim holds
+	inFlight := a.credits[st].InUse() // running tasks of this stage; this claim has no credit yet
 	return a.cfg.Admission.Admit(int(queued), free, inFlight), down, rev, nil
 }
 

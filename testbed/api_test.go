@@ -121,13 +121,23 @@ func TestAdminStatus(t *testing.T) {
 		if len(st.Peers) != 3 {
 			return errorf("%d peers, want 3", len(st.Peers))
 		}
+		// An idle mesh gossips every credit as free.
+		slots := agent.DefaultLocalConfig().Slots
 		for _, p := range st.Peers {
 			if !p.Alive || len(p.Roles) != 1 {
 				return errorf("peer %+v", p)
 			}
+			if role := p.Roles[0]; int(p.Free[role]) != slots[jobs.Stage(role)] {
+				return errorf("idle peer %s gossips %d free %s credits, want %d", p.ID, p.Free[role], role, slots[jobs.Stage(role)])
+			}
 		}
 		return nil
 	})
+	for st2, c := range st.Credits {
+		if c.Free != c.Total {
+			t.Errorf("idle agent: %s credits %d/%d free", st2, c.Free, c.Total)
+		}
+	}
 	if st.Node.ID != cl.Agents[0].ID() || len(st.Queues) != 3 {
 		t.Fatalf("status: %+v", st)
 	}

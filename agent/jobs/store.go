@@ -662,10 +662,23 @@ func nextStage(st Stage) (next Stage, last bool) {
 // whose record is deleted (consumed, cancelled or rewound), until ctx is done.
 // The producer frees the buffer then.
 func (s *Store) WatchReleases(ctx context.Context, node string, release func(payload string)) {
-	// Watch from now on; payloads of a previous incarnation died with it.
+	// Watch from now on (payloads of a previous incarnation died with it);
+	// after a broken watch, resume after the last revision seen so no release
+	// in the gap is missed, unless etcd compacted it away meanwhile.
+	var next int64
 	for ctx.Err() == nil {
-		wch := s.cli.Watch(clientv3.WithRequireLeader(ctx), s.payloadPrefix(), clientv3.WithPrefix(), clientv3.WithPrevKV(), clientv3.WithFilterPut())
-		for wr := range wch {
+		opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithPrevKV(), clientv3.WithFilterPut()}
+		if next > 0 {
+			opts = append(opts, clientv3.WithRev(next))
+		}
+		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		for wr := range s.cli.Watch(wctx, s.payloadPrefix(), opts...) {
+			if wr.CompactRevision > 0 {
+				s.log.Warn("payload release watch compacted; releases in the gap are missed",
+					zap.Int64("from", next), zap.Int64("compacted", wr.CompactRevision))
+				next = 0
+				break
+			}
 			for _, ev := range wr.Events {
 				if ev.PrevKv == nil {
 					continue
@@ -675,7 +688,11 @@ func (s *Store) WatchReleases(ctx context.Context, node string, release func(pay
 					release(pr.Payload)
 				}
 			}
+			if wr.Header.Revision > 0 {
+				next = wr.Header.Revision + 1
+			}
 		}
+		cancel()
 		select {
 		case <-ctx.Done():
 		case <-time.After(time.Second): // watch broke (leader loss): re-establish

@@ -201,8 +201,10 @@ func (a *Agent) execute(c *jobs.Claim) {
 	st := c.Task.Stage
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
 	log.Debug("task claimed")
+	ctx, stop := a.watchCancel(c)
+	defer stop()
 	start := time.Now()
-	out, published, committed, err := a.run(a.ctx, c)
+	out, published, committed, err := a.run(ctx, c)
 	out.Work = time.Since(start)
 
 	release := func() {
@@ -248,6 +250,9 @@ func (a *Agent) execute(c *jobs.Claim) {
 		// Shutting down: the lease is revoked on Close and another agent takes over.
 		release()
 		return
+	case ctx.Err() != nil:
+		log.Info("job cancelled; task stopped")
+		err = a.store.Drop(a.ctx, c)
 	case errors.Is(err, errInputLost):
 		log.Warn("input lost; restarting job from encode", zap.Error(err))
 		err = a.store.Rewind(a.ctx, c, err.Error())
@@ -268,6 +273,24 @@ func (a *Agent) execute(c *jobs.Claim) {
 	release()
 	if err != nil && !errors.Is(err, jobs.ErrFenced) && !errors.Is(err, jobs.ErrFinished) {
 		log.Error("recording task failure", zap.Error(err))
+	}
+}
+
+// watchCancel returns a context for running c that ends when the job is
+// cancelled (or the agent stops), so a cancelled job frees its worker at
+// once instead of after the stage. stop ends the watch.
+func (a *Agent) watchCancel(c *jobs.Claim) (ctx context.Context, stop func()) {
+	ctx, cancel := context.WithCancel(a.ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if j, err := a.store.Wait(ctx, c.Task.JobID); err == nil && j.State == jobs.Cancelled {
+			cancel()
+		}
+	}()
+	return ctx, func() {
+		cancel()
+		<-done
 	}
 }
 

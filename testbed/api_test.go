@@ -236,3 +236,60 @@ func TestStreamFramesWhileDecoding(t *testing.T) {
 		t.Fatalf("saw frames %v, want %d", seen, frames)
 	}
 }
+
+// Cancelling a job stops the stage running it at once: the worker's credit
+// and the job's payloads are freed without waiting for the stage to end.
+func TestCancelStopsRunningStage(t *testing.T) {
+	cfg := DefaultClusterConfig()
+	cfg.Logger = testLogger(t)
+	cfg.Agent.Engine.StepCost = 10 * time.Second // the job would take minutes
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cl, err := StartCluster(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cl.Close()
+	c := &httpapi.Client{BaseURL: "http://" + cl.Agents[0].HTTPAddr()}
+	steps := 20
+	job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "a very slow painting", Steps: &steps})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 20*time.Second, func() error {
+		j, err := c.Get(ctx, job.ID)
+		if err != nil {
+			return err
+		}
+		if j.Progress == nil || j.Progress.Stage != jobs.Denoise {
+			return errorf("not denoising yet: %+v", j.Progress)
+		}
+		return nil
+	})
+	if j, err := c.Cancel(ctx, job.ID); err != nil || j.State != jobs.Cancelled {
+		t.Fatalf("cancel: %+v %v", j, err)
+	}
+	denoiser := cl.Agents[1]
+	eventually(t, 10*time.Second, func() error {
+		st, err := denoiser.Status(ctx)
+		if err != nil {
+			return err
+		}
+		if cr := st.Credits[jobs.Denoise]; cr.Free != cr.Total {
+			return errorf("denoise credits %d/%d free", cr.Free, cr.Total)
+		}
+		return nil
+	})
+	eventually(t, 10*time.Second, func() error {
+		for _, a := range cl.Agents {
+			st, err := a.Status(ctx)
+			if err != nil {
+				return err
+			}
+			if st.Data.HeldPayloads != 0 {
+				return errorf("%s still holds %d payloads", a.ID(), st.Data.HeldPayloads)
+			}
+		}
+		return nil
+	})
+}

@@ -545,6 +545,16 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, mutate func(*
 	}
 }
 
+// Drop gives up a claim without touching its job: for a worker that
+// stopped because the job was cancelled under it.
+func (s *Store) Drop(ctx context.Context, c *Claim) error {
+	if err := s.drop(ctx, c, nil); err != nil {
+		return err
+	}
+	_, err := s.cli.Delete(ctx, s.progressKey(c.Task.JobID))
+	return err
+}
+
 // drop deletes the claim (if still ours) and returns why.
 func (s *Store) drop(ctx context.Context, c *Claim, why error) error {
 	_, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(clientv3.OpDelete(s.claimKey(&c.Task))).Commit()

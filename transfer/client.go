@@ -405,9 +405,10 @@ func (s *Service) fetch(ctx context.Context, c *dataConn, t []byte, off int64, d
 	if len(sums) == 0 {
 		block = ioBlock
 	}
+	dl := deadline{set: c.setDeadline, timeout: s.cfg.IOTimeout}
 	for got, i := 0, 0; got < len(dst); i++ {
 		k := min(len(dst)-got, int(block))
-		c.setDeadline(time.Now().Add(s.cfg.IOTimeout))
+		dl.progress()
 		b := dst[got : got+k]
 		if _, err := io.ReadFull(c, b); err != nil {
 			return true, false, fmt.Errorf("%w: %s: short read at %d of %d bytes: %w", ErrCorrupt, c.addr, got, len(dst), unexpected(err))

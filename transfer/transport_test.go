@@ -480,3 +480,21 @@ func TestStatsCountPullsByTransport(t *testing.T) {
 		})
 	}
 }
+
+func TestDeadlineMovesAtMostEveryQuarter(t *testing.T) {
+	var sets []time.Time
+	d := deadline{set: func(t time.Time) { sets = append(sets, t) }, timeout: 400 * time.Millisecond}
+	d.progress() // first block: always sets
+	d.progress() // right after: no timer reset
+	if len(sets) != 1 {
+		t.Fatalf("%d deadline sets, want 1", len(sets))
+	}
+	if ahead := time.Until(sets[0]); ahead < 300*time.Millisecond {
+		t.Fatalf("deadline only %v ahead", ahead)
+	}
+	time.Sleep(110 * time.Millisecond) // past a quarter of the timeout
+	d.progress()
+	if len(sets) != 2 || !sets[1].After(sets[0]) {
+		t.Fatalf("deadline not moved forward after a quarter: %v", sets)
+	}
+}

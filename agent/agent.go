@@ -19,11 +19,8 @@ import (
 	"sync"
 	"time"
 
-	"github.com/libp2p/go-libp2p"
 	"github.com/libp2p/go-libp2p/core/crypto"
 	"github.com/libp2p/go-libp2p/core/host"
-	"github.com/libp2p/go-libp2p/core/network"
-	"github.com/libp2p/go-libp2p/p2p/transport/tcp"
 	"github.com/prometheus/client_golang/prometheus"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
@@ -149,27 +146,14 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	return a, nil
 }
 
-// newHost opens the libp2p host that carries control messages. It listens on
-// TCP only: payloads never travel over it, and TCP keeps the dependency
-// surface (and the goroutine count) small.
+// newHost opens the libp2p host that carries control messages, with this
+// agent's persistent identity.
 func newHost(cfg Config) (host.Host, error) {
 	key, err := loadIdentity(cfg.IdentityFile)
 	if err != nil {
 		return nil, err
 	}
-	h, err := libp2p.New(
-		libp2p.Identity(key),
-		libp2p.ListenAddrStrings(cfg.P2PListen),
-		libp2p.Transport(tcp.NewTCPTransport),
-		libp2p.DisableRelay(),
-		libp2p.DisableMetrics(),
-		libp2p.DisableIdentifyAddressDiscovery(),
-		libp2p.ResourceManager(&network.NullResourceManager{}),
-	)
-	if err != nil {
-		return nil, fmt.Errorf("agent: libp2p host on %s: %w", cfg.P2PListen, err)
-	}
-	return h, nil
+	return transfer.NewHost(cfg.P2PListen, key)
 }
 
 // loadIdentity reads an Ed25519 key from path, creating it on first start;

@@ -18,11 +18,16 @@ import (
 	"github.com/latentmesh/latentmesh/agent/jobs"
 )
 
-func startCluster(t *testing.T, top Topology) *Cluster {
+// startCluster starts a cluster of topology top, with edit (may be nil)
+// applied to its config, and closes it when the test ends.
+func startCluster(t *testing.T, top Topology, edit func(*ClusterConfig)) *Cluster {
 	t.Helper()
 	cfg := DefaultClusterConfig()
 	cfg.Topology = top
 	cfg.Logger = testLogger(t)
+	if edit != nil {
+		edit(&cfg)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	cl, err := StartCluster(ctx, cfg)
@@ -46,7 +51,7 @@ func post(t *testing.T, url, body string) (int, []byte) {
 
 // The real agent answers bad input with 4xx JSON errors and keeps serving.
 func TestAPIOnRealCluster(t *testing.T) {
-	cl := startCluster(t, Disaggregated)
+	cl := startCluster(t, Disaggregated, nil)
 	base := "http://" + cl.Agents[1].HTTPAddr() // any agent serves the API
 
 	bad := map[string]string{
@@ -105,7 +110,7 @@ func TestAPIOnRealCluster(t *testing.T) {
 // The admin endpoint reports the node, its peers with roles and credits, and
 // queue depths; metrics are Prometheus text.
 func TestAdminStatus(t *testing.T) {
-	cl := startCluster(t, Disaggregated)
+	cl := startCluster(t, Disaggregated, nil)
 	admin := "http://" + cl.Agents[0].AdminAddr()
 	var st agent.Status
 	eventually(t, 10*time.Second, func() error {
@@ -166,16 +171,11 @@ func TestAdminStatus(t *testing.T) {
 
 // A client streams a video's frames while the decode agent is still decoding.
 func TestStreamFramesWhileDecoding(t *testing.T) {
-	cfg := DefaultClusterConfig()
-	cfg.Logger = testLogger(t)
-	cfg.Agent.Engine.DecodeCost = 4 * time.Second // one second per frame below
+	cl := startCluster(t, Disaggregated, func(c *ClusterConfig) {
+		c.Agent.Engine.DecodeCost = 4 * time.Second // one second per frame below
+	})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	cl, err := StartCluster(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
 	base := "http://" + cl.Agents[0].HTTPAddr()
 	c := &httpapi.Client{BaseURL: base}
 	w, h, frames, steps := 96, 64, 4, 4
@@ -240,16 +240,11 @@ func TestStreamFramesWhileDecoding(t *testing.T) {
 // Cancelling a job stops the stage running it at once: the worker's credit
 // and the job's payloads are freed without waiting for the stage to end.
 func TestCancelStopsRunningStage(t *testing.T) {
-	cfg := DefaultClusterConfig()
-	cfg.Logger = testLogger(t)
-	cfg.Agent.Engine.StepCost = 10 * time.Second // the job would take minutes
+	cl := startCluster(t, Disaggregated, func(c *ClusterConfig) {
+		c.Agent.Engine.StepCost = 10 * time.Second // the job would take minutes
+	})
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	cl, err := StartCluster(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cl.Close()
 	c := &httpapi.Client{BaseURL: "http://" + cl.Agents[0].HTTPAddr()}
 	steps := 20
 	job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "a very slow painting", Steps: &steps})

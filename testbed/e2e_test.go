@@ -209,16 +209,9 @@ func TestEndToEndOverEachTransport(t *testing.T) {
 	var want [][]byte
 	for _, mode := range []string{transfer.TransportTCP, transfer.TransportShm} {
 		t.Run(mode, func(t *testing.T) {
-			cfg := DefaultClusterConfig()
-			cfg.Logger = testLogger(t)
-			cfg.Agent.Transfer.Transport = mode
+			cl := startCluster(t, Disaggregated, func(c *ClusterConfig) { c.Agent.Transfer.Transport = mode })
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
-			cl, err := StartCluster(ctx, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer cl.Close()
 			got := runOnCluster(t, cl, specs)
 			if want == nil {
 				want = got

@@ -5,10 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/libp2p/go-libp2p"
 	"github.com/libp2p/go-libp2p/core/host"
-	"github.com/libp2p/go-libp2p/core/network"
-	"github.com/libp2p/go-libp2p/p2p/transport/tcp"
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
 )
@@ -20,14 +17,7 @@ func TestMain(m *testing.M) {
 // newHost starts a TCP-only loopback libp2p host with everything optional off.
 func newHost(t testing.TB) host.Host {
 	t.Helper()
-	h, err := libp2p.New(
-		libp2p.ListenAddrStrings("/ip4/127.0.0.1/tcp/0"),
-		libp2p.Transport(tcp.NewTCPTransport),
-		libp2p.DisableRelay(),
-		libp2p.DisableMetrics(),
-		libp2p.DisableIdentifyAddressDiscovery(),
-		libp2p.ResourceManager(&network.NullResourceManager{}),
-	)
+	h, err := NewHost("/ip4/127.0.0.1/tcp/0", nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -161,16 +161,7 @@ func referenceOutput(t *testing.T, s engine.Spec) []byte {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx := context.Background()
-	cond, err := e.Encode(ctx, s)
-	if err != nil {
-		t.Fatal(err)
-	}
-	lat, err := e.Denoise(ctx, s, cond, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	out, _, err := e.Decode(ctx, s, lat)
+	out, _, err := e.Generate(context.Background(), s)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -278,3 +278,17 @@ func (d *FrameDecoder) FramePreview(f int) ([]byte, error) {
 	}
 	return buf.Bytes(), nil
 }
+
+// Generate runs the whole pipeline in this process: the reference the
+// distributed pipeline must match byte for byte.
+func (e *Engine) Generate(ctx context.Context, s Spec) ([]byte, string, error) {
+	cond, err := e.Encode(ctx, s)
+	if err != nil {
+		return nil, "", err
+	}
+	lat, err := e.Denoise(ctx, s, cond, nil)
+	if err != nil {
+		return nil, "", err
+	}
+	return e.Decode(ctx, s, lat)
+}

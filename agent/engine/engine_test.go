@@ -404,7 +404,7 @@ func TestFrameDecoderMatchesDecode(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want, _, err := e.Decode(ctx, s, lat)
+	want, _, err := e.Generate(ctx, s)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -251,7 +252,7 @@ func (a *Agent) execute(c *jobs.Claim) {
 		release()
 		return
 	case ctx.Err() != nil:
-		log.Info("job cancelled; task stopped")
+		// Cancelled job or lost lease: give the claim up if it is still ours.
 		err = a.store.Drop(a.ctx, c)
 	case errors.Is(err, errInputLost):
 		log.Warn("input lost; restarting job from encode", zap.Error(err))
@@ -276,21 +277,38 @@ func (a *Agent) execute(c *jobs.Claim) {
 	}
 }
 
-// watchCancel returns a context for running c that ends when the job is
-// cancelled (or the agent stops), so a cancelled job frees its worker at
-// once instead of after the stage. stop ends the watch.
+// watchCancel returns a context for running c that ends when the task can
+// no longer commit, so its worker is freed at once instead of after the
+// stage: the job was cancelled, or this agent's lease changed (the claim
+// lived on the old one and another worker may already hold the task). It
+// also ends when the agent stops. stop ends the watch.
 func (a *Agent) watchCancel(c *jobs.Claim) (ctx context.Context, stop func()) {
 	ctx, cancel := context.WithCancel(a.ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
+	var wg sync.WaitGroup
+	wg.Go(func() {
 		if j, err := a.store.Wait(ctx, c.Task.JobID); err == nil && j.State == jobs.Cancelled {
+			a.log.Info("job cancelled; stopping its task", zap.String("job", c.Task.JobID))
 			cancel()
 		}
-	}()
+	})
+	wg.Go(func() {
+		for {
+			changed := a.member.LeaseChanged()
+			if a.member.Lease() != c.Lease {
+				a.log.Warn("lease changed; stopping a task claimed under the old one", zap.String("job", c.Task.JobID))
+				cancel()
+				return
+			}
+			select {
+			case <-changed:
+			case <-ctx.Done():
+				return
+			}
+		}
+	})
 	return ctx, func() {
 		cancel()
-		<-done
+		wg.Wait()
 	}
 }
 

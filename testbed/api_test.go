@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
@@ -287,4 +289,60 @@ func TestCancelStopsRunningStage(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// An agent whose lease is lost mid-task stops that task (its claim is gone),
+// re-registers under a new lease and takes the task again: the job completes
+// once, on attempt 2.
+func TestLeaseLossMidTask(t *testing.T) {
+	cl := startCluster(t, Disaggregated, func(c *ClusterConfig) {
+		c.Agent.Engine.StepCost = 300 * time.Millisecond
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	c := &httpapi.Client{BaseURL: "http://" + cl.Agents[0].HTTPAddr()}
+	steps := 8
+	job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "a storm at sea", Steps: &steps})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 20*time.Second, func() error {
+		j, err := c.Get(ctx, job.ID)
+		if err != nil {
+			return err
+		}
+		if j.Progress == nil || j.Progress.Stage != jobs.Denoise || j.Progress.Step < 1 {
+			return errorf("not denoising yet: %+v", j.Progress)
+		}
+		return nil
+	})
+	key := "/latentmesh/default/nodes/denoise-1"
+	resp, err := cl.Client.Get(ctx, key)
+	if err != nil || len(resp.Kvs) != 1 {
+		t.Fatalf("node record: %v %v", resp, err)
+	}
+	old := clientv3.LeaseID(resp.Kvs[0].Lease)
+	if _, err := cl.Client.Revoke(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	var done jobs.Job
+	eventually(t, 30*time.Second, func() error {
+		if done, err = c.Get(ctx, job.ID); err != nil {
+			return err
+		}
+		if !done.State.Terminal() {
+			return errorf("job %s", done.State)
+		}
+		return nil
+	})
+	if done.State != jobs.Succeeded {
+		t.Fatalf("job ended %s: %+v", done.State, done.Error)
+	}
+	if d := done.Stages[jobs.Denoise]; d.Node != "denoise-1" || d.Attempt != 2 {
+		t.Fatalf("denoise stage %+v, want denoise-1 on attempt 2", d)
+	}
+	resp, err = cl.Client.Get(ctx, key)
+	if err != nil || len(resp.Kvs) != 1 || clientv3.LeaseID(resp.Kvs[0].Lease) == old {
+		t.Fatalf("denoise-1 did not re-register under a new lease: %v %v", resp, err)
+	}
 }

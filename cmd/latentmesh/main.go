@@ -21,6 +21,7 @@ commands:
   dev        run an embedded etcd (and agents) for use through the HTTP API
   agent      run one agent daemon against an etcd cluster
   generate   ask a running agent for one image or video, with a progress bar
+  status     show an agent's view: node, peers and credits, queues, data plane
   version    print the version
   bench      benchmark the data plane (transfer) and chunked decode (overlap)
 
@@ -45,6 +46,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		"dev":      runDev,
 		"agent":    runAgent,
 		"generate": runGenerate,
+		"status":   runStatus,
 		"version":  runVersion,
 		"bench":    runBench,
 	}

@@ -1,0 +1,78 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+func runCmd(args ...string) (code int, stdout, stderr string) {
+	var o, e bytes.Buffer
+	code = run(context.Background(), args, &o, &e)
+	return code, o.String(), e.String()
+}
+
+func TestUsageErrors(t *testing.T) {
+	tests := []struct {
+		args []string
+		code int
+		want string // in stderr
+	}{
+		{nil, 2, "usage: latentmesh"},
+		{[]string{"paint"}, 2, `unknown command "paint"`},
+		{[]string{"demo"}, 2, "--out DIR is required"},
+		{[]string{"demo", "--out", "x", "--topology", "ring"}, 2, "unknown topology"},
+		{[]string{"demo", "--out", "x", "extra"}, 2, `unexpected argument "extra"`},
+		{[]string{"dev", "--agents", "2"}, 2, "want 0, 1, or 3 or more"},
+		{[]string{"agent", "--roles", "paint"}, 2, `unknown role "paint"`},
+		{[]string{"agent", "--slots", "encode=0"}, 2, "not in [1,1024]"},
+		{[]string{"agent", "--sim-cost", "step=fast"}, 2, "bad duration"},
+		{[]string{"agent", "--arena-size", "lots"}, 2, "--arena-size"},
+		{[]string{"bench", "transfer", "--sizes", "big"}, 2, "big"},
+	}
+	for _, tt := range tests {
+		code, _, stderr := runCmd(tt.args...)
+		if code != tt.code || !strings.Contains(stderr, tt.want) {
+			t.Errorf("%q: exit %d, stderr %q; want exit %d and %q", tt.args, code, stderr, tt.code, tt.want)
+		}
+	}
+}
+
+func TestVersionAndHelp(t *testing.T) {
+	if code, out, _ := runCmd("version"); code != 0 || !strings.Contains(out, agent.Version) {
+		t.Fatalf("version: %d %q", code, out)
+	}
+	if code, out, _ := runCmd("help"); code != 0 || !strings.Contains(out, "generate") {
+		t.Fatalf("help: %d %q", code, out)
+	}
+}
+
+func TestStatus(t *testing.T) {
+	st := agent.Status{
+		Queues: map[jobs.Stage]agent.QueueInfo{jobs.Decode: {Queued: 3, Running: 1}},
+		Peers:  []agent.PeerStatus{{ID: "dec-7", Roles: []string{"decode"}, Alive: true, Free: map[string]uint32{"decode": 2}}},
+	}
+	st.Node.ID = "enc-1"
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/v1/admin/status" || r.Header.Get("Authorization") != "Bearer s3cret" {
+			http.Error(w, `{"error":{"message":"unauthorized"}}`, http.StatusUnauthorized)
+			return
+		}
+		json.NewEncoder(w).Encode(st)
+	}))
+	defer srv.Close()
+	code, out, errOut := runCmd("status", "--admin", srv.URL, "--token", "s3cret")
+	if code != 0 || !strings.Contains(out, "node enc-1") || !strings.Contains(out, "decode=2") || !strings.Contains(out, "dec-7") {
+		t.Fatalf("status: %d\n%s%s", code, out, errOut)
+	}
+	if code, _, errOut := runCmd("status", "--admin", srv.URL); code != 1 || !strings.Contains(errOut, "401") {
+		t.Fatalf("status without token: %d %q", code, errOut)
+	}
+}

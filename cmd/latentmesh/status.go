@@ -1,0 +1,110 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"sort"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+func agentStage(s string) jobs.Stage { return jobs.Stage(s) }
+
+func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlagSet("status", "[--admin URL] [flags]", stderr)
+	var (
+		admin  = fs.String("admin", "http://127.0.0.1:9090", "the agent's admin `URL`")
+		token  = fs.String("token", "", "admin bearer token, when the agent requires one")
+		asJSON = fs.Bool("json", false, "print the status document as JSON")
+	)
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(*admin, "/")+"/v1/admin/status", nil)
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh status: %v\n", err)
+		return 2
+	}
+	if *token != "" {
+		req.Header.Set("Authorization", "Bearer "+*token)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh status: cannot reach agent admin at %s: %v\n", *admin, err)
+		return 1
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh status: %v\n", err)
+		return 1
+	}
+	if resp.StatusCode != http.StatusOK {
+		fmt.Fprintf(stderr, "latentmesh status: %s: %s\n", resp.Status, strings.TrimSpace(string(body)))
+		return 1
+	}
+	if *asJSON {
+		_, err = stdout.Write(append(body, '\n'))
+		return boolCode(err == nil)
+	}
+	var st agent.Status
+	if err := json.Unmarshal(body, &st); err != nil {
+		fmt.Fprintf(stderr, "latentmesh status: undecodable status: %v\n", err)
+		return 1
+	}
+	writeStatus(stdout, st)
+	return 0
+}
+
+func boolCode(ok bool) int {
+	if ok {
+		return 0
+	}
+	return 1
+}
+
+// writeStatus prints a status document for a person.
+func writeStatus(w io.Writer, st agent.Status) {
+	fmt.Fprintf(w, "node %s (%s) roles=%s http=%s version=%s\n", st.Node.ID, st.Node.Host,
+		strings.Join(st.Node.Roles, ","), st.Node.HTTPAddr, st.Node.Version)
+	d := st.Data
+	fmt.Fprintf(w, "data plane: transport=%s held=%d payloads (%d bytes) arena free=%d of %d bytes pulls=%v\n\n",
+		d.Transport, d.HeldPayloads, d.HeldBytes, d.ArenaFree, d.ArenaBytes, d.Pulls)
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "QUEUE\tQUEUED\tRUNNING")
+	stages := make([]string, 0, len(st.Queues))
+	for s := range st.Queues {
+		stages = append(stages, string(s))
+	}
+	sort.Strings(stages)
+	for _, s := range stages {
+		q := st.Queues[agentStage(s)]
+		fmt.Fprintf(tw, "%s\t%d\t%d\n", s, q.Queued, q.Running)
+	}
+	fmt.Fprintln(tw)
+	fmt.Fprintln(tw, "PEER\tROLES\tALIVE\tFREE CREDITS\tLOAD\tHTTP")
+	for _, p := range st.Peers {
+		alive := "yes"
+		switch {
+		case !p.Alive:
+			alive = "no"
+		case p.Suspect:
+			alive = "suspect"
+		}
+		var free []string
+		for _, r := range p.Roles {
+			free = append(free, fmt.Sprintf("%s=%d", r, p.Free[r]))
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%.2f\t%s\n", p.ID, strings.Join(p.Roles, ","), alive, strings.Join(free, ","), p.Load, p.HTTP)
+	}
+	tw.Flush()
+}

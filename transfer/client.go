@@ -406,22 +406,32 @@ func (s *Service) fetch(ctx context.Context, c *dataConn, t []byte, off int64, d
 		block = ioBlock
 	}
 	dl := deadline{set: c.setDeadline, timeout: s.cfg.IOTimeout}
-	for got, i := 0, 0; got < len(dst); i++ {
-		k := min(len(dst)-got, int(block))
+	// Read pieces of several blocks (fewer syscalls and window-update
+	// ACKs than block-sized reads), then verify each block while it is in cache.
+	piece := max(block, readPiece/block*block)
+	for got := int64(0); got < int64(len(dst)); {
+		k := min(int64(len(dst))-got, piece)
 		dl.progress()
 		b := dst[got : got+k]
 		if _, err := io.ReadFull(c, b); err != nil {
 			return true, false, fmt.Errorf("%w: %s: short read at %d of %d bytes: %w", ErrCorrupt, c.addr, got, len(dst), unexpected(err))
 		}
-		if check {
-			if x := xxh3.Hash(b); x != sums[i] {
-				return true, false, fmt.Errorf("%w: range at %d: block at %d: checksum %x, want %x", ErrCorrupt, off, got, x, sums[i])
+		for bo := int64(0); check && bo < k; bo += block {
+			i := (got + bo) / block
+			if x := xxh3.Hash(b[bo:min(k, bo+block)]); x != sums[i] {
+				return true, false, fmt.Errorf("%w: range at %d: block at %d: checksum %x, want %x", ErrCorrupt, off, got+bo, x, sums[i])
 			}
 		}
 		got += k
 	}
 	return true, check, nil
 }
+
+// readPiece is how many bytes one read asks for: four checksum blocks. Reads
+// of one 256 KiB block cost about 11% more CPU per pull (more recvmsg calls
+// and window-update ACKs; measured with /usr/bin/time over 50 pulls of 64 MiB
+// in one process); 4 MiB pieces spill out of L2 before the checksum pass.
+const readPiece = 4 * sumBlock
 
 // readSums reads the block size and block checksums that follow statusOK for
 // a range of n bytes. They alias c's buffer until the next call.

@@ -14,10 +14,10 @@ import (
 	"go.uber.org/zap"
 )
 
-// ioBlock is how many payload bytes move between deadline refreshes: large
-// enough that the refresh costs nothing, small enough that progress on a slow
-// link keeps a healthy connection alive.
-const ioBlock = 1 << 20
+// ioBlock is how many payload bytes one write (or, without checksums, one
+// read) moves; the deadline moves forward between blocks (see deadline).
+// 4 MiB writes cost a few percent less CPU than 1 MiB ones here.
+const ioBlock = 4 << 20
 
 func (s *Service) acceptLoop() {
 	defer s.wg.Done()

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/latentmesh/latentmesh/transfer/shm"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/vmihailenco/msgpack/v5"
 )
@@ -161,6 +162,10 @@ func FuzzReadFrameTicketResponse(f *testing.F) {
 	bad.Meta.Shape = []int64{1 << 40, 1 << 40}
 	f.Add(frameBytes(f, bad))
 	f.Add([]byte{0, 0, 0, 7, 0x81, 0xa5, 's', 'h', 'a', 'p', 'e'})
+	withHandles := goodResponse()
+	withHandles.Shm = &shm.Handle{ArenaID: "12D3KooW", Off: 4096, Len: 1 << 20, Gen: 3}
+	withHandles.RDMA = &RDMARegion{Addr: 1 << 40, RKey: 7, Len: 1 << 30, Off: 4096}
+	f.Add(frameBytes(f, withHandles))
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var m TicketResponse
 		if err := ReadFrame(bytes.NewReader(b), fuzzMaxFrame, &m); err != nil {
@@ -174,6 +179,22 @@ func FuzzReadFrameTicketResponse(f *testing.F) {
 				t.Fatalf("accepted invalid response %+v", m)
 			}
 			_ = m.Meta.Bytes()
+		}
+	})
+}
+
+func FuzzReadFrameChunkEvent(f *testing.F) {
+	f.Add(frameBytes(f, &ChunkEvent{V: WireVersion, Chunk: 3}))
+	f.Add(frameBytes(f, &ChunkEvent{V: WireVersion, Chunk: -1}))
+	f.Add(frameBytes(f, &ChunkEvent{V: WireVersion, Chunk: 0, ErrCode: CodeNotFound, ErrMsg: "released"}))
+	f.Add([]byte{0, 0, 0, 3, 0x81, 0xa1, 'v'})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var m ChunkEvent
+		if err := ReadFrame(bytes.NewReader(b), fuzzMaxFrame, &m); err != nil {
+			return
+		}
+		if m.V != WireVersion || m.Chunk < -1 || len(m.ErrCode) > maxErrMsgLen || len(m.ErrMsg) > maxErrMsgLen {
+			t.Fatalf("accepted invalid event %+v", m)
 		}
 	})
 }

@@ -21,6 +21,9 @@ import (
 var (
 	errInputLost = errors.New("agent: input payload lost with its producer") // -> Rewind
 	errTransient = errors.New("agent: transient failure")                    // -> Abandon, retry later
+	// errCommit is a commit etcd failed (not refused): transient, but a job
+	// that keeps failing it fails with its own code.
+	errCommit = fmt.Errorf("%w: commit failed", errTransient)
 )
 
 // worker is the pull loop of one stage: wait for a free credit, claim the
@@ -228,8 +231,7 @@ func (a *Agent) execute(c *jobs.Claim) {
 		}
 		return
 	}
-	switch {
-	case err == nil:
+	if err == nil {
 		err = a.store.Commit(a.ctx, c, out)
 		switch {
 		case err == nil:
@@ -238,15 +240,18 @@ func (a *Agent) execute(c *jobs.Claim) {
 				a.metrics.JobFinished(jobs.Succeeded)
 			}
 			log.Info("stage committed", zap.Duration("took", out.Work))
+			return
 		case errors.Is(err, jobs.ErrFenced), errors.Is(err, jobs.ErrFinished):
 			// Lost the claim or the job was cancelled: the output is nobody's.
 			log.Warn("commit refused; output discarded", zap.Error(err))
 			release()
-		default:
-			log.Error("commit failed", zap.Error(err))
-			release()
+			return
 		}
-		return
+		// etcd refused or failed the write (unreachable, request too large):
+		// retry like any transient failure, so the claim is not left behind.
+		err = fmt.Errorf("%w: %v", errCommit, err)
+	}
+	switch {
 	case a.ctx.Err() != nil:
 		// Shutting down: the lease is revoked on Close and another agent takes over.
 		release()
@@ -263,7 +268,10 @@ func (a *Agent) execute(c *jobs.Claim) {
 		err = a.store.Abandon(a.ctx, c, backoff)
 	default:
 		code := "engine_error"
-		if errors.Is(err, errTransient) {
+		switch {
+		case errors.Is(err, errCommit):
+			code = "commit_failed"
+		case errors.Is(err, errTransient):
 			code = "transfer_failed"
 		}
 		log.Error("task failed; failing job", zap.Error(err))
@@ -412,7 +420,11 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim) (out jobs.Output, pu
 	}
 	// The stage was handed off early: the commit's outcome decides.
 	if cerr := <-commitErr; cerr != nil {
-		return out, published, true, cerr
+		if errors.Is(cerr, jobs.ErrFenced) || errors.Is(cerr, jobs.ErrFinished) {
+			return out, published, true, cerr
+		}
+		// Nothing was committed: the claim is still ours, retry the task.
+		return out, published, false, fmt.Errorf("%w: early commit: %v", errTransient, cerr)
 	}
 	if err != nil {
 		// Committed, but the tail never came: drop the payload so its

@@ -346,3 +346,33 @@ func TestLeaseLossMidTask(t *testing.T) {
 		t.Fatalf("denoise-1 did not re-register under a new lease: %v %v", resp, err)
 	}
 }
+
+// A commit etcd rejects (here: a result larger than its request limit) is
+// retried and then fails the job with a clear code; no claim is left behind.
+func TestCommitRejectedByEtcdFailsCleanly(t *testing.T) {
+	cl := startCluster(t, Colocated, func(c *ClusterConfig) {
+		c.Etcd.MaxRequestBytes = 64 << 10 // smaller than a 512x512 PNG
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	c := &httpapi.Client{BaseURL: "http://" + cl.Agents[0].HTTPAddr()}
+	side, steps := 512, 2
+	job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "a detailed map", Width: &side, Height: &side, Steps: &steps})
+	if err != nil {
+		t.Fatal(err)
+	}
+	j, err := c.Wait(ctx, job.ID, 50*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if j.State != jobs.Failed || j.Error == nil || j.Error.Code != "commit_failed" {
+		t.Fatalf("job %+v (error %+v), want failed with commit_failed", j.State, j.Error)
+	}
+	if d := j.Stages[jobs.Decode]; d != nil {
+		t.Fatalf("decode stage recorded as committed: %+v", d)
+	}
+	left, err := cl.Client.Get(ctx, "/latentmesh/default/claims/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil || left.Count != 0 {
+		t.Fatalf("claims left: %v %v", left.Count, err)
+	}
+}

@@ -251,21 +251,24 @@ func (a *Agent) execute(c *jobs.Claim) {
 		// retry like any transient failure, so the claim is not left behind.
 		err = fmt.Errorf("%w: %v", errCommit, err)
 	}
-	switch {
-	case a.ctx.Err() != nil:
+	if a.ctx.Err() != nil {
 		// Shutting down: the lease is revoked on Close and another agent takes over.
 		release()
 		return
+	}
+	var record func() error
+	switch {
 	case ctx.Err() != nil:
 		// Cancelled job or lost lease: give the claim up if it is still ours.
-		err = a.store.Drop(a.ctx, c)
+		record = func() error { return a.store.Drop(a.ctx, c) }
 	case errors.Is(err, errInputLost):
 		log.Warn("input lost; restarting job from encode", zap.Error(err))
-		err = a.store.Rewind(a.ctx, c, err.Error())
+		reason := err.Error()
+		record = func() error { return a.store.Rewind(a.ctx, c, reason) }
 	case errors.Is(err, errTransient) && c.Task.Attempt < a.cfg.TransientRetries:
 		backoff := a.cfg.RetryBackoff << (c.Task.Attempt - 1)
 		log.Warn("task failed; will retry", zap.Duration("backoff", backoff), zap.Error(err))
-		err = a.store.Abandon(a.ctx, c, backoff)
+		record = func() error { return a.store.Abandon(a.ctx, c, backoff) }
 	default:
 		code := "engine_error"
 		switch {
@@ -275,13 +278,29 @@ func (a *Agent) execute(c *jobs.Claim) {
 			code = "transfer_failed"
 		}
 		log.Error("task failed; failing job", zap.Error(err))
-		if err = a.store.Fail(a.ctx, c, code, err.Error()); err == nil {
-			a.metrics.JobFinished(jobs.Failed)
+		msg := err.Error()
+		record = func() error {
+			err := a.store.Fail(a.ctx, c, code, msg)
+			if err == nil {
+				a.metrics.JobFinished(jobs.Failed)
+			}
+			return err
 		}
 	}
 	release()
-	if err != nil && !errors.Is(err, jobs.ErrFenced) && !errors.Is(err, jobs.ErrFinished) {
-		log.Error("recording task failure", zap.Error(err))
+	// The outcome must reach etcd, or the claim sits there until this
+	// agent's lease ends: retry a failing etcd a few times.
+	for i := 0; ; i++ {
+		err := record()
+		if err == nil || errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished) {
+			return
+		}
+		if i == 4 || a.ctx.Err() != nil {
+			log.Error("recording task failure; the claim stays until the lease ends", zap.Error(err))
+			return
+		}
+		log.Warn("recording task failure", zap.Error(err))
+		a.sleep(a.cfg.RetryBackoff << i)
 	}
 }
 

@@ -253,16 +253,7 @@ func TestCancelStopsRunningStage(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 20*time.Second, func() error {
-		j, err := c.Get(ctx, job.ID)
-		if err != nil {
-			return err
-		}
-		if j.Progress == nil || j.Progress.Stage != jobs.Denoise {
-			return errorf("not denoising yet: %+v", j.Progress)
-		}
-		return nil
-	})
+	waitProgress(t, ctx, c, job.ID, func(p *jobs.Progress) bool { return p.Stage == jobs.Denoise })
 	if j, err := c.Cancel(ctx, job.ID); err != nil || j.State != jobs.Cancelled {
 		t.Fatalf("cancel: %+v %v", j, err)
 	}
@@ -306,16 +297,7 @@ func TestLeaseLossMidTask(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 20*time.Second, func() error {
-		j, err := c.Get(ctx, job.ID)
-		if err != nil {
-			return err
-		}
-		if j.Progress == nil || j.Progress.Stage != jobs.Denoise || j.Progress.Step < 1 {
-			return errorf("not denoising yet: %+v", j.Progress)
-		}
-		return nil
-	})
+	waitProgress(t, ctx, c, job.ID, func(p *jobs.Progress) bool { return p.Stage == jobs.Denoise && p.Step >= 1 })
 	key := "/latentmesh/default/nodes/denoise-1"
 	resp, err := cl.Client.Get(ctx, key)
 	if err != nil || len(resp.Kvs) != 1 {
@@ -375,4 +357,19 @@ func TestCommitRejectedByEtcdFailsCleanly(t *testing.T) {
 	if err != nil || left.Count != 0 {
 		t.Fatalf("claims left: %v %v", left.Count, err)
 	}
+}
+
+// waitProgress waits until the job's running stage satisfies ok.
+func waitProgress(t *testing.T, ctx context.Context, c *httpapi.Client, id string, ok func(*jobs.Progress) bool) {
+	t.Helper()
+	eventually(t, 30*time.Second, func() error {
+		j, err := c.Get(ctx, id)
+		if err != nil {
+			return err
+		}
+		if j.Progress == nil || !ok(j.Progress) {
+			return errorf("job %s: state %s, progress %+v", id, j.State, j.Progress)
+		}
+		return nil
+	})
 }

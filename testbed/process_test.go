@@ -186,16 +186,7 @@ func TestKillDecodeAgentMidTask(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 30*time.Second, func() error {
-		j, err := c.Get(ctx, job.ID)
-		if err != nil {
-			return err
-		}
-		if j.Progress == nil || j.Progress.Stage != jobs.Decode || j.Progress.Node != "dec-slow" {
-			return fmt.Errorf("not decoding on dec-slow yet: state=%s stage=%s progress=%+v", j.State, j.Stage, j.Progress)
-		}
-		return nil
-	})
+	waitProgress(t, ctx, c, job.ID, func(p *jobs.Progress) bool { return p.Stage == jobs.Decode && p.Node == "dec-slow" })
 	slow.Kill()
 	m.agent("dec-new", "decode")
 

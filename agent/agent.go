@@ -82,7 +82,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	}()
 
 	if a.engine, err = engine.New(cfg.Engine); err != nil {
-		return nil, fmt.Errorf("agent: engine: %w", err)
+		return nil, fmt.Errorf("agent: %w", err)
 	}
 	if a.host, err = newHost(cfg); err != nil {
 		return nil, err
@@ -95,7 +95,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	a.log = cfg.Logger.With(zap.String("node", a.id))
 	cfg.Transfer.Logger = a.log
 	if a.xfer, err = transfer.New(cfg.Transfer, a.host); err != nil {
-		return nil, fmt.Errorf("agent: transfer: %w", err)
+		return nil, fmt.Errorf("agent: %w", err)
 	}
 	jc := cfg.Jobs
 	jc.Logger = a.log
@@ -141,7 +141,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	gc := cfg.Gossip
 	gc.Logger = cfg.Logger // gossip names the node in its own fields
 	if a.member, err = gossip.New(gc, cli, rec); err != nil {
-		return nil, fmt.Errorf("agent: gossip: %w", err)
+		return nil, fmt.Errorf("agent: %w", err)
 	}
 	return a, nil
 }

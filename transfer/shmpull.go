@@ -62,7 +62,7 @@ func (s *Service) startShm() error {
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		if err := srv.Serve(s.life, ln); err != nil {
+		if err := srv.Serve(s.life, ln); err != nil && !errors.Is(err, shm.ErrClosed) && s.life.Err() == nil {
 			s.log.Warn("shm serve", zap.Error(err))
 		}
 	}()

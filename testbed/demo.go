@@ -100,9 +100,10 @@ type DemoJob struct {
 
 // DemoReport is what --json prints.
 type DemoReport struct {
-	Topology Topology  `json:"topology"`
-	Seconds  float64   `json:"seconds"`
-	Jobs     []DemoJob `json:"jobs"`
+	Topology Topology         `json:"topology"`
+	Seconds  float64          `json:"seconds"`
+	Jobs     []DemoJob        `json:"jobs"`
+	Pulls    map[string]int64 `json:"pulls_by_transport"` // how payloads moved between stages
 }
 
 // RunDemo starts an in-process cluster, runs every spec through it, writes
@@ -172,8 +173,20 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (DemoReport, error) {
 		rep.Jobs = append(rep.Jobs, dj)
 		logf("%s\n", timeline(dj))
 	}
+	rep.Pulls = map[string]int64{}
+	for _, a := range cl.Agents {
+		st, err := a.Status(ctx)
+		if err != nil {
+			return rep, fmt.Errorf("demo: status of %s: %w", a.ID(), err)
+		}
+		for t, n := range st.Data.Pulls {
+			if n > 0 {
+				rep.Pulls[t] += n
+			}
+		}
+	}
 	rep.Seconds = time.Since(start).Seconds()
-	logf("done: %d files in %s (%.1fs)\n", len(rep.Jobs), cfg.Out, rep.Seconds)
+	logf("done: %d files in %s (%.1fs); payloads pulled by transport: %v\n", len(rep.Jobs), cfg.Out, rep.Seconds, rep.Pulls)
 	return rep, nil
 }
 

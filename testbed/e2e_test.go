@@ -54,6 +54,11 @@ func TestTopologiesProduceIdenticalFiles(t *testing.T) {
 	specs := demoSpecs()
 	dis := runDemo(t, Disaggregated, specs)
 	col := runDemo(t, Colocated, specs)
+	// Each job moves two payloads (embeddings, latent): between agents of
+	// one host over shared memory, within the colocated agent locally.
+	if n := int64(2 * len(specs)); dis.Pulls["shm"] != n || col.Pulls["local"] != n {
+		t.Errorf("pulls: disaggregated %v, colocated %v; want %d over shm and %d local", dis.Pulls, col.Pulls, n, n)
+	}
 	for i, s := range specs {
 		a, err := os.ReadFile(dis.Jobs[i].Output)
 		if err != nil {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -86,10 +87,11 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		if err := a.ctx.Err(); err != nil {
 			return nil, err
 		}
+		changed := a.member.LeaseChanged() // before Lease, so a change in between is not missed
 		lease := a.member.Lease()
 		if lease == 0 { // re-registering after a lost lease
 			select {
-			case <-a.member.LeaseChanged():
+			case <-changed:
 			case <-a.ctx.Done():
 			}
 			continue
@@ -205,10 +207,11 @@ func (a *Agent) execute(c *jobs.Claim) {
 	st := c.Task.Stage
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
 	log.Debug("task claimed")
-	ctx, stop := a.watchCancel(c)
+	var handedOff atomic.Bool // set once an early handoff committed the stage
+	ctx, stop := a.watchCancel(c, &handedOff)
 	defer stop()
 	start := time.Now()
-	out, published, committed, err := a.run(ctx, c)
+	out, published, committed, err := a.run(ctx, c, &handedOff)
 	out.Work = time.Since(start)
 
 	release := func() {
@@ -287,20 +290,37 @@ func (a *Agent) execute(c *jobs.Claim) {
 			return err
 		}
 	}
-	release()
-	// The outcome must reach etcd, or the claim sits there until this
-	// agent's lease ends: retry a failing etcd a few times.
-	for i := 0; ; i++ {
+	// The outcome must reach etcd, or the claim sits there for as long as
+	// this agent's lease lives: keep trying while etcd fails. The writes are
+	// fenced by the claim, so retrying is safe.
+	backoff := a.cfg.RetryBackoff
+	for {
 		err := record()
 		if err == nil || errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished) {
+			a.releaseUncommitted(published, err)
 			return
 		}
-		if i == 4 || a.ctx.Err() != nil {
-			log.Error("recording task failure; the claim stays until the lease ends", zap.Error(err))
-			return
+		if a.ctx.Err() != nil {
+			return // the lease is revoked on Close, which frees the claim
 		}
-		log.Warn("recording task failure", zap.Error(err))
-		a.sleep(a.cfg.RetryBackoff << i)
+		log.Warn("recording task failure; retrying", zap.Duration("backoff", backoff), zap.Error(err))
+		a.sleep(backoff)
+		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+// releaseUncommitted frees the payloads a failed task published. When the
+// outcome could not be recorded because the claim was gone (recordErr is
+// ErrFenced or ErrFinished), a commit whose reply was lost may have taken
+// effect after all: a payload with a record belongs to the next stage now.
+func (a *Agent) releaseUncommitted(published []string, recordErr error) {
+	for _, id := range published {
+		if recordErr != nil {
+			if ok, err := a.store.PayloadRecorded(a.ctx, id); err != nil || ok {
+				continue // committed, or unknown: the record's deletion will release it
+			}
+		}
+		a.xfer.Release(id)
 	}
 }
 
@@ -309,7 +329,7 @@ func (a *Agent) execute(c *jobs.Claim) {
 // stage: the job was cancelled, or this agent's lease changed (the claim
 // lived on the old one and another worker may already hold the task). It
 // also ends when the agent stops. stop ends the watch.
-func (a *Agent) watchCancel(c *jobs.Claim) (ctx context.Context, stop func()) {
+func (a *Agent) watchCancel(c *jobs.Claim, handedOff *atomic.Bool) (ctx context.Context, stop func()) {
 	ctx, cancel := context.WithCancel(a.ctx)
 	var wg sync.WaitGroup
 	wg.Go(func() {
@@ -321,7 +341,9 @@ func (a *Agent) watchCancel(c *jobs.Claim) (ctx context.Context, stop func()) {
 	wg.Go(func() {
 		for {
 			changed := a.member.LeaseChanged()
-			if a.member.Lease() != c.Lease {
+			if a.member.Lease() != c.Lease && !handedOff.Load() {
+				// (After an early handoff the claim is committed and gone; the
+				// denoiser finishes the tail its consumer is waiting for.)
 				a.log.Warn("lease changed; stopping a task claimed under the old one", zap.String("job", c.Task.JobID))
 				cancel()
 				return
@@ -343,7 +365,7 @@ func (a *Agent) watchCancel(c *jobs.Claim) (ctx context.Context, stop func()) {
 // published lists payloads this call published, for release on failure.
 // committed reports that run already committed the stage itself (early
 // handoff); err is then about the work after the commit.
-func (a *Agent) run(ctx context.Context, c *jobs.Claim) (out jobs.Output, published []string, committed bool, err error) {
+func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool) (out jobs.Output, published []string, committed bool, err error) {
 	spec := c.Task.Spec
 	switch c.Task.Stage {
 	case jobs.Encode:
@@ -362,7 +384,7 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim) (out jobs.Output, publis
 		out, err = a.output(c, ref)
 		return out, []string{ref.ID}, false, err
 	case jobs.Denoise:
-		return a.denoise(ctx, c)
+		return a.denoise(ctx, c, handedOff)
 	case jobs.Decode:
 		out.Result, out.ContentType, err = a.decode(ctx, c)
 		return out, nil, false, err
@@ -386,7 +408,7 @@ func (a *Agent) output(c *jobs.Claim, ref transfer.Ref) (jobs.Output, error) {
 // decode stage starts pulling and decoding while the denoiser finishes the
 // remaining frames; if the denoiser then fails, it releases the payload and
 // the consumer's pull fails with "not found", which rewinds the job.
-func (a *Agent) denoise(ctx context.Context, c *jobs.Claim) (out jobs.Output, published []string, committed bool, err error) {
+func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool) (out jobs.Output, published []string, committed bool, err error) {
 	spec := c.Task.Spec
 	cond, releaseCond, err := a.pull(ctx, c.Task.Inputs)
 	if err != nil {
@@ -419,7 +441,9 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim) (out jobs.Output, pu
 				o := out
 				o.Work = time.Since(c.StartedAt)
 				err := a.store.Commit(ctx, c, o)
-				if err != nil {
+				if err == nil {
+					handedOff.Store(true)
+				} else {
 					cancel() // nobody will consume the rest
 				}
 				a.log.Debug("early handoff", zap.String("job", c.Task.JobID), zap.Duration("commit", time.Since(start)), zap.Error(err))

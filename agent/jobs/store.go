@@ -280,17 +280,28 @@ func (s *Store) Get(ctx context.Context, id string) (Job, error) {
 
 // Wait blocks until the job is in a terminal state or ctx is done.
 func (s *Store) Wait(ctx context.Context, id string) (Job, error) {
+	if !validID(id) {
+		return Job{}, ErrNotFound
+	}
 	for {
-		rec, rev, err := s.getRecord(ctx, id)
+		resp, err := s.cli.Get(ctx, s.jobKey(id))
 		if err != nil {
-			return Job{}, err
+			return Job{}, fmt.Errorf("jobs: get %s: %w", id, err)
+		}
+		if len(resp.Kvs) == 0 {
+			return Job{}, ErrNotFound
+		}
+		var rec record
+		if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil {
+			return Job{}, fmt.Errorf("jobs: decode job %s: %w", id, err)
 		}
 		if rec.State.Terminal() {
 			return rec.Job, nil
 		}
-		// Any event on the key, or a broken watch, sends us back to re-read.
+		// Watch from the read's revision (not the record's, which may long
+		// be compacted away); any event, or a broken watch, means read again.
 		wctx, cancel := context.WithCancel(ctx)
-		wch := s.cli.Watch(wctx, s.jobKey(id), clientv3.WithRev(rev+1))
+		wch := s.cli.Watch(wctx, s.jobKey(id), clientv3.WithRev(resp.Header.Revision+1))
 		select {
 		case <-ctx.Done():
 			cancel()
@@ -338,11 +349,19 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 		if rec.State.Terminal() {
 			return rec.Job, ErrFinished
 		}
-		ops := []clientv3.Op{clientv3.OpDelete(s.progressKey(id))}
+		ops := []clientv3.Op{
+			clientv3.OpDelete(s.progressKey(id)),
+			clientv3.OpDelete(s.framePrefix(id), clientv3.WithPrefix()),
+		}
 		if rec.TaskKey != "" {
 			ops = append(ops, clientv3.OpDelete(rec.TaskKey))
-			if t, err := s.readTask(ctx, rec.TaskKey); err == nil {
+			t, err := s.readTask(ctx, rec.TaskKey)
+			switch {
+			case err == nil:
 				ops = append(ops, s.releaseOps(t.Inputs)...)
+			case !errors.Is(err, ErrNotFound):
+				// Without the task we cannot release its inputs: do not cancel half-way.
+				return Job{}, fmt.Errorf("jobs: cancel %s: read task: %w", id, err)
 			}
 		}
 		rec.State, rec.Stage, rec.TaskKey = Cancelled, "", ""
@@ -465,6 +484,14 @@ func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv
 			clientv3.OpPut(t.Key, mustJSON(claimed))).
 		Commit()
 	if err != nil {
+		// The transaction may have committed even though we got an error:
+		// remove a claim of ours so the task does not sit claimed by nobody.
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if _, cerr := s.cli.Txn(cctx).If(clientv3.Compare(clientv3.LeaseValue(ck), "=", int64(lease))).
+			Then(clientv3.OpDelete(ck)).Commit(); cerr != nil {
+			s.log.Warn("claim may be left until the lease ends", zap.String("task", t.ID), zap.Error(cerr))
+		}
 		return nil, fmt.Errorf("jobs: claim %s: %w", t.ID, err)
 	}
 	if !resp.Succeeded {
@@ -514,13 +541,13 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, mutate func(*
 	for {
 		rec, rev, err := s.getRecord(ctx, c.Task.JobID)
 		if errors.Is(err, ErrNotFound) {
-			return s.drop(ctx, c, ErrFinished)
+			return s.dropFinished(ctx, c)
 		}
 		if err != nil {
 			return err
 		}
 		if rec.State.Terminal() {
-			return s.drop(ctx, c, ErrFinished)
+			return s.dropFinished(ctx, c)
 		}
 		extra, err := mutate(&rec)
 		if err != nil {
@@ -545,23 +572,30 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, mutate func(*
 	}
 }
 
-// Drop gives up a claim without touching its job: for a worker that
-// stopped because the job was cancelled under it.
+// Drop gives up a claim, if it is still ours, without touching the task or
+// the job: the task becomes claimable again (or stays deleted, when a
+// cancel deleted it). For a worker that stopped because the job was
+// cancelled or its lease changed.
 func (s *Store) Drop(ctx context.Context, c *Claim) error {
-	if err := s.drop(ctx, c, nil); err != nil {
-		return err
-	}
-	_, err := s.cli.Delete(ctx, s.progressKey(c.Task.JobID))
-	return err
-}
-
-// drop deletes the claim (if still ours) and returns why.
-func (s *Store) drop(ctx context.Context, c *Claim, why error) error {
-	_, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(clientv3.OpDelete(s.claimKey(&c.Task))).Commit()
+	_, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(
+		clientv3.OpDelete(s.claimKey(&c.Task)),
+		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
+		clientv3.OpDelete(s.framePrefix(c.Task.JobID), clientv3.WithPrefix()),
+	).Commit()
 	if err != nil {
 		return fmt.Errorf("jobs: drop claim: %w", err)
 	}
-	return why
+	return nil
+}
+
+// dropFinished ends a claim on a task of a finished (or vanished) job: the
+// claim and the task itself go, so an orphan task left by a race with
+// Cancel cannot be claimed again. It returns ErrFinished.
+func (s *Store) dropFinished(ctx context.Context, c *Claim) error {
+	if _, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(s.finishOps(c)...).Commit(); err != nil {
+		return fmt.Errorf("jobs: drop claim: %w", err)
+	}
+	return ErrFinished
 }
 
 // Commit finishes the claimed stage with out, atomically: the stage record, the
@@ -646,7 +680,10 @@ func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
 func (s *Store) Abandon(ctx context.Context, c *Claim, backoff time.Duration) error {
 	t := c.Task
 	t.NotBefore = s.cfg.Now().Add(backoff)
-	resp, err := s.cli.Txn(ctx).If(s.fenced(c)...).
+	// The task must be the one we claimed: a Cancel that deleted it must not
+	// be undone by writing it back.
+	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.Task.Rev))
+	resp, err := s.cli.Txn(ctx).If(cmps...).
 		Then(clientv3.OpPut(t.Key, mustJSON(t)), clientv3.OpDelete(s.claimKey(&c.Task)), clientv3.OpDelete(s.progressKey(t.JobID))).
 		Commit()
 	if err != nil {
@@ -801,4 +838,14 @@ func (s *Store) StreamFrames(ctx context.Context, id string, emit func(Frame) er
 			}
 		}
 	}
+}
+
+// PayloadRecorded reports whether payload id has a record: whether a commit
+// that published it took effect.
+func (s *Store) PayloadRecorded(ctx context.Context, id string) (bool, error) {
+	resp, err := s.cli.Get(ctx, s.payloadKey(id), clientv3.WithCountOnly())
+	if err != nil {
+		return false, err
+	}
+	return resp.Count > 0, nil
 }

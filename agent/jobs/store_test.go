@@ -383,3 +383,62 @@ func TestStreamFrames(t *testing.T) {
 		t.Fatalf("%d frame previews left after commit", left.Count)
 	}
 }
+
+// A worker that abandons a task after the job was cancelled must not bring
+// the deleted task back (it would be claimed and run for nothing, forever).
+func TestAbandonAfterCancelKeepsTaskDeleted(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	job, _ := s.Submit(ctx, spec(), routing.Standard)
+	den := claimAt(t, s, lease, Denoise)
+	if _, err := s.Cancel(ctx, job.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Abandon(ctx, den, time.Millisecond); !errors.Is(err, ErrFenced) {
+		t.Fatalf("abandon after cancel: %v, want ErrFenced", err)
+	}
+	if pend, _, _ := s.Pending(ctx, Denoise); len(pend) != 0 {
+		t.Fatalf("cancelled job's task is back: %+v", pend)
+	}
+	// The stale claim still goes away: Drop releases it.
+	if err := s.Drop(ctx, den); err != nil {
+		t.Fatal(err)
+	}
+	if q, r, _, _ := s.Depth(ctx, Denoise); q != 0 || r != 0 {
+		t.Fatalf("denoise depth %d/%d after drop", q, r)
+	}
+}
+
+// A claim on a task whose job has finished removes the orphan task too.
+func TestCommitOnFinishedJobRemovesOrphanTask(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	job, _ := s.Submit(ctx, spec(), routing.Standard)
+	enc := claimAt(t, s, lease, Encode)
+	// Simulate the orphan: the job finishes while a task for it still exists.
+	if _, err := s.Cancel(ctx, job.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Drop(ctx, enc); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Put(ctx, enc.Task.Key, mustJSON(enc.Task)); err != nil {
+		t.Fatal(err)
+	}
+	pend, _, _ := s.Pending(ctx, Encode)
+	if len(pend) != 1 {
+		t.Fatalf("orphan not set up: %v", pend)
+	}
+	c, err := s.TryClaim(ctx, pend[0], "w2", lease)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Commit(ctx, c, Output{Payloads: payload("x", "w2")}); !errors.Is(err, ErrFinished) {
+		t.Fatalf("commit on cancelled job: %v", err)
+	}
+	if q, r, _, _ := s.Depth(ctx, Encode); q != 0 || r != 0 {
+		t.Fatalf("orphan task survived: depth %d/%d", q, r)
+	}
+}

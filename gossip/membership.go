@@ -189,6 +189,12 @@ func (m *Membership) Start(ctx context.Context) (err error) {
 	if err != nil {
 		return err
 	}
+	if err := m.startLoops(ml, lease, rev); err != nil {
+		return err
+	}
+	// Join after the lease is being kept alive: joining seeds whose records
+	// outlived their nodes waits a TCP timeout for each, which could
+	// otherwise outlast the lease TTL.
 	if seeds := m.seeds(); len(seeds) > 0 {
 		n, jerr := ml.Join(seeds)
 		if jerr != nil {
@@ -199,7 +205,12 @@ func (m *Membership) Start(ctx context.Context) (err error) {
 			m.log.Info("joined", zap.Int("seeds", len(seeds)), zap.Int("joined", n))
 		}
 	}
+	m.log.Info("started", zap.String("gossip_addr", m.Self().Record.GossipAddr), zap.Int64("lease", int64(lease)))
+	return nil
+}
 
+// startLoops hands ml to the membership and starts its goroutines.
+func (m *Membership) startLoops(ml *memberlist.Memberlist, lease clientv3.LeaseID, rev int64) error {
 	m.lifeMu.Lock()
 	defer m.lifeMu.Unlock()
 	if m.closed {
@@ -211,7 +222,6 @@ func (m *Membership) Start(ctx context.Context) (err error) {
 	go m.watchLoop(rev)
 	go m.metaLoop()
 	go m.workLoop()
-	m.log.Info("started", zap.String("gossip_addr", m.Self().Record.GossipAddr), zap.Int64("lease", int64(lease)))
 	return nil
 }
 

@@ -373,6 +373,7 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool) 
 		if err != nil {
 			return out, nil, false, fmt.Errorf("%w: publish: %v", errTransient, err)
 		}
+		defer p.Done() // on every path: the buffer is not written after this
 		if _, err := a.engine.EncodeInto(ctx, spec, p.Buf()); err != nil {
 			a.xfer.Release(ref.ID)
 			return out, nil, false, err
@@ -420,6 +421,10 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 	if err != nil {
 		return out, nil, false, fmt.Errorf("%w: publish: %v", errTransient, err)
 	}
+	// Until Done the region stays ours even if the payload is released
+	// under us (a cancel after an early handoff), so the sampler's last
+	// writes never land in memory handed to another payload.
+	defer p.Done()
 	published = []string{ref.ID}
 	if out, err = a.output(c, ref); err != nil {
 		return out, published, false, err

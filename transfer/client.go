@@ -52,6 +52,10 @@ func (s *Service) Pull(ctx context.Context, ref Ref) ([]byte, error) {
 	if err := ref.Meta.Validate(s.cfg.MaxPayloadBytes); err != nil {
 		return nil, err
 	}
+	if !s.enter() { // Close waits for us before it unmaps what we copy from
+		return nil, ErrClosed
+	}
+	defer s.wg.Done()
 	if ref.Producer.PeerID == s.self.String() {
 		return s.pullLocal(ctx, ref, nil, nil)
 	}
@@ -68,6 +72,10 @@ func (s *Service) PullInto(ctx context.Context, ref Ref, dst []byte) error {
 	if err := s.checkDst(ref, dst); err != nil {
 		return err
 	}
+	if !s.enter() { // Close waits for us before it unmaps what we copy from
+		return ErrClosed
+	}
+	defer s.wg.Done()
 	if ref.Producer.PeerID == s.self.String() {
 		_, err := s.pullLocal(ctx, ref, dst, nil)
 		return err

@@ -18,6 +18,11 @@ const (
 // to allocate an absurd shape slice.
 const MaxDims = 8
 
+// MaxChunks bounds a payload's chunk count: pulls size per-chunk state by
+// it, and refs reach a consumer from other agents. 4096 covers a video of
+// thousands of frames at one chunk each.
+const MaxChunks = 4096
+
 // ElemSize is the size in bytes of one element of d, or 0 when d is unknown.
 func (d DType) ElemSize() int64 {
 	switch d {
@@ -77,8 +82,8 @@ func (m TensorMeta) Validate(maxBytes int64) error {
 			return fmt.Errorf("%w: dim 0 (%d) not divisible into %d chunks", ErrBadMeta, m.Shape[0], nc)
 		}
 	}
-	if m.NumChunks < 0 {
-		return fmt.Errorf("%w: num_chunks %d", ErrBadMeta, m.NumChunks)
+	if m.NumChunks < 0 || m.NumChunks > MaxChunks {
+		return fmt.Errorf("%w: num_chunks %d not in [0,%d]", ErrBadMeta, m.NumChunks, MaxChunks)
 	}
 	return nil
 }

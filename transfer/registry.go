@@ -24,6 +24,10 @@ type entry struct {
 	ready []chan struct{} // one per chunk, closed when the chunk is readable
 	sums  [][]uint64      // per chunk, XXH3 of each sumBlock of it; valid once ready[k] is closed
 	whole uint64          // XXH3 of the payload when published whole; 0 for Begin
+	// released is closed when the payload is released (or the service
+	// closes), so pulls waiting for chunks that will never come end with
+	// ErrNotFound instead of waiting on heartbeats forever.
+	released chan struct{}
 }
 
 // pinner is the part of the arena an entry needs to keep its memory from
@@ -84,6 +88,8 @@ func (e *entry) waitRange(ctx context.Context, stop <-chan struct{}, off, n int6
 		default:
 			select {
 			case <-e.ready[k]:
+			case <-e.released:
+				return fmt.Errorf("%w: %s released before chunk %d was ready", ErrNotFound, e.id, k)
 			case <-ctx.Done():
 				return ctx.Err()
 			case <-stop:
@@ -156,14 +162,15 @@ func newPayloadID() string {
 func (r *registry) add(meta TensorMeta, buf []byte, owner *Buffer, a pinner, whole uint64) *entry {
 	nc := meta.Chunks()
 	e := &entry{
-		id:    newPayloadID(),
-		meta:  meta,
-		buf:   buf,
-		owner: owner,
-		arena: a,
-		whole: whole,
-		ready: make([]chan struct{}, nc),
-		sums:  make([][]uint64, nc),
+		id:       newPayloadID(),
+		meta:     meta,
+		buf:      buf,
+		owner:    owner,
+		arena:    a,
+		whole:    whole,
+		ready:    make([]chan struct{}, nc),
+		sums:     make([][]uint64, nc),
+		released: make(chan struct{}),
 	}
 	for k := range e.ready {
 		e.ready[k] = make(chan struct{})
@@ -189,6 +196,7 @@ func (r *registry) remove(id string) *entry {
 	if ok {
 		delete(r.entries, id)
 		r.bytes -= int64(len(e.buf))
+		close(e.released)
 	}
 	return e
 }
@@ -201,6 +209,7 @@ func (r *registry) drain() []*entry {
 	for id, e := range r.entries {
 		out = append(out, e)
 		delete(r.entries, id)
+		close(e.released)
 	}
 	r.bytes = 0
 	return out
@@ -218,9 +227,14 @@ func (r *registry) held() (int, int64) {
 type Pending struct {
 	e *entry
 
+	// finish drops the writer's reference on the arena region (once): the
+	// region outlives a Release until the writer is done with it too.
+	finish sync.Once
+
 	mu sync.Mutex
-	// mu guards the field below.
+	// mu guards the fields below.
 	done []bool
+	left int // chunks not yet ready
 }
 
 // Buf is the payload buffer, meta.Bytes() long: a region of the service's
@@ -246,5 +260,20 @@ func (p *Pending) ChunkReady(k int) error {
 	off, n := p.e.meta.ChunkRange(k)
 	p.e.sums[k] = blockSums(p.e.buf[off:off+n], nil)
 	close(p.e.ready[k])
+	if p.left--; p.left == 0 {
+		p.Done()
+	}
 	return nil
+}
+
+// Done tells the service the writer will not touch Buf again. Marking the
+// last chunk ready does it; a writer that gives up early must call it (after
+// Release, if the payload will never be completed). Until then Buf stays
+// valid even if the payload is released meanwhile. Idempotent.
+func (p *Pending) Done() {
+	p.finish.Do(func() {
+		if p.e.owner != nil {
+			p.e.owner.unref()
+		}
+	})
 }

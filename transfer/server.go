@@ -127,6 +127,9 @@ func (s *Service) serveConn(c net.Conn) {
 func (s *Service) serveRange(c net.Conn, e *entry, off, n int64, hdr *[]byte) error {
 	if !e.rangeReady(off, n) {
 		if err := s.awaitRange(c, e, off, n); err != nil {
+			if errors.Is(err, ErrNotFound) {
+				writeErrStatus(c, CodeNotFound, err.Error())
+			}
 			return fmt.Errorf("wait for chunks: %w", err)
 		}
 	}

@@ -451,7 +451,10 @@ func (s *Service) Begin(meta TensorMeta) (*Pending, Ref, error) {
 	var owner *Buffer
 	var buf []byte
 	if s.arena != nil {
-		b, err := s.allocArena(meta.Bytes(), 1)
+		// Two references: the payload's (dropped by Release) and the
+		// writer's (dropped by Pending.Done), so a release while the writer
+		// is still filling the buffer cannot hand the region to someone else.
+		b, err := s.allocArena(meta.Bytes(), 2)
 		switch {
 		case err == nil:
 			owner, buf = b, b.Bytes()
@@ -466,7 +469,7 @@ func (s *Service) Begin(meta TensorMeta) (*Pending, Ref, error) {
 		buf = make([]byte, meta.Bytes())
 	}
 	e := s.reg.add(meta, buf, owner, s.arenaPinner(owner), 0)
-	p := &Pending{e: e, done: make([]bool, len(e.ready))}
+	p := &Pending{e: e, done: make([]bool, len(e.ready)), left: len(e.ready)}
 	return p, Ref{ID: e.id, Producer: s.producer(), Meta: meta}, nil
 }
 
@@ -526,6 +529,7 @@ func (s *Service) handleStream(str network.Stream) {
 func (s *Service) watch(str network.Stream, id string) {
 	e := s.reg.get(id)
 	if e == nil {
+		WriteFrame(str, &ChunkEvent{V: WireVersion, Chunk: -1, ErrCode: CodeNotFound, ErrMsg: "payload released"})
 		return
 	}
 	beat := s.cfg.IOTimeout / 3
@@ -538,6 +542,10 @@ func (s *Service) watch(str network.Stream, id string) {
 			case <-e.ready[k]:
 			case <-t.C:
 				ev.Chunk = -1
+			case <-e.released:
+				t.Stop()
+				WriteFrame(str, &ChunkEvent{V: WireVersion, Chunk: -1, ErrCode: CodeNotFound, ErrMsg: "payload released"})
+				return
 			case <-s.stop:
 				t.Stop()
 				WriteFrame(str, &ChunkEvent{V: WireVersion, Chunk: -1, ErrCode: CodeShuttingDown, ErrMsg: "producer closing"})

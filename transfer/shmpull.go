@@ -164,6 +164,15 @@ func shmBroken(err error) bool {
 		!errors.Is(err, shm.ErrBadHandle) && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded)
 }
 
+// shmRoundTrip is the context for one pin round trip to a producer over its
+// shm socket. A caller's cancel must not interrupt it: the peer connection is
+// shared, and an interrupted exchange breaks it, which drops the pins of every
+// other view open on it. The round trip is microseconds; IOTimeout bounds a
+// producer that stopped answering.
+func (s *Service) shmRoundTrip(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), s.cfg.IOTimeout)
+}
+
 // shmErr maps an shm error to the package's sentinels.
 func shmErr(id string, err error) error {
 	switch {
@@ -189,7 +198,10 @@ type watchStream struct {
 // openWatch asks the producer for a ticket and, for a payload of more than
 // one chunk, chunk readiness events.
 func (s *Service) openWatch(ctx context.Context, pid peer.ID, ref Ref) (*watchStream, error) {
-	str, resp, err := s.requestTicketStream(ctx, pid, ref, ref.Meta.Chunks() > 1)
+	// Always watch: shm and rdma read the producer's memory directly, so even
+	// a one-chunk payload must not be read before the producer marked it
+	// ready (a Begin'd payload is published before it is written).
+	str, resp, err := s.requestTicketStream(ctx, pid, ref, true)
 	if err != nil {
 		return nil, err
 	}
@@ -198,19 +210,6 @@ func (s *Service) openWatch(ctx context.Context, pid peer.ID, ref Ref) (*watchSt
 		return nil, fmt.Errorf("%w: producer meta %v does not match ref %v", ErrBadMeta, resp.Meta, ref.Meta)
 	}
 	w := &watchStream{s: s, resp: resp, done: str.close}
-	if ref.Meta.Chunks() == 1 {
-		sent := false
-		w.next = func() (int, error) {
-			if sent {
-				return 0, fmt.Errorf("%w: no more chunks", ErrProtocol)
-			}
-			sent = true
-			return 0, nil
-		}
-		str.close()
-		w.done = func() {}
-		return w, nil
-	}
 	want := 0
 	w.next = func() (int, error) {
 		for {
@@ -259,7 +258,9 @@ func (s *Service) pullShm(ctx context.Context, pid peer.ID, ref Ref, dst []byte,
 		}
 		return &fallbackError{err}
 	}
-	src, err := sp.p.View(ctx, h)
+	vctx, cancel := s.shmRoundTrip(ctx)
+	src, err := sp.p.View(vctx, h)
+	cancel()
 	if err != nil {
 		s.shmCli.put(ref.Producer.PeerID, sp, shmBroken(err))
 		return shmErr(ref.ID, err)
@@ -351,7 +352,9 @@ func (s *Service) viewShm(ctx context.Context, pid peer.ID, ref Ref) ([]byte, fu
 	if err != nil {
 		return nil, nil, err
 	}
-	view, err := sp.p.View(ctx, h)
+	vctx, cancel := s.shmRoundTrip(ctx)
+	view, err := sp.p.View(vctx, h)
+	cancel()
 	if err != nil {
 		s.shmCli.put(ref.Producer.PeerID, sp, shmBroken(err))
 		return nil, nil, shmErr(ref.ID, err)

@@ -263,44 +263,78 @@ func TestPullViewZeroCopy(t *testing.T) {
 
 // TestReleaseDuringReadKeepsMemory releases a payload while the producer is
 // serving it over tcp: the arena keeps the region until the read is done.
-func TestReleaseDuringReadKeepsMemory(t *testing.T) {
+// Releasing a payload whose later chunks are not written yet ends the pulls
+// waiting for them with ErrNotFound (they would otherwise wait on
+// heartbeats forever), and the arena region stays the writer's until it
+// says it is done, so nobody else is handed memory it still writes.
+func TestReleaseEndsWaitingPullAndKeepsWriterMemory(t *testing.T) {
 	dir := shmDir(t)
 	prod := startService(t, arenaConfig(t, dir, 16<<20))
-	cfg := arenaConfig(t, dir, 16<<20)
-	cfg.Transport = TransportTCP
-	cons := startService(t, cfg)
-	meta := TensorMeta{DType: Uint8, Shape: []int64{2, 1 << 20}, NumChunks: 2}
+	for _, mode := range []string{TransportTCP, TransportShm} {
+		t.Run(mode, func(t *testing.T) {
+			cfg := arenaConfig(t, dir, 16<<20)
+			cfg.Transport = mode
+			cons := startService(t, cfg)
+			meta := TensorMeta{DType: Uint8, Shape: []int64{2, 1 << 20}, NumChunks: 2}
+			p, ref, err := prod.Begin(meta)
+			if err != nil {
+				t.Fatal(err)
+			}
+			copy(p.Buf(), randBytes(meta.Bytes(), 11))
+			if err := p.ChunkReady(0); err != nil {
+				t.Fatal(err)
+			}
+			pull, err := cons.PullChunks(testCtx(t), ref, make([]byte, meta.Bytes()))
+			if err != nil {
+				t.Fatal(err)
+			}
+			<-pull.Chunks() // chunk 0; the pull now waits for chunk 1
+			prod.Release(ref.ID)
+			for range pull.Chunks() {
+			}
+			if err := pull.Wait(); !errors.Is(err, ErrNotFound) {
+				t.Fatalf("pull of a released payload: %v, want ErrNotFound", err)
+			}
+			if st := prod.Stats().Arena; st.Used == 0 {
+				t.Fatalf("region freed while its writer may still write: %+v", st)
+			}
+			copy(p.Buf()[1<<20:], randBytes(1<<20, 12)) // still the writer's memory
+			p.Done()
+			eventually(t, "region freed after release and done", func() bool { return prod.Stats().Arena.Used == 0 })
+		})
+	}
+}
+
+// A payload read in place over shm or rdma must not be read before its
+// producer marked it ready, even when it is a single chunk.
+func TestShmWaitsForSingleChunkBeginPayload(t *testing.T) {
+	dir := shmDir(t)
+	prod := startService(t, arenaConfig(t, dir, 16<<20))
+	cons := startService(t, arenaConfig(t, dir, 16<<20))
+	meta := u8Meta(1 << 20)
 	p, ref, err := prod.Begin(meta)
 	if err != nil {
 		t.Fatal(err)
 	}
-	data := randBytes(meta.Bytes(), 11)
-	copy(p.Buf(), data)
+	if got := cons.TransportFor(ref); got != TransportShm {
+		t.Fatalf("transport %q, want shm", got)
+	}
+	want := randBytes(meta.Bytes(), 5)
+	done := make(chan error, 1)
+	dst := make([]byte, meta.Bytes())
+	go func() { done <- cons.PullInto(testCtx(t), ref, dst) }()
+	select {
+	case err := <-done:
+		t.Fatalf("pull returned before the payload was ready: %v", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	copy(p.Buf(), want)
 	if err := p.ChunkReady(0); err != nil {
 		t.Fatal(err)
 	}
-	if got := cons.TransportFor(ref); got != TransportTCP {
-		t.Fatalf("transport %q with tcp forced", got)
+	if err := <-done; err != nil || !bytes.Equal(dst, want) {
+		t.Fatalf("pull after ready: %v", err)
 	}
-	pull, err := cons.PullChunks(testCtx(t), ref, make([]byte, meta.Bytes()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	<-pull.Chunks()
-	// The request for chunk 1 is waiting in the producer, holding a pin.
-	eventually(t, "producer serving chunk 1", func() bool { return prod.Stats().Arena.Pinned == 1 })
-	prod.Release(ref.ID)
-	if st := prod.Stats().Arena; st.PendingFree != 1 {
-		t.Fatalf("release under an in-flight read freed at once: %+v", st)
-	}
-	if err := p.ChunkReady(1); err != nil {
-		t.Fatal(err)
-	}
-	c := <-pull.Chunks()
-	if err := pull.Wait(); err != nil || !bytes.Equal(c.Data, data[1<<20:]) {
-		t.Fatalf("pull across a release: %v", err)
-	}
-	eventually(t, "region freed after the read", func() bool { return prod.Stats().Arena.Used == 0 })
 }
 
 func TestAllocStats(t *testing.T) {

@@ -223,6 +223,7 @@ func (p *producer) latent(ctx context.Context, q request) (response, error) {
 		return response{}, err
 	}
 	p.wg.Go(func() {
+		defer pend.Done()
 		if err := writeFrames(ctx, pend, meta, start, q.Interval); err != nil && !errors.Is(err, context.Canceled) {
 			fmt.Fprintf(os.Stderr, "bench: producer: latent %s: %v\n", ref.ID, err)
 		}

@@ -205,6 +205,7 @@ func (a *Agent) Start(ctx context.Context) error {
 		a.goRun(func() { a.worker(st) })
 	}
 	a.goRun(a.reportLoop)
+	a.goRun(a.forgetDeparted)
 	if a.httpLn != nil {
 		a.httpSrv = &http.Server{Handler: httpapi.NewHandler(a.apiConfig(), a), ReadHeaderTimeout: 10 * time.Second}
 		a.goRun(func() { a.serve(a.httpSrv, a.httpLn, "http") })
@@ -366,6 +367,27 @@ func (a *Agent) meta() gossip.NodeMeta {
 		m.FreeBufferBytes = uint64(st.Arena.Free)
 	}
 	return m
+}
+
+// forgetDeparted drops the data-plane state kept for producers that left
+// the mesh: an shm mapping of a departed agent's arena would otherwise keep
+// its memory alive for good.
+func (a *Agent) forgetDeparted() {
+	events, stop := a.member.Subscribe()
+	defer stop()
+	for {
+		select {
+		case <-a.ctx.Done():
+			return
+		case ev, ok := <-events:
+			if !ok {
+				return
+			}
+			if ev.Type == gossip.EventDeregistered && ev.Peer.Record.PeerID != "" {
+				a.xfer.Forget(ev.Peer.Record.PeerID)
+			}
+		}
+	}
 }
 
 // reportLoop refreshes queue-depth and credit gauges, at once and then

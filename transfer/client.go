@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -741,6 +742,26 @@ func (p *connPool) put(c *dataConn) {
 	delete(p.all, c)
 	p.mu.Unlock()
 	c.Close()
+}
+
+// forget closes the idle connections to producer pid.
+func (p *connPool) forget(pid peer.ID) {
+	prefix := string(pid) + "\x00"
+	p.mu.Lock()
+	var idle []*dataConn
+	for key, l := range p.idle {
+		if strings.HasPrefix(key, prefix) {
+			idle = append(idle, l...)
+			delete(p.idle, key)
+		}
+	}
+	for _, c := range idle {
+		delete(p.all, c)
+	}
+	p.mu.Unlock()
+	for _, c := range idle {
+		c.Close()
+	}
 }
 
 // discard closes a connection that is broken or in an unknown state.

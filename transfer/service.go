@@ -482,6 +482,19 @@ func (s *Service) Release(id string) {
 	}
 }
 
+// Forget drops what this service keeps for pulling from producer peerID
+// (its shm mapping, idle data connections): call it when the producer has
+// left the mesh. An shm mapping keeps the producer's arena memory alive
+// until it is unmapped. Pulls in flight are not affected.
+func (s *Service) Forget(peerID string) {
+	if s.shmCli != nil {
+		s.shmCli.forget(peerID)
+	}
+	if pid, err := peer.Decode(peerID); err == nil {
+		s.pool.forget(pid)
+	}
+}
+
 // Held reports how many payloads the service holds and their total size.
 // Stats adds the arena's occupancy.
 func (s *Service) Held() (count int, bytes int64) { return s.reg.held() }

@@ -145,6 +145,22 @@ func (c *shmPeers) put(pid string, sp *shmPeer, broken bool) {
 	}
 }
 
+// forget drops the producer's cached peer: unmapped now, or when its last
+// view is released.
+func (c *shmPeers) forget(pid string) {
+	c.mu.Lock()
+	sp := c.peers[pid]
+	if sp != nil {
+		delete(c.peers, pid)
+		sp.dead = true
+	}
+	closeIt := sp != nil && sp.views == 0
+	c.mu.Unlock()
+	if closeIt {
+		sp.p.Close()
+	}
+}
+
 // close unmaps every producer arena; views still held become invalid.
 func (c *shmPeers) close() {
 	c.mu.Lock()

@@ -532,3 +532,44 @@ func TestDeadlineMovesAtMostEveryQuarter(t *testing.T) {
 		t.Fatalf("deadline not moved forward after a quarter: %v", sets)
 	}
 }
+
+// Forget drops a departed producer's shm mapping and idle connections.
+func TestForgetDropsProducerState(t *testing.T) {
+	dir := shmDir(t)
+	prod := startService(t, arenaConfig(t, dir, 16<<20))
+	shmCons := startService(t, arenaConfig(t, dir, 16<<20))
+	tcpCfg := arenaConfig(t, dir, 16<<20)
+	tcpCfg.Transport = TransportTCP
+	tcpCons := startService(t, tcpCfg)
+	ref := publishArena(t, prod, u8Meta(4<<20), randBytes(4<<20, 9))
+	for _, c := range []*Service{shmCons, tcpCons} {
+		if _, err := c.Pull(testCtx(t), ref); err != nil {
+			t.Fatal(err)
+		}
+	}
+	count := func() (shmPeers, idle int) {
+		shmCons.shmCli.mu.Lock()
+		shmPeers = len(shmCons.shmCli.peers)
+		shmCons.shmCli.mu.Unlock()
+		tcpCons.pool.mu.Lock()
+		for _, l := range tcpCons.pool.idle {
+			idle += len(l)
+		}
+		tcpCons.pool.mu.Unlock()
+		return
+	}
+	if p, i := count(); p != 1 || i == 0 {
+		t.Fatalf("before Forget: %d shm peers, %d idle conns", p, i)
+	}
+	shmCons.Forget(ref.Producer.PeerID)
+	tcpCons.Forget(ref.Producer.PeerID)
+	if p, i := count(); p != 0 || i != 0 {
+		t.Fatalf("after Forget: %d shm peers, %d idle conns", p, i)
+	}
+	// Pulls still work: the state is rebuilt on demand.
+	for _, c := range []*Service{shmCons, tcpCons} {
+		if _, err := c.Pull(testCtx(t), ref); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

@@ -59,6 +59,11 @@ type Agent struct {
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
 
+	// inflightMu guards inflight: payloads published by tasks still running,
+	// which have no record yet (see resyncHeld).
+	inflightMu sync.Mutex
+	inflight   map[string]string // payload id -> id of the task that published it
+
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -73,7 +78,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.validate(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, inflight: map[string]string{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
@@ -200,7 +205,7 @@ func (a *Agent) Start(ctx context.Context) error {
 	if err := a.member.Start(ctx); err != nil {
 		return fmt.Errorf("agent: join: %w", err)
 	}
-	a.goRun(func() { a.store.WatchReleases(a.ctx, a.id, a.xfer.Release) })
+	a.goRun(func() { a.store.WatchReleases(a.ctx, a.id, a.xfer.Release, a.resyncHeld) })
 	for _, st := range a.cfg.Roles {
 		a.goRun(func() { a.worker(st) })
 	}
@@ -367,6 +372,33 @@ func (a *Agent) meta() gossip.NodeMeta {
 		m.FreeBufferBytes = uint64(st.Arena.Free)
 	}
 	return m
+}
+
+// resyncHeld releases held payloads that have no record and are not being
+// produced or committed by a running task: their release events were lost
+// to an etcd compaction.
+func (a *Agent) resyncHeld() {
+	// Held and in-flight are read together (begin publishes and notes a
+	// payload under the same lock), so no payload is seen held but not yet
+	// in flight; a task committing meanwhile leaves a record behind.
+	a.inflightMu.Lock()
+	held := a.xfer.HeldIDs()
+	inflight := make(map[string]bool, len(a.inflight))
+	for id := range a.inflight {
+		inflight[id] = true
+	}
+	a.inflightMu.Unlock()
+	recorded, err := a.store.Recorded(a.ctx, a.id)
+	if err != nil {
+		a.log.Warn("resync held payloads", zap.Error(err))
+		return
+	}
+	for _, id := range held {
+		if !recorded[id] && !inflight[id] {
+			a.log.Info("releasing payload whose release was compacted away", zap.String("payload", id))
+			a.xfer.Release(id)
+		}
+	}
 }
 
 // forgetDeparted drops the data-plane state kept for producers that left

@@ -1,12 +1,18 @@
 package agent
 
 import (
+	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/latentmesh/latentmesh/agent/etcdembed"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/transfer"
 )
 
 func TestParseRoles(t *testing.T) {
@@ -98,5 +104,62 @@ func TestEarliest(t *testing.T) {
 		if got := earliest(tt.x, tt.y); !got.Equal(tt.want) {
 			t.Errorf("earliest(%v, %v) = %v", tt.x, tt.y, got)
 		}
+	}
+}
+
+// resyncHeld releases held payloads that have neither a record nor a running
+// producer task (their release events were compacted away) and keeps the rest.
+func TestResyncHeldReleasesOnlyOrphans(t *testing.T) {
+	ctx := context.Background()
+	srv, err := etcdembed.Start(ctx, etcdembed.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	cli, err := clientv3.New(clientv3.Config{Endpoints: srv.Endpoints(), DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	cfg := DefaultLocalConfig()
+	cfg.NodeID = "resync-1"
+	a, err := New(cfg, cli)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+
+	meta := transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{64}}
+	publish := func() string {
+		ref, err := a.xfer.Publish(meta, make([]byte, 64))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ref.ID
+	}
+	orphan, recorded := publish(), publish()
+	rec, _ := json.Marshal(jobs.PayloadRecord{Input: jobs.Input{Payload: recorded, Node: a.id}})
+	if _, err := cli.Put(ctx, cfg.Prefix+"/payloads/"+recorded, string(rec)); err != nil {
+		t.Fatal(err)
+	}
+	claim := &jobs.Claim{Task: jobs.Task{ID: "task-1"}}
+	p, ref, err := a.begin(claim, meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Done()
+
+	a.resyncHeld()
+	held := map[string]bool{}
+	for _, id := range a.xfer.HeldIDs() {
+		held[id] = true
+	}
+	if held[orphan] || !held[recorded] || !held[ref.ID] {
+		t.Fatalf("after resync: held %v; want %s (recorded) and %s (in flight), not %s", held, recorded, ref.ID, orphan)
+	}
+	a.untrack(claim)
+	a.resyncHeld()
+	if ids := a.xfer.HeldIDs(); len(ids) != 1 || ids[0] != recorded {
+		t.Fatalf("after its task ended, the unrecorded payload should go: held %v", ids)
 	}
 }

@@ -207,6 +207,7 @@ func (a *Agent) execute(c *jobs.Claim) {
 	st := c.Task.Stage
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
 	log.Debug("task claimed")
+	defer a.untrack(c)
 	var handedOff atomic.Bool // set once an early handoff committed the stage
 	ctx, stop := a.watchCancel(c, &handedOff)
 	defer stop()
@@ -369,7 +370,7 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool) 
 	spec := c.Task.Spec
 	switch c.Task.Stage {
 	case jobs.Encode:
-		p, ref, err := a.xfer.Begin(a.engine.CondMeta())
+		p, ref, err := a.begin(c, a.engine.CondMeta())
 		if err != nil {
 			return out, nil, false, fmt.Errorf("%w: publish: %v", errTransient, err)
 		}
@@ -391,6 +392,29 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool) 
 		return out, nil, false, err
 	}
 	return out, nil, false, fmt.Errorf("agent: unknown stage %q", c.Task.Stage)
+}
+
+// begin publishes a payload for c to write, noting it as in flight until
+// c's task ends (it has no record before its commit; see resyncHeld).
+func (a *Agent) begin(c *jobs.Claim, meta transfer.TensorMeta) (*transfer.Pending, transfer.Ref, error) {
+	a.inflightMu.Lock()
+	defer a.inflightMu.Unlock()
+	p, ref, err := a.xfer.Begin(meta)
+	if err == nil {
+		a.inflight[ref.ID] = c.Task.ID
+	}
+	return p, ref, err
+}
+
+// untrack forgets the in-flight payloads of c's task.
+func (a *Agent) untrack(c *jobs.Claim) {
+	a.inflightMu.Lock()
+	defer a.inflightMu.Unlock()
+	for id, task := range a.inflight {
+		if task == c.Task.ID {
+			delete(a.inflight, id)
+		}
+	}
 }
 
 // output is the commit record of a stage that produced payload ref.
@@ -417,7 +441,7 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 	}
 	defer releaseCond()
 	meta := a.engine.LatentMeta(spec)
-	p, ref, err := a.xfer.Begin(meta)
+	p, ref, err := a.begin(c, meta)
 	if err != nil {
 		return out, nil, false, fmt.Errorf("%w: publish: %v", errTransient, err)
 	}

@@ -215,6 +215,16 @@ func (r *registry) drain() []*entry {
 	return out
 }
 
+func (r *registry) ids() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]string, 0, len(r.entries))
+	for id := range r.entries {
+		out = append(out, id)
+	}
+	return out
+}
+
 func (r *registry) held() (int, int64) {
 	r.mu.Lock()
 	defer r.mu.Unlock()

@@ -495,6 +495,9 @@ func (s *Service) Forget(peerID string) {
 	}
 }
 
+// HeldIDs lists the ids of the payloads the service holds.
+func (s *Service) HeldIDs() []string { return s.reg.ids() }
+
 // Held reports how many payloads the service holds and their total size.
 // Stats adds the arena's occupancy.
 func (s *Service) Held() (count int, bytes int64) { return s.reg.held() }

@@ -707,8 +707,10 @@ func nextStage(st Stage) (next Stage, last bool) {
 
 // WatchReleases calls release with the id of every payload produced by node
 // whose record is deleted (consumed, cancelled or rewound), until ctx is done.
-// The producer frees the buffer then.
-func (s *Store) WatchReleases(ctx context.Context, node string, release func(payload string)) {
+// The producer frees the buffer then. When etcd compacted away the events of
+// a gap in the watch, resync is called: the caller must compare what it holds
+// with Recorded and release the difference.
+func (s *Store) WatchReleases(ctx context.Context, node string, release func(payload string), resync func()) {
 	// Watch from now on (payloads of a previous incarnation died with it);
 	// after a broken watch, resume after the last revision seen so no release
 	// in the gap is missed, unless etcd compacted it away meanwhile.
@@ -721,9 +723,10 @@ func (s *Store) WatchReleases(ctx context.Context, node string, release func(pay
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 		for wr := range s.cli.Watch(wctx, s.payloadPrefix(), opts...) {
 			if wr.CompactRevision > 0 {
-				s.log.Warn("payload release watch compacted; releases in the gap are missed",
+				s.log.Warn("payload release watch compacted; resyncing held payloads",
 					zap.Int64("from", next), zap.Int64("compacted", wr.CompactRevision))
 				next = 0
+				resync()
 				break
 			}
 			for _, ev := range wr.Events {
@@ -848,4 +851,19 @@ func (s *Store) PayloadRecorded(ctx context.Context, id string) (bool, error) {
 		return false, err
 	}
 	return resp.Count > 0, nil
+}
+
+// Recorded returns the ids of the payload records of node.
+func (s *Store) Recorded(ctx context.Context, node string) (map[string]bool, error) {
+	prs, err := s.Payloads(ctx)
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]bool, len(prs))
+	for _, pr := range prs {
+		if pr.Node == node {
+			out[pr.Payload] = true
+		}
+	}
+	return out, nil
 }

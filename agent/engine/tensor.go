@@ -80,14 +80,6 @@ func decodeFloat32s(dst []float32, src []byte) {
 	}
 }
 
-// newTensor wraps float32 values with a meta of the given shape.
-func newTensor(shape []int64, chunks int, v []float32) Tensor {
-	return Tensor{
-		Meta: transfer.TensorMeta{DType: transfer.Float32, Shape: slices.Clone(shape), NumChunks: chunks},
-		Data: Float32Bytes(v),
-	}
-}
-
 // checkTensor reports whether t is a float32 tensor of exactly the wanted
 // shape whose values are all finite, and returns the values.
 func checkTensor(what string, t Tensor, want []int64) ([]float32, error) {

@@ -45,8 +45,6 @@ type Handle struct {
 	Gen     uint64 `msgpack:"gen" json:"gen"`
 }
 
-func (h Handle) buf() arena.Buf { return arena.Buf{Off: h.Off, Len: h.Len, Gen: h.Gen} }
-
 // Source is the producer's arena as the Server needs it; *arena.Arena
 // implements it.
 type Source interface {

@@ -350,23 +350,14 @@ func (a *Agent) StreamFrames(ctx context.Context, id string, emit func(jobs.Fram
 // meta is this node's gossiped soft state.
 func (a *Agent) meta() gossip.NodeMeta {
 	m := gossip.NodeMeta{Roles: stagesToRoles(a.cfg.Roles)}
-	var used, total int
+	total := 0
 	for st, c := range a.credits {
-		free := uint32(c.Free())
-		switch st {
-		case jobs.Encode:
-			m.Free.Encode = free
-		case jobs.Denoise:
-			m.Free.Denoise = free
-		case jobs.Decode:
-			m.Free.Decode = free
-		}
-		used += c.InUse()
-		total += c.Total()
+		m.Free.Set(string(st), uint32(c.Free()))
 		m.Running += uint32(c.InUse())
+		total += c.Total()
 	}
 	if total > 0 {
-		m.Load = float32(used) / float32(total)
+		m.Load = float32(m.Running) / float32(total)
 	}
 	if st := a.xfer.Stats(); st.HasArena {
 		m.FreeBufferBytes = uint64(st.Arena.Free)
@@ -499,7 +490,7 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 	for _, p := range a.member.Peers() {
 		st.Peers = append(st.Peers, PeerStatus{
 			ID: p.Record.ID, Roles: p.Record.Roles, Alive: p.Alive, Suspect: p.Suspect,
-			Free: map[string]uint32{"encode": p.Meta.Free.Encode, "denoise": p.Meta.Free.Denoise, "decode": p.Meta.Free.Decode},
+			Free: freeByRole(p.Meta.Free),
 			Load: p.Meta.Load, HTTP: p.Record.HTTPAddr,
 		})
 	}
@@ -516,6 +507,15 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 		ArenaBytes: xs.Arena.Size, ArenaFree: xs.Arena.Free, Pulls: xs.Pulls,
 	}
 	return st, nil
+}
+
+// freeByRole lists gossiped free credits by stage name.
+func freeByRole(c gossip.StageCredits) map[string]uint32 {
+	out := make(map[string]uint32, 3)
+	for _, st := range jobs.Stages() {
+		out[string(st)] = c.For(string(st))
+	}
+	return out
 }
 
 // sameHost reports whether node runs on this agent's host.

@@ -13,7 +13,6 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
-	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
 )
@@ -150,7 +149,7 @@ func earliest(a, b time.Time) time.Time {
 // admit applies the backpressure chain: start a task only while the next
 // stage can take what it will produce.
 func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err error) {
-	down, last := nextStage(st)
+	down, last := st.Next()
 	if last {
 		return true, "", 0, nil
 	}
@@ -161,33 +160,11 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err e
 	free := 0
 	for _, p := range a.member.Peers() {
 		if p.Alive && p.Record.HasRole(string(down)) {
-			free += freeCredits(p.Meta, down)
+			free += int(p.Meta.Free.For(string(down)))
 		}
 	}
 	inFlight := a.credits[st].InUse() // running tasks of this stage; this claim has no credit yet
 	return a.cfg.Admission.Admit(int(queued), free, inFlight), down, rev, nil
-}
-
-func nextStage(st jobs.Stage) (jobs.Stage, bool) {
-	switch st {
-	case jobs.Encode:
-		return jobs.Denoise, false
-	case jobs.Denoise:
-		return jobs.Decode, false
-	}
-	return "", true
-}
-
-func freeCredits(m gossip.NodeMeta, st jobs.Stage) int {
-	switch st {
-	case jobs.Encode:
-		return int(m.Free.Encode)
-	case jobs.Denoise:
-		return int(m.Free.Denoise)
-	case jobs.Decode:
-		return int(m.Free.Decode)
-	}
-	return 0
 }
 
 // pickHint names the preferred worker of the next stage: power of two
@@ -196,7 +173,7 @@ func (a *Agent) pickHint(st jobs.Stage) string {
 	var targets []routing.Target
 	for _, p := range a.member.Peers() {
 		if p.Alive && !p.Suspect && p.Record.HasRole(string(st)) {
-			targets = append(targets, routing.Target{Node: p.Record.ID, Free: freeCredits(p.Meta, st), SameHost: a.sameHost(p)})
+			targets = append(targets, routing.Target{Node: p.Record.ID, Free: int(p.Meta.Free.For(string(st))), SameHost: a.sameHost(p)})
 		}
 	}
 	return routing.PickHint(targets, nil)
@@ -423,7 +400,7 @@ func (a *Agent) output(c *jobs.Claim, ref transfer.Ref) (jobs.Output, error) {
 	if err != nil {
 		return jobs.Output{}, err
 	}
-	next, _ := nextStage(c.Task.Stage)
+	next, _ := c.Task.Stage.Next()
 	return jobs.Output{Payloads: []jobs.Input{{Payload: ref.ID, Node: a.id, Ref: raw}}, Hint: a.pickHint(next)}, nil
 }
 

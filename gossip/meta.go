@@ -33,6 +33,31 @@ type StageCredits struct {
 	Decode  uint32 `msgpack:"d,omitempty"`
 }
 
+// For is the count of role ("encode", "denoise" or "decode"); 0 for others.
+func (c StageCredits) For(role string) uint32 {
+	switch role {
+	case RoleEncode:
+		return c.Encode
+	case RoleDenoise:
+		return c.Denoise
+	case RoleDecode:
+		return c.Decode
+	}
+	return 0
+}
+
+// Set sets the count of role; other roles are ignored.
+func (c *StageCredits) Set(role string, n uint32) {
+	switch role {
+	case RoleEncode:
+		c.Encode = n
+	case RoleDenoise:
+		c.Denoise = n
+	case RoleDecode:
+		c.Decode = n
+	}
+}
+
 // NodeMeta is the soft, frequently changing state a node gossips through
 // memberlist: what it can take right now. It must encode to at most
 // MetaMaxSize bytes. Keys are one or two letters to keep it small.

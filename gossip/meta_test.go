@@ -164,3 +164,22 @@ func ExampleEncodeMeta() {
 	fmt.Println(len(b) <= MetaMaxSize, m.Version, m.Roles, m.Free.Denoise, m.Load, err)
 	// Output: true 1 [denoise] 2 0.5 <nil>
 }
+
+func TestStageCreditsByRole(t *testing.T) {
+	var c StageCredits
+	for i, role := range []string{RoleEncode, RoleDenoise, RoleDecode} {
+		c.Set(role, uint32(i+1))
+	}
+	c.Set("render", 9) // not a stage: ignored
+	if c != (StageCredits{Encode: 1, Denoise: 2, Decode: 3}) {
+		t.Fatalf("Set: %+v", c)
+	}
+	for i, role := range []string{RoleEncode, RoleDenoise, RoleDecode} {
+		if got := c.For(role); got != uint32(i+1) {
+			t.Errorf("For(%s) = %d", role, got)
+		}
+	}
+	if c.For("render") != 0 {
+		t.Error("For of a non-stage is not 0")
+	}
+}

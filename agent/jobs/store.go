@@ -604,7 +604,7 @@ func (s *Store) dropFinished(ctx context.Context, c *Claim) error {
 // was written and the caller must discard its output. ErrFinished means the job
 // was cancelled meanwhile: the claim was dropped; discard the output too.
 func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
-	next, last := nextStage(c.Task.Stage)
+	next, last := c.Task.Stage.Next()
 	if last && out.Result == nil {
 		return errors.New("jobs: commit of the last stage without a result")
 	}
@@ -693,16 +693,6 @@ func (s *Store) Abandon(ctx context.Context, c *Claim, backoff time.Duration) er
 		return ErrFenced
 	}
 	return nil
-}
-
-func nextStage(st Stage) (next Stage, last bool) {
-	switch st {
-	case Encode:
-		return Denoise, false
-	case Denoise:
-		return Decode, false
-	}
-	return "", true
 }
 
 // WatchReleases calls release with the id of every payload produced by node

@@ -21,6 +21,17 @@ const (
 // Stages lists the pipeline in order.
 func Stages() []Stage { return []Stage{Encode, Denoise, Decode} }
 
+// Next is the stage after st; last is true for the final stage.
+func (st Stage) Next() (next Stage, last bool) {
+	switch st {
+	case Encode:
+		return Denoise, false
+	case Denoise:
+		return Decode, false
+	}
+	return "", true
+}
+
 // State is where a job is in its life.
 type State string
 

@@ -15,7 +15,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"strings"
 	"sync"
 	"time"
 
@@ -130,7 +129,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		PeerID:    a.host.ID().String(),
 		DataAddr:  a.xfer.DataAddr(),
 		Roles:     stagesToRoles(cfg.Roles),
-		Host:      hostname(),
+		Host:      a.xfer.HostID(), // the same identity the data plane uses for shm
 		Version:   Version,
 		StartedAt: time.Now().UTC(),
 	}
@@ -518,7 +517,8 @@ func freeByRole(c gossip.StageCredits) map[string]uint32 {
 	return out
 }
 
-// sameHost reports whether node runs on this agent's host.
+// sameHost reports whether node runs on this agent's host (and so can take
+// payloads over shared memory).
 func (a *Agent) sameHost(p gossip.Peer) bool {
-	return strings.EqualFold(p.Record.Host, hostname())
+	return p.Record.Host != "" && p.Record.Host == a.xfer.HostID()
 }

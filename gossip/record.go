@@ -28,7 +28,7 @@ type NodeRecord struct {
 	HTTPAddr   string    `json:"http_addr,omitempty"`
 	AdminAddr  string    `json:"admin_addr,omitempty"`
 	Roles      []string  `json:"roles,omitempty"` // subset of RoleEncode, RoleDenoise, RoleDecode
-	Host       string    `json:"host,omitempty"`  // hostname, for same-host detection
+	Host       string    `json:"host,omitempty"`  // host identity (hostname/boot id): equal means same host
 	Version    string    `json:"version,omitempty"`
 	StartedAt  time.Time `json:"started_at"`
 }

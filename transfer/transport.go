@@ -100,6 +100,10 @@ func (s *Service) producerCaps(p Producer) caps {
 // hostname are told apart. Containers on one kernel share the boot id and
 // differ in hostname unless they share the host's UTS namespace; either way
 // shm is then only tried when the producer's socket is visible here.
+// HostID is this host's identity as transfers see it (hostname and boot id;
+// "" when unknown): agents with equal HostIDs can hand payloads over shm.
+func (s *Service) HostID() string { return s.hostID }
+
 func hostIdentity() string {
 	name, err := os.Hostname()
 	if err != nil {

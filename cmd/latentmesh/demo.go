@@ -10,6 +10,7 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
+	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/testbed"
 )
@@ -89,6 +90,6 @@ func runVersion(_ context.Context, args []string, stdout, stderr io.Writer) int 
 	if code := parse(fs, args); code >= 0 {
 		return code
 	}
-	fmt.Fprintln(stdout, "latentmesh", agentVersion())
+	fmt.Fprintln(stdout, "latentmesh", agent.Version)
 	return 0
 }

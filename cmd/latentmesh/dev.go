@@ -6,7 +6,6 @@ import (
 	"io"
 	"strings"
 
-	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/testbed"
 )
@@ -66,7 +65,7 @@ func runDev(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stderr, "latentmesh dev: agent %s: %v\n", ac.NodeID, err)
 			return 1
 		}
-		fmt.Fprintf(stdout, "agent %-16s roles=%-22s http=%s admin=%s\n", a.ID(), strings.Join(rolesOf(ac.Roles), ","), a.HTTPAddr(), a.AdminAddr())
+		fmt.Fprintf(stdout, "agent %-16s roles=%-24s http=%s admin=%s\n", a.ID(), fmt.Sprint(ac.Roles), a.HTTPAddr(), a.AdminAddr())
 	}
 	if *n == 0 {
 		fmt.Fprintf(stdout, "join agents with: latentmesh agent --etcd-endpoints %s --roles encode,denoise,decode\n", cl.Etcd.Endpoints()[0])
@@ -78,13 +77,3 @@ func runDev(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fmt.Fprintln(stdout, "stopping")
 	return 0
 }
-
-func rolesOf(st []jobs.Stage) []string {
-	out := make([]string, len(st))
-	for i, s := range st {
-		out[i] = string(s)
-	}
-	return out
-}
-
-func agentVersion() string { return agent.Version }

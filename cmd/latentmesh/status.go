@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"sort"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -14,8 +13,6 @@ import (
 	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 )
-
-func agentStage(s string) jobs.Stage { return jobs.Stage(s) }
 
 func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlagSet("status", "[--admin URL] [flags]", stderr)
@@ -81,14 +78,10 @@ func writeStatus(w io.Writer, st agent.Status) {
 		d.Transport, d.HeldPayloads, d.HeldBytes, d.ArenaFree, d.ArenaBytes, d.Pulls)
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintln(tw, "QUEUE\tQUEUED\tRUNNING")
-	stages := make([]string, 0, len(st.Queues))
-	for s := range st.Queues {
-		stages = append(stages, string(s))
-	}
-	sort.Strings(stages)
-	for _, s := range stages {
-		q := st.Queues[agentStage(s)]
-		fmt.Fprintf(tw, "%s\t%d\t%d\n", s, q.Queued, q.Running)
+	for _, s := range jobs.Stages() { // pipeline order
+		if q, ok := st.Queues[s]; ok {
+			fmt.Fprintf(tw, "%s\t%d\t%d\n", s, q.Queued, q.Running)
+		}
 	}
 	fmt.Fprintln(tw)
 	fmt.Fprintln(tw, "PEER\tROLES\tALIVE\tFREE CREDITS\tLOAD\tHTTP")

@@ -204,15 +204,15 @@ func (a *Agent) Start(ctx context.Context) error {
 	if err := a.member.Start(ctx); err != nil {
 		return fmt.Errorf("agent: join: %w", err)
 	}
-	a.goRun(func() { a.store.WatchReleases(a.ctx, a.id, a.xfer.Release, a.resyncHeld) })
+	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.xfer.Release, a.resyncHeld) })
 	for _, st := range a.cfg.Roles {
-		a.goRun(func() { a.worker(st) })
+		a.wg.Go(func() { a.worker(st) })
 	}
-	a.goRun(a.reportLoop)
-	a.goRun(a.forgetDeparted)
+	a.wg.Go(a.reportLoop)
+	a.wg.Go(a.forgetDeparted)
 	if a.httpLn != nil {
 		a.httpSrv = &http.Server{Handler: httpapi.NewHandler(a.apiConfig(), a), ReadHeaderTimeout: 10 * time.Second}
-		a.goRun(func() { a.serve(a.httpSrv, a.httpLn, "http") })
+		a.wg.Go(func() { a.serve(a.httpSrv, a.httpLn, "http") })
 	}
 	if a.adminLn != nil {
 		a.adminSrv = &http.Server{Handler: httpapi.NewAdminHandler(httpapi.AdminConfig{
@@ -223,7 +223,7 @@ func (a *Agent) Start(ctx context.Context) error {
 			Token:   a.cfg.AdminToken,
 			Logger:  a.log,
 		}), ReadHeaderTimeout: 10 * time.Second}
-		a.goRun(func() { a.serve(a.adminSrv, a.adminLn, "admin") })
+		a.wg.Go(func() { a.serve(a.adminSrv, a.adminLn, "admin") })
 	}
 	a.log.Info("agent started",
 		zap.Strings("roles", stagesToRoles(a.cfg.Roles)),
@@ -237,14 +237,6 @@ func (a *Agent) apiConfig() httpapi.Config {
 	c.Logger = a.log
 	c.Metrics = a.metrics
 	return c
-}
-
-func (a *Agent) goRun(f func()) {
-	a.wg.Add(1)
-	go func() {
-		defer a.wg.Done()
-		f()
-	}()
 }
 
 func (a *Agent) serve(srv *http.Server, ln net.Listener, name string) {

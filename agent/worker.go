@@ -57,7 +57,7 @@ func (a *Agent) worker(st jobs.Stage) {
 			panic("agent: credit taken by someone else while claiming") // only this loop takes credits
 		}
 		a.publishMeta()
-		a.goRun(func() {
+		a.wg.Go(func() {
 			defer a.publishMeta()
 			defer credits.Release()
 			a.execute(c)

@@ -16,8 +16,10 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/etcdembed"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
 )
 
 // Topology is how stages map onto agents.
@@ -167,4 +169,66 @@ func (c *Cluster) Close() error {
 		c.Etcd = nil
 	}
 	return errors.Join(errs...)
+}
+
+// Output is a finished job of Run: its record and its file.
+type Output struct {
+	Job         jobs.Job
+	Data        []byte
+	ContentType string
+}
+
+// Run submits every spec through the first agent, all at once, and returns
+// the finished jobs in spec order. A job that does not succeed is an error.
+func (c *Cluster) Run(ctx context.Context, specs []engine.Spec) ([]Output, error) {
+	if len(c.Agents) == 0 {
+		return nil, errors.New("testbed: cluster has no agents")
+	}
+	entry := c.Agents[0]
+	ids := make([]string, len(specs))
+	for i, s := range specs {
+		j, err := entry.Submit(ctx, s, routing.Standard)
+		if err != nil {
+			return nil, fmt.Errorf("testbed: submit %q: %w", s.Prompt, err)
+		}
+		ids[i] = j.ID
+	}
+	out := make([]Output, len(ids))
+	for i, id := range ids {
+		job, err := entry.Wait(ctx, id)
+		if err != nil {
+			return nil, fmt.Errorf("testbed: wait %s: %w", id, err)
+		}
+		if job.State != jobs.Succeeded {
+			msg := string(job.State)
+			if job.Error != nil {
+				msg = job.Error.Code + ": " + job.Error.Message
+			}
+			return nil, fmt.Errorf("testbed: job %s (%q) did not succeed: %s", id, job.Spec.Prompt, msg)
+		}
+		data, ctype, err := entry.Result(ctx, id)
+		if err != nil {
+			return nil, fmt.Errorf("testbed: result %s: %w", id, err)
+		}
+		out[i] = Output{Job: job, Data: data, ContentType: ctype}
+	}
+	return out, nil
+}
+
+// Pulls sums, over the cluster's agents, the payloads pulled by each
+// transport (transports that moved none are left out).
+func (c *Cluster) Pulls(ctx context.Context) (map[string]int64, error) {
+	pulls := map[string]int64{}
+	for _, a := range c.Agents {
+		st, err := a.Status(ctx)
+		if err != nil {
+			return nil, fmt.Errorf("testbed: status of %s: %w", a.ID(), err)
+		}
+		for t, n := range st.Data.Pulls {
+			if n > 0 {
+				pulls[t] += n
+			}
+		}
+	}
+	return pulls, nil
 }

@@ -15,7 +15,6 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
-	"github.com/latentmesh/latentmesh/routing"
 )
 
 // DefaultPrompts are the demo's built-in jobs: four images of different
@@ -131,40 +130,19 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (DemoReport, error) {
 	for _, a := range cl.Agents {
 		logf("  agent %-10s http=%s admin=%s\n", a.ID(), a.HTTPAddr(), a.AdminAddr())
 	}
-	entry := cl.Agents[0]
-
-	ids := make([]string, len(specs))
-	for i, s := range specs {
-		j, err := entry.Submit(ctx, s, routing.Standard)
-		if err != nil {
-			return DemoReport{}, fmt.Errorf("demo: submit %q: %w", s.Prompt, err)
-		}
-		ids[i] = j.ID
+	logf("submitted %d jobs\n", len(specs))
+	outs, err := cl.Run(ctx, specs)
+	if err != nil {
+		return DemoReport{}, fmt.Errorf("demo: %w", err)
 	}
-	logf("submitted %d jobs\n", len(ids))
-
 	rep := DemoReport{Topology: cfg.Cluster.Topology}
-	for i, id := range ids {
-		job, err := entry.Wait(ctx, id)
-		if err != nil {
-			return rep, fmt.Errorf("demo: wait %s: %w", id, err)
-		}
-		if job.State != jobs.Succeeded {
-			msg := string(job.State)
-			if job.Error != nil {
-				msg = job.Error.Code + ": " + job.Error.Message
-			}
-			return rep, fmt.Errorf("demo: job %s (%q) did not succeed: %s", id, job.Spec.Prompt, msg)
-		}
-		data, ctype, err := entry.Result(ctx, id)
-		if err != nil {
-			return rep, fmt.Errorf("demo: result %s: %w", id, err)
-		}
-		path := filepath.Join(cfg.Out, fileName(i, job.Spec, ctype))
-		if err := os.WriteFile(path, data, 0o644); err != nil {
+	for i, o := range outs {
+		job := o.Job
+		path := filepath.Join(cfg.Out, fileName(i, job.Spec, o.ContentType))
+		if err := os.WriteFile(path, o.Data, 0o644); err != nil {
 			return rep, fmt.Errorf("demo: write: %w", err)
 		}
-		dj := DemoJob{ID: id, Prompt: job.Spec.Prompt, Seed: job.Spec.Seed, Output: path, Stages: map[string]StageTiming{}}
+		dj := DemoJob{ID: job.ID, Prompt: job.Spec.Prompt, Seed: job.Spec.Seed, Output: path, Stages: map[string]StageTiming{}}
 		for _, st := range jobs.Stages() {
 			if r := job.Stages[st]; r != nil {
 				dj.Stages[string(st)] = StageTiming{Ms: r.Millis, Node: r.Node}
@@ -173,17 +151,8 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (DemoReport, error) {
 		rep.Jobs = append(rep.Jobs, dj)
 		logf("%s\n", timeline(dj))
 	}
-	rep.Pulls = map[string]int64{}
-	for _, a := range cl.Agents {
-		st, err := a.Status(ctx)
-		if err != nil {
-			return rep, fmt.Errorf("demo: status of %s: %w", a.ID(), err)
-		}
-		for t, n := range st.Data.Pulls {
-			if n > 0 {
-				rep.Pulls[t] += n
-			}
-		}
+	if rep.Pulls, err = cl.Pulls(ctx); err != nil {
+		return rep, fmt.Errorf("demo: %w", err)
 	}
 	rep.Seconds = time.Since(start).Seconds()
 	logf("done: %d files in %s (%.1fs); payloads pulled by transport: %v\n", len(rep.Jobs), cfg.Out, rep.Seconds, rep.Pulls)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"image/gif"
 	"image/png"
+	"maps"
 	"os"
 	"path/filepath"
 	"strings"
@@ -12,8 +13,6 @@ import (
 	"time"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
-	"github.com/latentmesh/latentmesh/agent/jobs"
-	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
@@ -178,35 +177,6 @@ func TestEarlyHandoffOverlapsDecode(t *testing.T) {
 	checkImage(t, early, spec)
 }
 
-// runOnCluster submits specs to a cluster and returns the output files.
-func runOnCluster(t *testing.T, cl *Cluster, specs []engine.Spec) [][]byte {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	entry := cl.Agents[0]
-	var ids []string
-	for _, s := range specs {
-		j, err := entry.Submit(ctx, s, routing.Standard)
-		if err != nil {
-			t.Fatal(err)
-		}
-		ids = append(ids, j.ID)
-	}
-	var out [][]byte
-	for _, id := range ids {
-		j, err := entry.Wait(ctx, id)
-		if err != nil || j.State != jobs.Succeeded {
-			t.Fatalf("job %s: %+v %v", id, j.Error, err)
-		}
-		b, _, err := entry.Result(ctx, id)
-		if err != nil {
-			t.Fatal(err)
-		}
-		out = append(out, b)
-	}
-	return out
-}
-
 // The end-to-end pipeline works over each transport, and the files are the
 // same whichever moved the payloads.
 func TestEndToEndOverEachTransport(t *testing.T) {
@@ -217,7 +187,14 @@ func TestEndToEndOverEachTransport(t *testing.T) {
 			cl := startCluster(t, Disaggregated, func(c *ClusterConfig) { c.Agent.Transfer.Transport = mode })
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
-			got := runOnCluster(t, cl, specs)
+			outs, err := cl.Run(ctx, specs)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var got [][]byte
+			for _, o := range outs {
+				got = append(got, o.Data)
+			}
 			if want == nil {
 				want = got
 			}
@@ -229,21 +206,12 @@ func TestEndToEndOverEachTransport(t *testing.T) {
 			}
 			// Every cross-agent pull (denoise and decode pull one payload per
 			// job) went over the forced transport.
-			var pulls int64
-			for _, a := range cl.Agents {
-				st, err := a.Status(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				for tr, n := range st.Data.Pulls {
-					if n > 0 && tr != mode {
-						t.Errorf("%s pulled %d payloads over %s", a.ID(), n, tr)
-					}
-				}
-				pulls += st.Data.Pulls[mode]
+			pulls, err := cl.Pulls(ctx)
+			if err != nil {
+				t.Fatal(err)
 			}
-			if pulls != int64(2*len(specs)) {
-				t.Errorf("%d pulls over %s, want %d", pulls, mode, 2*len(specs))
+			if want := map[string]int64{mode: int64(2 * len(specs))}; !maps.Equal(pulls, want) {
+				t.Errorf("pulls %v, want %v", pulls, want)
 			}
 		})
 	}

@@ -225,21 +225,27 @@ func mustJSON(v any) string {
 
 // getRecord reads a job record and its ModRevision.
 func (s *Store) getRecord(ctx context.Context, id string) (record, int64, error) {
+	rec, rev, _, err := s.readRecord(ctx, id)
+	return rec, rev, err
+}
+
+// readRecord reads a job record, its ModRevision and the revision of the
+// read (from which a watch sees every later change).
+func (s *Store) readRecord(ctx context.Context, id string) (rec record, modRev, readRev int64, err error) {
 	if !validID(id) {
-		return record{}, 0, ErrNotFound
+		return record{}, 0, 0, ErrNotFound
 	}
 	resp, err := s.cli.Get(ctx, s.jobKey(id))
 	if err != nil {
-		return record{}, 0, fmt.Errorf("jobs: get %s: %w", id, err)
+		return record{}, 0, 0, fmt.Errorf("jobs: get %s: %w", id, err)
 	}
 	if len(resp.Kvs) == 0 {
-		return record{}, 0, ErrNotFound
+		return record{}, 0, 0, ErrNotFound
 	}
-	var rec record
 	if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil {
-		return record{}, 0, fmt.Errorf("jobs: decode job %s: %w", id, err)
+		return record{}, 0, 0, fmt.Errorf("jobs: decode job %s: %w", id, err)
 	}
-	return rec, resp.Kvs[0].ModRevision, nil
+	return rec, resp.Kvs[0].ModRevision, resp.Header.Revision, nil
 }
 
 // validID keeps user-supplied ids from escaping their key (no '/').
@@ -280,20 +286,10 @@ func (s *Store) Get(ctx context.Context, id string) (Job, error) {
 
 // Wait blocks until the job is in a terminal state or ctx is done.
 func (s *Store) Wait(ctx context.Context, id string) (Job, error) {
-	if !validID(id) {
-		return Job{}, ErrNotFound
-	}
 	for {
-		resp, err := s.cli.Get(ctx, s.jobKey(id))
+		rec, _, at, err := s.readRecord(ctx, id)
 		if err != nil {
-			return Job{}, fmt.Errorf("jobs: get %s: %w", id, err)
-		}
-		if len(resp.Kvs) == 0 {
-			return Job{}, ErrNotFound
-		}
-		var rec record
-		if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil {
-			return Job{}, fmt.Errorf("jobs: decode job %s: %w", id, err)
+			return Job{}, err
 		}
 		if rec.State.Terminal() {
 			return rec.Job, nil
@@ -301,7 +297,7 @@ func (s *Store) Wait(ctx context.Context, id string) (Job, error) {
 		// Watch from the read's revision (not the record's, which may long
 		// be compacted away); any event, or a broken watch, means read again.
 		wctx, cancel := context.WithCancel(ctx)
-		wch := s.cli.Watch(wctx, s.jobKey(id), clientv3.WithRev(resp.Header.Revision+1))
+		wch := s.cli.Watch(wctx, s.jobKey(id), clientv3.WithRev(at+1))
 		select {
 		case <-ctx.Done():
 			cancel()

@@ -44,7 +44,7 @@ func TestWriteSamples(t *testing.T) {
 	sheet := image.NewRGBA(image.Rect(0, 0, 4*256, 3*256))
 	for i, s := range specs {
 		s = s.WithDefaults()
-		out, ct, err := run(context.Background(), e, s)
+		out, ct, err := e.Generate(context.Background(), s)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -77,17 +77,4 @@ func TestWriteSamples(t *testing.T) {
 	if err := os.WriteFile(filepath.Join(dir, "sheet.png"), buf.Bytes(), 0o644); err != nil {
 		t.Fatal(err)
 	}
-}
-
-// run is the whole pipeline in one call.
-func run(ctx context.Context, e *Engine, s Spec) ([]byte, string, error) {
-	cond, err := e.Encode(ctx, s)
-	if err != nil {
-		return nil, "", err
-	}
-	lat, err := e.Denoise(ctx, s, cond, nil)
-	if err != nil {
-		return nil, "", err
-	}
-	return e.Decode(ctx, s, lat)
 }

@@ -64,6 +64,16 @@ type Config struct {
 	// over TCP, as each block lands. On by default: a few percent of CPU
 	// against a wrong image.
 	ChecksumTCP bool
+	// TCPCongestion is the congestion control the data plane's TCP senders
+	// run (Linux TCP_CONGESTION, set on the listener so every accepted
+	// connection inherits it); empty keeps the system default. cubic, the
+	// Linux default, because a pull is a bulk transfer inside one cluster:
+	// with bbr, a common system default, the pacing timers of four striped
+	// flows cost enough CPU on a 2-core machine to take 15-20% off a
+	// checksummed pull (see docs/ARCHITECTURE.md#measured). When the kernel
+	// lacks it or does not allow it to this process, New logs that once and
+	// the system default stays.
+	TCPCongestion string
 	// Transport picks how payload bytes move: TransportAuto chooses per
 	// producer (same host with arenas on both ends -> shm; both ends with an
 	// RDMA device -> rdma; else tcp). A forced transport that cannot reach a
@@ -95,6 +105,7 @@ func DefaultConfig() Config {
 		MaxPayloadBytes: 4 << 30,
 		MaxFrame:        64 << 10,
 		ChecksumTCP:     true,
+		TCPCongestion:   "cubic",
 		// Let each pull pick the fastest transport both ends can use.
 		Transport: TransportAuto,
 		// No arena by default: tests and tcp-only agents keep heap buffers;
@@ -135,6 +146,8 @@ func (c Config) validate() error {
 		return fmt.Errorf("transfer: config: MaxFrame %d < 256", c.MaxFrame)
 	case c.Logger == nil:
 		return errors.New("transfer: config: Logger is nil")
+	case !validCongestion(c.TCPCongestion):
+		return fmt.Errorf("transfer: config: TCPCongestion %q is not a congestion control name", c.TCPCongestion)
 	}
 	switch c.Transport {
 	case TransportAuto, TransportTCP:
@@ -288,9 +301,15 @@ func newService(cfg Config, h host.Host, now func() time.Time) (_ *Service, err 
 	if err := s.startRDMA(); err != nil {
 		return nil, err
 	}
-	s.ln, err = net.Listen("tcp", cfg.DataListen)
+	var ccErr error
+	lc := net.ListenConfig{Control: listenControl(cfg.TCPCongestion, &ccErr)}
+	s.ln, err = lc.Listen(context.Background(), "tcp", cfg.DataListen)
 	if err != nil {
 		return nil, fmt.Errorf("transfer: listen %s: %w", cfg.DataListen, err)
+	}
+	if ccErr != nil {
+		s.log.Warn(congestionFallbackMsg, zap.String("wanted", cfg.TCPCongestion),
+			zap.String("system_default", systemCongestion()), zap.Error(ccErr))
 	}
 	s.dataAddr = cfg.DataAdvertise
 	if s.dataAddr == "" {

@@ -3,7 +3,11 @@ package transfer
 import (
 	"bytes"
 	"errors"
+	"fmt"
+	"net"
 	"os"
+	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -570,6 +574,103 @@ func TestForgetDropsProducerState(t *testing.T) {
 	for _, c := range []*Service{shmCons, tcpCons} {
 		if _, err := c.Pull(testCtx(t), ref); err != nil {
 			t.Fatal(err)
+		}
+	}
+}
+
+// availableCongestion lists the congestion controls the kernel has loaded.
+func availableCongestion(t *testing.T) []string {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/tcp_available_congestion_control")
+	if err != nil {
+		t.Skipf("no congestion control list: %v", err)
+	}
+	return strings.Fields(string(b))
+}
+
+// servingCongestion pulls a payload from prod to cons and returns the
+// congestion control of every producer-side data connection.
+func servingCongestion(t *testing.T, prod, cons *Service) []string {
+	t.Helper()
+	data := randBytes(3<<20, 5)
+	ref, err := prod.Publish(u8Meta(int64(len(data))), data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := cons.Pull(testCtx(t), ref)
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("pull: %v (equal %v)", err, bytes.Equal(got, data))
+	}
+	prod.mu.Lock()
+	defer prod.mu.Unlock()
+	var out []string
+	for c := range prod.dataConns {
+		name, err := Congestion(c.(*net.TCPConn))
+		if err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, name)
+	}
+	if len(out) == 0 {
+		t.Fatal("the producer serves no data connection after a pull")
+	}
+	return out
+}
+
+func TestDataConnsRunConfiguredCongestion(t *testing.T) {
+	system := systemCongestion()
+	// reno is built into every kernel; cubic when reno is the default.
+	want := "reno"
+	if system == want {
+		want = "cubic"
+		if !slices.Contains(availableCongestion(t), want) {
+			t.Skipf("the system default is reno and cubic is not loaded")
+		}
+	}
+	cfg := testConfig(t)
+	cfg.TCPCongestion = want
+	prod := startService(t, cfg)
+	for _, got := range servingCongestion(t, prod, startService(t, testConfig(t))) {
+		if got != want {
+			t.Fatalf("producer connection runs %q, want %q (system default %q)", got, want, system)
+		}
+	}
+
+	// Empty keeps the system default.
+	cfg.TCPCongestion = ""
+	prod = startService(t, cfg)
+	for _, got := range servingCongestion(t, prod, startService(t, testConfig(t))) {
+		if got != system {
+			t.Fatalf("producer connection runs %q, want the system default %q", got, system)
+		}
+	}
+}
+
+func TestUnavailableCongestionLogsOnceAndServes(t *testing.T) {
+	core, logs := observer.New(zapcore.InfoLevel)
+	cfg := testConfig(t)
+	cfg.TCPCongestion = "nosuch_cc"
+	cfg.Logger = zap.New(core)
+	prod := startService(t, cfg)
+	for _, got := range servingCongestion(t, prod, startService(t, testConfig(t))) {
+		if got != systemCongestion() {
+			t.Fatalf("producer connection runs %q, want the system default %q", got, systemCongestion())
+		}
+	}
+	lines := logs.FilterMessage(congestionFallbackMsg).All()
+	if len(lines) != 1 {
+		t.Fatalf("%d fallback lines, want 1 (all: %v)", len(lines), logs.All())
+	}
+	if f := lines[0].ContextMap(); f["wanted"] != "nosuch_cc" || !strings.Contains(fmt.Sprint(f["error"]), "tcp_available_congestion_control") {
+		t.Fatalf("fallback line fields %v", f)
+	}
+}
+
+func TestCongestionNameValidated(t *testing.T) {
+	for _, name := range []string{"Cubic", "cubic;rm", "a_name_far_too_long", "bb r"} {
+		cfg := testConfig(t)
+		cfg.TCPCongestion = name
+		if _, err := newService(cfg, newHost(t), time.Now); err == nil || !strings.Contains(err.Error(), "TCPCongestion") {
+			t.Fatalf("TCPCongestion %q: err %v, want a config error", name, err)
 		}
 	}
 }

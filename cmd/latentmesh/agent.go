@@ -32,6 +32,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		leaseTTL   = fs.Duration("lease-ttl", def.Gossip.LeaseTTL, "etcd lease TTL: a dead agent's claims free up after this")
 		identity   = fs.String("identity", "", "libp2p key `FILE`, created if missing (default: a fresh key each start)")
 		transport  = fs.String("transport", def.Transfer.Transport, "data plane: auto (shm on one host, rdma when both ends have a device, else tcp), tcp, shm or rdma")
+		congestion = fs.String("tcp-congestion", def.Transfer.TCPCongestion, "congestion control of data-plane TCP senders (empty: the system default)")
 		arenaSize  = fs.String("arena-size", "1GiB", "registered buffer arena for payloads (e.g. 512MiB, 4GiB)")
 		logFormat  = fs.String("log-format", "json", "json or console")
 		verbose    = fs.Bool("v", false, "debug logs")
@@ -61,7 +62,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	cfg.HTTPListen, cfg.AdminListen, cfg.AdminToken = *httpAddr, *adminAddr, *adminToken
 	cfg.P2PListen, cfg.Transfer.DataListen, cfg.IdentityFile = *p2p, *data, *identity
 	cfg.Gossip.GossipBind, cfg.Gossip.LeaseTTL = *gossipBind, *leaseTTL
-	cfg.Transfer.Transport = *transport
+	cfg.Transfer.Transport, cfg.Transfer.TCPCongestion = *transport, *congestion
 	if cfg.Transfer.Arena.Size, err = bench.ParseSize(*arenaSize); err != nil {
 		fmt.Fprintf(stderr, "latentmesh agent: --arena-size: %v\n", err)
 		return 2

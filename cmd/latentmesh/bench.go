@@ -108,6 +108,7 @@ func runBenchTransfer(ctx context.Context, args []string, stdout, stderr io.Writ
 	fs.IntVar(&cfg.Reps, "reps", cfg.Reps, "measured repetitions per size, after one warm-up")
 	fs.IntVar(&cfg.Chunks, "chunks", cfg.Chunks, "chunks of the chunked pull measured beside each size (1: none)")
 	fs.BoolVar(&cfg.Transfer.ChecksumTCP, "checksum", cfg.Transfer.ChecksumTCP, "verify XXH3 block checksums on TCP pulls (the service default)")
+	fs.StringVar(&cfg.Transfer.TCPCongestion, "tcp-congestion", cfg.Transfer.TCPCongestion, "congestion control of the data plane's senders and of the tuned raw-TCP baseline (empty: the system default, no tuned baseline)")
 	asJSON := fs.Bool("json", false, "print machine-readable results")
 	if code := parse(fs, args); code >= 0 {
 		return code

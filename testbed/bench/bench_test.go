@@ -145,6 +145,13 @@ func TestRunTransfer(t *testing.T) {
 			t.Errorf("result %d: %v, want transport %s, size %d", i, row, want[i], size)
 		}
 		positive := []string{"gbps_median", "gbps_min", "gbps_max", "baseline_gbps_median", "ratio_vs_baseline"}
+		// tcp rows also compare with raw TCP running the data plane's
+		// congestion control; shm rows have no such baseline.
+		if want[i] == "tcp" {
+			positive = append(positive, "tuned_baseline_gbps_median", "ratio_vs_tuned_baseline")
+		} else if _, ok := row["tuned_baseline_gbps_median"]; ok {
+			t.Errorf("result %d: a tuned baseline on a %s row: %v", i, want[i], row)
+		}
 		if want[i] == "shm-view" {
 			positive = append(positive, "handoff_ms_median")
 		} else {
@@ -168,6 +175,25 @@ func TestRunTransfer(t *testing.T) {
 	}
 	if !strings.Contains(table.String(), "2MiB") || !strings.Contains(progress.String(), "rep 2/2") {
 		t.Errorf("table:\n%s\nprogress:\n%s", table.String(), progress.String())
+	}
+}
+
+// With the system's congestion control there is no tuned baseline to
+// measure, and none is reported.
+func TestRunTransferSystemCongestion(t *testing.T) {
+	cfg := testTransferConfig(t)
+	cfg.Sizes, cfg.Transports, cfg.Chunks = []int64{1 << 20}, []string{TransportTCP}, 1
+	cfg.Transfer.TCPCongestion = ""
+	rep, err := RunTransfer(testCtx(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rep.Results) != 1 {
+		t.Fatalf("%d results, want 1", len(rep.Results))
+	}
+	row := fields(t, rep.Results[0])
+	if _, ok := row["tuned_baseline_gbps_median"]; ok || !(row["ratio_vs_baseline"].(float64) > 0) {
+		t.Fatalf("row %v: want a ratio against raw TCP and no tuned baseline", row)
 	}
 }
 

@@ -131,7 +131,7 @@ func RunOverlap(ctx context.Context, cfg OverlapConfig) (_ *OverlapReport, err e
 	cfg.Transfer.Logger = cfg.Logger
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	c, err := startChild(ctx, cfg.Producer, cfg.ProducerEnv, request{})
+	c, err := startChild(ctx, cfg.Producer, cfg.ProducerEnv, request{TCPCongestion: cfg.Transfer.TCPCongestion})
 	if err != nil {
 		return nil, err
 	}

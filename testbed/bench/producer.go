@@ -100,6 +100,7 @@ func ServeProducer(ctx context.Context, cfg ProducerConfig, in io.Reader, out io
 	}
 	tcfg := cfg.Transfer
 	tcfg.Logger = cfg.Logger
+	tcfg.TCPCongestion = start.TCPCongestion
 	if start.ArenaBytes > 0 {
 		tcfg.Arena = arena.DefaultConfig()
 		tcfg.Arena.Name = "latentmesh-bench-producer"
@@ -115,7 +116,7 @@ func ServeProducer(ctx context.Context, cfg ProducerConfig, in io.Reader, out io
 		return err
 	}
 	defer svc.Close()
-	raw, err := newRawServer(cfg.RawListen)
+	raw, err := newRawServer(cfg.RawListen, start.TCPCongestion)
 	if err != nil {
 		return err
 	}
@@ -124,7 +125,7 @@ func ServeProducer(ctx context.Context, cfg ProducerConfig, in io.Reader, out io
 	p := &producer{svc: svc, raw: raw, eng: eng, rawKeys: make(map[string]uint64)}
 	defer p.wg.Wait() // before the service closes, after ctx is cancelled
 	defer cancel()
-	hi := hello{V: protoVersion, PeerID: h.ID().String(), DataAddr: svc.DataAddr(), RawAddr: raw.addr()}
+	hi := hello{V: protoVersion, PeerID: h.ID().String(), DataAddr: svc.DataAddr(), RawAddr: raw.addr(), RawTunedAddr: raw.tunedAddr()}
 	for _, a := range h.Addrs() {
 		hi.P2PAddrs = append(hi.P2PAddrs, a.String())
 	}

@@ -9,7 +9,7 @@ import (
 // protoVersion is the version of the consumer-producer pipe protocol. Both
 // ends are the same binary in practice; the check catches a stale
 // --producer command.
-const protoVersion = 1
+const protoVersion = 2
 
 // maxLine bounds one protocol line; refs and requests are far smaller.
 const maxLine = 1 << 20
@@ -30,6 +30,9 @@ type hello struct {
 	P2PAddrs []string `json:"p2p_addrs"`
 	DataAddr string   `json:"data_addr"`
 	RawAddr  string   `json:"raw_addr"` // the raw-TCP baseline server
+	// RawTunedAddr serves the same bytes with the start request's
+	// congestion control; empty when that is the system default.
+	RawTunedAddr string `json:"raw_tuned_addr,omitempty"`
 }
 
 // request is one consumer command, one JSON line on the producer's stdin.
@@ -46,6 +49,10 @@ type request struct {
 	// ArenaBytes sizes the producer's arena (opStart); 0 keeps payloads on
 	// the heap, which rules out shm.
 	ArenaBytes int64 `json:"arena_bytes,omitempty"`
+	// TCPCongestion is the producer's transfer.Config.TCPCongestion
+	// (opStart), and that of the tuned raw-TCP baseline; empty keeps the
+	// system default for both.
+	TCPCongestion string `json:"tcp_congestion"`
 }
 
 // response answers one request, one JSON line on the producer's stdout.

@@ -8,6 +8,9 @@ import (
 	"io"
 	"net"
 	"sync"
+	"syscall"
+
+	"github.com/latentmesh/latentmesh/transfer"
 )
 
 // rawRequestLen is the size of a raw-TCP baseline request: key, offset and
@@ -16,10 +19,13 @@ const rawRequestLen = 24
 
 // rawServer is the raw-TCP baseline: plain Go sockets serving byte ranges of
 // registered buffers with a 24-byte request and no tickets, deadlines or
-// checksums, the floor the transfer data plane is compared with.
+// checksums, the floor the transfer data plane is compared with. It listens
+// twice: with the system's socket defaults (the baseline), and with the
+// data plane's congestion control (the tuned baseline, which isolates what
+// the connector itself costs).
 type rawServer struct {
-	ln net.Listener
-	wg sync.WaitGroup
+	ln, tuned net.Listener // tuned is nil without a congestion control
+	wg        sync.WaitGroup
 
 	mu sync.Mutex
 	// mu guards the fields below.
@@ -29,17 +35,37 @@ type rawServer struct {
 	closed bool
 }
 
-func newRawServer(addr string) (*rawServer, error) {
-	ln, err := net.Listen("tcp", addr)
-	if err != nil {
+// newRawServer listens on addr, and with congestion set on a second port
+// of the same host whose connections run it.
+func newRawServer(addr, congestion string) (_ *rawServer, err error) {
+	r := &rawServer{bufs: make(map[uint64][]byte), conns: make(map[net.Conn]struct{})}
+	if r.ln, err = net.Listen("tcp", addr); err != nil {
 		return nil, fmt.Errorf("bench: raw tcp listen %s: %w", addr, err)
 	}
-	r := &rawServer{ln: ln, bufs: make(map[uint64][]byte), conns: make(map[net.Conn]struct{})}
-	r.wg.Go(r.acceptLoop)
+	if congestion != "" {
+		host, _, _ := net.SplitHostPort(r.ln.Addr().String())
+		lc := net.ListenConfig{Control: func(_, _ string, c syscall.RawConn) error {
+			return transfer.SetCongestion(c, congestion)
+		}}
+		if r.tuned, err = lc.Listen(context.Background(), "tcp", net.JoinHostPort(host, "0")); err != nil {
+			r.ln.Close()
+			return nil, fmt.Errorf("bench: tuned raw tcp listen: %w", err)
+		}
+		r.wg.Go(func() { r.acceptLoop(r.tuned) })
+	}
+	r.wg.Go(func() { r.acceptLoop(r.ln) })
 	return r, nil
 }
 
 func (r *rawServer) addr() string { return r.ln.Addr().String() }
+
+// tunedAddr is the tuned baseline's address, empty without one.
+func (r *rawServer) tunedAddr() string {
+	if r.tuned == nil {
+		return ""
+	}
+	return r.tuned.Addr().String()
+}
 
 // add registers b and returns the key requests name it by.
 func (r *rawServer) add(b []byte) uint64 {
@@ -62,9 +88,9 @@ func (r *rawServer) get(key uint64) []byte {
 	return r.bufs[key]
 }
 
-func (r *rawServer) acceptLoop() {
+func (r *rawServer) acceptLoop(ln net.Listener) {
 	for {
-		c, err := r.ln.Accept()
+		c, err := ln.Accept()
 		if err != nil {
 			return
 		}
@@ -114,6 +140,9 @@ func (r *rawServer) close() {
 	r.conns = nil
 	r.mu.Unlock()
 	r.ln.Close()
+	if r.tuned != nil {
+		r.tuned.Close()
+	}
 	for c := range conns {
 		c.Close()
 	}

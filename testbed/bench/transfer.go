@@ -113,6 +113,12 @@ type TransferResult struct {
 	// memcpy for shm) measured interleaved with the pulls.
 	BaselineGbpsMedian float64 `json:"baseline_gbps_median"`
 	RatioVsBaseline    float64 `json:"ratio_vs_baseline"`
+	// TunedBaselineGbpsMedian is raw TCP with the data plane's congestion
+	// control (tcp rows, when it is not the system default), also
+	// interleaved: the ratio against it is what the connector itself costs,
+	// apart from the socket tuning.
+	TunedBaselineGbpsMedian float64 `json:"tuned_baseline_gbps_median,omitempty"`
+	RatioVsTunedBaseline    float64 `json:"ratio_vs_tuned_baseline,omitempty"`
 	// AllocsPerOp is the consumer's heap allocations per pull.
 	AllocsPerOp float64 `json:"allocs_per_op"`
 	// HandoffMSMedian is the median time PullView takes to hand over the
@@ -143,7 +149,7 @@ func RunTransfer(ctx context.Context, cfg TransferConfig) (_ *TransferReport, er
 	arenaBytes := 2*slices.Max(cfg.Sizes) + 16<<20
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	c, err := startChild(ctx, cfg.Producer, cfg.ProducerEnv, request{ArenaBytes: arenaBytes})
+	c, err := startChild(ctx, cfg.Producer, cfg.ProducerEnv, request{ArenaBytes: arenaBytes, TCPCongestion: cfg.Transfer.TCPCongestion})
 	if err != nil {
 		return nil, err
 	}
@@ -157,10 +163,17 @@ func RunTransfer(ctx context.Context, cfg TransferConfig) (_ *TransferReport, er
 		return nil, err
 	}
 	defer raw.close()
+	var tuned *rawClient // nil when the data plane keeps the system default
+	if c.hello.RawTunedAddr != "" {
+		if tuned, err = dialRaw(ctx, c.hello.RawTunedAddr, cfg.Conns); err != nil {
+			return nil, err
+		}
+		defer tuned.close()
+	}
 
 	rep := &TransferReport{}
 	for _, t := range cfg.Transports {
-		rows, err := runTransport(ctx, cfg, c, raw, t)
+		rows, err := runTransport(ctx, cfg, c, raw, tuned, t)
 		if err != nil {
 			return nil, err
 		}
@@ -171,7 +184,7 @@ func RunTransfer(ctx context.Context, cfg TransferConfig) (_ *TransferReport, er
 
 // runTransport measures one transport at every size, with a consumer
 // service of its own forced to that transport.
-func runTransport(ctx context.Context, cfg TransferConfig, c *child, raw *rawClient, transport string) (_ []TransferResult, err error) {
+func runTransport(ctx context.Context, cfg TransferConfig, c *child, raw, tuned *rawClient, transport string) (_ []TransferResult, err error) {
 	tcfg := cfg.Transfer
 	tcfg.Transport = transport
 	if transport == TransportShm {
@@ -189,7 +202,7 @@ func runTransport(ctx context.Context, cfg TransferConfig, c *child, raw *rawCli
 		return nil, err
 	}
 	defer svc.Close()
-	r := &transferRun{cfg: cfg, c: c, svc: svc, raw: raw}
+	r := &transferRun{cfg: cfg, c: c, svc: svc, raw: raw, tuned: tuned}
 	var rows []TransferResult
 	for _, size := range cfg.Sizes {
 		res, err := r.measure(ctx, transport, size)
@@ -207,6 +220,9 @@ type transferRun struct {
 	c   *child
 	svc *transfer.Service
 	raw *rawClient
+	// tuned is the raw-TCP baseline running the data plane's congestion
+	// control; nil when that is the system default.
+	tuned *rawClient
 }
 
 func (r *transferRun) progress(format string, a ...any) {
@@ -260,12 +276,18 @@ func (r *transferRun) measure(ctx context.Context, transport string, size int64)
 		err := r.svc.PullInto(ctx, whole.Ref, dst)
 		return time.Since(t0), err
 	}
-	var baseline op
-	if transport == TransportTCP {
-		baseline = func() (time.Duration, error) {
+	rawPull := func(c *rawClient) op {
+		return func() (time.Duration, error) {
 			t0 := time.Now()
-			err := r.raw.pull(whole.RawKey, base, r.stripes(size))
+			err := c.pull(whole.RawKey, base, r.stripes(size))
 			return time.Since(t0), err
+		}
+	}
+	var baseline, tunedBaseline op
+	if transport == TransportTCP {
+		baseline = rawPull(r.raw)
+		if r.tuned != nil {
+			tunedBaseline = rawPull(r.tuned)
 		}
 	} else {
 		src = make([]byte, size)
@@ -324,6 +346,11 @@ func (r *transferRun) measure(ctx context.Context, transport string, size int64)
 	if transport == TransportTCP && !slices.Equal(dst, base) {
 		return nil, errors.New("transfer and raw-TCP baseline delivered different bytes")
 	}
+	if tunedBaseline != nil {
+		if _, err := tunedBaseline(); err != nil {
+			return nil, err
+		}
+	}
 	if transport == TransportShm {
 		if _, err := view(); err != nil {
 			return nil, err
@@ -335,7 +362,7 @@ func (r *transferRun) measure(ctx context.Context, transport string, size int64)
 		}
 	}
 
-	var rates, baseRates, viewMS, firsts, alls []float64
+	var rates, baseRates, tunedRates, viewMS, firsts, alls []float64
 	var mallocs, viewMallocs uint64
 	counted := func(o op, n *uint64) (time.Duration, error) {
 		var m0, m1 runtime.MemStats
@@ -356,6 +383,12 @@ func (r *transferRun) measure(ctx context.Context, transport string, size int64)
 			return nil, err
 		}
 		baseRates = append(baseRates, gbps(size, d))
+		if tunedBaseline != nil {
+			if d, err = tunedBaseline(); err != nil {
+				return nil, err
+			}
+			tunedRates = append(tunedRates, gbps(size, d))
+		}
 		if transport == TransportShm {
 			if d, err = counted(view, &viewMallocs); err != nil {
 				return nil, err
@@ -386,6 +419,10 @@ func (r *transferRun) measure(ctx context.Context, transport string, size int64)
 		if b.median > 0 {
 			res.RatioVsBaseline = s.median / b.median
 		}
+		if tb := summarize(tunedRates); tb.median > 0 {
+			res.TunedBaselineGbpsMedian = tb.median
+			res.RatioVsTunedBaseline = s.median / tb.median
+		}
 		return res
 	}
 	rows := []TransferResult{row(transport, rates, mallocs)}
@@ -407,18 +444,21 @@ func (r *transferRun) measure(ctx context.Context, transport string, size int64)
 // WriteTable writes the report as aligned columns.
 func (rep *TransferReport) WriteTable(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, strings.Join([]string{"transport", "size", "conns", "GB/s med", "min", "max", "baseline GB/s", "ratio", "allocs/op", "chunks", "first chunk ms", "whole ms", "handoff ms", ""}, "\t"))
+	fmt.Fprintln(tw, strings.Join([]string{"transport", "size", "conns", "GB/s med", "min", "max", "baseline GB/s", "ratio", "tuned GB/s", "ratio tuned", "allocs/op", "chunks", "first chunk ms", "whole ms", "handoff ms", ""}, "\t"))
 	for _, x := range rep.Results {
-		chunks, first, whole, handoff := "-", "-", "-", "-"
+		tuned, tunedRatio, chunks, first, whole, handoff := "-", "-", "-", "-", "-", "-"
+		if x.TunedBaselineGbpsMedian > 0 {
+			tuned, tunedRatio = fmt.Sprintf("%.2f", x.TunedBaselineGbpsMedian), fmt.Sprintf("%.2f", x.RatioVsTunedBaseline)
+		}
 		if x.Chunks > 1 {
 			chunks, first, whole = fmt.Sprint(x.Chunks), fmt.Sprintf("%.1f", x.FirstChunkMSMedian), fmt.Sprintf("%.1f", x.WholeMSMedian)
 		}
 		if x.Transport == rowShmView {
 			handoff = fmt.Sprintf("%.3f", x.HandoffMSMedian)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.0f\t%s\t%s\t%s\t%s\t\n",
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%s\t%s\t%.0f\t%s\t%s\t%s\t%s\t\n",
 			x.Transport, FormatSize(x.SizeBytes), x.Conns, x.GbpsMedian, x.GbpsMin, x.GbpsMax,
-			x.BaselineGbpsMedian, x.RatioVsBaseline, x.AllocsPerOp, chunks, first, whole, handoff)
+			x.BaselineGbpsMedian, x.RatioVsBaseline, tuned, tunedRatio, x.AllocsPerOp, chunks, first, whole, handoff)
 	}
 	return tw.Flush()
 }

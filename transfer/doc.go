@@ -6,7 +6,8 @@
 // passed once over a Unix socket, then offsets; package shm), rdma between
 // hosts that both have a device (one-sided READ into the consumer's
 // registered arena; package rdma), else tcp over pooled, striped raw
-// connections with per-block XXH3 checksums verified as each block lands.
+// connections with per-block XXH3 checksums verified as each block lands,
+// whose senders run Config.TCPCongestion.
 //
 // With Config.Arena set, a Service owns one arena (package arena): Alloc,
 // Begin and the shm and rdma transports use it, and Stats reports its

@@ -70,7 +70,7 @@ type Config struct {
 	// connection inherits it); empty keeps the system default. cubic, the
 	// Linux default, because a pull is a bulk transfer inside one cluster:
 	// with bbr, a common system default, the pacing timers of four striped
-	// flows cost enough CPU on a 2-core machine to take 15-20% off a
+	// flows cost enough CPU on a 2-core machine to take a quarter off a
 	// checksummed pull (see docs/ARCHITECTURE.md#measured). When the kernel
 	// lacks it or does not allow it to this process, New logs that once and
 	// the system default stays.

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -423,7 +424,7 @@ func (s *Service) fetch(ctx context.Context, c *dataConn, t []byte, off int64, d
 		dl.progress()
 		b := dst[got : got+k]
 		if _, err := io.ReadFull(c, b); err != nil {
-			return true, false, fmt.Errorf("%w: %s: short read at %d of %d bytes: %w", ErrCorrupt, c.addr, got, len(dst), unexpected(err))
+			return true, false, c.midStream(fmt.Sprintf("read at %d of %d bytes", got, len(dst)), err)
 		}
 		for bo := int64(0); check && bo < k; bo += block {
 			i := (got + bo) / block
@@ -442,11 +443,22 @@ func (s *Service) fetch(ctx context.Context, c *dataConn, t []byte, off int64, d
 // in one process); 4 MiB pieces spill out of L2 before the checksum pass.
 const readPiece = 4 * sumBlock
 
+// midStream classifies a read that failed after the producer began to
+// answer: a producer that went silent until the deadline is unreachable (a
+// partition, a hung host); a connection closed or reset mid-payload is a
+// short transfer, ErrCorrupt. Either way the task retries.
+func (c *dataConn) midStream(what string, err error) error {
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		return fmt.Errorf("%w: %s: silent during %s: %w", ErrUnreachable, c.addr, what, err)
+	}
+	return fmt.Errorf("%w: %s: short transfer: %s: %w", ErrCorrupt, c.addr, what, unexpected(err))
+}
+
 // readSums reads the block size and block checksums that follow statusOK for
 // a range of n bytes. They alias c's buffer until the next call.
 func (c *dataConn) readSums(n int64) (int64, []uint64, error) {
 	if _, err := io.ReadFull(c, c.rbuf[:8]); err != nil {
-		return 0, nil, fmt.Errorf("%w: %s: read checksum header: %w", ErrCorrupt, c.addr, unexpected(err))
+		return 0, nil, c.midStream("read checksum header", err)
 	}
 	block := int64(binary.BigEndian.Uint32(c.rbuf[:4]))
 	count := int64(binary.BigEndian.Uint32(c.rbuf[4:8]))
@@ -462,7 +474,7 @@ func (c *dataConn) readSums(n int64) (int64, []uint64, error) {
 	}
 	raw := c.sumBuf[:8*count]
 	if _, err := io.ReadFull(c, raw); err != nil {
-		return 0, nil, fmt.Errorf("%w: %s: read checksums: %w", ErrCorrupt, c.addr, unexpected(err))
+		return 0, nil, c.midStream("read checksums", err)
 	}
 	sums := c.sums[:count]
 	for i := range sums {

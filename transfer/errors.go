@@ -15,7 +15,8 @@ var (
 	// ErrUnreachable wraps dial and stream failures towards a producer; they
 	// may be transient.
 	ErrUnreachable = errors.New("transfer: producer unreachable")
-	// ErrCorrupt means the received bytes failed their checksum or arrived short.
+	// ErrCorrupt means the received bytes failed their checksum, or the
+	// connection closed or reset before they had all arrived.
 	ErrCorrupt = errors.New("transfer: payload corrupt")
 	// ErrTicket means the producer rejected a ticket: forged, tampered, or
 	// presented by a peer it was not issued to.

@@ -72,10 +72,17 @@ func (b *lockedBuffer) snapshot() (string, <-chan struct{}) {
 
 // StartProcess runs bin with args. tee (may be nil) also receives its output.
 func StartProcess(name, bin string, tee io.Writer, args ...string) (*Process, error) {
+	return StartCommand(name, exec.Command(bin, args...), tee)
+}
+
+// StartCommand starts cmd, which must not have its output set, as a Process.
+func StartCommand(name string, cmd *exec.Cmd, tee io.Writer) (*Process, error) {
 	p := &Process{Name: name, out: &lockedBuffer{changed: make(chan struct{}), tee: tee}, done: make(chan struct{})}
-	p.cmd = exec.Command(bin, args...)
+	p.cmd = cmd
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
-	p.cmd.Env = os.Environ()
+	if p.cmd.Env == nil {
+		p.cmd.Env = os.Environ()
+	}
 	if err := p.cmd.Start(); err != nil {
 		return nil, fmt.Errorf("testbed: start %s: %w", name, err)
 	}

@@ -68,9 +68,12 @@ type mesh struct {
 	procs    []*Process
 }
 
-func startMesh(t *testing.T) *mesh {
+func startMesh(t *testing.T) *mesh { return startMeshAt(t, "127.0.0.1") }
+
+// startMeshAt runs etcd listening on ip.
+func startMeshAt(t *testing.T, ip string) *mesh {
 	t.Helper()
-	dev, err := StartProcess("dev", binary, nil, "dev", "--agents", "0", "--etcd-listen", "127.0.0.1:0")
+	dev, err := StartProcess("dev", binary, nil, "dev", "--agents", "0", "--etcd-listen", ip+":0")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -101,9 +104,27 @@ func (m *mesh) stop() {
 // agent starts `latentmesh agent` with one role and waits for its record.
 func (m *mesh) agent(id, role string, extra ...string) (*Process, gossip.NodeRecord) {
 	m.t.Helper()
-	args := append([]string{"agent", "--etcd-endpoints", m.endpoint, "--roles", role, "--node-id", id,
-		"--http", "127.0.0.1:0", "--admin", "127.0.0.1:0", "--lease-ttl", "2s", "--log-format", "console"}, extra...)
-	p, err := StartProcess(id, binary, nil, args...)
+	return m.agentOn(nil, id, role, extra...)
+}
+
+// agentOn is agent on host h of a Net, listening on h's address; nil h is
+// this machine's loopback.
+func (m *mesh) agentOn(h *Host, id, role string, extra ...string) (*Process, gossip.NodeRecord) {
+	m.t.Helper()
+	ip := "127.0.0.1"
+	if h != nil {
+		ip = h.IP
+	}
+	args := append([]string{binary, "agent", "--etcd-endpoints", m.endpoint, "--roles", role, "--node-id", id,
+		"--http", ip + ":0", "--admin", ip + ":0", "--lease-ttl", "2s", "--log-format", "console"}, extra...)
+	if h != nil {
+		args = append(args, "--p2p-listen", "/ip4/"+ip+"/tcp/0", "--data-listen", ip+":0", "--gossip-bind", ip+":0")
+	}
+	cmd := exec.Command(args[0], args[1:]...)
+	if h != nil {
+		cmd = h.Command(args...)
+	}
+	p, err := StartCommand(id, cmd, nil)
 	if err != nil {
 		m.t.Fatal(err)
 	}

@@ -157,11 +157,13 @@ func runBenchOverlap(ctx context.Context, args []string, stdout, stderr io.Write
 // runBenchProducer is the hidden producer child of the benchmarks: it serves
 // requests on stdin until stdin closes.
 func runBenchProducer(ctx context.Context, args []string, stderr io.Writer) int {
+	cfg := bench.DefaultProducerConfig()
 	fs := newFlagSet("bench producer", "(started by bench transfer and bench overlap)", stderr)
+	fs.StringVar(&cfg.ListenIP, "listen-ip", cfg.ListenIP, "IPv4 `address` the producer's libp2p host, data plane and raw-TCP server listen on")
 	if code := parse(fs, args); code >= 0 {
 		return code
 	}
-	if err := bench.ServeProducer(ctx, bench.DefaultProducerConfig(), os.Stdin, os.Stdout); err != nil {
+	if err := bench.ServeProducer(ctx, cfg, os.Stdin, os.Stdout); err != nil {
 		fmt.Fprintf(stderr, "latentmesh bench producer: %v\n", err)
 		return 1
 	}

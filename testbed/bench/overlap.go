@@ -140,7 +140,7 @@ func RunOverlap(ctx context.Context, cfg OverlapConfig) (_ *OverlapReport, err e
 			err = cerr
 		}
 	}()
-	h, err := newHost()
+	h, err := newHost(loopback)
 	if err != nil {
 		return nil, err
 	}

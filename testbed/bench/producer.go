@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
 	"os"
 	"sync"
 	"time"
@@ -27,8 +28,10 @@ type ProducerConfig struct {
 	// Engine gives the latent shape of the overlap benchmark; it must match
 	// the consumer's.
 	Engine engine.Config
-	// RawListen is the address of the raw-TCP baseline server.
-	RawListen string
+	// ListenIP is the address the producer's libp2p host, data plane and
+	// raw-TCP baseline server listen on (each on a port of its own). Its
+	// Transfer.DataListen is replaced.
+	ListenIP string
 	// Logger receives the producer's logs.
 	Logger *zap.Logger
 }
@@ -36,10 +39,10 @@ type ProducerConfig struct {
 // DefaultProducerConfig is the transfer and engine defaults on loopback.
 func DefaultProducerConfig() ProducerConfig {
 	return ProducerConfig{
-		Transfer:  transfer.DefaultConfig(),
-		Engine:    engine.DefaultConfig(),
-		RawListen: "127.0.0.1:0", // same host as the consumer, like DataListen
-		Logger:    zap.NewNop(),
+		Transfer: transfer.DefaultConfig(),
+		Engine:   engine.DefaultConfig(),
+		ListenIP: "127.0.0.1", // same host as the consumer
+		Logger:   zap.NewNop(),
 	}
 }
 
@@ -101,12 +104,13 @@ func ServeProducer(ctx context.Context, cfg ProducerConfig, in io.Reader, out io
 	tcfg := cfg.Transfer
 	tcfg.Logger = cfg.Logger
 	tcfg.TCPCongestion = start.TCPCongestion
+	tcfg.DataListen = net.JoinHostPort(cfg.ListenIP, "0")
 	if start.ArenaBytes > 0 {
 		tcfg.Arena = arena.DefaultConfig()
 		tcfg.Arena.Name = "latentmesh-bench-producer"
 		tcfg.Arena.Size = start.ArenaBytes
 	}
-	h, err := newHost()
+	h, err := newHost(cfg.ListenIP)
 	if err != nil {
 		return err
 	}
@@ -116,7 +120,7 @@ func ServeProducer(ctx context.Context, cfg ProducerConfig, in io.Reader, out io
 		return err
 	}
 	defer svc.Close()
-	raw, err := newRawServer(cfg.RawListen, start.TCPCongestion)
+	raw, err := newRawServer(net.JoinHostPort(cfg.ListenIP, "0"), start.TCPCongestion)
 	if err != nil {
 		return err
 	}

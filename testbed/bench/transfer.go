@@ -192,7 +192,7 @@ func runTransport(ctx context.Context, cfg TransferConfig, c *child, raw, tuned 
 		tcfg.Arena.Name = "latentmesh-bench-consumer"
 		tcfg.Arena.Size = slices.Max(cfg.Sizes) + 16<<20 // one destination
 	}
-	h, err := newHost()
+	h, err := newHost(loopback)
 	if err != nil {
 		return nil, err
 	}

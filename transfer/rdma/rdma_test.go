@@ -30,15 +30,15 @@ func testConfig() Config {
 // loopback opens a fake device with a source region holding a pattern, a
 // zeroed destination region and two connected queue pairs.
 type loopback struct {
-	f        *fakeVerbs
+	f        *memVerbs
 	d        *Device
 	src, dst *MR
 	qa, qb   *QP
 }
 
-func newLoopback(t *testing.T, cfg Config, size int, tweak func(*fakeVerbs)) *loopback {
+func newLoopback(t *testing.T, cfg Config, size int, tweak func(*memVerbs)) *loopback {
 	t.Helper()
-	f := newFakeVerbs()
+	f := newMemVerbs()
 	if tweak != nil {
 		tweak(f)
 	}
@@ -71,7 +71,7 @@ func newLoopback(t *testing.T, cfg Config, size int, tweak func(*fakeVerbs)) *lo
 	return l
 }
 
-func (l *loopback) fakeQP(q *QP) *fakeQP { return q.q.(*fakeQP) }
+func (l *loopback) memQP(q *QP) *memQP { return q.q.(*memQP) }
 
 func TestReadLoopback(t *testing.T) {
 	cases := []struct {
@@ -91,7 +91,7 @@ func TestReadLoopback(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			l := newLoopback(t, testConfig(), tc.size, func(f *fakeVerbs) { f.reverse = tc.reverse })
+			l := newLoopback(t, testConfig(), tc.size, func(f *memVerbs) { f.reverse = tc.reverse })
 			var got []int
 			err := l.qa.ReadChunks(context.Background(), l.dst, tc.localOff, l.src.MemInfo(), tc.remoteOff, tc.n, tc.chunkLen,
 				func(k int) { got = append(got, k) })
@@ -106,7 +106,7 @@ func TestReadLoopback(t *testing.T) {
 			if len(got) != tc.wantChunks || got[0] != 0 || got[len(got)-1] != tc.wantChunks-1 {
 				t.Fatalf("chunks reported %v, want 0..%d once each", got, tc.wantChunks-1)
 			}
-			if _, maxOut, out := l.fakeQP(l.qa).snapshot(); maxOut > 3 || out != 0 {
+			if _, maxOut, out := l.memQP(l.qa).snapshot(); maxOut > 3 || out != 0 {
 				t.Fatalf("max outstanding %d (depth 3), left outstanding %d", maxOut, out)
 			}
 		})
@@ -127,7 +127,7 @@ func TestReadRepeatable(t *testing.T) {
 }
 
 func TestReadCompletionError(t *testing.T) {
-	l := newLoopback(t, testConfig(), 100, func(f *fakeVerbs) { f.failWR = 4 })
+	l := newLoopback(t, testConfig(), 100, func(f *memVerbs) { f.failWR = 4 })
 	err := l.qa.Read(context.Background(), l.dst, 0, l.src.MemInfo(), 0, 100)
 	if !errors.Is(err, ErrCompletion) || !errors.Is(err, ErrQPFailed) {
 		t.Fatalf("err = %v, want ErrCompletion and ErrQPFailed", err)
@@ -135,7 +135,7 @@ func TestReadCompletionError(t *testing.T) {
 	if !strings.Contains(err.Error(), "remote operation error") {
 		t.Fatalf("err %q lacks the completion status text", err)
 	}
-	mods, _, out := l.fakeQP(l.qa).snapshot()
+	mods, _, out := l.memQP(l.qa).snapshot()
 	if last := mods[len(mods)-1]; last.To != StateError || out != 0 {
 		t.Fatalf("last modify to %v, outstanding %d: want ERR and a drained queue", last.To, out)
 	}
@@ -155,34 +155,34 @@ func TestReadBadRKey(t *testing.T) {
 }
 
 func TestReadPostFailure(t *testing.T) {
-	l := newLoopback(t, testConfig(), 100, func(f *fakeVerbs) { f.postCap = 5 })
+	l := newLoopback(t, testConfig(), 100, func(f *memVerbs) { f.postCap = 5 })
 	err := l.qa.Read(context.Background(), l.dst, 0, l.src.MemInfo(), 0, 100)
 	if !errors.Is(err, ErrQPFailed) || !strings.Contains(err.Error(), "send queue full") {
 		t.Fatalf("err = %v, want the post error", err)
 	}
-	if _, _, out := l.fakeQP(l.qa).snapshot(); out != 0 {
+	if _, _, out := l.memQP(l.qa).snapshot(); out != 0 {
 		t.Fatalf("%d work requests left outstanding", out)
 	}
 }
 
 func TestReadCancelDrains(t *testing.T) {
-	l := newLoopback(t, testConfig(), 100, func(f *fakeVerbs) { f.stall = true })
+	l := newLoopback(t, testConfig(), 100, func(f *memVerbs) { f.stall = true })
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	err := l.qa.Read(ctx, l.dst, 0, l.src.MemInfo(), 0, 100)
 	if !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, ErrQPFailed) {
 		t.Fatalf("err = %v, want DeadlineExceeded and ErrQPFailed", err)
 	}
-	if _, maxOut, out := l.fakeQP(l.qa).snapshot(); maxOut != 3 || out != 0 {
+	if _, maxOut, out := l.memQP(l.qa).snapshot(); maxOut != 3 || out != 0 {
 		t.Fatalf("max outstanding %d, left %d: want 3 posted and all flushed", maxOut, out)
 	}
 }
 
 func TestCloseAbortsRead(t *testing.T) {
-	l := newLoopback(t, testConfig(), 100, func(f *fakeVerbs) { f.stall = true })
+	l := newLoopback(t, testConfig(), 100, func(f *memVerbs) { f.stall = true })
 	errc := make(chan error, 1)
 	go func() { errc <- l.qa.Read(context.Background(), l.dst, 0, l.src.MemInfo(), 0, 100) }()
-	waitFor(t, func() bool { _, m, _ := l.fakeQP(l.qa).snapshot(); return m > 0 })
+	waitFor(t, func() bool { _, m, _ := l.memQP(l.qa).snapshot(); return m > 0 })
 	if err := l.qa.Close(); err != nil {
 		t.Fatal(err)
 	}
@@ -203,7 +203,7 @@ func TestReadRejects(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	other := newDevice(testConfig(), nil, newFakeVerbs(), deviceLimits{})
+	other := newDevice(testConfig(), nil, newMemVerbs(), deviceLimits{})
 	defer other.Close()
 	foreign, err := other.RegisterMemory(make([]byte, 100))
 	if err != nil {
@@ -243,7 +243,7 @@ func TestReadRejects(t *testing.T) {
 
 func TestConnectTransitions(t *testing.T) {
 	l := newLoopback(t, testConfig(), 8, nil)
-	mods, _, _ := l.fakeQP(l.qa).snapshot()
+	mods, _, _ := l.memQP(l.qa).snapshot()
 	var path []QPState
 	for _, m := range mods {
 		path = append(path, m.To)
@@ -260,7 +260,7 @@ func TestConnectTransitions(t *testing.T) {
 }
 
 func TestDeviceCloseOrder(t *testing.T) {
-	f := newFakeVerbs()
+	f := newMemVerbs()
 	d := newDevice(testConfig(), zaptest.NewLogger(t), f, deviceLimits{})
 	mr, err := d.RegisterMemory(make([]byte, 8))
 	if err != nil {
@@ -292,7 +292,7 @@ func TestDeviceCloseOrder(t *testing.T) {
 
 func TestDeviceClampsConfig(t *testing.T) {
 	cfg := DefaultConfig()
-	d := newDevice(cfg, nil, newFakeVerbs(), deviceLimits{MaxQPWR: 16, MaxMsg: 1 << 16, MaxRdAtom: 4, ActiveMTU: 3})
+	d := newDevice(cfg, nil, newMemVerbs(), deviceLimits{MaxQPWR: 16, MaxMsg: 1 << 16, MaxRdAtom: 4, ActiveMTU: 3})
 	defer d.Close()
 	got := d.Config()
 	if got.QueueDepth != 16 || got.MaxWR != 1<<16 || got.ReadAtomic != 4 || got.MTU != 1024 {

@@ -5,40 +5,65 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+
+	"go.uber.org/zap"
 )
 
-// fakeVerbs is a loopback verbs implementation: memory regions are Go slices
-// found by key, and a posted READ copies between them. Events records the
-// order in which resources are released.
-type fakeVerbs struct {
-	mu      sync.Mutex // guards the fields below
-	regions map[uint32][]byte
-	nextKey uint32
-	nextQPN uint32
-	events  []string
-	closed  bool
+// Fabric is an in-memory stand-in for RDMA hardware, for tests of the code
+// above this package: every Device opened on one Fabric registers Go memory
+// in a shared table, and a READ posted on any of their queue pairs copies
+// from the region its rkey names, in this process. Queue-pair states,
+// completions, flushes and Close behave as the verbs path does; nothing
+// crosses a network and no device is needed.
+type Fabric struct {
+	v *memVerbs
+}
+
+// NewFabric returns an empty fabric.
+func NewFabric() *Fabric { return &Fabric{v: newMemVerbs()} }
+
+// Open opens a Device on the fabric, as Open does on hardware.
+func (f *Fabric) Open(cfg Config, log *zap.Logger) (*Device, error) {
+	if err := cfg.Validate(); err != nil {
+		return nil, err
+	}
+	return newDevice(cfg, log, f.v, deviceLimits{}), nil
+}
+
+// ClosedQPs counts the queue pairs closed on the fabric so far.
+func (f *Fabric) ClosedQPs() int {
+	f.v.mu.Lock()
+	defer f.v.mu.Unlock()
+	return f.v.closedQPs
+}
+
+// memVerbs implements verbs in memory (see Fabric): memory regions are Go
+// slices found by key, and a posted READ copies between them. Events
+// records the order in which resources are released.
+type memVerbs struct {
+	mu        sync.Mutex // guards the fields below
+	regions   map[uint32][]byte
+	nextKey   uint32
+	nextQPN   uint32
+	events    []string
+	closed    bool
+	closedQPs int
 
 	// Behaviour of queue pairs created from now on.
 	stall   bool  // hold completions until the QP is moved to ERR
 	reverse bool  // complete each posted batch in reverse order
 	failWR  int64 // complete this wr id with an error; -1: none
 	postCap int   // accept at most this many WRs in total; 0: unlimited
-	qps     []*fakeQP
+	qps     []*memQP
 }
 
-func newFakeVerbs() *fakeVerbs {
-	return &fakeVerbs{regions: make(map[uint32][]byte), nextKey: 100, nextQPN: 0x10, failWR: -1}
+func newMemVerbs() *memVerbs {
+	return &memVerbs{regions: make(map[uint32][]byte), nextKey: 100, nextQPN: 0x10, failWR: -1}
 }
 
-func (f *fakeVerbs) event(format string, args ...any) {
-	f.mu.Lock()
-	f.events = append(f.events, fmt.Sprintf(format, args...))
-	f.mu.Unlock()
-}
+func (f *memVerbs) name() string { return "fake0" }
 
-func (f *fakeVerbs) name() string { return "fake0" }
-
-func (f *fakeVerbs) regMR(buf []byte) (region, error) {
+func (f *memVerbs) regMR(buf []byte) (region, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.nextKey++
@@ -59,7 +84,7 @@ func (f *fakeVerbs) regMR(buf []byte) (region, error) {
 }
 
 // resolve returns the bytes of [addr, addr+n) in the region with key.
-func (f *fakeVerbs) resolve(key uint32, addr uint64, n int64) ([]byte, bool) {
+func (f *memVerbs) resolve(key uint32, addr uint64, n int64) ([]byte, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	buf, ok := f.regions[key]
@@ -73,11 +98,11 @@ func (f *fakeVerbs) resolve(key uint32, addr uint64, n int64) ([]byte, bool) {
 	return buf[off : off+n], true
 }
 
-func (f *fakeVerbs) newQP(cfg Config) (queue, QPInfo, error) {
+func (f *memVerbs) newQP(cfg Config) (queue, QPInfo, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.nextQPN++
-	q := &fakeQP{
+	q := &memQP{
 		f: f, qpn: f.nextQPN, stall: f.stall, reverse: f.reverse, failWR: f.failWR, postCap: f.postCap,
 		wake: make(chan struct{}, 1),
 	}
@@ -85,7 +110,7 @@ func (f *fakeVerbs) newQP(cfg Config) (queue, QPInfo, error) {
 	return q, QPInfo{LID: 1, QPN: q.qpn, MTU: 5, Port: cfg.Port}, nil
 }
 
-func (f *fakeVerbs) close() error {
+func (f *memVerbs) close() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.closed = true
@@ -93,8 +118,8 @@ func (f *fakeVerbs) close() error {
 	return nil
 }
 
-type fakeQP struct {
-	f       *fakeVerbs
+type memQP struct {
+	f       *memVerbs
 	qpn     uint32
 	stall   bool
 	reverse bool
@@ -112,7 +137,7 @@ type fakeQP struct {
 	closed         bool
 }
 
-func (q *fakeQP) modify(t Transition) error {
+func (q *memQP) modify(t Transition) error {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	q.mods = append(q.mods, t)
@@ -126,14 +151,14 @@ func (q *fakeQP) modify(t Transition) error {
 	return nil
 }
 
-func (q *fakeQP) signal() {
+func (q *memQP) signal() {
 	select {
 	case q.wake <- struct{}{}:
 	default:
 	}
 }
 
-func (q *fakeQP) post(t readTarget, wrs []WR) (int, error) {
+func (q *memQP) post(t readTarget, wrs []WR) (int, error) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	var batch []completion
@@ -177,7 +202,7 @@ func reversed(cs []completion, rev bool) []completion {
 	return cs
 }
 
-func (q *fakeQP) poll(ctx context.Context, out []completion) (int, error) {
+func (q *memQP) poll(ctx context.Context, out []completion) (int, error) {
 	for {
 		q.mu.Lock()
 		if len(q.ready) > 0 {
@@ -196,15 +221,18 @@ func (q *fakeQP) poll(ctx context.Context, out []completion) (int, error) {
 	}
 }
 
-func (q *fakeQP) close() error {
+func (q *memQP) close() error {
 	q.mu.Lock()
 	q.closed = true
 	q.mu.Unlock()
-	q.f.event("close qp %d", q.qpn)
+	q.f.mu.Lock()
+	q.f.closedQPs++
+	q.f.events = append(q.f.events, fmt.Sprintf("close qp %d", q.qpn))
+	q.f.mu.Unlock()
 	return nil
 }
 
-func (q *fakeQP) snapshot() (mods []Transition, maxOut, outstanding int) {
+func (q *memQP) snapshot() (mods []Transition, maxOut, outstanding int) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return slices.Clone(q.mods), q.maxOutstanding, q.outstanding

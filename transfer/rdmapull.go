@@ -55,14 +55,17 @@ func (s *Service) startRDMA() error {
 		s.log.Info(rdmaFallbackMsg, zap.String("reason", reason))
 		return nil
 	}
-	ok, reason := rdma.Available()
-	if !ok {
-		return unavailable(reason, nil)
+	open := s.cfg.openRDMA
+	if open == nil {
+		if ok, reason := rdma.Available(); !ok {
+			return unavailable(reason, nil)
+		}
+		open = rdma.Open
 	}
 	if s.arena == nil {
 		return unavailable("no arena to register (Arena.Size is 0)", nil)
 	}
-	dev, err := rdma.Open(s.cfg.RDMA, s.log)
+	dev, err := open(s.cfg.RDMA, s.log)
 	if err != nil {
 		return unavailable("open device: "+err.Error(), err)
 	}
@@ -101,6 +104,20 @@ func (r *rdmaState) close() {
 	}
 	r.mr.Close()
 	r.dev.Close()
+}
+
+// forget closes the queue pairs to and from peer pid.
+func (r *rdmaState) forget(pid peer.ID) {
+	r.mu.Lock()
+	pull, served := r.pulls[pid], r.served[pid]
+	delete(r.pulls, pid)
+	delete(r.served, pid)
+	r.mu.Unlock()
+	for _, q := range []*rdma.QP{pull, served} {
+		if q != nil {
+			q.Close()
+		}
+	}
 }
 
 // handleRDMAStream connects a queue pair for the consumer at the other end;

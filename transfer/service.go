@@ -92,6 +92,10 @@ type Config struct {
 	ShmDir string
 	// Logger receives the service's logs; named "transfer".
 	Logger *zap.Logger
+
+	// openRDMA, when set (by this package's tests, with an rdma.Fabric),
+	// replaces rdma.Available and rdma.Open.
+	openRDMA func(rdma.Config, *zap.Logger) (*rdma.Device, error)
 }
 
 // DefaultConfig returns a Config with every field set.
@@ -502,16 +506,23 @@ func (s *Service) Release(id string) {
 	}
 }
 
-// Forget drops what this service keeps for pulling from producer peerID
-// (its shm mapping, idle data connections): call it when the producer has
-// left the mesh. An shm mapping keeps the producer's arena memory alive
-// until it is unmapped. Pulls in flight are not affected.
+// Forget drops what this service keeps for a peer that has left the mesh:
+// as a consumer, its shm mapping of the peer's arena (which keeps that memory
+// alive until unmapped), idle data connections and RDMA queue pair; as a
+// producer, the queue pair the peer read through. Pulls in flight over tcp
+// or shm are not affected; an RDMA READ in flight on a dropped queue pair
+// fails, as it would once the peer is gone.
 func (s *Service) Forget(peerID string) {
 	if s.shmCli != nil {
 		s.shmCli.forget(peerID)
 	}
-	if pid, err := peer.Decode(peerID); err == nil {
-		s.pool.forget(pid)
+	pid, err := peer.Decode(peerID)
+	if err != nil {
+		return
+	}
+	s.pool.forget(pid)
+	if s.rdma != nil {
+		s.rdma.forget(pid)
 	}
 }
 

@@ -1,0 +1,143 @@
+package transfer
+
+import (
+	"bytes"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/latentmesh/latentmesh/transfer/rdma"
+)
+
+// rdmaService starts a service with an arena of size bytes whose RDMA
+// device is opened on fab, with transport forced to rdma (both ends are on
+// this host, where auto would pick shm).
+func rdmaService(t *testing.T, fab *rdma.Fabric, size int64) *Service {
+	t.Helper()
+	cfg := arenaConfig(t, shmDir(t), size)
+	cfg.Transport = TransportRDMA
+	cfg.RDMA.MaxWR = 64 << 10 // several work requests per chunk
+	cfg.openRDMA = fab.Open
+	s := startService(t, cfg)
+	if !s.Stats().RDMA {
+		t.Fatal("no RDMA device open on the fabric")
+	}
+	return s
+}
+
+// Whole and chunked pulls over RDMA land in the consumer's arena: a chunk is
+// read once the producer marks it ready, and yielded as a view.
+func TestRDMAPullOnFabric(t *testing.T) {
+	fab := rdma.NewFabric()
+	prod := rdmaService(t, fab, 8<<20)
+	cons := rdmaService(t, fab, 8<<20)
+
+	data := randBytes(1<<20+333, 3)
+	ref := publishArena(t, prod, u8Meta(int64(len(data))), data)
+	if !ref.Producer.RDMA || cons.TransportFor(ref) != TransportRDMA {
+		t.Fatalf("ref %+v: transport %q, want rdma", ref.Producer, cons.TransportFor(ref))
+	}
+	dst, err := cons.Alloc(int64(len(data)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dst.Release()
+	if err := cons.PullInto(testCtx(t), ref, dst.Bytes()); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst.Bytes(), data) {
+		t.Fatal("rdma pull delivered different bytes")
+	}
+
+	meta := TensorMeta{DType: Float32, Shape: []int64{4, 2, 5000}, NumChunks: 4}
+	p, cref, err := prod.Begin(meta)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := randBytes(meta.Bytes(), 9)
+	cdst, err := cons.Alloc(meta.Bytes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cdst.Release()
+	pull, err := cons.PullChunks(testCtx(t), cref, cdst.Bytes())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k := range 4 {
+		select {
+		case c := <-pull.Chunks():
+			t.Fatalf("chunk %d yielded before it was ready", c.Index)
+		case <-time.After(10 * time.Millisecond):
+		}
+		off, n := meta.ChunkRange(k)
+		copy(p.Buf()[off:off+n], want[off:off+n])
+		if err := p.ChunkReady(k); err != nil {
+			t.Fatal(err)
+		}
+		c := <-pull.Chunks()
+		if c.Index != k || !bytes.Equal(c.Data, want[off:off+n]) || &c.Data[0] != &cdst.Bytes()[off] {
+			t.Fatalf("chunk %d: index %d, equal %v", k, c.Index, bytes.Equal(c.Data, want[off:off+n]))
+		}
+	}
+	p.Done()
+	if err := pull.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if got := cons.Stats().Pulls[TransportRDMA]; got != 2 {
+		t.Fatalf("%d rdma pulls counted, want 2 (all: %v)", got, cons.Stats().Pulls)
+	}
+}
+
+// RDMA reads into registered memory only: a forced rdma pull into a heap
+// slice is an error, not a silent tcp pull.
+func TestRDMARejectsHeapDestination(t *testing.T) {
+	fab := rdma.NewFabric()
+	prod := rdmaService(t, fab, 4<<20)
+	cons := rdmaService(t, fab, 4<<20)
+	data := randBytes(64<<10, 4)
+	ref := publishArena(t, prod, u8Meta(int64(len(data))), data)
+	err := cons.PullInto(testCtx(t), ref, make([]byte, len(data)))
+	if !errors.Is(err, ErrTransport) {
+		t.Fatalf("pull into the heap: %v, want ErrTransport", err)
+	}
+}
+
+// Forget closes the queue pairs to and from a departed peer, on both ends;
+// the next pull connects new ones.
+func TestRDMAForgetClosesQueuePairs(t *testing.T) {
+	fab := rdma.NewFabric()
+	prod := rdmaService(t, fab, 4<<20)
+	cons := rdmaService(t, fab, 4<<20)
+	data := randBytes(256<<10, 5)
+	ref := publishArena(t, prod, u8Meta(int64(len(data))), data)
+	dst, err := cons.Alloc(int64(len(data)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dst.Release()
+	pull := func() {
+		t.Helper()
+		clear(dst.Bytes())
+		if err := cons.PullInto(testCtx(t), ref, dst.Bytes()); err != nil || !bytes.Equal(dst.Bytes(), data) {
+			t.Fatalf("pull: %v (equal %v)", err, bytes.Equal(dst.Bytes(), data))
+		}
+	}
+	pull()
+	pull() // the queue pair is reused, not reconnected
+	if n := fab.ClosedQPs(); n != 0 {
+		t.Fatalf("%d queue pairs closed before Forget", n)
+	}
+	cons.Forget(prod.self.String())
+	if n := fab.ClosedQPs(); n != 1 {
+		t.Fatalf("consumer's Forget closed %d queue pairs, want its one", n)
+	}
+	prod.Forget(cons.self.String())
+	if n := fab.ClosedQPs(); n != 2 {
+		t.Fatalf("after the producer's Forget %d queue pairs are closed, want 2", n)
+	}
+	pull()
+	if got := cons.Stats().Pulls[TransportRDMA]; got != 3 {
+		t.Fatalf("%d rdma pulls counted, want 3", got)
+	}
+}

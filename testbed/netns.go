@@ -163,6 +163,9 @@ func (n *Net) Close() error {
 		if err := run("ip", "netns", "del", h.ns); err != nil && first == nil && !strings.Contains(err.Error(), "No such file") {
 			first = err
 		}
+		// Gone with the namespace, unless AddHost failed before moving
+		// its peer there.
+		run("ip", "link", "del", h.veth)
 	}
 	if err := run("ip", "link", "del", n.bridge); err != nil && first == nil && !strings.Contains(err.Error(), "Cannot find device") {
 		first = err
@@ -209,6 +212,11 @@ func (h *Host) Heal() error {
 // bucket filter, as a slower link would.
 func (h *Host) Shape(rate string) error {
 	return h.exec("tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate, "burst", "256kb", "latency", "100ms")
+}
+
+// Unshape removes the limit Shape set.
+func (h *Host) Unshape() error {
+	return h.exec("tc", "qdisc", "del", "dev", "eth0", "root")
 }
 
 // exec runs argv in h's network namespace.

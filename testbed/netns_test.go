@@ -127,7 +127,7 @@ func TestPartitionEndsPullWithinTimeout(t *testing.T) {
 	if err := prodHost.Heal(); err != nil {
 		t.Fatal(err)
 	}
-	if err := prodHost.Shape("10gbit"); err != nil {
+	if err := prodHost.Unshape(); err != nil {
 		t.Fatal(err)
 	}
 	// The stalled connections were discarded; a new pull dials afresh and

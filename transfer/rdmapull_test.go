@@ -128,6 +128,13 @@ func TestRDMAForgetClosesQueuePairs(t *testing.T) {
 	if n := fab.ClosedQPs(); n != 0 {
 		t.Fatalf("%d queue pairs closed before Forget", n)
 	}
+	// The producer files its end of the queue pair after the exchange,
+	// possibly after the consumer's first READ has already landed.
+	eventually(t, "the producer's queue pair to the consumer", func() bool {
+		prod.rdma.mu.Lock()
+		defer prod.rdma.mu.Unlock()
+		return prod.rdma.served[cons.self] != nil
+	})
 	cons.Forget(prod.self.String())
 	if n := fab.ClosedQPs(); n != 1 {
 		t.Fatalf("consumer's Forget closed %d queue pairs, want its one", n)

@@ -13,7 +13,6 @@ import (
 	"testing"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/latentmesh/latentmesh/agent"
@@ -224,23 +223,7 @@ func TestPartitionedHostMidTask(t *testing.T) {
 	}
 	m.agentOn(hs[3], "dec2-x", "decode")
 
-	var done jobs.Job
-	eventually(t, 60*time.Second, func() error {
-		var err error
-		if done, err = c.Get(ctx, job.ID); err != nil {
-			return err
-		}
-		if !done.State.Terminal() {
-			return fmt.Errorf("job %s still %s", job.ID, done.State)
-		}
-		return nil
-	})
-	if done.State != jobs.Succeeded {
-		t.Fatalf("job ended %s: %+v", done.State, done.Error)
-	}
-	if d := done.Stages[jobs.Decode]; d.Node != "dec2-x" || d.Attempt != 2 {
-		t.Fatalf("decode stage = %+v, want committed by dec2-x on attempt 2", d)
-	}
+	done := m.waitRedecoded(ctx, c, job.ID, "dec2-x")
 
 	// Heal: dec1 finds its lease gone, registers again, and its stale
 	// decode never commits.
@@ -257,18 +240,7 @@ func TestPartitionedHostMidTask(t *testing.T) {
 		}
 		return nil
 	})
-	resp, err := m.cli.Get(ctx, "/latentmesh/default/results/"+job.ID+"/", clientv3.WithPrefix())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(resp.Kvs) != done.Result.Parts {
-		t.Fatalf("%d result parts, record says %d", len(resp.Kvs), done.Result.Parts)
-	}
-	for _, kv := range resp.Kvs {
-		if kv.Version != 1 {
-			t.Fatalf("result part %s written %d times", kv.Key, kv.Version)
-		}
-	}
+	m.checkResultOnce(ctx, done)
 	after, err := c.Get(ctx, job.ID)
 	if err != nil {
 		t.Fatal(err)

@@ -211,38 +211,7 @@ func TestKillDecodeAgentMidTask(t *testing.T) {
 	slow.Kill()
 	m.agent("dec-new", "decode")
 
-	var done jobs.Job
-	eventually(t, 60*time.Second, func() error {
-		var err error
-		if done, err = c.Get(ctx, job.ID); err != nil {
-			return err
-		}
-		if !done.State.Terminal() {
-			return fmt.Errorf("job %s still %s", job.ID, done.State)
-		}
-		return nil
-	})
-	if done.State != jobs.Succeeded {
-		t.Fatalf("job ended %s: %+v", done.State, done.Error)
-	}
-	dec := done.Stages[jobs.Decode]
-	if dec.Node != "dec-new" || dec.Attempt != 2 {
-		t.Fatalf("decode stage = %+v, want committed by dec-new on attempt 2", dec)
-	}
-	// Exactly one committed result: every part was written once (etcd's
-	// per-key version counts writes since creation) and nothing else remains.
-	resp, err := m.cli.Get(ctx, "/latentmesh/default/results/"+job.ID+"/", clientv3.WithPrefix())
-	if err != nil {
-		t.Fatal(err)
-	}
-	if len(resp.Kvs) != done.Result.Parts {
-		t.Fatalf("%d result parts, record says %d", len(resp.Kvs), done.Result.Parts)
-	}
-	for _, kv := range resp.Kvs {
-		if kv.Version != 1 {
-			t.Fatalf("result part %s written %d times", kv.Key, kv.Version)
-		}
-	}
+	m.waitRedecoded(ctx, c, job.ID, "dec-new")
 	data, _, err := c.Result(ctx, job.ID)
 	if err != nil {
 		t.Fatal(err)
@@ -255,6 +224,52 @@ func TestKillDecodeAgentMidTask(t *testing.T) {
 	}
 	if left.Count != 0 {
 		t.Fatalf("%d payload records left after the job", left.Count)
+	}
+}
+
+// waitRedecoded waits for job id to end, and checks that it succeeded with
+// its decode committed by node on a second attempt and exactly one result:
+// every part written once (etcd's per-key version counts writes since
+// creation) and nothing else under the job's results.
+func (m *mesh) waitRedecoded(ctx context.Context, c *httpapi.Client, id, node string) jobs.Job {
+	t := m.t
+	t.Helper()
+	var done jobs.Job
+	eventually(t, 60*time.Second, func() error {
+		var err error
+		if done, err = c.Get(ctx, id); err != nil {
+			return err
+		}
+		if !done.State.Terminal() {
+			return fmt.Errorf("job %s still %s", id, done.State)
+		}
+		return nil
+	})
+	if done.State != jobs.Succeeded {
+		t.Fatalf("job ended %s: %+v", done.State, done.Error)
+	}
+	if dec := done.Stages[jobs.Decode]; dec.Node != node || dec.Attempt != 2 {
+		t.Fatalf("decode stage = %+v, want committed by %s on attempt 2", dec, node)
+	}
+	m.checkResultOnce(ctx, done)
+	return done
+}
+
+// checkResultOnce checks that each result part of job was written once.
+func (m *mesh) checkResultOnce(ctx context.Context, job jobs.Job) {
+	t := m.t
+	t.Helper()
+	resp, err := m.cli.Get(ctx, "/latentmesh/default/results/"+job.ID+"/", clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.Kvs) != job.Result.Parts {
+		t.Fatalf("%d result parts, record says %d", len(resp.Kvs), job.Result.Parts)
+	}
+	for _, kv := range resp.Kvs {
+		if kv.Version != 1 {
+			t.Fatalf("result part %s written %d times", kv.Key, kv.Version)
+		}
 	}
 }
 

@@ -16,7 +16,7 @@ func rdmaService(t *testing.T, fab *rdma.Fabric, size int64) *Service {
 	t.Helper()
 	cfg := arenaConfig(t, shmDir(t), size)
 	cfg.Transport = TransportRDMA
-	cfg.RDMA.MaxWR = 64 << 10 // several work requests per chunk
+	cfg.RDMA.MaxWR = 64 << 10 // a 1 MiB pull takes several work requests
 	cfg.openRDMA = fab.Open
 	s := startService(t, cfg)
 	if !s.Stats().RDMA {

@@ -84,22 +84,3 @@ func listenControl(name string, failed *error) func(network, address string, c s
 		return nil
 	}
 }
-
-// Congestion returns the congestion control a TCP socket runs.
-func Congestion(c syscall.Conn) (string, error) {
-	rc, err := c.SyscallConn()
-	if err != nil {
-		return "", err
-	}
-	var name string
-	var serr error
-	if err := rc.Control(func(fd uintptr) {
-		name, serr = unix.GetsockoptString(int(fd), unix.IPPROTO_TCP, unix.TCP_CONGESTION)
-	}); err != nil {
-		return "", err
-	}
-	if serr != nil {
-		return "", fmt.Errorf("getsockopt TCP_CONGESTION: %w", serr)
-	}
-	return name, nil
-}

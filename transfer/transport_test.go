@@ -8,12 +8,14 @@ import (
 	"os"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
+	"golang.org/x/sys/unix"
 
 	"github.com/latentmesh/latentmesh/transfer/arena"
 )
@@ -604,7 +606,7 @@ func servingCongestion(t *testing.T, prod, cons *Service) []string {
 	defer prod.mu.Unlock()
 	var out []string
 	for c := range prod.dataConns {
-		name, err := Congestion(c.(*net.TCPConn))
+		name, err := congestionOf(c.(*net.TCPConn))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -673,4 +675,23 @@ func TestCongestionNameValidated(t *testing.T) {
 			t.Fatalf("TCPCongestion %q: err %v, want a config error", name, err)
 		}
 	}
+}
+
+// congestionOf returns the congestion control a TCP socket runs.
+func congestionOf(c syscall.Conn) (string, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return "", err
+	}
+	var name string
+	var serr error
+	if err := rc.Control(func(fd uintptr) {
+		name, serr = unix.GetsockoptString(int(fd), unix.IPPROTO_TCP, unix.TCP_CONGESTION)
+	}); err != nil {
+		return "", err
+	}
+	if serr != nil {
+		return "", fmt.Errorf("getsockopt TCP_CONGESTION: %w", serr)
+	}
+	return name, nil
 }

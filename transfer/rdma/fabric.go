@@ -46,7 +46,6 @@ type memVerbs struct {
 	nextKey   uint32
 	nextQPN   uint32
 	events    []string
-	closed    bool
 	closedQPs int
 
 	// Behaviour of queue pairs created from now on.
@@ -113,7 +112,6 @@ func (f *memVerbs) newQP(cfg Config) (queue, QPInfo, error) {
 func (f *memVerbs) close() error {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.closed = true
 	f.events = append(f.events, "close device")
 	return nil
 }
@@ -134,7 +132,6 @@ type memQP struct {
 	outstanding    int
 	maxOutstanding int
 	posted         int
-	closed         bool
 }
 
 func (q *memQP) modify(t Transition) error {
@@ -222,9 +219,6 @@ func (q *memQP) poll(ctx context.Context, out []completion) (int, error) {
 }
 
 func (q *memQP) close() error {
-	q.mu.Lock()
-	q.closed = true
-	q.mu.Unlock()
 	q.f.mu.Lock()
 	q.f.closedQPs++
 	q.f.events = append(q.f.events, fmt.Sprintf("close qp %d", q.qpn))

@@ -5,7 +5,6 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -179,11 +178,6 @@ func (h *Host) Command(argv ...string) *exec.Cmd {
 	args := append([]string{"netns", "exec", h.ns, "unshare", "--uts", "--",
 		"sh", "-c", `hostname "$0" && exec "$@"`, h.Name}, argv...)
 	return exec.Command("ip", args...)
-}
-
-// Start runs argv on h (see Command) as a Process.
-func (h *Host) Start(name string, tee io.Writer, argv ...string) (*Process, error) {
-	return StartCommand(name, h.Command(argv...), tee)
 }
 
 // Partition makes h silent: every packet in or out of its eth0 is dropped,

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -79,10 +78,7 @@ func StartProcess(name, bin string, tee io.Writer, args ...string) (*Process, er
 func StartCommand(name string, cmd *exec.Cmd, tee io.Writer) (*Process, error) {
 	p := &Process{Name: name, out: &lockedBuffer{changed: make(chan struct{}), tee: tee}, done: make(chan struct{})}
 	p.cmd = cmd
-	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
-	if p.cmd.Env == nil {
-		p.cmd.Env = os.Environ()
-	}
+	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out // a nil Env inherits ours
 	if err := p.cmd.Start(); err != nil {
 		return nil, fmt.Errorf("testbed: start %s: %w", name, err)
 	}

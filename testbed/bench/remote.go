@@ -33,11 +33,5 @@ func (p *RemoteProducer) Publish(size int64, chunks int) (transfer.Ref, error) {
 	return resp.Ref, err
 }
 
-// Release drops a published payload.
-func (p *RemoteProducer) Release(id string) error {
-	_, err := p.c.call(request{Op: opRelease, ID: id})
-	return err
-}
-
 // Close stops the producer and returns its failure, with its stderr.
 func (p *RemoteProducer) Close() error { return p.c.close() }

@@ -153,6 +153,9 @@ type Stats struct {
 	// Pulls counts completed pulls by the transport that moved the bytes
 	// ("local", "shm", "rdma", "tcp"; an auto-mode fallback counts as tcp).
 	Pulls map[string]int64
+	// StorePulls counts, the same way, the pulls made for the Store (with a
+	// ForStore context): copies onto holders and reads of stored objects.
+	StorePulls map[string]int64
 }
 
 // transports indexes pull counters.
@@ -180,7 +183,7 @@ func (p *pullCounters) snapshot() map[string]int64 {
 
 // Stats returns a snapshot of the payloads and arena the service holds.
 func (s *Service) Stats() Stats {
-	st := Stats{HeapFallbacks: s.heapFallbacks.Load(), RDMA: s.rdma != nil, Pulls: s.pulls.snapshot()}
+	st := Stats{HeapFallbacks: s.heapFallbacks.Load(), RDMA: s.rdma != nil, Pulls: s.pulls.snapshot(), StorePulls: s.storePulls.snapshot()}
 	st.Payloads, st.PayloadBytes = s.reg.held()
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -153,7 +153,7 @@ func (s *Service) pullLocal(ctx context.Context, ref Ref, dst []byte, onChunk fu
 			onChunk(k)
 		}
 	}
-	s.pulls.add(TransportLocal)
+	s.countPull(ctx, TransportLocal)
 	if dst == nil {
 		return e.buf, nil
 	}
@@ -225,9 +225,28 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 		t, err = TransportTCP, s.pullTCP(ctx, pid, ref, dst, onChunk)
 	}
 	if err == nil {
-		s.pulls.add(t)
+		s.countPull(ctx, t)
 	}
 	return err
+}
+
+// storePullKey marks a context whose pulls serve the Store (copies,
+// re-replication, reads of stored files): Stats counts them apart from the
+// pulls that hand payloads between stages.
+type storePullKey struct{}
+
+// ForStore returns ctx marked so that pulls made with it are counted in
+// Stats.StorePulls instead of Stats.Pulls.
+func ForStore(ctx context.Context) context.Context {
+	return context.WithValue(ctx, storePullKey{}, true)
+}
+
+func (s *Service) countPull(ctx context.Context, transport string) {
+	if ctx.Value(storePullKey{}) != nil {
+		s.storePulls.add(transport)
+		return
+	}
+	s.pulls.add(transport)
 }
 
 // fallbackError is a transport failing before any byte moved, in a way tcp

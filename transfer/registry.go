@@ -28,6 +28,58 @@ type entry struct {
 	// closes), so pulls waiting for chunks that will never come end with
 	// ErrNotFound instead of waiting on heartbeats forever.
 	released chan struct{}
+
+	// lent is set for memory the caller lent with PublishLent (a mapped
+	// spill file): it is given back once the payload is released and no
+	// transfer reads it any more.
+	lent *lentMem
+	// lazy is set for a payload published with PublishCopy: chunk k's sums
+	// are computed on the first tcp read of it (lazy[k] guards them), not at
+	// publish.
+	lazy []sync.Once
+}
+
+// lentMem counts the transfers reading lent memory and gives it back after
+// the last one once the payload is released.
+type lentMem struct {
+	mu sync.Mutex
+	// mu guards the fields below.
+	readers int
+	retired bool
+	free    func()
+}
+
+func (l *lentMem) pin() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.retired {
+		return false
+	}
+	l.readers++
+	return true
+}
+
+func (l *lentMem) unpin() {
+	l.mu.Lock()
+	l.readers--
+	last := l.retired && l.readers == 0
+	l.mu.Unlock()
+	if last {
+		l.free()
+	}
+}
+
+// retire marks the memory released; it is given back now or after the
+// last reader.
+func (l *lentMem) retire() {
+	l.mu.Lock()
+	first := !l.retired
+	l.retired = true
+	now := first && l.readers == 0
+	l.mu.Unlock()
+	if now {
+		l.free()
+	}
 }
 
 // pinner is the part of the arena an entry needs to keep its memory from
@@ -40,6 +92,12 @@ type pinner interface {
 // pin keeps e's memory from being freed until unpin is called; it fails when
 // the memory was already freed (the payload was released meanwhile).
 func (e *entry) pin() error {
+	if e.lent != nil {
+		if !e.lent.pin() {
+			return fmt.Errorf("%w: %s released", ErrNotFound, e.id)
+		}
+		return nil
+	}
 	if e.owner == nil {
 		return nil
 	}
@@ -50,6 +108,10 @@ func (e *entry) pin() error {
 }
 
 func (e *entry) unpin() {
+	if e.lent != nil {
+		e.lent.unpin()
+		return
+	}
 	if e.owner != nil {
 		e.arena.Unpin(e.owner.ab)
 	}
@@ -135,6 +197,9 @@ func (e *entry) rangeSums(off, n int64) []uint64 {
 	default:
 		return nil
 	}
+	if e.lazy != nil {
+		e.lazy[k].Do(func() { e.sums[k] = blockSums(e.buf[base:base+cs], nil) })
+	}
 	return e.sums[k][(off-base)/sumBlock : (end-base+sumBlock-1)/sumBlock]
 }
 
@@ -159,7 +224,7 @@ func newPayloadID() string {
 	return hex.EncodeToString(b[:])
 }
 
-func (r *registry) add(meta TensorMeta, buf []byte, owner *Buffer, a pinner, whole uint64) *entry {
+func (r *registry) add(meta TensorMeta, buf []byte, owner *Buffer, a pinner, whole uint64, lent *lentMem, lazy bool) *entry {
 	nc := meta.Chunks()
 	e := &entry{
 		id:       newPayloadID(),
@@ -168,12 +233,16 @@ func (r *registry) add(meta TensorMeta, buf []byte, owner *Buffer, a pinner, who
 		owner:    owner,
 		arena:    a,
 		whole:    whole,
+		lent:     lent,
 		ready:    make([]chan struct{}, nc),
 		sums:     make([][]uint64, nc),
 		released: make(chan struct{}),
 	}
 	for k := range e.ready {
 		e.ready[k] = make(chan struct{})
+	}
+	if lazy {
+		e.lazy = make([]sync.Once, nc)
 	}
 	r.mu.Lock()
 	r.entries[e.id] = e
@@ -197,6 +266,9 @@ func (r *registry) remove(id string) *entry {
 		delete(r.entries, id)
 		r.bytes -= int64(len(e.buf))
 		close(e.released)
+		if e.lent != nil {
+			defer e.lent.retire() // after mu: free may take its time
+		}
 	}
 	return e
 }
@@ -210,6 +282,9 @@ func (r *registry) drain() []*entry {
 		out = append(out, e)
 		delete(r.entries, id)
 		close(e.released)
+		if e.lent != nil {
+			defer e.lent.retire()
+		}
 	}
 	r.bytes = 0
 	return out

@@ -225,7 +225,9 @@ type Service struct {
 	rdma    *rdmaState   // nil unless an RDMA device is open
 
 	heapFallbacks atomic.Int64
-	pulls         pullCounters
+	pulls         pullCounters // stage handoffs
+	storePulls    pullCounters // pulls with a ForStore context
+	onTicket      atomic.Pointer[func(payloadID string)]
 
 	life      context.Context // cancelled by Close; bounds pulls and waits
 	endLife   context.CancelFunc
@@ -332,6 +334,9 @@ func newService(cfg Config, h host.Host, now func() time.Time) (_ *Service, err 
 	return s, nil
 }
 
+// MaxPayloadBytes is the largest payload this service publishes or pulls.
+func (s *Service) MaxPayloadBytes() int64 { return s.cfg.MaxPayloadBytes }
+
 // DataAddr is the TCP address consumers dial for payload bytes.
 func (s *Service) DataAddr() string { return s.dataAddr }
 
@@ -378,12 +383,12 @@ func (s *Service) closeTransports() {
 	if s.rdma != nil {
 		s.rdma.close()
 	}
+	s.reg.drain() // gives lent memory back; arena memory is unmapped below
 	if s.arena != nil {
 		s.mu.Lock()
 		s.arenaClosed = true
 		s.bufs = nil
 		s.mu.Unlock()
-		s.reg.drain()
 		if err := s.arena.Close(); err != nil {
 			s.log.Warn("close arena", zap.Error(err))
 		}
@@ -427,6 +432,45 @@ func (s *Service) producer() Producer {
 // Release(id). Any other slice is held as it is, also without a copy, and
 // travels by tcp only.
 func (s *Service) Publish(meta TensorMeta, data []byte) (Ref, error) {
+	return s.publish(meta, data, nil, false, 0)
+}
+
+// PublishCopy publishes data, a copy of a payload that the pull which made
+// it already verified (block by block over tcp; shm copies memory on one
+// host), without hashing it again at publish: each chunk's block checksums
+// are computed the first time a consumer reads it over tcp, and the Ref
+// carries checksum, the source's whole-payload XXH3 (0 when unknown). The
+// Store publishes its copies so: a put then costs its copies, not a hash
+// pass per holder. free, when not nil, makes data lent memory as with
+// PublishLent.
+func (s *Service) PublishCopy(meta TensorMeta, data []byte, checksum uint64, free func()) (Ref, error) {
+	var lent *lentMem
+	if free != nil {
+		lent = &lentMem{free: free}
+	}
+	ref, err := s.publish(meta, data, lent, true, checksum)
+	if err != nil && free != nil {
+		free()
+	}
+	return ref, err
+}
+
+// PublishLent publishes memory the caller lent and must give back itself,
+// such as a mapped spill file: free is called once, after Release (or Close)
+// when no transfer reads the memory any more. The payload travels by tcp
+// (or to this service itself); a publish that fails calls free at once.
+func (s *Service) PublishLent(meta TensorMeta, data []byte, free func()) (Ref, error) {
+	if free == nil {
+		return Ref{}, errors.New("transfer: PublishLent without a free function")
+	}
+	ref, err := s.publish(meta, data, &lentMem{free: free}, false, 0)
+	if err != nil {
+		free()
+	}
+	return ref, err
+}
+
+func (s *Service) publish(meta TensorMeta, data []byte, lent *lentMem, lazy bool, checksum uint64) (Ref, error) {
 	if err := meta.Validate(s.cfg.MaxPayloadBytes); err != nil {
 		return Ref{}, err
 	}
@@ -436,7 +480,17 @@ func (s *Service) Publish(meta TensorMeta, data []byte) (Ref, error) {
 	if s.isClosed() {
 		return Ref{}, ErrClosed
 	}
-	owner := s.bufferFor(data)
+	var owner *Buffer
+	if lent == nil {
+		owner = s.bufferFor(data)
+	}
+	if lazy {
+		e := s.reg.add(meta, data, owner, s.arenaPinner(owner), checksum, lent, true)
+		for k := range e.ready {
+			close(e.ready[k])
+		}
+		return Ref{ID: e.id, Producer: s.producer(), Meta: meta, Checksum: e.whole}, nil
+	}
 	d := xxh3.New()
 	sums := make([][]uint64, meta.Chunks())
 	for k := range sums {
@@ -444,7 +498,7 @@ func (s *Service) Publish(meta TensorMeta, data []byte) (Ref, error) {
 		sums[k] = blockSums(data[off:off+n], nil)
 		d.Write(data[off : off+n])
 	}
-	e := s.reg.add(meta, data, owner, s.arenaPinner(owner), d.Sum64())
+	e := s.reg.add(meta, data, owner, s.arenaPinner(owner), d.Sum64(), lent, false)
 	for k := range e.ready {
 		e.sums[k] = sums[k]
 		close(e.ready[k])
@@ -492,7 +546,7 @@ func (s *Service) Begin(meta TensorMeta) (*Pending, Ref, error) {
 	if buf == nil {
 		buf = make([]byte, meta.Bytes())
 	}
-	e := s.reg.add(meta, buf, owner, s.arenaPinner(owner), 0)
+	e := s.reg.add(meta, buf, owner, s.arenaPinner(owner), 0, nil, false)
 	p := &Pending{e: e, done: make([]bool, len(e.ready)), left: len(e.ready)}
 	return p, Ref{ID: e.id, Producer: s.producer(), Meta: meta}, nil
 }
@@ -610,11 +664,19 @@ func (s *Service) watch(str network.Stream, id string) {
 	}
 }
 
+// OnTicket sets f to be called with the payload id of every ticket issued:
+// every pull by another service starts with one. The Store uses it to keep
+// its least-recently-used order. f must not block.
+func (s *Service) OnTicket(f func(payloadID string)) { s.onTicket.Store(&f) }
+
 // issue mints a ticket for payload id, bound to consumer.
 func (s *Service) issue(id string, consumer peer.ID) TicketResponse {
 	e := s.reg.get(id)
 	if e == nil {
 		return TicketResponse{V: WireVersion, ErrCode: CodeNotFound, ErrMsg: "payload " + id}
+	}
+	if f := s.onTicket.Load(); f != nil && *f != nil {
+		(*f)(id)
 	}
 	t := s.key.mint(ticket{payloadID: id, consumer: consumer, expiry: s.now().Add(s.cfg.TicketTTL)})
 	resp := TicketResponse{V: WireVersion, Ticket: t, Meta: e.meta, DataAddr: s.dataAddr, Checksum: e.whole}

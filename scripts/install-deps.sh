@@ -8,11 +8,13 @@
 #                      libibverbs loads at run time; without them no device is listed
 #   iproute2           ip netns / ip link, for the network-namespace testbed
 #   iptables           partition and blackhole faults in the network-namespace testbed
+#   etcd-server        an external etcd (Debian's 3.4) started with default flags, for
+#                      tests that must hold under etcd's default request limit and quota
 #
 # Run as root (CI does). Exits non-zero with a message when anything fails.
 set -euo pipefail
 
-PACKAGES=(libibverbs-dev ibverbs-providers iproute2 iptables)
+PACKAGES=(libibverbs-dev ibverbs-providers iproute2 iptables etcd-server)
 
 log() { printf 'install-deps: %s\n' "$*"; }
 die() { printf 'install-deps: error: %s\n' "$*" >&2; exit 1; }

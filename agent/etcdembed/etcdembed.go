@@ -26,6 +26,12 @@ type Config struct {
 	// MaxRequestBytes bounds one request. Finished results are written in the
 	// committing transaction, so this must exceed the largest output file.
 	MaxRequestBytes uint
+	// CompactionRetention is how much history periodic auto-compaction keeps;
+	// 0 disables auto-compaction.
+	CompactionRetention time.Duration
+	// QuotaBackendBytes is the database size at which etcd raises its NOSPACE
+	// alarm and refuses every write but deletes; 0 means etcd's default (2 GiB).
+	QuotaBackendBytes int64
 	// StartTimeout bounds how long Start waits for the member to be ready.
 	StartTimeout time.Duration
 	// Logger receives etcd's own logs (named "etcd") at LogLevel and above;
@@ -39,10 +45,17 @@ type Config struct {
 // DefaultConfig is a loopback-only etcd in a temporary directory.
 func DefaultConfig() Config {
 	return Config{
+		Dir:             "",                   // a temporary directory: tests and demos start clean
 		ClientURL:       "http://127.0.0.1:0", // loopback only; a free port
 		MaxRequestBytes: 32 << 20,             // results up to ~30 MiB fit in one commit
-		StartTimeout:    30 * time.Second,     // a cold start on a loaded 2-core machine
-		LogLevel:        zapcore.DPanicLevel,  // start failures come back as errors anyway
+		// Jobs, claims and progress are rewritten often: a short history keeps
+		// the database small. A watch resumed from further back than this is
+		// told it was compacted, and the agent resyncs it from a fresh read.
+		CompactionRetention: 5 * time.Minute,
+		QuotaBackendBytes:   0,                   // etcd's default, 2 GiB
+		StartTimeout:        30 * time.Second,    // a cold start on a loaded 2-core machine
+		Logger:              nil,                 // etcd's logs discarded
+		LogLevel:            zapcore.DPanicLevel, // start failures come back as errors anyway
 	}
 }
 
@@ -57,6 +70,9 @@ type Server struct {
 func Start(ctx context.Context, cfg Config) (_ *Server, err error) {
 	if cfg.MaxRequestBytes == 0 || cfg.StartTimeout <= 0 || cfg.ClientURL == "" {
 		return nil, errors.New("etcdembed: ClientURL, MaxRequestBytes and StartTimeout must be set (start from DefaultConfig)")
+	}
+	if cfg.CompactionRetention < 0 || cfg.QuotaBackendBytes < 0 {
+		return nil, fmt.Errorf("etcdembed: CompactionRetention %v and QuotaBackendBytes %d must not be negative", cfg.CompactionRetention, cfg.QuotaBackendBytes)
 	}
 	s := &Server{dir: cfg.Dir}
 	if s.dir == "" {
@@ -87,9 +103,10 @@ func Start(ctx context.Context, cfg Config) (_ *Server, err error) {
 	ec.AdvertisePeerUrls = []url.URL{*purl}
 	ec.InitialCluster = ec.InitialClusterFromName(ec.Name)
 	ec.MaxRequestBytes = cfg.MaxRequestBytes
-	// Results and finished jobs are rewritten often; keep the history short.
-	ec.AutoCompactionMode = "revision"
-	ec.AutoCompactionRetention = "10000"
+	// A duration string ("5m0s"): a bare integer would be read as hours.
+	ec.AutoCompactionMode = embed.CompactorModePeriodic
+	ec.AutoCompactionRetention = cfg.CompactionRetention.String()
+	ec.QuotaBackendBytes = cfg.QuotaBackendBytes
 	ec.LogLevel = "error"
 	if cfg.Logger != nil {
 		ec.ZapLoggerBuilder = embed.NewZapLoggerBuilder(cfg.Logger.Named("etcd").WithOptions(zap.IncreaseLevel(cfg.LogLevel)))

@@ -1,0 +1,98 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"go.uber.org/zap"
+)
+
+// Member is a live member of the mesh as the Store needs it: how to reach
+// it, whether it shares this host, and how much Store room it gossips.
+type Member struct {
+	Node     string
+	PeerID   string   // libp2p peer id: where store requests go
+	P2PAddrs []string // its libp2p multiaddrs
+	Host     string   // host identity; equal to ours means same host
+	Free     int64    // the largest object it can take now (Store.Room), as last gossiped
+}
+
+// Config configures a Store. New copies it; it is frozen afterwards.
+type Config struct {
+	// Prefix is the mesh's etcd key prefix.
+	Prefix string
+	// Node is this agent's node id, as holders are named in records.
+	Node string
+	// MemoryCapacity is how many bytes of the arena this node lends to the
+	// Store (0: it holds nothing in memory).
+	MemoryCapacity int64
+	// SpillDir is where copies go when memory is full; "" means no disk tier.
+	SpillDir string
+	// SpillCapacity bounds the bytes kept in SpillDir.
+	SpillCapacity int64
+	// Replicas is R for objects whose put does not say: relayed latents,
+	// results. Cache objects default to one.
+	Replicas int
+	// StageTimeout is how long a holder keeps a staged copy whose record
+	// has not appeared (its putter died or gave up) before dropping it.
+	StageTimeout time.Duration
+	// RequestTimeout bounds one store request to a peer, including the copy
+	// of the object's bytes onto it.
+	RequestTimeout time.Duration
+	// MaintainEvery is the period of the maintenance pass: reconcile held
+	// copies with the records, re-replicate objects that lost a holder,
+	// collect orphans. A member leaving triggers a pass at once (Kick).
+	MaintainEvery time.Duration
+	// ExpiryGrace is how long past its retention a record may outlive its
+	// etcd lease (etcd extends leases on a leader change) before the
+	// collector deletes it.
+	ExpiryGrace time.Duration
+	// MaxFrame bounds a store control frame.
+	MaxFrame int
+	// Logger receives the Store's logs, named "store".
+	Logger *zap.Logger
+	// Now is the clock; tests may set it.
+	Now func() time.Time
+}
+
+// DefaultConfig sets every field; callers fill Prefix, Node and capacities.
+func DefaultConfig() Config {
+	return Config{
+		Prefix:         "/latentmesh/default",
+		Replicas:       2,                // survives one holder's death
+		StageTimeout:   2 * time.Minute,  // a put's copy plus a commit retried across an etcd hiccup
+		RequestTimeout: 60 * time.Second, // copying 4 GiB at ~1 GB/s on a busy link
+		MaintainEvery:  10 * time.Second, // a departure is kicked at once; this is the safety net
+		ExpiryGrace:    time.Minute,
+		MaxFrame:       16 << 10, // a request is two refs and an id
+		Logger:         zap.NewNop(),
+		Now:            time.Now,
+	}
+}
+
+func (c Config) validate() (Config, error) {
+	switch {
+	case c.Node == "":
+		return c, errors.New("cache: config: Node is empty")
+	case c.Prefix == "" || c.Prefix[0] != '/':
+		return c, fmt.Errorf("cache: config: prefix %q must start with /", c.Prefix)
+	case c.MemoryCapacity < 0 || c.SpillCapacity < 0:
+		return c, errors.New("cache: config: capacities must not be negative")
+	case c.SpillCapacity > 0 && c.SpillDir == "":
+		return c, errors.New("cache: config: SpillCapacity needs a SpillDir")
+	case c.Replicas < 1 || c.Replicas > 8:
+		return c, fmt.Errorf("cache: config: Replicas %d not in [1,8]", c.Replicas)
+	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0:
+		return c, errors.New("cache: config: timeouts must be positive (start from DefaultConfig)")
+	case c.MaxFrame < 1024:
+		return c, fmt.Errorf("cache: config: MaxFrame %d < 1024", c.MaxFrame)
+	}
+	if c.Logger == nil {
+		c.Logger = zap.NewNop()
+	}
+	if c.Now == nil {
+		c.Now = time.Now
+	}
+	return c, nil
+}

@@ -1,0 +1,26 @@
+// Package cache is latentmesh's Store: an object store pooled over the
+// agents, the RFC's Mooncake-style relay for latents, and the home of
+// finished results, video previews and (later) cache entries.
+//
+// Every agent lends part of its registered arena (and optionally a spill
+// directory) to the Store. An object is placed by rendezvous hashing over the
+// live members with room and copied onto R of them; each copy is an ordinary
+// transfer payload of its holder, so readers pull it over the data plane the
+// mesh already has (shm on one host, rdma, else tcp). The Store never opens a
+// second data path.
+//
+// Object metadata is a small JSON record at <prefix>/objects/<id> in etcd:
+// size, checksum, holders, lease mode, owner job. Bytes never enter etcd. A
+// put is two-phase: Stage copies the bytes onto the holders, then the record
+// is written (by Commit, or inside a caller's own transaction through
+// Staged.Op); until then no reader can find the object, and holders drop a
+// staged copy whose record never appears. Lease modes say who frees an
+// object: the consuming stage's fenced commit (Consume), time (TTL, via an
+// etcd lease per retention bucket), nobody but an explicit delete or its
+// retention (Pinned), or the holder's LRU eviction (Cache). Holders watch the
+// records and free what is deleted; each agent's maintenance pass re-replicates
+// objects that lost a holder, and one agent at a time collects orphans.
+//
+// cache sits beside transfer: it imports transfer and etcd, never agent.
+// The agent (and agent/jobs, for record keys in its commits) use it.
+package cache

@@ -1,0 +1,373 @@
+package cache
+
+import (
+	"container/list"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
+
+	"github.com/latentmesh/latentmesh/transfer"
+	"github.com/latentmesh/latentmesh/transfer/arena"
+)
+
+// copyOf is one copy this node holds: a payload of its transfer service.
+type copyOf struct {
+	object    string
+	ref       transfer.Ref // the payload readers pull
+	tier      Tier
+	size      int64
+	mode      Mode
+	stagedAt  time.Time
+	committed bool // seen in a record that lists it
+	// rev is the etcd revision of the newest record state applied to this
+	// copy: a watch event or a list older than that is stale for it and
+	// must not free it (the watch and the maintenance list race).
+	rev int64
+	lru *list.Element // in holdings.lru while committed and a Cache object
+}
+
+// holdings is what this node holds for the Store, and the room it has.
+type holdings struct {
+	xfer *transfer.Service
+	cfg  *Config
+	log  *zap.Logger
+
+	mu sync.Mutex
+	// mu guards the fields below.
+	copies    map[string]*copyOf // by payload id
+	byObject  map[string][]*copyOf
+	lru       *list.List // committed Cache copies, least recently used first
+	memUsed   int64
+	diskUsed  int64 // spill bytes, counted until the file is removed
+	evictions int64
+	spilled   int64         // copies that went to disk because memory was full, ever
+	overflows int64         // copies held beyond capacity (reserve with overflow), ever
+	room      chan struct{} // signalled (never blocking) when memUsed or diskUsed changes
+}
+
+func newHoldings(x *transfer.Service, cfg *Config, log *zap.Logger) *holdings {
+	return &holdings{xfer: x, cfg: cfg, log: log, copies: map[string]*copyOf{}, byObject: map[string][]*copyOf{}, lru: list.New(), room: make(chan struct{}, 1)}
+}
+
+// roomChanged tells a waiter on room that the room left changed; it never
+// blocks (one pending signal covers any number of changes).
+func (h *holdings) roomChanged() {
+	select {
+	case h.room <- struct{}{}:
+	default:
+	}
+}
+
+// free reports the room left in memory and on disk.
+func (h *holdings) free() (mem, disk int64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.cfg.MemoryCapacity - h.memUsed, h.cfg.SpillCapacity - h.diskUsed
+}
+
+// reserve claims size bytes in memory or, failing that, on disk, evicting
+// Cache copies to make memory room. It returns the tier, or ErrFull; with
+// overflow set it takes memory beyond capacity instead of failing (counted).
+// evicted lists the copies evicted, whose records the caller deletes.
+func (h *holdings) reserve(size int64, mode Mode, overflow bool) (tier Tier, evicted []*copyOf, err error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.memUsed+size > h.cfg.MemoryCapacity && mode != Cache {
+		// Make room by evicting cache entries, oldest use first, but only if
+		// that is enough: never evict for nothing.
+		var room int64
+		for e := h.lru.Front(); e != nil && h.memUsed-room+size > h.cfg.MemoryCapacity; e = e.Next() {
+			if c := e.Value.(*copyOf); c.tier == Memory {
+				room += c.size
+			}
+		}
+		if h.memUsed-room+size <= h.cfg.MemoryCapacity {
+			for e := h.lru.Front(); e != nil && h.memUsed+size > h.cfg.MemoryCapacity; {
+				next := e.Next()
+				if c := e.Value.(*copyOf); c.tier == Memory {
+					h.forgetLocked(c)
+					evicted = append(evicted, c)
+					h.evictions++
+				}
+				e = next
+			}
+		}
+	}
+	switch {
+	case h.memUsed+size <= h.cfg.MemoryCapacity:
+		h.memUsed += size
+		h.roomChanged()
+		return Memory, evicted, nil
+	case h.diskUsed+size <= h.cfg.SpillCapacity:
+		h.diskUsed += size
+		h.roomChanged()
+		h.spilled++
+		return Disk, evicted, nil
+	case overflow:
+		h.memUsed += size
+		h.roomChanged()
+		h.overflows++
+		return Memory, evicted, nil
+	}
+	return "", evicted, fmt.Errorf("%w: %d bytes wanted; %d of %d in memory and %d of %d on disk used on %s",
+		ErrFull, size, h.memUsed, h.cfg.MemoryCapacity, h.diskUsed, h.cfg.SpillCapacity, h.cfg.Node)
+}
+
+// reserveDisk claims size bytes on disk only (the arena had no room).
+func (h *holdings) reserveDisk(size int64) (Tier, []*copyOf, error) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.diskUsed+size > h.cfg.SpillCapacity {
+		return "", nil, fmt.Errorf("%w: %d bytes wanted; %d of %d on disk used on %s", ErrFull, size, h.diskUsed, h.cfg.SpillCapacity, h.cfg.Node)
+	}
+	h.diskUsed += size
+	h.roomChanged()
+	h.spilled++
+	return Disk, nil, nil
+}
+
+// has reports whether the copy with payload id is held.
+func (h *holdings) has(payload string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.copies[payload] != nil
+}
+
+// unreserve gives back a reservation that was never filled.
+func (h *holdings) unreserve(tier Tier, size int64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	switch tier {
+	case Memory:
+		h.memUsed -= size
+		h.roomChanged()
+	case Disk:
+		h.diskUsed -= size
+		h.roomChanged()
+	}
+}
+
+// fill copies src into a fresh copy of object in tier and publishes it. The
+// reservation is the caller's; on error it is given back here.
+func (h *holdings) fill(ctx context.Context, object string, mode Mode, tier Tier, src transfer.Ref, overflow bool) (*copyOf, error) {
+	ctx = transfer.ForStore(ctx)
+	size := src.Meta.Bytes()
+	var ref transfer.Ref
+	var err error
+	switch tier {
+	case Memory:
+		ref, err = h.fillMemory(ctx, src, overflow)
+	case Disk:
+		ref, err = h.fillDisk(ctx, object, src)
+	}
+	if err != nil {
+		if tier == Memory {
+			h.unreserve(tier, size) // a disk reservation is given back by the file's free
+		}
+		return nil, err
+	}
+	c := &copyOf{object: object, ref: ref, tier: tier, size: size, mode: mode, stagedAt: h.cfg.Now()}
+	h.mu.Lock()
+	h.copies[ref.ID] = c
+	h.byObject[object] = append(h.byObject[object], c)
+	h.mu.Unlock()
+	return c, nil
+}
+
+func (h *holdings) fillMemory(ctx context.Context, src transfer.Ref, overflow bool) (transfer.Ref, error) {
+	buf, err := h.xfer.Alloc(src.Meta.Bytes())
+	if overflow && errors.Is(err, arena.ErrNoSpace) {
+		// Held beyond capacity so a decode can finish: the heap (tcp only).
+		mem := make([]byte, src.Meta.Bytes())
+		if err := h.xfer.PullInto(ctx, src, mem); err != nil {
+			return transfer.Ref{}, err
+		}
+		return h.xfer.PublishCopy(src.Meta, mem, src.Checksum, nil)
+	}
+	if err != nil {
+		return transfer.Ref{}, err
+	}
+	defer buf.Release() // the published payload keeps the region until its own Release
+	if err := h.xfer.PullInto(ctx, src, buf.Bytes()); err != nil {
+		return transfer.Ref{}, err
+	}
+	return h.xfer.PublishCopy(src.Meta, buf.Bytes(), src.Checksum, nil)
+}
+
+// fillDisk copies src into a new file of the spill directory, mapped
+// shared, and publishes the mapping; the file goes when the payload is
+// released and no transfer reads it.
+func (h *holdings) fillDisk(ctx context.Context, object string, src transfer.Ref) (transfer.Ref, error) {
+	size := src.Meta.Bytes()
+	var rnd [6]byte
+	rand.Read(rnd[:])
+	path := filepath.Join(h.cfg.SpillDir, object+"-"+hex.EncodeToString(rnd[:])+".spill")
+	freeDisk := func() { h.unreserve(Disk, size) }
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		freeDisk()
+		return transfer.Ref{}, fmt.Errorf("cache: spill file: %w", err)
+	}
+	defer f.Close() // the mapping outlives the descriptor
+	if err := unix.Fallocate(int(f.Fd()), 0, 0, size); err != nil {
+		os.Remove(path)
+		freeDisk()
+		return transfer.Ref{}, fmt.Errorf("cache: spill file of %d bytes: %w", size, err)
+	}
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		os.Remove(path)
+		freeDisk()
+		return transfer.Ref{}, fmt.Errorf("cache: map spill file: %w", err)
+	}
+	release := func() {
+		unix.Munmap(mem)
+		os.Remove(path)
+		freeDisk()
+	}
+	if err := h.xfer.PullInto(ctx, src, mem); err != nil {
+		release()
+		return transfer.Ref{}, err
+	}
+	return h.xfer.PublishCopy(src.Meta, mem, src.Checksum, release)
+}
+
+// commit marks a copy as recorded, by the record state of revision rev:
+// it now lives by its record.
+func (h *holdings) commit(payload string, rev int64) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	c := h.copies[payload]
+	if c == nil {
+		return
+	}
+	c.rev = max(c.rev, rev)
+	if c.committed {
+		return
+	}
+	c.committed = true
+	if c.mode == Cache {
+		c.lru = h.lru.PushBack(c)
+	}
+}
+
+// touch moves a Cache copy to the back of the LRU order (a ticket was
+// issued for it, or it was read locally).
+func (h *holdings) touch(payload string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if c := h.copies[payload]; c != nil && c.lru != nil {
+		h.lru.MoveToBack(c.lru)
+	}
+}
+
+// drop frees the copy with payload id, if held.
+func (h *holdings) drop(payload string) bool { return h.dropIf(payload, nil) }
+
+// dropIf frees the copy with payload id if it is held and cond (nil: always)
+// holds for it; cond runs under mu, so the decision sees the copy's current
+// state, not a snapshot the watch may have overtaken.
+func (h *holdings) dropIf(payload string, cond func(c *copyOf) bool) bool {
+	h.mu.Lock()
+	c := h.copies[payload]
+	if c != nil && (cond == nil || cond(c)) {
+		h.forgetLocked(c)
+	} else {
+		c = nil
+	}
+	h.mu.Unlock()
+	if c != nil {
+		h.release(c)
+	}
+	return c != nil
+}
+
+// staleBefore is a dropIf condition: the copy has seen no record state
+// newer than revision rev, and is committed when committedOnly.
+func staleBefore(rev int64, committedOnly bool) func(c *copyOf) bool {
+	return func(c *copyOf) bool { return c.rev <= rev && (c.committed || !committedOnly) }
+}
+
+// release gives a forgotten copy's payload back to the transfer service:
+// memory at once (the arena defers reuse while a transfer reads it), disk
+// when the file is unmapped after its last reader. Never under mu: the disk
+// tier's free takes it.
+func (h *holdings) release(cs ...*copyOf) {
+	for _, c := range cs {
+		h.xfer.Release(c.ref.ID)
+	}
+}
+
+// forgetLocked removes c from the books; the caller releases it after
+// unlocking.
+func (h *holdings) forgetLocked(c *copyOf) {
+	delete(h.copies, c.ref.ID)
+	list := h.byObject[c.object]
+	for i, x := range list {
+		if x == c {
+			list = append(list[:i], list[i+1:]...)
+			break
+		}
+	}
+	if len(list) == 0 {
+		delete(h.byObject, c.object)
+	} else {
+		h.byObject[c.object] = list
+	}
+	if c.lru != nil {
+		h.lru.Remove(c.lru)
+		c.lru = nil
+	}
+	if c.tier == Memory {
+		h.memUsed -= c.size
+		h.roomChanged()
+	}
+}
+
+// snapshot copies the held copies' state.
+func (h *holdings) snapshot() []copyOf {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out := make([]copyOf, 0, len(h.copies))
+	for _, c := range h.copies {
+		out = append(out, *c)
+	}
+	return out
+}
+
+// copiesOf lists the payload ids held for object.
+func (h *holdings) copiesOf(object string) []copyOf {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out := make([]copyOf, 0, len(h.byObject[object]))
+	for _, c := range h.byObject[object] {
+		out = append(out, *c)
+	}
+	return out
+}
+
+// dropAll frees every copy (Close).
+func (h *holdings) dropAll() {
+	h.mu.Lock()
+	var all []*copyOf
+	for _, c := range h.copies {
+		h.forgetLocked(c)
+		all = append(all, c)
+	}
+	h.mu.Unlock()
+	h.release(all...)
+}
+
+// errIsFull reports whether err means no room (ours or the arena's).
+func errIsFull(err error) bool {
+	return errors.Is(err, ErrFull) || errors.Is(err, arena.ErrNoSpace)
+}

@@ -1,0 +1,705 @@
+package cache
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/core/peerstore"
+	"github.com/multiformats/go-multiaddr"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/transfer"
+	"github.com/latentmesh/latentmesh/transfer/arena"
+)
+
+// Orphans decides which objects belong to nobody any more (their job was
+// cancelled, failed or is gone); the agent supplies it, since the Store
+// knows nothing of jobs. It is called by the collecting member only.
+type Orphans func(ctx context.Context, recs []Record) (ids []string, err error)
+
+// Store is one agent's part of the pooled Store: the copies it holds and
+// the client side of puts and gets. Build it with New, then Start.
+type Store struct {
+	cfg     Config
+	log     *zap.Logger
+	cli     *clientv3.Client
+	xfer    *transfer.Service
+	h       host.Host
+	members func() []Member
+	orphans Orphans
+	hold    *holdings
+	ret     *Retention
+
+	kick   chan struct{}
+	ctx    context.Context // ended by Close: every goroutine's stop signal
+	cancel context.CancelFunc
+	wg     sync.WaitGroup // the loops, request handlers and local stages
+	once   sync.Once
+
+	mu sync.Mutex
+	// mu guards closed, so that no wg.Add races Close's wg.Wait.
+	closed bool
+
+	repairs, collected, lost, puts, gets atomic.Int64
+}
+
+// New builds a Store on the agent's etcd client, transfer service and
+// libp2p host. members lists the live members, this node included (with its
+// own Free); orphans may be nil (no job-based collection).
+func New(cfg Config, cli *clientv3.Client, x *transfer.Service, h host.Host, members func() []Member, orphans Orphans) (*Store, error) {
+	cfg, err := cfg.validate()
+	if err != nil {
+		return nil, err
+	}
+	if cli == nil || x == nil || h == nil || members == nil {
+		return nil, errors.New("cache: New needs an etcd client, a transfer service, a host and a member list")
+	}
+	s := &Store{
+		cfg: cfg, log: cfg.Logger.Named("store"), cli: cli, xfer: x, h: h, members: members, orphans: orphans,
+		ret: NewRetention(cli, cfg.Now), kick: make(chan struct{}, 1),
+	}
+	s.hold = newHoldings(x, &s.cfg, s.log)
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	return s, nil
+}
+
+// Start serves store requests and runs the watch and maintenance loops.
+func (s *Store) Start() {
+	s.h.SetStreamHandler(ProtocolID, s.handle)
+	s.xfer.OnTicket(s.hold.touch)
+	s.wg.Go(s.watchLoop)
+	s.wg.Go(s.maintainLoop)
+}
+
+// Close stops serving and frees every copy this node holds (its records
+// keep naming it until the survivors' maintenance re-replicates). Close the
+// Store before the transfer service. Idempotent.
+func (s *Store) Close() error {
+	s.once.Do(func() {
+		s.mu.Lock()
+		s.closed = true
+		s.mu.Unlock()
+		s.h.RemoveStreamHandler(ProtocolID)
+		s.cancel()
+		s.wg.Wait()
+		s.hold.dropAll()
+	})
+	return nil
+}
+
+// enter registers a goroutine that may add copies to the holdings; it
+// fails once Close began, so Close's dropAll sees every copy.
+func (s *Store) enter() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.wg.Add(1)
+	return true
+}
+
+// Kick runs a maintenance pass soon (a member left: re-replicate).
+func (s *Store) Kick() {
+	select {
+	case s.kick <- struct{}{}:
+	default:
+	}
+}
+
+// Free is the room this node has left for the Store, in memory and on disk.
+func (s *Store) Free() (mem, disk int64) { return s.hold.free() }
+
+// RoomChanged signals when this node's Store room changed (a copy taken or
+// freed), so the agent can gossip it; one signal may stand for several
+// changes.
+func (s *Store) RoomChanged() <-chan struct{} { return s.hold.room }
+
+// Room is the largest object this node can take now: a copy lives in one
+// tier, so the larger of its memory and disk room. Members gossip it; it is
+// what placement compares with an object's size.
+func (s *Store) Room() int64 {
+	mem, disk := s.Free()
+	return max(mem, disk, 0)
+}
+
+// Retention is the Store's lease allocator, shared with the job store so
+// both bucket their expiring keys the same way.
+func (s *Store) Retention() *Retention { return s.ret }
+
+// PutSpec describes an object to put.
+type PutSpec struct {
+	ID          string        // object id (ValidID); JobObjectID names a job's
+	Mode        Mode          // who frees it
+	Job         string        // owner job ("" for none)
+	TTL         time.Duration // retention; 0 = none (required for Mode TTL)
+	Replicas    int           // copies wanted; 0 = the default for the mode
+	ContentType string        // for files (results, previews)
+	Local       bool          // hold it on this node only (previews)
+	// Overflow holds the object on this node beyond its capacity when no
+	// member has room, rather than failing (a decode's result: finishing it
+	// is what frees the latents filling the Store). Counted in LocalStats.
+	Overflow bool
+}
+
+func (p PutSpec) check() error {
+	switch {
+	case !ValidID(p.ID):
+		return fmt.Errorf("cache: invalid object id %q", p.ID)
+	case !p.Mode.Valid():
+		return fmt.Errorf("cache: invalid mode %q", p.Mode)
+	case p.Mode == TTL && p.TTL <= 0:
+		return errors.New("cache: a ttl object needs a TTL")
+	case p.TTL < 0 || p.Replicas < 0 || p.Replicas > 8:
+		return errors.New("cache: negative TTL or replicas not in [0,8]")
+	}
+	return nil
+}
+
+// Staged is a put whose copies exist but whose record is not written yet:
+// invisible to readers. Write the record with Commit, or put Op in a
+// transaction of your own (a stage's fenced commit); Abort otherwise.
+type Staged struct {
+	Record Record
+	s      *Store
+	lease  clientv3.LeaseID
+}
+
+// Op is the etcd operation that makes the object visible.
+func (st *Staged) Op() clientv3.Op {
+	key := ObjectKey(st.s.cfg.Prefix, st.Record.ID)
+	if st.lease != 0 {
+		return clientv3.OpPut(key, encodeRecord(st.Record), clientv3.WithLease(st.lease))
+	}
+	return clientv3.OpPut(key, encodeRecord(st.Record))
+}
+
+// Commit writes the record. A retention lease that etcd no longer knows is
+// replaced once.
+func (st *Staged) Commit(ctx context.Context) error {
+	for try := 0; ; try++ {
+		op := st.Op()
+		_, err := st.s.cli.Do(ctx, op)
+		if err == nil {
+			return nil
+		}
+		if try == 0 && LeaseGone(err) {
+			if rerr := st.Renew(ctx); rerr != nil {
+				return rerr
+			}
+			continue
+		}
+		return fmt.Errorf("cache: commit %s: %w", st.Record.ID, err)
+	}
+}
+
+// Renew replaces a retention lease that etcd no longer knows (see
+// LeaseGone); a caller whose own transaction failed so calls it, then
+// retries with a fresh Op.
+func (st *Staged) Renew(ctx context.Context) error {
+	if st.lease == 0 {
+		return nil
+	}
+	st.s.ret.Forget(st.lease)
+	ttl := st.Record.ExpiresAt.Sub(st.s.cfg.Now())
+	lease, end, err := st.s.ret.Lease(ctx, max(ttl, time.Second))
+	if err != nil {
+		return err
+	}
+	st.lease, st.Record.ExpiresAt = lease, end
+	return nil
+}
+
+// Abort drops the staged copies (best effort: a holder that misses the
+// request drops its copy after StageTimeout anyway).
+func (st *Staged) Abort(ctx context.Context) {
+	for _, h := range st.Record.Holders {
+		st.s.dropOn(ctx, h, st.Record.ID)
+	}
+}
+
+// Stage copies src onto the object's holders: R members chosen by
+// rendezvous hashing among those with room (this node alone for a Local
+// put), trying the next when one is full or unreachable. It fails with
+// ErrFull when no member could take a copy; with fewer than R copies it
+// succeeds, and maintenance adds the missing ones when room appears.
+func (s *Store) Stage(ctx context.Context, spec PutSpec, src transfer.Ref) (*Staged, error) {
+	if err := spec.check(); err != nil {
+		return nil, err
+	}
+	if err := src.Meta.Validate(s.xfer.MaxPayloadBytes()); err != nil {
+		return nil, fmt.Errorf("cache: stage %s: %w", spec.ID, err)
+	}
+	size := src.Meta.Bytes()
+	want := spec.Replicas
+	if want == 0 {
+		want = s.cfg.Replicas
+		if spec.Mode == Cache {
+			want = 1
+		}
+	}
+	var cands []Member
+	if spec.Local {
+		cands, want = []Member{s.self()}, 1 // the holder itself says whether it has room
+	} else {
+		cands = place(s.members(), spec.ID, size, nil)
+	}
+	holders, err := s.stageOnto(ctx, spec.ID, spec.Mode, src, cands, want)
+	if errors.Is(err, ErrFull) && spec.Overflow {
+		var h Holder
+		if h, err = s.stageLocal(ctx, spec.ID, spec.Mode, src, true); err == nil {
+			holders = []Holder{h}
+			s.log.Warn("store full; holding an object beyond capacity", zap.String("object", spec.ID), zap.Int64("bytes", size))
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("cache: stage %s (%d bytes): %w", spec.ID, size, err)
+	}
+	st := &Staged{s: s, Record: Record{
+		ID: spec.ID, Size: size, Checksum: holders[0].Ref.Checksum, Meta: src.Meta, ContentType: spec.ContentType,
+		Mode: spec.Mode, Job: spec.Job, Replicas: want, Holders: holders, CreatedAt: s.cfg.Now().UTC(),
+	}}
+	for _, h := range holders[1:] {
+		if h.Ref.Checksum != st.Record.Checksum {
+			st.Abort(ctx)
+			return nil, fmt.Errorf("cache: stage %s: copies differ (xxh3 %x on %s, %x on %s)", spec.ID, st.Record.Checksum, holders[0].Node, h.Ref.Checksum, h.Node)
+		}
+	}
+	if spec.TTL > 0 {
+		if st.lease, st.Record.ExpiresAt, err = s.ret.Lease(ctx, spec.TTL); err != nil {
+			st.Abort(ctx)
+			return nil, err
+		}
+	}
+	s.puts.Add(1)
+	return st, nil
+}
+
+// stageOnto stages copies on the candidates, want at a time in parallel,
+// until want succeeded or the candidates ran out. Every copy costs the
+// source one pull, so R copies of a put run side by side.
+func (s *Store) stageOnto(ctx context.Context, id string, mode Mode, src transfer.Ref, cands []Member, want int) ([]Holder, error) {
+	var holders []Holder
+	var errs []error
+	for len(holders) < want && len(cands) > 0 {
+		batch := cands[:min(want-len(holders), len(cands))]
+		cands = cands[len(batch):]
+		got := make([]Holder, len(batch))
+		errOf := make([]error, len(batch))
+		var wg sync.WaitGroup
+		for i, m := range batch {
+			wg.Go(func() { got[i], errOf[i] = s.stageOn(ctx, m, id, mode, src) })
+		}
+		wg.Wait()
+		for i := range batch {
+			if errOf[i] != nil {
+				s.log.Debug("stage refused", zap.String("object", id), zap.String("on", batch[i].Node), zap.Error(errOf[i]))
+				errs = append(errs, fmt.Errorf("%s: %w", batch[i].Node, errOf[i]))
+				continue
+			}
+			holders = append(holders, got[i])
+		}
+		if ctx.Err() != nil {
+			break
+		}
+	}
+	if len(holders) == 0 {
+		if len(errs) == 0 {
+			return nil, fmt.Errorf("%w: no member has room", ErrFull)
+		}
+		full := true
+		for _, e := range errs {
+			full = full && errIsFull(e)
+		}
+		if full {
+			return nil, fmt.Errorf("%w: %w", ErrFull, errors.Join(errs...))
+		}
+		return nil, errors.Join(errs...)
+	}
+	return holders, nil
+}
+
+// self is this node as a member.
+func (s *Store) self() Member {
+	for _, m := range s.members() {
+		if m.Node == s.cfg.Node {
+			return m
+		}
+	}
+	return Member{Node: s.cfg.Node, PeerID: s.h.ID().String(), Free: s.Room()}
+}
+
+// stageOn asks m (or this node) to take a staged copy of src.
+func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src transfer.Ref) (Holder, error) {
+	if m.Node == s.cfg.Node {
+		return s.stageLocal(ctx, id, mode, src, false)
+	}
+	resp, err := s.call(ctx, m, &request{V: WireVersion, Op: opStage, Object: id, Mode: mode, Src: src})
+	if err != nil {
+		return Holder{}, err
+	}
+	if resp.Holder.Node != m.Node {
+		return Holder{}, fmt.Errorf("%w: %s answered as %q", ErrProtocol, m.Node, resp.Holder.Node)
+	}
+	return resp.Holder, nil
+}
+
+// stageLocal takes a staged copy of src on this node.
+func (s *Store) stageLocal(ctx context.Context, id string, mode Mode, src transfer.Ref, overflow bool) (Holder, error) {
+	if !s.enter() {
+		return Holder{}, ErrClosed
+	}
+	defer s.wg.Done()
+	ctx, stop := context.WithCancel(ctx)
+	defer stop()
+	defer context.AfterFunc(s.ctx, stop)() // Close waits for us: end the copy
+	size := src.Meta.Bytes()
+	tier, evicted, err := s.hold.reserve(size, mode, overflow)
+	s.hold.release(evicted...)
+	if len(evicted) > 0 {
+		s.deleteEvicted(ctx, evicted)
+	}
+	if err != nil {
+		return Holder{}, err
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	c, err := s.hold.fill(ctx, id, mode, tier, src, overflow)
+	if tier == Memory && errors.Is(err, arena.ErrNoSpace) && !overflow {
+		// The arena is shared with the agent's own stage buffers: under the
+		// Store's capacity but out of arena, the copy goes to disk.
+		if _, _, derr := s.hold.reserveDisk(size); derr == nil {
+			tier = Disk
+			c, err = s.hold.fill(ctx, id, mode, tier, src, false)
+		}
+	}
+	if err != nil {
+		return Holder{}, err
+	}
+	s.log.Debug("staged", zap.String("object", id), zap.String("tier", string(tier)), zap.Int64("bytes", size))
+	return Holder{Node: s.cfg.Node, Tier: tier, Ref: c.ref}, nil
+}
+
+// deleteEvicted removes the records of evicted cache entries (R=1: the
+// copy was the object).
+func (s *Store) deleteEvicted(ctx context.Context, cs []*copyOf) {
+	for _, c := range cs {
+		key := ObjectKey(s.cfg.Prefix, c.object)
+		// Only if the record still names the evicted copy.
+		resp, err := s.cli.Get(ctx, key)
+		if err != nil || len(resp.Kvs) == 0 {
+			continue
+		}
+		rec, err := decodeRecord(resp.Kvs[0].Value)
+		if ref, ok := rec.Holds(s.cfg.Node); err == nil && ok && ref.ID == c.ref.ID {
+			s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", resp.Kvs[0].ModRevision)).Then(clientv3.OpDelete(key)).Commit()
+		}
+		s.log.Debug("evicted", zap.String("object", c.object), zap.Int64("bytes", c.size))
+	}
+}
+
+// dropOn asks h's node to drop an aborted staged copy.
+func (s *Store) dropOn(ctx context.Context, h Holder, id string) {
+	if h.Node == s.cfg.Node {
+		s.dropStaged(id, h.Ref.ID)
+		return
+	}
+	for _, m := range s.members() {
+		if m.Node == h.Node {
+			if _, err := s.call(ctx, m, &request{V: WireVersion, Op: opDrop, Object: id, Payload: h.Ref.ID}); err != nil {
+				s.log.Debug("drop request", zap.String("object", id), zap.String("on", h.Node), zap.Error(err))
+			}
+			return
+		}
+	}
+}
+
+// dropStaged drops a copy of id that no record names yet. The check runs
+// under the holdings' lock: a commit whose answer the putter lost (and so
+// aborts) may have reached the watch meanwhile, and then the copy stays.
+func (s *Store) dropStaged(id, payload string) {
+	s.hold.dropIf(payload, func(c *copyOf) bool { return c.object == id && !c.committed })
+}
+
+// call sends one request to m and reads its response.
+func (s *Store) call(ctx context.Context, m Member, req *request) (*response, error) {
+	pid, err := peer.Decode(m.PeerID)
+	if err != nil {
+		return nil, fmt.Errorf("cache: member %s peer id: %w", m.Node, err)
+	}
+	for _, a := range m.P2PAddrs {
+		if ma, err := multiaddr.NewMultiaddr(a); err == nil {
+			s.h.Peerstore().AddAddr(pid, ma, peerstore.TempAddrTTL)
+		}
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+	defer cancel()
+	str, err := s.h.NewStream(ctx, pid, ProtocolID)
+	if err != nil {
+		return nil, fmt.Errorf("%w: store request to %s: %v", transfer.ErrUnreachable, m.Node, err)
+	}
+	defer str.Close()
+	stop := context.AfterFunc(ctx, func() { str.Reset() })
+	defer stop()
+	str.SetDeadline(time.Now().Add(s.cfg.RequestTimeout))
+	if err := transfer.WriteFrame(str, req); err != nil {
+		return nil, fmt.Errorf("%w: store request to %s: %v", transfer.ErrUnreachable, m.Node, err)
+	}
+	var resp response
+	if err := transfer.ReadFrame(str, s.cfg.MaxFrame, &resp); err != nil {
+		return nil, fmt.Errorf("%w: store response from %s: %v", transfer.ErrUnreachable, m.Node, err)
+	}
+	switch resp.ErrCode {
+	case "":
+		return &resp, nil
+	case codeFull:
+		return nil, fmt.Errorf("%w: %s", ErrFull, resp.ErrMsg)
+	case codeDenied:
+		return nil, fmt.Errorf("%w: %s", ErrDenied, resp.ErrMsg)
+	case codeNotFound:
+		return nil, fmt.Errorf("%w: %s", transfer.ErrNotFound, resp.ErrMsg)
+	}
+	return nil, fmt.Errorf("cache: %s refused (%s): %s", m.Node, resp.ErrCode, resp.ErrMsg)
+}
+
+// handle answers one store request from a member.
+func (s *Store) handle(str network.Stream) {
+	defer str.Close()
+	remote := str.Conn().RemotePeer()
+	str.SetDeadline(time.Now().Add(s.cfg.RequestTimeout))
+	answer := func(r response) {
+		r.V = WireVersion
+		if len(r.ErrMsg) > maxErrLen {
+			r.ErrMsg = r.ErrMsg[:maxErrLen]
+		}
+		transfer.WriteFrame(str, &r)
+	}
+	if !s.enter() {
+		answer(response{ErrCode: codeClosed, ErrMsg: ErrClosed.Error()})
+		return
+	}
+	defer s.wg.Done()
+	if !s.isMember(remote) {
+		s.log.Debug("store request from a non-member", zap.Stringer("peer", remote))
+		answer(response{ErrCode: codeDenied, ErrMsg: "not a registered member of this mesh"})
+		return
+	}
+	var req request
+	if err := transfer.ReadFrame(str, s.cfg.MaxFrame, &req); err != nil {
+		s.log.Debug("bad store request", zap.Stringer("peer", remote), zap.Error(err))
+		answer(response{ErrCode: codeBad, ErrMsg: err.Error()})
+		return
+	}
+	switch req.Op {
+	case opDrop:
+		s.dropStaged(req.Object, req.Payload)
+		answer(response{})
+	case opStage:
+		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
+		defer cancel()
+		h, err := s.stageLocal(ctx, req.Object, req.Mode, req.Src, false)
+		switch {
+		case err == nil:
+			answer(response{Holder: h})
+		case errIsFull(err):
+			answer(response{ErrCode: codeFull, ErrMsg: err.Error()})
+		case errors.Is(err, ErrClosed):
+			answer(response{ErrCode: codeClosed, ErrMsg: err.Error()})
+		case errors.Is(err, transfer.ErrNotFound):
+			answer(response{ErrCode: codeNotFound, ErrMsg: err.Error()})
+		default:
+			answer(response{ErrCode: codeFailed, ErrMsg: err.Error()})
+		}
+	}
+}
+
+func (s *Store) isMember(p peer.ID) bool {
+	id := p.String()
+	for _, m := range s.members() {
+		if m.PeerID == id {
+			return true
+		}
+	}
+	return false
+}
+
+// Put stages src and commits its record: the object is readable when Put
+// returns.
+func (s *Store) Put(ctx context.Context, spec PutSpec, src transfer.Ref) (Record, error) {
+	st, err := s.Stage(ctx, spec, src)
+	if err != nil {
+		return Record{}, err
+	}
+	if err := st.Commit(ctx); err != nil {
+		st.Abort(context.WithoutCancel(ctx))
+		return Record{}, err
+	}
+	return st.Record, nil
+}
+
+// StageBytes stages data (a file: a result, a preview) as an object. It is
+// published from this node's heap for the holders to copy, then released.
+func (s *Store) StageBytes(ctx context.Context, spec PutSpec, data []byte) (*Staged, error) {
+	if len(data) == 0 {
+		return nil, errors.New("cache: empty object")
+	}
+	ref, err := s.xfer.Publish(transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{int64(len(data))}}, data)
+	if err != nil {
+		return nil, err
+	}
+	defer s.xfer.Release(ref.ID)
+	return s.Stage(ctx, spec, ref)
+}
+
+// PutBytes is StageBytes and Commit.
+func (s *Store) PutBytes(ctx context.Context, spec PutSpec, data []byte) (Record, error) {
+	st, err := s.StageBytes(ctx, spec, data)
+	if err != nil {
+		return Record{}, err
+	}
+	if err := st.Commit(ctx); err != nil {
+		st.Abort(context.WithoutCancel(ctx))
+		return Record{}, err
+	}
+	return st.Record, nil
+}
+
+// Lookup reads an object's record.
+func (s *Store) Lookup(ctx context.Context, id string) (Record, error) {
+	if !ValidID(id) {
+		return Record{}, ErrNotFound
+	}
+	resp, err := s.cli.Get(ctx, ObjectKey(s.cfg.Prefix, id))
+	if err != nil {
+		return Record{}, fmt.Errorf("cache: lookup %s: %w", id, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return Record{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+	}
+	return decodeRecord(resp.Kvs[0].Value)
+}
+
+// Nearest orders rec's holders for reading: this node, then live holders
+// on this host (shm), then other live holders, then those not seen alive.
+func (s *Store) Nearest(rec Record) []Holder {
+	alive := map[string]bool{}
+	for _, m := range s.members() {
+		alive[m.Node] = true
+	}
+	hostID := s.xfer.HostID()
+	rankOf := func(h Holder) int {
+		switch {
+		case h.Node == s.cfg.Node:
+			return 0
+		case !alive[h.Node]:
+			return 3
+		case h.Ref.Producer.Host != "" && h.Ref.Producer.Host == hostID:
+			return 1
+		}
+		return 2
+	}
+	out := slices.Clone(rec.Holders)
+	slices.SortStableFunc(out, func(a, b Holder) int { return rankOf(a) - rankOf(b) })
+	return out
+}
+
+// Fetch copies rec's bytes into dst (len rec.Size) from the nearest holder
+// that still has them. ErrNotFound means no holder had them.
+func (s *Store) Fetch(ctx context.Context, rec Record, dst []byte) error {
+	if int64(len(dst)) != rec.Size {
+		return fmt.Errorf("%w: %d bytes for a %d-byte object", transfer.ErrBufferSize, len(dst), rec.Size)
+	}
+	var errs []error
+	for _, h := range s.Nearest(rec) {
+		err := s.xfer.PullInto(transfer.ForStore(ctx), h.Ref, dst)
+		if err == nil {
+			if h.Node == s.cfg.Node {
+				s.hold.touch(h.Ref.ID)
+			}
+			s.gets.Add(1)
+			return nil
+		}
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		errs = append(errs, fmt.Errorf("%s: %w", h.Node, err))
+	}
+	all := errors.Join(errs...)
+	if len(errs) == 0 {
+		return fmt.Errorf("%w: %s has no holders", ErrNotFound, rec.ID)
+	}
+	return fmt.Errorf("%w: %s: every holder failed: %w", ErrNotFound, rec.ID, all)
+}
+
+// ReadAll looks an object up and returns its bytes.
+func (s *Store) ReadAll(ctx context.Context, id string) ([]byte, Record, error) {
+	rec, err := s.Lookup(ctx, id)
+	if err != nil {
+		return nil, Record{}, err
+	}
+	buf := make([]byte, rec.Size)
+	if err := s.Fetch(ctx, rec, buf); err != nil {
+		return nil, rec, err
+	}
+	return buf, rec, nil
+}
+
+// DeleteOp is the etcd operation that frees object id (for a stage's
+// fenced commit: delete-on-consume).
+func (s *Store) DeleteOp(id string) clientv3.Op {
+	return clientv3.OpDelete(ObjectKey(s.cfg.Prefix, id))
+}
+
+// Delete frees object id; its holders drop their copies when they see the
+// record go.
+func (s *Store) Delete(ctx context.Context, id string) error {
+	_, err := s.cli.Delete(ctx, ObjectKey(s.cfg.Prefix, id))
+	return err
+}
+
+// List returns the records whose id starts with idPrefix ("" for all;
+// JobObjectID(job, "") for a job's).
+func (s *Store) List(ctx context.Context, idPrefix string) ([]Record, error) {
+	ls, _, err := s.list(ctx, idPrefix)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Record, len(ls))
+	for i, l := range ls {
+		out[i] = l.Record
+	}
+	return out, nil
+}
+
+// listed is a record with what a conditional update needs.
+type listed struct {
+	Record
+	modRev int64
+	lease  clientv3.LeaseID
+}
+
+func (s *Store) list(ctx context.Context, idPrefix string) ([]listed, int64, error) {
+	resp, err := s.cli.Get(ctx, ObjectsPrefix(s.cfg.Prefix)+idPrefix, clientv3.WithPrefix())
+	if err != nil {
+		return nil, 0, fmt.Errorf("cache: list objects: %w", err)
+	}
+	out := make([]listed, 0, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		rec, err := decodeRecord(kv.Value)
+		if err != nil {
+			s.log.Warn("undecodable object record", zap.ByteString("key", kv.Key), zap.Error(err))
+			continue
+		}
+		out = append(out, listed{Record: rec, modRev: kv.ModRevision, lease: clientv3.LeaseID(kv.Lease)})
+	}
+	return out, resp.Header.Revision, nil
+}

@@ -11,12 +11,14 @@ import (
 	"github.com/latentmesh/latentmesh/testbed/bench"
 )
 
-const benchUsage = `usage: latentmesh bench <transfer|overlap> [flags]
+const benchUsage = `usage: latentmesh bench <transfer|overlap|store> [flags]
 
   transfer   data-plane throughput against raw TCP (tcp) and memcpy (shm),
              producer and consumer in two processes
   overlap    chunked pull-and-decode of a video latent against pull whole,
              then decode
+  store      pooled Store put (R copies) and get against p2p pulls of the
+             same size, on an in-process mesh of Store nodes and etcd
 
 Run 'latentmesh bench <command> -h' for its flags.
 `
@@ -31,6 +33,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return runBenchTransfer(ctx, args[1:], stdout, stderr)
 	case "overlap":
 		return runBenchOverlap(ctx, args[1:], stdout, stderr)
+	case "store":
+		return runBenchStore(ctx, args[1:], stdout, stderr)
 	case "producer":
 		return runBenchProducer(ctx, args[1:], stderr)
 	case "-h", "--help", "help":
@@ -152,6 +156,24 @@ func runBenchOverlap(ctx context.Context, args []string, stdout, stderr io.Write
 	cfg.Width, cfg.Height, cfg.Progress = size.w, size.h, stderr
 	rep, err := bench.RunOverlap(ctx, cfg)
 	return report("overlap", rep, err, *asJSON, stdout, stderr)
+}
+
+func runBenchStore(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	cfg := bench.DefaultStoreConfig()
+	fs := newFlagSet("bench store", "[flags]", stderr)
+	sizes := sizesFlag(cfg.Sizes)
+	transports := listFlag(cfg.Transports)
+	fs.Var(&sizes, "sizes", "object `sizes`, comma-separated (B, KiB, MiB, GiB, KB, MB, GB)")
+	fs.Var(&transports, "transports", "`transports` to measure: tcp, shm (each against p2p pulls over it)")
+	fs.IntVar(&cfg.Reps, "reps", cfg.Reps, "measured repetitions per size, after one warm-up")
+	fs.IntVar(&cfg.Replicas, "replicas", cfg.Replicas, "copies of each put (R), on as many holders")
+	asJSON := fs.Bool("json", false, "print machine-readable results")
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	cfg.Sizes, cfg.Transports, cfg.Progress = sizes, transports, stderr
+	rep, err := bench.RunStore(ctx, cfg)
+	return report("store", rep, err, *asJSON, stdout, stderr)
 }
 
 // runBenchProducer is the hidden producer child of the benchmarks: it serves

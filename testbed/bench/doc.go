@@ -7,7 +7,10 @@
 // ratio stays meaningful. RunOverlap measures what chunked transfer buys a
 // decoder: time to first decoded frame and total time for a video latent
 // pulled chunk by chunk while the producer is still writing it, against the
-// same latent pulled whole and then decoded.
+// same latent pulled whole and then decoded. RunStore measures the pooled
+// Store (package cache) on an in-process mesh of Store nodes and an embedded
+// etcd: a put onto R holders and a get from the nearest, each interleaved
+// with a p2p pull of the same size between the same services.
 //
 // The consumer (the calling process) re-executes a producer command (by
 // default this binary's hidden `bench producer`), which runs ServeProducer and

@@ -1,0 +1,617 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/host"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/etcdembed"
+	"github.com/latentmesh/latentmesh/cache"
+	"github.com/latentmesh/latentmesh/transfer"
+	"github.com/latentmesh/latentmesh/transfer/arena"
+)
+
+// The issue's acceptance targets, against a p2p pull of the same size over
+// the same pair of services and transport. They are reported, never enforced.
+const (
+	// GetTarget is the least store get (Fetch) / p2p pull ratio that meets
+	// the target.
+	GetTarget = 0.9
+	// PutTarget is the least p2p pull / put ratio that meets the target for
+	// a put with two replicas: the source serves two pulls at once.
+	PutTarget = 0.5
+)
+
+// StoreConfig configures RunStore.
+type StoreConfig struct {
+	// Sizes are the object sizes measured, in bytes.
+	Sizes []int64
+	// Transports are the transports measured (tcp, shm); every node's
+	// service is forced to the one under test.
+	Transports []string
+	// Reps is the number of measured repetitions per size, after one warm-up.
+	Reps int
+	// Replicas is R of every put: copies made on as many holders.
+	Replicas int
+	// Nodes is the size of the mesh. Node 0 puts and reads and lends the
+	// Store nothing, so every copy of a put crosses the data plane and every
+	// get pulls from a holder; the others hold the copies. Replicas must be
+	// below Nodes.
+	Nodes int
+	// Transfer is every node's transfer configuration; each transport's run
+	// forces its Transport and gives each node an arena sized for what it
+	// holds at once.
+	Transfer transfer.Config
+	// Store is every node's Store configuration; Prefix, Node and
+	// MemoryCapacity are set per node.
+	Store cache.Config
+	// Etcd configures the embedded etcd holding the records.
+	Etcd etcdembed.Config
+	// Progress, if not nil, receives a line per step of a long run.
+	Progress io.Writer
+	// Logger receives the nodes' logs.
+	Logger *zap.Logger
+}
+
+// DefaultStoreConfig measures the sizes and replica count of the issue's
+// acceptance criteria.
+func DefaultStoreConfig() StoreConfig {
+	st := cache.DefaultConfig()
+	// Short periods: a bench mesh lives for seconds, and every copy is
+	// freed through the watch between repetitions anyway.
+	st.StageTimeout = 30 * time.Second
+	st.MaintainEvery = 2 * time.Second
+	return StoreConfig{
+		Sizes:      []int64{64 << 20, 256 << 20},         // typical and large latent
+		Transports: []string{TransportTCP, TransportShm}, // every transport one host can run
+		Reps:       5,                                    // an odd count gives a true median
+		Replicas:   2,                                    // the Store's default R
+		Nodes:      4,                                    // a putter/reader and three candidate holders
+		Transfer:   transfer.DefaultConfig(),
+		Store:      st,
+		Etcd:       etcdembed.DefaultConfig(),
+		Logger:     zap.NewNop(),
+	}
+}
+
+func (c StoreConfig) validate() error {
+	switch {
+	case len(c.Sizes) == 0:
+		return errors.New("bench: no sizes")
+	case len(c.Transports) == 0:
+		return errors.New("bench: no transports")
+	case c.Reps < 1:
+		return fmt.Errorf("bench: reps %d < 1", c.Reps)
+	case c.Nodes < 2 || c.Nodes > 16:
+		return fmt.Errorf("bench: nodes %d not in [2,16]", c.Nodes)
+	case c.Replicas < 1 || c.Replicas >= c.Nodes || c.Replicas > 8:
+		return fmt.Errorf("bench: replicas %d not in [1,%d] (one node puts and reads, the others hold)", c.Replicas, min(c.Nodes-1, 8))
+	case c.Logger == nil:
+		return errors.New("bench: nil logger")
+	}
+	for _, s := range c.Sizes {
+		if s <= 0 || s > c.Transfer.MaxPayloadBytes {
+			return fmt.Errorf("bench: size %d not in [1,%d]", s, c.Transfer.MaxPayloadBytes)
+		}
+	}
+	for _, t := range c.Transports {
+		switch t {
+		case TransportTCP, TransportShm:
+		default:
+			return fmt.Errorf("bench: unknown transport %q (want tcp or shm)", t)
+		}
+	}
+	return nil
+}
+
+// StoreResult is one row: one transport at one size.
+type StoreResult struct {
+	Transport string `json:"transport"`
+	SizeBytes int64  `json:"size_bytes"`
+	Replicas  int    `json:"replicas"`
+	// GB/s (1e9 bytes per second) of puts: Put of an object published on
+	// node 0, returning once R holders copied it and its record is in etcd.
+	PutGbpsMedian float64 `json:"put_gbps_median"`
+	PutGbpsMin    float64 `json:"put_gbps_min"`
+	PutGbpsMax    float64 `json:"put_gbps_max"`
+	// GB/s of gets: Fetch of the record's bytes into a buffer of node 0,
+	// from the object's nearest holder.
+	GetGbpsMedian float64 `json:"get_gbps_median"`
+	GetGbpsMin    float64 `json:"get_gbps_min"`
+	GetGbpsMax    float64 `json:"get_gbps_max"`
+	// LookupMSMedian is the time Lookup takes to read the record from etcd
+	// before a get; RatioGetWithLookup counts it in the get's time (what a
+	// reader that starts from an object id pays).
+	LookupMSMedian     float64 `json:"lookup_ms_median"`
+	RatioGetWithLookup float64 `json:"ratio_get_with_lookup"`
+	// P2PGbpsMedian is the get's baseline: node 0 pulling (PullInto) a
+	// payload published on the holder the get read from, interleaved.
+	P2PGbpsMedian float64 `json:"p2p_gbps_median"`
+	// P2PPutGbpsMedian is the put's baseline: that holder pulling the put's
+	// source from node 0, interleaved.
+	P2PPutGbpsMedian float64 `json:"p2p_put_gbps_median"`
+	// RatioGet is get over p2p GB/s; RatioPut is put over p2p-put GB/s,
+	// that is one pull's time over a put's.
+	RatioGet       float64 `json:"ratio_get"`
+	RatioPut       float64 `json:"ratio_put"`
+	GetTarget      float64 `json:"get_target"`
+	PutTarget      float64 `json:"put_target"`
+	GetMeetsTarget bool    `json:"get_meets_target"`
+	PutMeetsTarget bool    `json:"put_meets_target"`
+}
+
+// StoreReport is RunStore's result, as `bench store --json` prints it.
+type StoreReport struct {
+	// Nodes is the mesh size; InProcess is true: every node runs in this
+	// process (see RunStore).
+	Nodes     int           `json:"nodes"`
+	InProcess bool          `json:"in_process"`
+	Results   []StoreResult `json:"results"`
+}
+
+// RunStore measures the pooled Store against the data plane it runs on:
+// puts and gets of objects of every size, each repetition interleaved with
+// p2p pulls of the same size over the same pair of transfer services and the
+// same transport, so a noisy machine moves both alike.
+//
+// The mesh is an embedded etcd and Nodes Store nodes, each with its own
+// libp2p host, transfer service and arena, all in this process: a put and
+// its copies, and a get and its baseline, share the same CPUs whatever the
+// process layout, and one process keeps the harness free of a Store
+// protocol of its own. (bench transfer puts its producer in another process
+// to account the two ends' CPU apart; here the baseline pays the same
+// in-process costs as the measured operation.) Node 0 puts objects, which
+// rendezvous hashing places on Replicas of the other nodes, and reads them
+// back from the nearest holder; objects are deleted between repetitions and
+// the run waits for the holders to free them.
+func RunStore(ctx context.Context, cfg StoreConfig) (*StoreReport, error) {
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	cfg.Etcd.Logger = cfg.Logger
+	srv, err := etcdembed.Start(ctx, cfg.Etcd)
+	if err != nil {
+		return nil, fmt.Errorf("bench: %w", err)
+	}
+	defer srv.Close()
+	rep := &StoreReport{Nodes: cfg.Nodes, InProcess: true}
+	for _, t := range cfg.Transports {
+		rows, err := runStoreTransport(ctx, cfg, srv.Endpoints(), t)
+		if err != nil {
+			return nil, err
+		}
+		rep.Results = append(rep.Results, rows...)
+	}
+	return rep, nil
+}
+
+// runStoreTransport measures one transport at every size, on a mesh of its
+// own whose services are forced to that transport.
+func runStoreTransport(ctx context.Context, cfg StoreConfig, endpoints []string, transport string) ([]StoreResult, error) {
+	r := &storeRun{cfg: cfg, transport: transport}
+	r.progress("%s: starting %d nodes", transport, cfg.Nodes)
+	m, err := startMesh(cfg, endpoints, transport)
+	if err != nil {
+		return nil, fmt.Errorf("bench: store mesh (%s): %w", transport, err)
+	}
+	defer m.close()
+	r.m = m
+	var rows []StoreResult
+	for _, size := range cfg.Sizes {
+		res, err := r.measure(ctx, size)
+		if err != nil {
+			return nil, fmt.Errorf("bench: store %s %s: %w", transport, FormatSize(size), err)
+		}
+		rows = append(rows, res)
+	}
+	return rows, nil
+}
+
+// storeNode is one member of the bench mesh.
+type storeNode struct {
+	name string
+	h    host.Host
+	x    *transfer.Service
+	cli  *clientv3.Client
+	s    *cache.Store
+}
+
+// close stops the node, Store before service, as an agent does. Nil
+// fields (a node that failed halfway) are skipped.
+func (n *storeNode) close() {
+	if n.s != nil {
+		n.s.Close()
+	}
+	if n.x != nil {
+		n.x.Close()
+	}
+	if n.h != nil {
+		n.h.Close()
+	}
+	if n.cli != nil {
+		n.cli.Close()
+	}
+}
+
+// storeMesh is the bench's mesh: nodes[0] puts and reads, the rest hold.
+// nodes is fixed once startMesh returns.
+type storeMesh struct {
+	nodes []*storeNode
+}
+
+// startMesh builds every node, then starts their Stores. Holders lend the
+// Store room for one copy of the largest size (each holds at most one copy
+// of an object, and objects are freed between repetitions); every arena
+// also holds what the baselines need: node 0 the put's source and the
+// gets' destination, a holder a payload for node 0 to pull and a
+// destination for its own pull of the source.
+func startMesh(cfg StoreConfig, endpoints []string, transport string) (_ *storeMesh, err error) {
+	m := &storeMesh{}
+	defer func() {
+		if err != nil {
+			m.close()
+		}
+	}()
+	largest := slices.Max(cfg.Sizes)
+	const slack = 16 << 20 // alignment and a region whose free is still pending
+	for i := range cfg.Nodes {
+		n := &storeNode{name: fmt.Sprintf("n%d", i)}
+		m.nodes = append(m.nodes, n)
+		log := cfg.Logger.Named(n.name)
+		tcfg := cfg.Transfer
+		tcfg.Transport = transport
+		tcfg.Logger = log
+		tcfg.Arena = arena.DefaultConfig()
+		tcfg.Arena.Name = "latentmesh-bench-store-" + n.name
+		tcfg.Arena.HugePages = false
+		var lend int64
+		if i == 0 {
+			tcfg.Arena.Size = 2*largest + slack
+		} else {
+			lend = largest
+			tcfg.Arena.Size = 2*largest + lend + slack
+		}
+		if n.h, err = newHost(loopback); err != nil {
+			return nil, err
+		}
+		if n.x, err = transfer.New(tcfg, n.h); err != nil {
+			return nil, err
+		}
+		if n.cli, err = clientv3.New(clientv3.Config{Endpoints: endpoints, DialTimeout: 10 * time.Second, Logger: log.Named("etcdclient")}); err != nil {
+			return nil, fmt.Errorf("etcd client: %w", err)
+		}
+		scfg := cfg.Store
+		scfg.Prefix = "/latentmesh-bench/store-" + transport
+		scfg.Node = n.name
+		scfg.MemoryCapacity = lend
+		scfg.Logger = log
+		if n.s, err = cache.New(scfg, n.cli, n.x, n.h, m.members, nil); err != nil {
+			return nil, err
+		}
+	}
+	for _, n := range m.nodes {
+		n.s.Start()
+	}
+	return m, nil
+}
+
+// members is the member list every node's Store sees: all nodes, with the
+// room their Stores have left.
+func (m *storeMesh) members() []cache.Member {
+	out := make([]cache.Member, 0, len(m.nodes))
+	for _, n := range m.nodes {
+		mem, disk := n.s.Free()
+		mb := cache.Member{Node: n.name, PeerID: n.h.ID().String(), Host: n.x.HostID(), Free: mem + disk}
+		for _, a := range n.h.Addrs() {
+			mb.P2PAddrs = append(mb.P2PAddrs, a.String())
+		}
+		out = append(out, mb)
+	}
+	return out
+}
+
+func (m *storeMesh) node(name string) *storeNode {
+	for _, n := range m.nodes {
+		if n.name == name {
+			return n
+		}
+	}
+	return nil
+}
+
+func (m *storeMesh) close() {
+	for _, n := range m.nodes {
+		n.close()
+	}
+}
+
+// storeRun measures one transport on one mesh.
+type storeRun struct {
+	cfg       StoreConfig
+	transport string
+	m         *storeMesh
+}
+
+func (r *storeRun) progress(format string, a ...any) {
+	if r.cfg.Progress != nil {
+		fmt.Fprintf(r.cfg.Progress, "bench store: "+format+"\n", a...)
+	}
+}
+
+// sizeSetup is what the baselines of one size use: the put's source on
+// node 0, node 0's destination, and per holder a payload node 0 pulls and
+// a destination the holder pulls the source into.
+type sizeSetup struct {
+	src     transfer.Ref
+	srcData []byte
+	dst     []byte
+	held    map[string]transfer.Ref // holder -> payload published on it
+	into    map[string][]byte       // holder -> its destination
+	allocs  map[string]int          // node -> arena allocations with no copy held
+	undo    []func()
+}
+
+func (s *sizeSetup) release() {
+	for i := len(s.undo) - 1; i >= 0; i-- {
+		s.undo[i]()
+	}
+}
+
+// publish allocates size bytes in x's arena, fills them and publishes them.
+func publish(x *transfer.Service, size int64, seed uint64) (transfer.Ref, []byte, error) {
+	buf, err := x.Alloc(size)
+	if err != nil {
+		return transfer.Ref{}, nil, err
+	}
+	defer buf.Release() // the payload keeps the region until its Release
+	data := buf.Bytes()
+	fill(data, seed)
+	ref, err := x.Publish(transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{size}}, data)
+	return ref, data, err
+}
+
+func (r *storeRun) setup(size int64) (_ *sizeSetup, err error) {
+	s := &sizeSetup{held: map[string]transfer.Ref{}, into: map[string][]byte{}, allocs: map[string]int{}}
+	defer func() {
+		if err != nil {
+			s.release()
+		}
+	}()
+	alloc := func(x *transfer.Service) ([]byte, error) {
+		b, err := x.Alloc(size)
+		if err != nil {
+			return nil, err
+		}
+		s.undo = append(s.undo, b.Release)
+		touch(b.Bytes())
+		return b.Bytes(), nil
+	}
+	p := r.m.nodes[0]
+	if s.src, s.srcData, err = publish(p.x, size, uint64(size)); err != nil {
+		return nil, err
+	}
+	s.undo = append(s.undo, func() { p.x.Release(s.src.ID) })
+	if s.dst, err = alloc(p.x); err != nil {
+		return nil, err
+	}
+	for i, n := range r.m.nodes[1:] {
+		ref, _, err := publish(n.x, size, uint64(size)+uint64(i)+1)
+		if err != nil {
+			return nil, err
+		}
+		s.held[n.name] = ref
+		s.undo = append(s.undo, func() { n.x.Release(ref.ID) })
+		if s.into[n.name], err = alloc(n.x); err != nil {
+			return nil, err
+		}
+	}
+	for _, n := range r.m.nodes {
+		s.allocs[n.name] = n.x.Stats().Arena.Allocs
+	}
+	return s, nil
+}
+
+// waitFreed waits, with a bounded backoff, until every holder has freed
+// the copies of deleted objects: its Store books and its arena are back to
+// where the size's setup left them.
+func (r *storeRun) waitFreed(ctx context.Context, s *sizeSetup) error {
+	const limit = 10 * time.Second
+	deadline := time.Now().Add(limit)
+	wait := time.Millisecond
+	for {
+		var busy []string
+		for _, n := range r.m.nodes {
+			st, xs := n.s.LocalStats(), n.x.Stats()
+			if st.MemoryUsed != 0 || xs.Arena.Allocs != s.allocs[n.name] {
+				busy = append(busy, fmt.Sprintf("%s: %d bytes, %d copies, %d arena allocations (want %d)",
+					n.name, st.MemoryUsed, st.Copies, xs.Arena.Allocs, s.allocs[n.name]))
+			}
+		}
+		if len(busy) == 0 {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("copies not freed %v after delete: %s", limit, strings.Join(busy, "; "))
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return ctx.Err()
+		case <-t.C:
+		}
+		wait = min(2*wait, 50*time.Millisecond)
+	}
+}
+
+// storeSample is one repetition's timings.
+type storeSample struct {
+	put, get, lookup, p2p, p2pPut time.Duration
+}
+
+// cycle runs one repetition: put, the put's baseline, lookup and get, the
+// get's baseline, then delete and wait for the copies to go.
+func (r *storeRun) cycle(ctx context.Context, s *sizeSetup, id string, verify bool) (storeSample, error) {
+	var out storeSample
+	p := r.m.nodes[0]
+	spec := cache.PutSpec{ID: id, Mode: cache.Pinned, Replicas: r.cfg.Replicas}
+	t0 := time.Now()
+	rec, err := p.s.Put(ctx, spec, s.src)
+	out.put = time.Since(t0)
+	if err != nil {
+		return out, err
+	}
+	if len(rec.Holders) != r.cfg.Replicas {
+		return out, fmt.Errorf("put %s made %d copies, want %d", id, len(rec.Holders), r.cfg.Replicas)
+	}
+	if _, ok := rec.Holds(p.name); ok {
+		return out, fmt.Errorf("put %s kept a copy on the putter %s", id, p.name)
+	}
+	holder := r.m.node(p.s.Nearest(rec)[0].Node)
+	if holder == nil {
+		return out, fmt.Errorf("put %s: nearest holder %q is not a node of the mesh", id, p.s.Nearest(rec)[0].Node)
+	}
+
+	t0 = time.Now()
+	err = holder.x.PullInto(ctx, s.src, s.into[holder.name])
+	out.p2pPut = time.Since(t0)
+	if err != nil {
+		return out, fmt.Errorf("p2p pull %s <- %s: %w", holder.name, p.name, err)
+	}
+
+	t0 = time.Now()
+	got, err := p.s.Lookup(ctx, id)
+	out.lookup = time.Since(t0)
+	if err != nil {
+		return out, err
+	}
+	t0 = time.Now()
+	err = p.s.Fetch(ctx, got, s.dst)
+	out.get = time.Since(t0)
+	if err != nil {
+		return out, err
+	}
+	if verify && !bytes.Equal(s.dst, s.srcData) {
+		return out, fmt.Errorf("get %s delivered other bytes than were put", id)
+	}
+
+	t0 = time.Now()
+	err = p.x.PullInto(ctx, s.held[holder.name], s.dst)
+	out.p2p = time.Since(t0)
+	if err != nil {
+		return out, fmt.Errorf("p2p pull %s <- %s: %w", p.name, holder.name, err)
+	}
+
+	if err := p.s.Delete(ctx, id); err != nil {
+		return out, err
+	}
+	return out, r.waitFreed(ctx, s)
+}
+
+// measure runs the warm-up and the interleaved repetitions of one size.
+func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error) {
+	s, err := r.setup(size)
+	if err != nil {
+		return StoreResult{}, err
+	}
+	defer s.release()
+	p := r.m.nodes[0]
+	if got := p.x.TransportFor(s.held[r.m.nodes[1].name]); got != r.transport {
+		return StoreResult{}, fmt.Errorf("pulls would use transport %q, not %q", got, r.transport)
+	}
+	// Warm up: dial every pair's pools and shm mappings both ways, fault in
+	// the pages, and run one verified cycle.
+	r.progress("%s %s: warm-up", r.transport, FormatSize(size))
+	for _, n := range r.m.nodes[1:] {
+		if err := n.x.PullInto(ctx, s.src, s.into[n.name]); err != nil {
+			return StoreResult{}, err
+		}
+		if err := p.x.PullInto(ctx, s.held[n.name], s.dst); err != nil {
+			return StoreResult{}, err
+		}
+	}
+	if !bytes.Equal(s.into[r.m.nodes[1].name], s.srcData) {
+		return StoreResult{}, errors.New("a p2p pull delivered other bytes than were published")
+	}
+	objectID := func(rep string) string {
+		return fmt.Sprintf("bench-%s-%s-%s", r.transport, FormatSize(size), rep)
+	}
+	if _, err := r.cycle(ctx, s, objectID("warm"), true); err != nil {
+		return StoreResult{}, err
+	}
+
+	var puts, gets, getsLookup, p2ps, p2pPuts, lookups []float64
+	for i := range r.cfg.Reps {
+		r.progress("%s %s: rep %d/%d", r.transport, FormatSize(size), i+1, r.cfg.Reps)
+		smp, err := r.cycle(ctx, s, objectID(fmt.Sprint(i)), false)
+		if err != nil {
+			return StoreResult{}, err
+		}
+		puts = append(puts, gbps(size, smp.put))
+		gets = append(gets, gbps(size, smp.get))
+		getsLookup = append(getsLookup, gbps(size, smp.lookup+smp.get))
+		p2ps = append(p2ps, gbps(size, smp.p2p))
+		p2pPuts = append(p2pPuts, gbps(size, smp.p2pPut))
+		lookups = append(lookups, ms(smp.lookup))
+	}
+	put, get := summarize(puts), summarize(gets)
+	res := StoreResult{
+		Transport: r.transport, SizeBytes: size, Replicas: r.cfg.Replicas,
+		PutGbpsMedian: put.median, PutGbpsMin: put.min, PutGbpsMax: put.max,
+		GetGbpsMedian: get.median, GetGbpsMin: get.min, GetGbpsMax: get.max,
+		LookupMSMedian:   summarize(lookups).median,
+		P2PGbpsMedian:    summarize(p2ps).median,
+		P2PPutGbpsMedian: summarize(p2pPuts).median,
+		GetTarget:        GetTarget,
+		PutTarget:        PutTarget,
+	}
+	if res.P2PGbpsMedian > 0 {
+		res.RatioGet = res.GetGbpsMedian / res.P2PGbpsMedian
+		res.RatioGetWithLookup = summarize(getsLookup).median / res.P2PGbpsMedian
+	}
+	if res.P2PPutGbpsMedian > 0 {
+		res.RatioPut = res.PutGbpsMedian / res.P2PPutGbpsMedian
+	}
+	res.GetMeetsTarget = res.RatioGet >= GetTarget
+	res.PutMeetsTarget = res.RatioPut >= PutTarget
+	return res, nil
+}
+
+// WriteTable writes the report as aligned columns, then how it was measured.
+func (rep *StoreReport) WriteTable(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintln(tw, strings.Join([]string{"transport", "size", "R", "put GB/s", "get GB/s", "p2p GB/s", "p2p put GB/s",
+		"get/p2p", "put/p2p", "lookup ms", "get+lookup/p2p", "get target", "put target", ""}, "\t"))
+	verdict := func(ok bool, target float64) string {
+		if ok {
+			return fmt.Sprintf("met (>=%.1f)", target)
+		}
+		return fmt.Sprintf("MISSED (<%.1f)", target)
+	}
+	for _, x := range rep.Results {
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%s\t%s\t\n",
+			x.Transport, FormatSize(x.SizeBytes), x.Replicas, x.PutGbpsMedian, x.GetGbpsMedian,
+			x.P2PGbpsMedian, x.P2PPutGbpsMedian, x.RatioGet, x.RatioPut, x.LookupMSMedian, x.RatioGetWithLookup,
+			verdict(x.GetMeetsTarget, x.GetTarget), verdict(x.PutMeetsTarget, x.PutTarget))
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintf(w, "\nMedians. %d Store nodes in this process on one etcd. put: n0 -> R holders, record committed.\n"+
+		"get: Fetch by n0 from its nearest holder; lookup: the etcd record read before it.\n"+
+		"p2p: PullInto holder -> n0 (get's baseline) and n0 -> holder (put's), interleaved,\n"+
+		"same services and transport.\n", rep.Nodes)
+	return err
+}

@@ -16,6 +16,7 @@ import (
 	"net/http"
 	"os"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/libp2p/go-libp2p/core/crypto"
@@ -27,6 +28,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
@@ -46,6 +48,8 @@ type Agent struct {
 	xfer    *transfer.Service
 	member  *gossip.Membership
 	store   *jobs.Store
+	cstore  *cache.Store       // this node's part of the pooled Store
+	alarms  *jobs.AlarmWatcher // etcd's NOSPACE alarm
 	engine  *engine.Engine
 	credits map[jobs.Stage]*routing.Credits
 	metrics *httpapi.Metrics
@@ -63,6 +67,13 @@ type Agent struct {
 	inflightMu sync.Mutex
 	inflight   map[string]string // payload id -> id of the task that published it
 
+	// blocked is set per stage while its worker finds no task whose output
+	// fits (arena, Store): the stage then gossips no free credit.
+	blocked map[jobs.Stage]*atomic.Bool
+	// relayed counts outputs handed on through the Store; heapPulls pulls
+	// that landed on the heap because the arena was full.
+	relayed, heapPulls atomic.Int64
+
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -77,7 +88,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.validate(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, inflight: map[string]string{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
@@ -110,9 +121,14 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if a.metrics, err = httpapi.NewMetrics(reg); err != nil {
 		return nil, fmt.Errorf("agent: metrics: %w", err)
 	}
+	if err = a.metrics.WatchStore(func() cache.LocalStats { return a.cstore.LocalStats() }); err != nil {
+		return nil, fmt.Errorf("agent: metrics: %w", err)
+	}
 	for _, r := range cfg.Roles {
 		a.credits[r] = routing.NewCredits(cfg.Slots[r])
+		a.blocked[r] = &atomic.Bool{}
 	}
+	a.alarms = jobs.NewAlarmWatcher(cli, cfg.AlarmEvery, a.log)
 	if cfg.HTTPListen != "" {
 		if a.httpLn, err = net.Listen("tcp", cfg.HTTPListen); err != nil {
 			return nil, fmt.Errorf("agent: http listen: %w", err)
@@ -145,6 +161,11 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	gc := cfg.Gossip
 	gc.Logger = cfg.Logger // gossip names the node in its own fields
 	if a.member, err = gossip.New(gc, cli, rec); err != nil {
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	sc := cfg.Store
+	sc.Node, sc.Logger = a.id, a.log
+	if a.cstore, err = cache.New(sc, cli, a.xfer, a.host, a.storeMembers, a.orphans); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
 	return a, nil
@@ -204,11 +225,14 @@ func (a *Agent) Start(ctx context.Context) error {
 	if err := a.member.Start(ctx); err != nil {
 		return fmt.Errorf("agent: join: %w", err)
 	}
+	a.cstore.Start()
+	a.wg.Go(func() { a.alarms.Run(a.ctx) })
 	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.xfer.Release, a.resyncHeld) })
 	for _, st := range a.cfg.Roles {
 		a.wg.Go(func() { a.worker(st) })
 	}
 	a.wg.Go(a.reportLoop)
+	a.wg.Go(a.gossipStoreRoom)
 	a.wg.Go(a.forgetDeparted)
 	if a.httpLn != nil {
 		a.httpSrv = &http.Server{Handler: httpapi.NewHandler(a.apiConfig(), a), ReadHeaderTimeout: 10 * time.Second}
@@ -216,9 +240,12 @@ func (a *Agent) Start(ctx context.Context) error {
 	}
 	if a.adminLn != nil {
 		a.adminSrv = &http.Server{Handler: httpapi.NewAdminHandler(httpapi.AdminConfig{
-			Live:    func() error { return nil },
-			Ready:   a.ready,
-			Status:  func(ctx context.Context) (any, error) { return a.Status(ctx) },
+			Live:   func() error { return nil },
+			Ready:  a.ready,
+			Status: func(ctx context.Context) (any, error) { return a.Status(ctx) },
+			Store: func(ctx context.Context, job string, objects bool) (any, error) {
+				return a.StoreStatus(ctx, job, objects)
+			},
 			Metrics: a.metrics.Handler(),
 			Token:   a.cfg.AdminToken,
 			Logger:  a.log,
@@ -245,12 +272,13 @@ func (a *Agent) serve(srv *http.Server, ln net.Listener, name string) {
 	}
 }
 
-// ready is /readyz: registered in etcd with a live lease.
+// ready is /readyz: registered in etcd with a live lease, and etcd able to
+// take writes (no NOSPACE alarm).
 func (a *Agent) ready() error {
 	if a.member.Lease() == 0 {
 		return errors.New("not registered in etcd (no lease)")
 	}
-	return nil
+	return a.alarms.NoSpace()
 }
 
 // ID is the node id.
@@ -292,6 +320,9 @@ func (a *Agent) Close() error {
 			}
 		}
 		a.wg.Wait()
+		if a.cstore != nil {
+			errs = append(errs, a.cstore.Close()) // before the transfer service its copies live in
+		}
 		if a.member != nil {
 			errs = append(errs, a.member.Close())
 		}
@@ -308,11 +339,19 @@ func (a *Agent) Close() error {
 
 // The httpapi.Jobs interface: the job store, counted in metrics.
 
-// Submit stores a new job.
-func (a *Agent) Submit(ctx context.Context, spec engine.Spec, class routing.Class) (jobs.Job, error) {
-	j, err := a.store.Submit(ctx, spec, class)
+// Submit stores a new job, unless the mesh cannot take it (checkSubmit).
+func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options) (jobs.Job, error) {
+	if err := a.checkSubmit(spec, opts); err != nil {
+		a.metrics.JobRefused()
+		return jobs.Job{}, err
+	}
+	j, err := a.store.Submit(ctx, spec, opts)
+	if jobs.IsNoSpace(err) {
+		a.alarms.Observe(err)
+		return jobs.Job{}, a.alarms.NoSpace() // ErrNoSpace with what to do: a 503
+	}
 	if err == nil {
-		a.metrics.JobSubmitted(class)
+		a.metrics.JobSubmitted(opts.Class)
 	}
 	return j, err
 }
@@ -323,19 +362,17 @@ func (a *Agent) Get(ctx context.Context, id string) (jobs.Job, error) { return a
 // Wait blocks until the job finishes.
 func (a *Agent) Wait(ctx context.Context, id string) (jobs.Job, error) { return a.store.Wait(ctx, id) }
 
-// Result returns a finished job's file.
-func (a *Agent) Result(ctx context.Context, id string) ([]byte, string, error) {
-	return a.store.Result(ctx, id)
-}
-
 // Cancel stops a job.
 func (a *Agent) Cancel(ctx context.Context, id string) (jobs.Job, error) {
 	return a.store.Cancel(ctx, id)
 }
 
+// Delete removes a finished job and its Store objects.
+func (a *Agent) Delete(ctx context.Context, id string) error { return a.store.Delete(ctx, id) }
+
 // StreamFrames streams a video's frame previews as they decode (httpapi.FrameStreamer).
 func (a *Agent) StreamFrames(ctx context.Context, id string, emit func(jobs.Frame) error) (jobs.Job, error) {
-	return a.store.StreamFrames(ctx, id, emit)
+	return a.store.StreamFrames(ctx, id, a.fetchObject, emit)
 }
 
 // meta is this node's gossiped soft state.
@@ -343,7 +380,9 @@ func (a *Agent) meta() gossip.NodeMeta {
 	m := gossip.NodeMeta{Roles: stagesToRoles(a.cfg.Roles)}
 	total := 0
 	for st, c := range a.credits {
-		m.Free.Set(string(st), uint32(c.Free()))
+		if !a.blocked[st].Load() {
+			m.Free.Set(string(st), uint32(c.Free()))
+		}
 		m.Running += uint32(c.InUse())
 		total += c.Total()
 	}
@@ -353,6 +392,7 @@ func (a *Agent) meta() gossip.NodeMeta {
 	if st := a.xfer.Stats(); st.HasArena {
 		m.FreeBufferBytes = uint64(st.Arena.Free)
 	}
+	m.StoreFree = uint64(a.cstore.Room())
 	return m
 }
 
@@ -383,6 +423,21 @@ func (a *Agent) resyncHeld() {
 	}
 }
 
+// gossipStoreRoom republishes this node's meta when its Store room changes,
+// so that producers waiting for room (and placement) see it: at most ten
+// times a second, whatever the rate of puts.
+func (a *Agent) gossipStoreRoom() {
+	for {
+		select {
+		case <-a.ctx.Done():
+			return
+		case <-a.cstore.RoomChanged():
+		}
+		a.publishMeta()
+		a.sleep(100 * time.Millisecond)
+	}
+}
+
 // forgetDeparted drops the data-plane state kept for producers that left
 // the mesh: an shm mapping of a departed agent's arena would otherwise keep
 // its memory alive for good.
@@ -399,6 +454,9 @@ func (a *Agent) forgetDeparted() {
 			}
 			if ev.Type == gossip.EventDeregistered && ev.Peer.Record.PeerID != "" {
 				a.xfer.Forget(ev.Peer.Record.PeerID)
+			}
+			if ev.Type == gossip.EventDeregistered || ev.Type == gossip.EventDead {
+				a.cstore.Kick() // re-replicate what it held
 			}
 		}
 	}
@@ -433,6 +491,7 @@ type Status struct {
 	Peers   []PeerStatus              `json:"peers"`
 	Queues  map[jobs.Stage]QueueInfo  `json:"queues"`
 	Data    DataInfo                  `json:"data_plane"`
+	Store   cache.LocalStats          `json:"store"`
 }
 
 // DataInfo is this node's data plane: what it holds and how it pulled.
@@ -443,6 +502,14 @@ type DataInfo struct {
 	ArenaBytes   int64            `json:"arena_bytes,omitempty"`
 	ArenaFree    int64            `json:"arena_free,omitempty"`
 	Pulls        map[string]int64 `json:"pulls_by_transport"`
+	StorePulls   map[string]int64 `json:"store_pulls_by_transport"` // copies into and reads from the Store
+	// HeapFallbacks counts outputs and HeapPulls pulls that landed on the
+	// heap because the arena was full (workers check for room before they
+	// claim, so these stay rare); Relayed counts outputs handed on through
+	// the Store.
+	HeapFallbacks int64 `json:"heap_fallbacks"`
+	HeapPulls     int64 `json:"heap_pulls"`
+	Relayed       int64 `json:"relayed"`
 }
 
 // CreditInfo is one stage's slot ledger.
@@ -495,8 +562,10 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 	xs := a.xfer.Stats()
 	st.Data = DataInfo{
 		Transport: a.cfg.Transfer.Transport, HeldPayloads: xs.Payloads, HeldBytes: xs.PayloadBytes,
-		ArenaBytes: xs.Arena.Size, ArenaFree: xs.Arena.Free, Pulls: xs.Pulls,
+		ArenaBytes: xs.Arena.Size, ArenaFree: xs.Arena.Free, Pulls: xs.Pulls, StorePulls: xs.StorePulls,
+		HeapFallbacks: xs.HeapFallbacks, HeapPulls: a.heapPulls.Load(), Relayed: a.relayed.Load(),
 	}
+	st.Store = a.cstore.LocalStats()
 	return st, nil
 }
 

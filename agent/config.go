@@ -11,6 +11,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
@@ -51,10 +52,29 @@ type Config struct {
 	ProgressEvery time.Duration
 	// EarlyHandoff commits a chunked (video) denoise stage as soon as its
 	// first frame chunk is final, so decode overlaps the denoiser's tail.
+	// It applies to peer-to-peer handoffs; a Store relay copies the whole
+	// latent first.
 	EarlyHandoff bool
+	// TransferMode is how this agent hands its stage outputs on, unless a
+	// job asks otherwise: p2p, store or auto (see jobs.TransferMode).
+	TransferMode jobs.TransferMode
+	// StoreMemory is how many arena bytes this agent lends to the Store;
+	// StoreMemoryAuto lends a quarter of the arena.
+	StoreMemory int64
+	// ResultTTL is how long a finished file stays in the Store.
+	ResultTTL time.Duration
+	// PreviewTTL bounds how long a video frame preview stays in the Store
+	// if the decode that made it never commits (a commit deletes them).
+	PreviewTTL time.Duration
+	// AlarmEvery is how often etcd's alarms are read (NOSPACE refuses new
+	// jobs and turns /readyz to 503).
+	AlarmEvery time.Duration
 
-	Gossip    gossip.Config
-	Transfer  transfer.Config
+	Gossip   gossip.Config
+	Transfer transfer.Config
+	// Store configures this agent's part of the Store; Prefix, Node,
+	// Logger and (with StoreMemory) MemoryCapacity are set by the agent.
+	Store     cache.Config
 	Jobs      jobs.Config
 	Engine    engine.Config
 	API       httpapi.Config
@@ -85,8 +105,14 @@ func DefaultConfig() Config {
 		RetryBackoff:     200 * time.Millisecond, // 0.2+0.4+0.8+1.6 s: rides out a restart
 		ProgressEvery:    200 * time.Millisecond, // a smooth progress bar; a few writes a second
 		EarlyHandoff:     true,                   // the RFC's chunked denoise->decode overlap
+		TransferMode:     jobs.Auto,              // p2p while a consumer has credit, else relay
+		StoreMemory:      StoreMemoryAuto,
+		ResultTTL:        24 * time.Hour,   // a day to download a result; the record says when it goes
+		PreviewTTL:       10 * time.Minute, // previews are for watching a decode, not for keeping
+		AlarmEvery:       5 * time.Second,  // a full etcd is noticed within seconds; one cheap read
 		Gossip:           gossip.DefaultConfig(),
 		Transfer:         tc,
+		Store:            cache.DefaultConfig(),
 		Jobs:             jobs.DefaultConfig(),
 		Engine:           engine.DefaultConfig(),
 		API:              httpapi.DefaultConfig(),
@@ -95,6 +121,10 @@ func DefaultConfig() Config {
 		Logger:           zap.NewNop(),
 	}
 }
+
+// StoreMemoryAuto lends a quarter of the arena to the Store: the rest stays
+// for the agent's own stage outputs and pulls.
+const StoreMemoryAuto = -1
 
 // DefaultLocalConfig suits an agent in a test or the demo: fast gossip and a
 // short lease, ephemeral ports, no fixed HTTP/admin ports.
@@ -107,6 +137,9 @@ func DefaultLocalConfig() Config {
 	// Several agents share one test machine: a small arena, still pre-faulted.
 	c.Transfer.Arena.Size = 64 << 20
 	c.Transfer.Arena.HugePages = false
+	c.Store.MaintainEvery = time.Second // re-replicate quickly in tests
+	c.Store.StageTimeout = 30 * time.Second
+	c.AlarmEvery = time.Second
 	return c
 }
 
@@ -127,12 +160,33 @@ func (c Config) validate() (Config, error) {
 	if c.TransientRetries < 1 || c.RetryBackoff <= 0 || c.ProgressEvery <= 0 {
 		return c, errors.New("agent: TransientRetries, RetryBackoff and ProgressEvery must be positive")
 	}
+	if c.TransferMode == "" {
+		c.TransferMode = jobs.Auto
+	}
+	if _, err := jobs.ParseTransferMode(string(c.TransferMode)); err != nil {
+		return c, fmt.Errorf("agent: %w", err)
+	}
+	if c.ResultTTL <= 0 || c.PreviewTTL <= 0 || c.AlarmEvery <= 0 {
+		return c, errors.New("agent: ResultTTL, PreviewTTL and AlarmEvery must be positive")
+	}
+	switch {
+	case c.StoreMemory == StoreMemoryAuto:
+		c.Store.MemoryCapacity = c.Transfer.Arena.Size / 4
+	case c.StoreMemory >= 0:
+		c.Store.MemoryCapacity = c.StoreMemory
+	default:
+		return c, fmt.Errorf("agent: StoreMemory %d: want bytes or StoreMemoryAuto", c.StoreMemory)
+	}
+	if c.Store.MemoryCapacity > c.Transfer.Arena.Size && c.Transfer.Arena.Size > 0 {
+		return c, fmt.Errorf("agent: Store memory %d exceeds the %d-byte arena it is lent from", c.Store.MemoryCapacity, c.Transfer.Arena.Size)
+	}
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()
 	}
 	// One prefix and one logger tie the layers together.
-	c.Gossip.Prefix, c.Jobs.Prefix = c.Prefix, c.Prefix
+	c.Gossip.Prefix, c.Jobs.Prefix, c.Store.Prefix = c.Prefix, c.Prefix, c.Prefix
 	c.Gossip.Logger, c.Transfer.Logger, c.Jobs.Logger, c.API.Logger = c.Logger, c.Logger, c.Logger, c.Logger
+	c.Store.Logger = c.Logger
 	slots := make(map[jobs.Stage]int, len(c.Slots))
 	for k, v := range c.Slots {
 		slots[k] = v

@@ -9,10 +9,12 @@ import (
 	"sync/atomic"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
 )
@@ -86,6 +88,12 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		if err := a.ctx.Err(); err != nil {
 			return nil, err
 		}
+		if a.alarms.NoSpace() != nil {
+			// etcd refuses every claim while its database is full: wait for
+			// the operator (the alarm watcher logs it; /readyz says it).
+			a.sleep(a.cfg.AlarmEvery)
+			continue
+		}
 		changed := a.member.LeaseChanged() // before Lease, so a change in between is not missed
 		lease := a.member.Lease()
 		if lease == 0 { // re-registering after a lost lease
@@ -123,20 +131,80 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		}
 		ordered, retry := a.cfg.Queue.Order(cands, a.id, now)
 		wake = earliest(wake, retry)
+		tried := 0
 		for _, c := range ordered {
-			claim, err := a.store.TryClaim(a.ctx, byID[c.ID], a.id, lease)
+			t := byID[c.ID]
+			if !a.fits(t) {
+				continue // memory backpressure: its output has nowhere to go yet
+			}
+			tried++
+			claim, err := a.store.TryClaim(a.ctx, t, a.id, lease)
 			if err == nil {
+				a.setBlocked(st, false)
 				return claim, nil
+			}
+			if jobs.IsNoSpace(err) {
+				a.alarms.Observe(err)
+				break
 			}
 			if !errors.Is(err, jobs.ErrTaken) {
 				return nil, err
 			}
 		}
-		if len(ordered) > 0 {
+		if tried > 0 {
 			continue // others won every race: the queue moved, read it again
+		}
+		if len(ordered) > 0 {
+			// Tasks wait but none fits: say so in gossip (no free credit)
+			// and look again as memory frees, which gossip and releases
+			// tell, not etcd: within a second.
+			a.setBlocked(st, true)
+			wake = earliest(wake, time.Now().Add(time.Second))
 		}
 		a.store.WaitChange(a.ctx, st, rev, wake)
 	}
+}
+
+// setBlocked records whether stage st is starved of memory for its outputs
+// and gossips the change.
+func (a *Agent) setBlocked(st jobs.Stage, b bool) {
+	if a.blocked[st].Swap(b) != b {
+		if b {
+			a.log.Info("no room for this stage's outputs; not claiming until memory frees", zap.String("stage", string(st)))
+		}
+		a.publishMeta()
+	}
+}
+
+// outputBytes is what task t will place in this node's arena: the encoded
+// conditioning, the latent. A decode's file goes to the Store, where it may
+// overflow (putResult), so decode never waits for room.
+func (a *Agent) outputBytes(t jobs.Task) int64 {
+	switch t.Stage {
+	case jobs.Encode:
+		return a.engine.CondMeta().Bytes()
+	case jobs.Denoise:
+		return a.engine.LatentMeta(t.Spec).Bytes()
+	}
+	return 0
+}
+
+// fits reports whether task t's output has room: a free block of the arena
+// for the producer's buffer and, when it will be relayed, a Store member
+// with room (memory or spill disk) for a copy.
+func (a *Agent) fits(t jobs.Task) bool {
+	n := a.outputBytes(t)
+	if n == 0 {
+		return true
+	}
+	if st := a.xfer.Stats(); st.HasArena && st.Arena.LargestFree < n {
+		return false
+	}
+	if a.transferMode(t) == jobs.StoreRelay {
+		_, largest := a.storeRoom()
+		return largest >= n
+	}
+	return true
 }
 
 func earliest(a, b time.Time) time.Time {
@@ -164,7 +232,16 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err e
 		}
 	}
 	inFlight := a.credits[st].InUse() // running tasks of this stage; this claim has no credit yet
-	return a.cfg.Admission.Admit(int(queued), free, inFlight), down, rev, nil
+	ok = a.cfg.Admission.Admit(int(queued), free, inFlight)
+	// Outputs relayed through the Store wait there, not in our arena or a
+	// consumer's: the Store's room bounds them (fits checks it per task), so
+	// a store-relay agent runs ahead of a slow or absent downstream pool,
+	// which is what frees its GPU. auto relays when downstream is busy.
+	if !ok && a.cfg.TransferMode != jobs.P2P {
+		_, largest := a.storeRoom()
+		ok = largest > 0
+	}
+	return ok, down, rev, nil
 }
 
 // pickHint names the preferred worker of the next stage: power of two
@@ -189,13 +266,15 @@ func (a *Agent) execute(c *jobs.Claim) {
 	ctx, stop := a.watchCancel(c, &handedOff)
 	defer stop()
 	start := time.Now()
-	out, published, committed, err := a.run(ctx, c, &handedOff)
+	var staged []*cache.Staged // Store objects the task staged; their records come with its commit
+	out, published, committed, err := a.run(ctx, c, &handedOff, &staged)
 	out.Work = time.Since(start)
 
 	release := func() {
 		for _, id := range published {
 			a.xfer.Release(id)
 		}
+		a.abort(staged)
 	}
 	if committed {
 		// Early handoff: the commit already happened inside run.
@@ -276,6 +355,7 @@ func (a *Agent) execute(c *jobs.Claim) {
 		err := record()
 		if err == nil || errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished) {
 			a.releaseUncommitted(published, err)
+			a.abort(staged)
 			return
 		}
 		if a.ctx.Err() != nil {
@@ -284,6 +364,15 @@ func (a *Agent) execute(c *jobs.Claim) {
 		log.Warn("recording task failure; retrying", zap.Duration("backoff", backoff), zap.Error(err))
 		a.sleep(backoff)
 		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+// abort drops the copies of Store objects a task staged but did not commit.
+// A holder keeps a copy whose record exists after all (a commit whose reply
+// was lost), so this is safe whatever the commit's outcome.
+func (a *Agent) abort(staged []*cache.Staged) {
+	for _, st := range staged {
+		st.Abort(a.ctx)
 	}
 }
 
@@ -343,7 +432,9 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff *atomic.Bool) (ctx context.
 // published lists payloads this call published, for release on failure.
 // committed reports that run already committed the stage itself (early
 // handoff); err is then about the work after the commit.
-func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool) (out jobs.Output, published []string, committed bool, err error) {
+// staged collects the Store objects run staged, for the caller to abort
+// when the stage does not commit.
+func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
 	spec := c.Task.Spec
 	switch c.Task.Stage {
 	case jobs.Encode:
@@ -360,15 +451,50 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool) 
 			a.xfer.Release(ref.ID)
 			return out, nil, false, err
 		}
-		out, err = a.output(c, ref)
+		hint := a.pickHint(jobs.Denoise)
+		if a.handoff(c.Task, hint, ref.Meta.Bytes()) == routing.HandoffStore {
+			return a.relayOutput(ctx, c, ref, hint, staged)
+		}
+		out, err = a.output(c, ref, hint)
 		return out, []string{ref.ID}, false, err
 	case jobs.Denoise:
-		return a.denoise(ctx, c, handedOff)
+		return a.denoise(ctx, c, handedOff, staged)
 	case jobs.Decode:
-		out.Result, out.ContentType, err = a.decode(ctx, c)
-		return out, nil, false, err
+		file, ctype, err := a.decode(ctx, c)
+		if err != nil {
+			return out, nil, false, err
+		}
+		st, res, err := a.putResult(ctx, c, file, ctype)
+		if err != nil {
+			return out, nil, false, err
+		}
+		*staged = append(*staged, st)
+		out.Result, out.Ops = res, []clientv3.Op{st.Op()}
+		return out, nil, false, nil
 	}
 	return out, nil, false, fmt.Errorf("agent: unknown stage %q", c.Task.Stage)
+}
+
+// relayOutput hands a finished payload on through the Store. When the
+// Store has no room and the job did not insist on a relay, the payload goes
+// peer to peer instead; otherwise the task retries later.
+func (a *Agent) relayOutput(ctx context.Context, c *jobs.Claim, ref transfer.Ref, hint string, staged *[]*cache.Staged) (jobs.Output, []string, bool, error) {
+	out, st, err := a.relay(ctx, c, ref, hint)
+	if err == nil {
+		*staged = append(*staged, st)
+		return out, nil, false, nil
+	}
+	if ctx.Err() != nil {
+		a.xfer.Release(ref.ID)
+		return out, nil, false, ctx.Err()
+	}
+	if a.transferMode(c.Task) == jobs.StoreRelay {
+		a.xfer.Release(ref.ID)
+		return out, nil, false, fmt.Errorf("%w: relay through the Store: %v", errTransient, err)
+	}
+	a.log.Debug("store relay failed; handing off peer to peer", zap.String("job", c.Task.JobID), zap.Error(err))
+	out, err = a.output(c, ref, hint)
+	return out, []string{ref.ID}, false, err
 }
 
 // begin publishes a payload for c to write, noting it as in flight until
@@ -394,14 +520,14 @@ func (a *Agent) untrack(c *jobs.Claim) {
 	}
 }
 
-// output is the commit record of a stage that produced payload ref.
-func (a *Agent) output(c *jobs.Claim, ref transfer.Ref) (jobs.Output, error) {
+// output is the commit record of a stage that produced payload ref, handed
+// on peer to peer, with hint the next stage's preferred worker.
+func (a *Agent) output(c *jobs.Claim, ref transfer.Ref, hint string) (jobs.Output, error) {
 	raw, err := json.Marshal(ref)
 	if err != nil {
 		return jobs.Output{}, err
 	}
-	next, _ := c.Task.Stage.Next()
-	return jobs.Output{Payloads: []jobs.Input{{Payload: ref.ID, Node: a.id, Ref: raw}}, Hint: a.pickHint(next)}, nil
+	return jobs.Output{Payloads: []jobs.Input{{Payload: ref.ID, Node: a.id, Ref: raw}}, Hint: hint}, nil
 }
 
 // denoise runs the sampler with the latent written straight into a
@@ -410,7 +536,7 @@ func (a *Agent) output(c *jobs.Claim, ref transfer.Ref) (jobs.Output, error) {
 // decode stage starts pulling and decoding while the denoiser finishes the
 // remaining frames; if the denoiser then fails, it releases the payload and
 // the consumer's pull fails with "not found", which rewinds the job.
-func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool) (out jobs.Output, published []string, committed bool, err error) {
+func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
 	spec := c.Task.Spec
 	cond, releaseCond, err := a.pull(ctx, c.Task.Inputs)
 	if err != nil {
@@ -418,6 +544,10 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 	}
 	defer releaseCond()
 	meta := a.engine.LatentMeta(spec)
+	// Decided before the sampler runs: a relay copies the whole latent into
+	// the Store, so it hands off after the last step, never early.
+	hint := a.pickHint(jobs.Decode)
+	relay := a.handoff(c.Task, hint, meta.Bytes()) == routing.HandoffStore
 	p, ref, err := a.begin(c, meta)
 	if err != nil {
 		return out, nil, false, fmt.Errorf("%w: publish: %v", errTransient, err)
@@ -426,8 +556,19 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 	// under us (a cancel after an early handoff), so the sampler's last
 	// writes never land in memory handed to another payload.
 	defer p.Done()
+	if relay {
+		if _, err := a.engine.DenoiseInto(ctx, spec, cond, p.Buf(), a.progress(ctx, c), func(k int) {
+			if err := p.ChunkReady(k); err != nil {
+				a.log.Error("chunk ready", zap.Int("chunk", k), zap.Error(err))
+			}
+		}); err != nil {
+			a.xfer.Release(ref.ID)
+			return out, nil, false, err
+		}
+		return a.relayOutput(ctx, c, ref, hint, staged)
+	}
 	published = []string{ref.ID}
-	if out, err = a.output(c, ref); err != nil {
+	if out, err = a.output(c, ref, hint); err != nil {
 		return out, published, false, err
 	}
 	early := a.cfg.EarlyHandoff && meta.Chunks() > 1
@@ -499,19 +640,25 @@ func input(ins []jobs.Input) (jobs.Input, transfer.Ref, error) {
 // pull fetches a task's input payload from its producer into a buffer of
 // this agent's arena; call release when done with the tensor.
 func (a *Agent) pull(ctx context.Context, ins []jobs.Input) (t engine.Tensor, release func(), err error) {
-	in, ref, err := input(ins)
+	in, refs, err := a.inputRefs(ctx, ins)
 	if err != nil {
 		return engine.Tensor{}, nil, err
 	}
-	if err := ref.Meta.Validate(a.cfg.Transfer.MaxPayloadBytes); err != nil {
+	meta := refs[0].Meta
+	if err := meta.Validate(a.cfg.Transfer.MaxPayloadBytes); err != nil {
 		return engine.Tensor{}, nil, fmt.Errorf("%w: payload meta: %v", errInputLost, err)
 	}
-	dst, release := a.buffer(ref.Meta.Bytes())
-	if err := a.xfer.PullInto(ctx, ref, dst); err != nil {
-		release()
-		return engine.Tensor{}, nil, a.pullFailed(ctx, in, err)
+	dst, release := a.buffer(meta.Bytes())
+	for _, ref := range refs { // a Store object's replicas, nearest first
+		if err = a.xfer.PullInto(ctx, ref, dst); err == nil {
+			return engine.Tensor{Meta: meta, Data: dst}, release, nil
+		}
+		if ctx.Err() != nil {
+			break
+		}
 	}
-	return engine.Tensor{Meta: ref.Meta, Data: dst}, release, nil
+	release()
+	return engine.Tensor{}, nil, a.pullFailed(ctx, in, err)
 }
 
 // buffer returns n bytes for a pull to land in: arena memory when the arena
@@ -520,6 +667,7 @@ func (a *Agent) pull(ctx context.Context, ins []jobs.Input) (t engine.Tensor, re
 func (a *Agent) buffer(n int64) ([]byte, func()) {
 	b, err := a.xfer.Alloc(n)
 	if err != nil {
+		a.heapPulls.Add(1)
 		a.log.Debug("pull into heap", zap.Int64("bytes", n), zap.Error(err))
 		return make([]byte, n), func() {}
 	}
@@ -532,7 +680,7 @@ func (a *Agent) buffer(n int64) ([]byte, func()) {
 // streaming the job.
 func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, error) {
 	spec := c.Task.Spec
-	in, ref, err := input(c.Task.Inputs)
+	in, refs, err := a.inputRefs(ctx, c.Task.Inputs)
 	if err != nil {
 		return nil, "", err
 	}
@@ -540,20 +688,28 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 	if err != nil {
 		return nil, "", err
 	}
-	if err := ref.Meta.Validate(a.cfg.Transfer.MaxPayloadBytes); err != nil {
+	meta := refs[0].Meta
+	if err := meta.Validate(a.cfg.Transfer.MaxPayloadBytes); err != nil {
 		return nil, "", fmt.Errorf("%w: latent meta: %v", errInputLost, err)
 	}
-	_, chunkBytes := ref.Meta.ChunkRange(0)
+	_, chunkBytes := meta.ChunkRange(0)
 	if chunkBytes%int64(fd.FrameBytes()) != 0 {
 		return nil, "", fmt.Errorf("agent: latent chunks of %d bytes are not whole %d-byte frames", chunkBytes, fd.FrameBytes())
 	}
 	framesPerChunk := int(chunkBytes) / fd.FrameBytes()
 
-	dst, release := a.buffer(ref.Meta.Bytes())
+	dst, release := a.buffer(meta.Bytes())
 	defer release()
 	pctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	pull, err := a.xfer.PullChunks(pctx, ref, dst)
+	// A Store object's replicas are tried nearest first until one starts
+	// answering; a pull that fails once chunks arrived retries the task.
+	var pull *transfer.ChunkPull
+	for _, ref := range refs {
+		if pull, err = a.xfer.PullChunks(pctx, ref, dst); err == nil || ctx.Err() != nil {
+			break
+		}
+	}
 	if err != nil {
 		return nil, "", a.pullFailed(ctx, in, err)
 	}
@@ -583,7 +739,7 @@ func (a *Agent) previewFrames(ctx context.Context, c *jobs.Claim, fd *engine.Fra
 	for f := first; f < first+n; f++ {
 		png, err := fd.FramePreview(f)
 		if err == nil {
-			err = a.store.PutFrame(ctx, c, f, png)
+			err = a.putPreview(ctx, c, f, png)
 		}
 		if err != nil && ctx.Err() == nil {
 			a.log.Debug("frame preview", zap.String("job", c.Task.JobID), zap.Int("frame", f), zap.Error(err))

@@ -69,6 +69,7 @@ type NodeMeta struct {
 	Running         uint32       `msgpack:"u,omitempty"` // tasks executing
 	Load            float32      `msgpack:"l,omitempty"` // 0 idle .. 1 saturated (may exceed 1)
 	FreeBufferBytes uint64       `msgpack:"b,omitempty"` // free bytes in the transfer arena
+	StoreFree       uint64       `msgpack:"s,omitempty"` // the largest object its Store can take now
 }
 
 // EncodeMeta encodes m for memberlist. A zero Version is written as

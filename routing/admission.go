@@ -68,3 +68,34 @@ func better(a, b Target) bool {
 	}
 	return a.Free > b.Free
 }
+
+// Handoff is how a stage's output reaches the next stage.
+type Handoff int
+
+// Handoffs.
+const (
+	// HandoffP2P: the consumer pulls from the producer, which holds the
+	// payload until the consumer commits.
+	HandoffP2P Handoff = iota
+	// HandoffStore: the producer relays the payload through the Store and
+	// frees its own buffer at once.
+	HandoffStore
+)
+
+// ChooseHandoff applies a transfer mode ("p2p", "store" or "auto") to one
+// output: auto relays through the Store unless a consumer with credit is
+// known at publish time and the producer's arena has room for the payload
+// (the RFC: relay when the consumer is not ready, so the producer's GPU is
+// not held by a payload waiting for it).
+func ChooseHandoff(mode string, consumerReady, producerRoom bool) Handoff {
+	switch mode {
+	case "p2p":
+		return HandoffP2P
+	case "store":
+		return HandoffStore
+	}
+	if consumerReady && producerRoom {
+		return HandoffP2P
+	}
+	return HandoffStore
+}

@@ -188,3 +188,22 @@ func TestParseClass(t *testing.T) {
 		t.Fatal("unknown class accepted")
 	}
 }
+
+func TestChooseHandoff(t *testing.T) {
+	for _, c := range []struct {
+		mode        string
+		ready, room bool
+		want        Handoff
+	}{
+		{"p2p", false, false, HandoffP2P},
+		{"store", true, true, HandoffStore},
+		{"auto", true, true, HandoffP2P},
+		{"auto", false, true, HandoffStore}, // no consumer with credit: relay
+		{"auto", true, false, HandoffStore}, // no room to hold it for the consumer
+		{"", true, true, HandoffP2P},
+	} {
+		if got := ChooseHandoff(c.mode, c.ready, c.room); got != c.want {
+			t.Errorf("ChooseHandoff(%q, ready=%v, room=%v) = %v, want %v", c.mode, c.ready, c.room, got, c.want)
+		}
+	}
+}

@@ -49,8 +49,11 @@ type ClusterConfig struct {
 	// agent. Start from agent.DefaultLocalConfig().
 	Agent agent.Config
 	// Etcd configures the embedded etcd.
-	Etcd   etcdembed.Config
-	Logger *zap.Logger
+	Etcd etcdembed.Config
+	// EtcdEndpoints, when set, is an etcd the cluster uses instead of
+	// starting its own (an external etcd process, say).
+	EtcdEndpoints []string
+	Logger        *zap.Logger
 }
 
 // DefaultClusterConfig is a disaggregated cluster on loopback.
@@ -72,8 +75,9 @@ type Cluster struct {
 	Agents []*agent.Agent
 }
 
-// NewEtcdClient connects to endpoints with limits large enough for results
-// (committed in one transaction).
+// NewEtcdClient connects to endpoints. Its message limits are generous, but
+// nothing latentmesh writes needs them: files live in the Store, and a
+// commit is a few KiB.
 func NewEtcdClient(endpoints []string, log *zap.Logger) (*clientv3.Client, error) {
 	if log == nil {
 		log = zap.NewNop()
@@ -81,8 +85,8 @@ func NewEtcdClient(endpoints []string, log *zap.Logger) (*clientv3.Client, error
 	cli, err := clientv3.New(clientv3.Config{
 		Endpoints:          endpoints,
 		DialTimeout:        5 * time.Second,
-		MaxCallSendMsgSize: 64 << 20, // results ride in one commit transaction
-		MaxCallRecvMsgSize: 64 << 20,
+		MaxCallSendMsgSize: 64 << 20, // generous; commits are a few KiB
+		MaxCallRecvMsgSize: 64 << 20, // a prefix read of many records
 		Logger:             log.Named("etcdclient").WithOptions(zap.IncreaseLevel(zap.ErrorLevel)),
 	})
 	if err != nil {
@@ -102,12 +106,16 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 			c.Close()
 		}
 	}()
-	ec := cfg.Etcd
-	ec.Logger = cfg.Logger
-	if c.Etcd, err = etcdembed.Start(ctx, ec); err != nil {
-		return nil, err
+	endpoints := cfg.EtcdEndpoints
+	if len(endpoints) == 0 {
+		ec := cfg.Etcd
+		ec.Logger = cfg.Logger
+		if c.Etcd, err = etcdembed.Start(ctx, ec); err != nil {
+			return nil, err
+		}
+		endpoints = c.Etcd.Endpoints()
 	}
-	if c.Client, err = NewEtcdClient(c.Etcd.Endpoints(), cfg.Logger); err != nil {
+	if c.Client, err = NewEtcdClient(endpoints, cfg.Logger); err != nil {
 		return nil, err
 	}
 	switch cfg.Topology {
@@ -187,7 +195,7 @@ func (c *Cluster) Run(ctx context.Context, specs []engine.Spec) ([]Output, error
 	entry := c.Agents[0]
 	ids := make([]string, len(specs))
 	for i, s := range specs {
-		j, err := entry.Submit(ctx, s, routing.Standard)
+		j, err := entry.Submit(ctx, s, jobs.Options{Class: routing.Standard})
 		if err != nil {
 			return nil, fmt.Errorf("testbed: submit %q: %w", s.Prompt, err)
 		}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
@@ -36,6 +37,7 @@ func runDemo(t *testing.T, top Topology, specs []engine.Spec) DemoReport {
 	defer cancel()
 	cfg := DemoConfig{Out: t.TempDir(), Specs: specs, Cluster: DefaultClusterConfig()}
 	cfg.Cluster.Topology = top
+	cfg.Cluster.Agent.TransferMode = jobs.P2P // a stage handoff is then exactly one pull
 	cfg.Cluster.Logger = testLogger(t)
 	rep, err := RunDemo(ctx, cfg)
 	if err != nil {
@@ -184,7 +186,10 @@ func TestEndToEndOverEachTransport(t *testing.T) {
 	var want [][]byte
 	for _, mode := range []string{transfer.TransportTCP, transfer.TransportShm} {
 		t.Run(mode, func(t *testing.T) {
-			cl := startCluster(t, Disaggregated, func(c *ClusterConfig) { c.Agent.Transfer.Transport = mode })
+			cl := startCluster(t, Disaggregated, func(c *ClusterConfig) {
+				c.Agent.Transfer.Transport = mode
+				c.Agent.TransferMode = jobs.P2P // every stage handoff is one pull
+			})
 			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 			defer cancel()
 			outs, err := cl.Run(ctx, specs)

@@ -17,6 +17,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/gossip"
 )
 
@@ -255,21 +256,25 @@ func (m *mesh) waitRedecoded(ctx context.Context, c *httpapi.Client, id, node st
 	return done
 }
 
-// checkResultOnce checks that each result part of job was written once.
+// checkResultOnce checks that the job's result object was recorded by the
+// commit that finished the job (one transaction, so the record's creation
+// is the job record's last write), not by a stale or repeated decode.
 func (m *mesh) checkResultOnce(ctx context.Context, job jobs.Job) {
 	t := m.t
 	t.Helper()
-	resp, err := m.cli.Get(ctx, "/latentmesh/default/results/"+job.ID+"/", clientv3.WithPrefix())
+	resp, err := m.cli.Txn(ctx).Then(
+		clientv3.OpGet("/latentmesh/default/jobs/"+job.ID),
+		clientv3.OpGet(cache.ObjectKey("/latentmesh/default", job.Result.Object)),
+	).Commit()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(resp.Kvs) != job.Result.Parts {
-		t.Fatalf("%d result parts, record says %d", len(resp.Kvs), job.Result.Parts)
+	jk, ok := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
+	if len(jk) != 1 || len(ok) != 1 {
+		t.Fatalf("job record (%d) or result object record (%d) missing", len(jk), len(ok))
 	}
-	for _, kv := range resp.Kvs {
-		if kv.Version != 1 {
-			t.Fatalf("result part %s written %d times", kv.Key, kv.Version)
-		}
+	if ok[0].CreateRevision != jk[0].ModRevision {
+		t.Fatalf("result record created at revision %d, job finished at %d: not by the finishing commit", ok[0].CreateRevision, jk[0].ModRevision)
 	}
 }
 

@@ -32,7 +32,7 @@ type Limits struct {
 }
 
 // DefaultLimits fit the built-in engine on a small CPU machine and keep a
-// finished result well under etcd's request size.
+// finished file small.
 func DefaultLimits() Limits {
 	return Limits{
 		MaxPromptBytes: 2000,    // a long prompt; engines truncate tokens anyway

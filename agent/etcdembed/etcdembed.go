@@ -23,8 +23,8 @@ type Config struct {
 	Dir string
 	// ClientURL is where clients connect. Port 0 picks a free port.
 	ClientURL string
-	// MaxRequestBytes bounds one request. Finished results are written in the
-	// committing transaction, so this must exceed the largest output file.
+	// MaxRequestBytes bounds one request. Nothing latentmesh writes is
+	// large (files and latents are Store objects), so etcd's own default.
 	MaxRequestBytes uint
 	// CompactionRetention is how much history periodic auto-compaction keeps;
 	// 0 disables auto-compaction.
@@ -47,7 +47,7 @@ func DefaultConfig() Config {
 	return Config{
 		Dir:             "",                   // a temporary directory: tests and demos start clean
 		ClientURL:       "http://127.0.0.1:0", // loopback only; a free port
-		MaxRequestBytes: 32 << 20,             // results up to ~30 MiB fit in one commit
+		MaxRequestBytes: 1536 << 10,           // etcd's default: the mesh must run on one
 		// Jobs, claims and progress are rewritten often: a short history keeps
 		// the database small. A watch resumed from further back than this is
 		// told it was compacted, and the agent resyncs it from a fresh read.

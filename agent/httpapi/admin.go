@@ -5,6 +5,7 @@ import (
 	"crypto/subtle"
 	"net/http"
 	"net/http/pprof"
+	"strconv"
 	"strings"
 	"time"
 
@@ -15,11 +16,15 @@ import (
 // handler leave their endpoint out (404), except Live and Ready, which
 // report ok when nil.
 type AdminConfig struct {
-	Live    func() error                           // /livez: the process can make progress
-	Ready   func() error                           // /readyz: the agent should get traffic
-	Status  func(ctx context.Context) (any, error) // /v1/admin/status, served as JSON
-	Metrics http.Handler                           // /metrics, e.g. Metrics.Handler()
-	Token   string                                 // when set, every path but /livez needs "Authorization: Bearer <Token>"
+	Live   func() error                           // /livez: the process can make progress
+	Ready  func() error                           // /readyz: the agent should get traffic
+	Status func(ctx context.Context) (any, error) // /v1/admin/status, served as JSON
+	// Store serves /v1/admin/store[?job=ID][&objects=true]: the Store's
+	// summary (a job's objects only, with job), with the records listed
+	// when objects is true.
+	Store   func(ctx context.Context, job string, objects bool) (any, error)
+	Metrics http.Handler // /metrics, e.g. Metrics.Handler()
+	Token   string       // when set, every path but /livez needs "Authorization: Bearer <Token>"
 	Logger  *zap.Logger
 }
 
@@ -45,6 +50,18 @@ func NewAdminHandler(cfg AdminConfig) http.Handler {
 	}
 	if cfg.Status != nil {
 		handle("GET /v1/admin/status", auth(statusHandler(log, cfg.Status)))
+	}
+	if cfg.Store != nil {
+		handle("GET /v1/admin/store", auth(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			q := r.URL.Query()
+			job := q.Get("job")
+			if job != "" && !validID(job) {
+				writeError(w, apiErr(http.StatusBadRequest, typeInvalidRequest, codeInvalidFieldPrefix+"job", "job: %q is not a job id", job))
+				return
+			}
+			objects, _ := strconv.ParseBool(q.Get("objects"))
+			statusHandler(log, func(ctx context.Context) (any, error) { return cfg.Store(ctx, job, objects) }).ServeHTTP(w, r)
+		})))
 	}
 	handle("/debug/pprof/", auth(http.HandlerFunc(pprof.Index)))
 	handle("/debug/pprof/cmdline", auth(http.HandlerFunc(pprof.Cmdline)))

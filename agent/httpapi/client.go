@@ -78,11 +78,19 @@ func (c *Client) Result(ctx context.Context, id string) ([]byte, string, error) 
 	return data, resp.Header.Get("Content-Type"), nil
 }
 
-// Cancel stops the job and returns its record.
+// Cancel stops a queued or running job and returns its record; a finished
+// job is left alone (an *APIError with code already_finished).
 func (c *Client) Cancel(ctx context.Context, id string) (jobs.Job, error) {
 	var job jobs.Job
-	err := c.doJSON(ctx, http.MethodDelete, jobPath(id), nil, &job)
+	err := c.doJSON(ctx, http.MethodPost, jobPath(id)+"/cancel", nil, &job)
 	return job, err
+}
+
+// Delete removes a finished job and its result (a running one is cancelled
+// instead).
+func (c *Client) Delete(ctx context.Context, id string) error {
+	var ack deleteResponse
+	return c.doJSON(ctx, http.MethodDelete, jobPath(id), nil, &ack)
 }
 
 // Generate submits req, follows the job to its end and returns its output.

@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strconv"
 )
 
 // Error types, as OpenAI's API names them, carried in APIError.Type.
@@ -35,6 +36,8 @@ const (
 	CodeTimeout            = "timeout"
 	CodeUnauthorized       = "unauthorized"
 	CodeUnavailable        = "unavailable"
+	CodeOverloaded         = "overloaded" // the mesh cannot take more work now; retry later
+	CodeExpired            = "expired"
 	CodeInternal           = "internal_error"
 	codeInvalidFieldPrefix = "invalid_"
 )
@@ -48,6 +51,8 @@ type APIError struct {
 	Type    string `json:"type"`
 	Param   string `json:"param,omitempty"` // the request field at fault, when one is
 	Code    string `json:"code"`
+	// RetryAfter, when positive, is sent as a Retry-After header (seconds).
+	RetryAfter int `json:"-"`
 }
 
 func (e *APIError) Error() string {
@@ -67,6 +72,9 @@ func apiErr(status int, typ, code, format string, a ...any) *APIError {
 }
 
 func writeError(w http.ResponseWriter, e *APIError) {
+	if e.RetryAfter > 0 {
+		w.Header().Set("Retry-After", strconv.Itoa(e.RetryAfter))
+	}
 	writeJSON(w, e.Status, errorEnvelope{Error: e})
 }
 

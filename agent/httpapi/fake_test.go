@@ -9,7 +9,6 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
-	"github.com/latentmesh/latentmesh/routing"
 )
 
 // fakeJobs is an in-memory Jobs. With auto set, a job succeeds as soon as
@@ -45,7 +44,7 @@ func (f *fakeJobs) notifyLocked() {
 	f.changed = make(chan struct{})
 }
 
-func (f *fakeJobs) Submit(ctx context.Context, spec engine.Spec, class routing.Class) (jobs.Job, error) {
+func (f *fakeJobs) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options) (jobs.Job, error) {
 	if f.submitErr != nil {
 		return jobs.Job{}, f.submitErr
 	}
@@ -53,7 +52,7 @@ func (f *fakeJobs) Submit(ctx context.Context, spec engine.Spec, class routing.C
 	defer f.mu.Unlock()
 	f.next++
 	now := time.Unix(1700000000, 0).UTC()
-	j := &jobs.Job{ID: fmt.Sprintf("job-%d", f.next), Spec: spec, Class: class, State: jobs.Queued, Stage: jobs.Encode, CreatedAt: now, UpdatedAt: now}
+	j := &jobs.Job{ID: fmt.Sprintf("job-%d", f.next), Spec: spec, Class: opts.Class, Transfer: opts.Transfer, State: jobs.Queued, Stage: jobs.Encode, CreatedAt: now, UpdatedAt: now}
 	f.jobs[j.ID] = j
 	if f.auto {
 		f.succeedLocked(j)
@@ -66,7 +65,7 @@ func (f *fakeJobs) succeedLocked(j *jobs.Job) {
 	out := fakeOutput(j.Spec)
 	f.data[j.ID] = out
 	j.State, j.Stage, j.Progress = jobs.Succeeded, "", nil
-	j.Result = &jobs.Result{ContentType: "image/png", Bytes: int64(len(out)), Parts: 1}
+	j.Result = &jobs.Result{ContentType: "image/png", Bytes: int64(len(out)), Object: jobs.ResultID(j.ID)}
 }
 
 func (f *fakeJobs) update(id string, fn func(j *jobs.Job)) {
@@ -166,6 +165,22 @@ func (f *fakeJobs) Cancel(ctx context.Context, id string) (jobs.Job, error) {
 	j.State, j.Stage, j.Progress = jobs.Cancelled, "", nil
 	f.notifyLocked()
 	return *j, nil
+}
+
+func (f *fakeJobs) Delete(ctx context.Context, id string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	j, ok := f.jobs[id]
+	if !ok {
+		return jobs.ErrNotFound
+	}
+	if !j.State.Terminal() {
+		return jobs.ErrNotFinished
+	}
+	delete(f.jobs, id)
+	delete(f.data, id)
+	f.notifyLocked()
+	return nil
 }
 
 var errFakeStore = errors.New("fake: store down")

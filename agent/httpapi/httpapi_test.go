@@ -423,7 +423,12 @@ func TestJobLifecycle(t *testing.T) {
 	if w.Code != http.StatusOK || w.Header().Get("Content-Type") != "image/png" || w.Body.String() != string(fakeOutput(want)) {
 		t.Fatalf("result: %d %q %q", w.Code, w.Header().Get("Content-Type"), w.Body)
 	}
-	wantError(t, do(h, "DELETE", "/v1/jobs/"+j.ID, "", ""), http.StatusConflict, CodeAlreadyFinished)
+	// A finished job cannot be cancelled, only deleted, with its result.
+	wantError(t, do(h, "POST", "/v1/jobs/"+j.ID+"/cancel", "", ""), http.StatusConflict, CodeAlreadyFinished)
+	if w := do(h, "DELETE", "/v1/jobs/"+j.ID, "", ""); w.Code != http.StatusOK || !strings.Contains(w.Body.String(), `"deleted":true`) {
+		t.Fatalf("delete of a finished job: %d %s", w.Code, w.Body)
+	}
+	wantError(t, do(h, "GET", "/v1/jobs/"+j.ID+"/result", "", ""), http.StatusNotFound, CodeJobNotFound)
 
 	// Cancel a second job.
 	j2 := decodeJob(t, do(h, "POST", "/v1/jobs", "", `{"prompt":"owl"}`), http.StatusAccepted)
@@ -431,7 +436,7 @@ func TestJobLifecycle(t *testing.T) {
 		t.Fatalf("cancel answered %s", c.State)
 	}
 	wantError(t, do(h, "GET", "/v1/jobs/"+j2.ID+"/result", "", ""), http.StatusConflict, CodeCancelled)
-	wantError(t, do(h, "DELETE", "/v1/jobs/"+j2.ID, "", ""), http.StatusConflict, CodeAlreadyFinished)
+	wantError(t, do(h, "POST", "/v1/jobs/"+j2.ID+"/cancel", "", ""), http.StatusConflict, CodeAlreadyFinished)
 
 	// A failed job's result is gone, with the job's own code.
 	j3 := decodeJob(t, do(h, "POST", "/v1/jobs", "", `{"prompt":"cat"}`), http.StatusAccepted)
@@ -628,6 +633,12 @@ func TestClient(t *testing.T) {
 	}
 	if _, err := c.Cancel(ctx, j.ID); !errors.As(err, &apiErr) || apiErr.Code != CodeAlreadyFinished {
 		t.Fatalf("second cancel: %v", err)
+	}
+	if err := c.Delete(ctx, j.ID); err != nil {
+		t.Fatalf("delete: %v", err)
+	}
+	if _, err := c.Get(ctx, j.ID); !errors.As(err, &apiErr) || apiErr.Status != 404 {
+		t.Fatalf("get after delete: %v", err)
 	}
 	if _, err := c.Get(ctx, "nope"); !errors.As(err, &apiErr) || apiErr.Status != 404 || apiErr.Code != CodeJobNotFound || apiErr.Type == "" {
 		t.Fatalf("get unknown: %#v", err)

@@ -30,6 +30,7 @@ type imagesRequest struct {
 	GuidanceScale     *float64 `json:"guidance_scale"`
 	Seed              *int64   `json:"seed"`
 	Priority          string   `json:"priority"`
+	TransferMode      string   `json:"transfer_mode"`
 	Frames            *int     `json:"frames"`
 }
 
@@ -79,6 +80,7 @@ func (q imagesRequest) specs(l engine.Limits, maxN int) ([]engine.Spec, JobReque
 		Steps:          q.NumInferenceSteps,
 		GuidanceScale:  q.GuidanceScale,
 		Priority:       q.Priority,
+		TransferMode:   q.TransferMode,
 	}
 	if q.Size != "" {
 		w, h, err := parseSize(q.Size)
@@ -128,14 +130,14 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fieldError(err))
 		return
 	}
-	class, _ := parseClass(req.Priority) // validated by specs
+	_, opts, _ := req.spec(s.cfg.Limits) // validated by specs
 
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.SyncTimeout)
 	defer cancel()
 
 	submitted := make([]jobs.Job, 0, len(specs))
 	for _, spec := range specs {
-		job, err := s.jobs.Submit(ctx, spec, class)
+		job, err := s.jobs.Submit(ctx, spec, opts)
 		if err != nil {
 			s.cancelAll(submitted)
 			writeError(w, s.storeError(r, "submit", "", err))

@@ -12,6 +12,7 @@ import (
 	"strings"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/routing"
 )
 
@@ -30,11 +31,14 @@ type JobRequest struct {
 	Steps          *int     `json:"steps,omitempty"`
 	GuidanceScale  *float64 `json:"guidance_scale,omitempty"`
 	Priority       string   `json:"priority,omitempty"` // interactive, standard (default) or batch
+	// TransferMode overrides how this job's payloads move between stages:
+	// p2p, store or auto ("" keeps the agents' default).
+	TransferMode string `json:"transfer_mode,omitempty"`
 }
 
-// spec turns r into a validated engine spec and priority class. Errors are
-// *engine.FieldError.
-func (r JobRequest) spec(l engine.Limits) (engine.Spec, routing.Class, error) {
+// spec turns r into a validated engine spec and scheduling options. Errors
+// are *engine.FieldError.
+func (r JobRequest) spec(l engine.Limits) (engine.Spec, jobs.Options, error) {
 	s := engine.DefaultSpec()
 	s.Prompt = r.Prompt
 	s.NegativePrompt = r.NegativePrompt
@@ -47,12 +51,16 @@ func (r JobRequest) spec(l engine.Limits) (engine.Spec, routing.Class, error) {
 	setIf(&s.GuidanceScale, r.GuidanceScale)
 	class, err := parseClass(r.Priority)
 	if err != nil {
-		return engine.Spec{}, 0, err
+		return engine.Spec{}, jobs.Options{}, err
+	}
+	mode, err := jobs.ParseTransferMode(r.TransferMode)
+	if err != nil {
+		return engine.Spec{}, jobs.Options{}, &engine.FieldError{Field: "transfer_mode", Msg: fmt.Sprintf("%q: must be p2p, store or auto", r.TransferMode)}
 	}
 	if err := s.Validate(l); err != nil {
-		return engine.Spec{}, 0, err
+		return engine.Spec{}, jobs.Options{}, err
 	}
-	return s, class, nil
+	return s, jobs.Options{Class: class, Transfer: mode}, nil
 }
 
 func setIf[T any](dst *T, v *T) {

@@ -16,23 +16,27 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
-	"github.com/latentmesh/latentmesh/routing"
 )
 
 // Jobs is what the client API needs from the agent's job store.
 type Jobs interface {
 	// Submit stores a new job for an already validated spec. The job is
-	// durable once Submit returns.
-	Submit(ctx context.Context, spec engine.Spec, class routing.Class) (jobs.Job, error)
+	// durable once Submit returns. It refuses with jobs.ErrStoreFull or
+	// jobs.ErrNoSpace when the mesh cannot take more work.
+	Submit(ctx context.Context, spec engine.Spec, opts jobs.Options) (jobs.Job, error)
 	// Get returns the job, or jobs.ErrNotFound.
 	Get(ctx context.Context, id string) (jobs.Job, error)
 	// Wait blocks until the job's state is terminal or ctx is done.
 	Wait(ctx context.Context, id string) (jobs.Job, error)
-	// Result returns the output file, jobs.ErrNotFound, or jobs.ErrNotReady
-	// when the job has not succeeded.
+	// Result returns the output file, jobs.ErrNotFound, jobs.ErrNotReady
+	// when the job has not succeeded, or jobs.ErrExpired when its
+	// retention passed.
 	Result(ctx context.Context, id string) (data []byte, contentType string, err error)
 	// Cancel stops the job, or returns jobs.ErrNotFound or jobs.ErrFinished.
 	Cancel(ctx context.Context, id string) (jobs.Job, error)
+	// Delete removes a finished job and its result, or returns
+	// jobs.ErrNotFound or jobs.ErrNotFinished.
+	Delete(ctx context.Context, id string) error
 }
 
 // Config configures the client API handler.
@@ -102,6 +106,7 @@ func NewHandler(cfg Config, j Jobs) http.Handler {
 	rt.handle("/v1/images/generations", methods{http.MethodPost: s.imagesGenerations})
 	rt.handle("/v1/jobs", methods{http.MethodPost: s.createJob})
 	rt.handle("/v1/jobs/{id}", methods{http.MethodGet: s.getJob, http.MethodDelete: s.cancelJob})
+	rt.handle("/v1/jobs/{id}/cancel", methods{http.MethodPost: s.cancelOnly})
 	rt.handle("/v1/jobs/{id}/result", methods{http.MethodGet: s.getResult})
 	rt.handle("/v1/jobs/{id}/frames", methods{http.MethodGet: s.streamFrames})
 	rt.handle("/", methods{"*": notFound})
@@ -232,17 +237,17 @@ func (s *server) createJob(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
-	spec, class, err := req.spec(s.cfg.Limits)
+	spec, opts, err := req.spec(s.cfg.Limits)
 	if err != nil {
 		writeError(w, fieldError(err))
 		return
 	}
-	job, err := s.jobs.Submit(r.Context(), spec, class)
+	job, err := s.jobs.Submit(r.Context(), spec, opts)
 	if err != nil {
 		writeError(w, s.storeError(r, "submit", "", err))
 		return
 	}
-	s.log.Info("job submitted", zap.String("job", job.ID), zap.Stringer("class", class))
+	s.log.Info("job submitted", zap.String("job", job.ID), zap.Stringer("class", opts.Class))
 	w.Header().Set("Location", "/v1/jobs/"+url.PathEscape(job.ID))
 	writeJSON(w, http.StatusAccepted, job)
 }
@@ -367,18 +372,48 @@ func notSucceeded(job jobs.Job) *APIError {
 	}
 }
 
+// deleteResponse answers a DELETE of a finished job.
+type deleteResponse struct {
+	ID      string `json:"id"`
+	Object  string `json:"object"` // "job"
+	Deleted bool   `json:"deleted"`
+}
+
+// cancelOnly is POST /v1/jobs/{id}/cancel: it cancels a queued or running
+// job and never deletes one (409 already_finished), so a client that gives
+// up on a job cannot remove a result that just arrived.
+func (s *server) cancelOnly(w http.ResponseWriter, r *http.Request) {
+	s.cancel(w, r, false)
+}
+
+// cancelJob is DELETE /v1/jobs/{id}: a queued or running job is cancelled
+// (200 with the job); a finished one is deleted with its result (200 with
+// {"id","object":"job","deleted":true}), after which it is 404.
 func (s *server) cancelJob(w http.ResponseWriter, r *http.Request) {
+	s.cancel(w, r, true)
+}
+
+func (s *server) cancel(w http.ResponseWriter, r *http.Request, deleteFinished bool) {
 	id, ok := jobID(w, r)
 	if !ok {
 		return
 	}
 	job, err := s.jobs.Cancel(r.Context(), id)
-	if errors.Is(err, jobs.ErrFinished) {
+	if errors.Is(err, jobs.ErrFinished) && !deleteFinished {
 		e := apiErr(http.StatusConflict, typeConflict, CodeAlreadyFinished, "job %s already finished", id)
 		if job.State != "" {
 			e.Message = fmt.Sprintf("job %s already finished (%s)", id, job.State)
 		}
 		writeError(w, e)
+		return
+	}
+	if errors.Is(err, jobs.ErrFinished) {
+		if err := s.jobs.Delete(r.Context(), id); err != nil {
+			writeError(w, s.storeError(r, "delete", id, err))
+			return
+		}
+		s.log.Info("job deleted", zap.String("job", id), zap.String("state", string(job.State)))
+		writeJSON(w, http.StatusOK, deleteResponse{ID: id, Object: "job", Deleted: true})
 		return
 	}
 	if err != nil {
@@ -400,6 +435,14 @@ func (s *server) storeError(r *http.Request, op, id string, err error) *APIError
 		return apiErr(http.StatusConflict, typeConflict, CodeNotReady, "job %s: result not ready", id)
 	case errors.Is(err, jobs.ErrFinished):
 		return apiErr(http.StatusConflict, typeConflict, CodeAlreadyFinished, "job %s already finished", id)
+	case errors.Is(err, jobs.ErrNotFinished):
+		return apiErr(http.StatusConflict, typeConflict, CodeNotReady, "%s", err.Error())
+	case errors.Is(err, jobs.ErrExpired):
+		return apiErr(http.StatusGone, typeJob, CodeExpired, "job %s: its result passed its retention and was freed", id)
+	case errors.Is(err, jobs.ErrNoSpace), errors.Is(err, jobs.ErrStoreFull):
+		e := apiErr(http.StatusServiceUnavailable, typeServer, CodeOverloaded, "%s", err.Error())
+		e.RetryAfter = 30
+		return e
 	case errors.As(err, &fe):
 		return fieldError(err)
 	case errors.Is(err, context.DeadlineExceeded):

@@ -13,14 +13,19 @@
 // task becomes claimable again when its lease expires. Nothing is deleted on
 // claim (unlike etcd's recipe queue), so no accepted job is lost.
 //
-// The package knows etcd and the engine's Spec; it does not know how payloads
-// move (transfer) or who the peers are (gossip). Only the agent uses it.
+// Files, previews and Store-relayed latents are Store objects (package cache):
+// a commit writes their records in its transaction, and releases consumed
+// ones, but no bytes enter etcd. A finished job's record goes on a retention
+// lease, so etcd forgets it after Config.Retention.
+//
+// The package knows etcd, the engine's Spec and the Store's key layout; it
+// does not know how payloads move (transfer) or who the peers are (gossip).
+// Only the agent uses it.
 package jobs
 
 import (
 	"context"
 	"crypto/rand"
-	"crypto/sha256"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -33,15 +38,19 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/routing"
 )
 
 // Input is a payload a task consumes: which payload, who produced it, and the
-// transport's reference to it (opaque here; the agent decodes it).
+// transport's reference to it (opaque here; the agent decodes it). A Store
+// input (Store true) is a Store object: Payload is its object id, Node the
+// node that put it, and Ref is empty (readers look the holders up).
 type Input struct {
 	Payload string          `json:"payload"`
 	Node    string          `json:"node"`
-	Ref     json.RawMessage `json:"ref"`
+	Ref     json.RawMessage `json:"ref,omitempty"`
+	Store   bool            `json:"store,omitempty"`
 }
 
 // Task is one runnable stage of a job, stored as JSON at its task key.
@@ -50,6 +59,7 @@ type Task struct {
 	JobID      string        `json:"job"`
 	Stage      Stage         `json:"stage"`
 	Class      routing.Class `json:"class"`
+	Transfer   TransferMode  `json:"transfer_mode,omitempty"`
 	Spec       engine.Spec   `json:"spec"` // carried so a worker need not read the job
 	Inputs     []Input       `json:"inputs,omitempty"`
 	Hint       string        `json:"hint,omitempty"` // preferred worker node
@@ -78,7 +88,8 @@ type claimRecord struct {
 	StartedAt time.Time `json:"started_at"`
 }
 
-// PayloadRecord says where an output payload lives until its consumer commits.
+// PayloadRecord says where a peer-to-peer output payload lives until its
+// consumer commits (a Store object has its own record, under objects/).
 type PayloadRecord struct {
 	Input
 	Job   string `json:"job"`
@@ -87,14 +98,19 @@ type PayloadRecord struct {
 
 // Output is what a stage commits.
 type Output struct {
-	// Payloads are the stage's outputs, inputs of the next stage. Each is
-	// recorded under payloads/ until the next stage commits.
+	// Payloads are the stage's outputs, inputs of the next stage. Each
+	// peer-to-peer payload is recorded under payloads/ until the next stage
+	// commits; a Store payload's record is among Ops.
 	Payloads []Input
 	// Hint names the preferred worker for the next stage ("" = anyone).
 	Hint string
-	// Result is the finished file (last stage only).
-	Result      []byte
-	ContentType string
+	// Result describes the finished file (last stage only); its Store
+	// object's record is among Ops.
+	Result *Result
+	// Ops are written in the commit's transaction: the records of the
+	// Store objects the stage staged (cache.Staged.Op), so they become
+	// visible exactly when the stage commits.
+	Ops []clientv3.Op
 	// Work is how long the stage's work took on the worker.
 	Work time.Duration
 }
@@ -102,8 +118,9 @@ type Output struct {
 // Config configures a Store.
 type Config struct {
 	Prefix string // key prefix shared by all agents of one mesh
-	// ResultPart bounds one etcd value of a result file.
-	ResultPart int
+	// Retention is how long a finished job's record stays in etcd (on an
+	// etcd lease per retention bucket); 0 keeps records for good.
+	Retention time.Duration
 	// MaxRewinds bounds restarts from encode after lost payloads.
 	MaxRewinds int
 	// PendingLimit bounds how many queued tasks one scan reads.
@@ -116,9 +133,9 @@ type Config struct {
 func DefaultConfig() Config {
 	return Config{
 		Prefix:       "/latentmesh/default",
-		ResultPart:   1 << 20, // well under etcd's default 1.5 MiB value limit
-		MaxRewinds:   3,       // a payload lost three times means something is broken
-		PendingLimit: 256,     // enough candidates for ordering; bounded read
+		Retention:    7 * 24 * time.Hour, // a week to fetch a result's record; etcd stays bounded
+		MaxRewinds:   3,                  // a payload lost three times means something is broken
+		PendingLimit: 256,                // enough candidates for ordering; bounded read
 		Logger:       zap.NewNop(),
 		Now:          time.Now,
 	}
@@ -129,6 +146,7 @@ type Store struct {
 	cli *clientv3.Client
 	cfg Config
 	log *zap.Logger
+	ret *cache.Retention // leases that expire finished job records
 }
 
 // NewStore returns a Store using cli.
@@ -139,8 +157,8 @@ func NewStore(cli *clientv3.Client, cfg Config) (*Store, error) {
 	if !strings.HasPrefix(cfg.Prefix, "/") || strings.HasSuffix(cfg.Prefix, "/") {
 		return nil, fmt.Errorf("jobs: prefix %q must start and not end with /", cfg.Prefix)
 	}
-	if cfg.ResultPart <= 0 || cfg.PendingLimit <= 0 || cfg.MaxRewinds < 0 {
-		return nil, errors.New("jobs: ResultPart and PendingLimit must be positive (start from DefaultConfig)")
+	if cfg.Retention < 0 || cfg.PendingLimit <= 0 || cfg.MaxRewinds < 0 {
+		return nil, errors.New("jobs: PendingLimit must be positive and Retention not negative (start from DefaultConfig)")
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
@@ -148,23 +166,34 @@ func NewStore(cli *clientv3.Client, cfg Config) (*Store, error) {
 	if cfg.Now == nil {
 		cfg.Now = time.Now
 	}
-	return &Store{cli: cli, cfg: cfg, log: cfg.Logger.Named("jobs")}, nil
+	return &Store{cli: cli, cfg: cfg, log: cfg.Logger.Named("jobs"), ret: cache.NewRetention(cli, cfg.Now)}, nil
 }
 
 // Key layout. Values are JSON (except result parts) so etcdctl shows them.
-func (s *Store) jobKey(id string) string       { return s.cfg.Prefix + "/jobs/" + id }
-func (s *Store) progressKey(id string) string  { return s.cfg.Prefix + "/progress/" + id }
-func (s *Store) resultPrefix(id string) string { return s.cfg.Prefix + "/results/" + id + "/" }
-func (s *Store) taskPrefix(st Stage) string    { return s.cfg.Prefix + "/tasks/" + string(st) + "/" }
-func (s *Store) claimPrefix(st Stage) string   { return s.cfg.Prefix + "/claims/" + string(st) + "/" }
-func (s *Store) claimKey(t *Task) string       { return s.claimPrefix(t.Stage) + t.ID }
-func (s *Store) payloadPrefix() string         { return s.cfg.Prefix + "/payloads/" }
-func (s *Store) payloadKey(id string) string   { return s.payloadPrefix() + id }
-func (s *Store) resultKey(id string, i int) string {
-	return fmt.Sprintf("%s%04d", s.resultPrefix(id), i)
+func (s *Store) jobKey(id string) string      { return s.cfg.Prefix + "/jobs/" + id }
+func (s *Store) progressKey(id string) string { return s.cfg.Prefix + "/progress/" + id }
+func (s *Store) taskPrefix(st Stage) string   { return s.cfg.Prefix + "/tasks/" + string(st) + "/" }
+func (s *Store) claimPrefix(st Stage) string  { return s.cfg.Prefix + "/claims/" + string(st) + "/" }
+func (s *Store) claimKey(t *Task) string      { return s.claimPrefix(t.Stage) + t.ID }
+func (s *Store) payloadPrefix() string        { return s.cfg.Prefix + "/payloads/" }
+func (s *Store) payloadKey(id string) string  { return s.payloadPrefix() + id }
+
+// objectsOf is the key prefix of every Store object a job owns (its result,
+// previews and relayed latents are named cache.JobObjectID(job, ...)).
+func (s *Store) objectsOf(id string) string {
+	return cache.ObjectKey(s.cfg.Prefix, cache.JobObjectID(id, ""))
 }
-func (s *Store) framePrefix(id string) string     { return s.cfg.Prefix + "/frames/" + id + "/" }
-func (s *Store) frameKey(id string, f int) string { return fmt.Sprintf("%s%04d", s.framePrefix(id), f) }
+
+// PreviewID names frame f's preview object of job id.
+func PreviewID(id string, f int) string { return cache.JobObjectID(id, fmt.Sprintf("frame.%04d", f)) }
+
+// ResultID names the result object of job id.
+func ResultID(id string) string { return cache.JobObjectID(id, "result") }
+
+// previewPrefix is the key prefix of a job's preview objects.
+func (s *Store) previewPrefix(id string) string {
+	return cache.ObjectKey(s.cfg.Prefix, cache.JobObjectID(id, "frame."))
+}
 
 // taskKey orders by class, then enqueue time; the task id makes it unique.
 func (s *Store) taskKey(t *Task) string {
@@ -187,16 +216,20 @@ func newID() string {
 
 // Submit stores a new job and its first task in one transaction. The job is
 // durable once Submit returns.
-func (s *Store) Submit(ctx context.Context, spec engine.Spec, class routing.Class) (Job, error) {
+func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job, error) {
+	class := opt.Class
 	if !class.Valid() {
 		return Job{}, fmt.Errorf("jobs: invalid class %d", class)
 	}
+	if _, err := ParseTransferMode(string(opt.Transfer)); err != nil {
+		return Job{}, err
+	}
 	now := s.cfg.Now()
-	t := Task{ID: newID(), JobID: newID(), Stage: Encode, Class: class, Spec: spec, EnqueuedAt: now}
+	t := Task{ID: newID(), JobID: newID(), Stage: Encode, Class: class, Transfer: opt.Transfer, Spec: spec, EnqueuedAt: now}
 	t.Key = s.taskKey(&t)
 	rec := record{
 		Job: Job{
-			ID: t.JobID, Spec: spec, Class: class, State: Queued, Stage: Encode,
+			ID: t.JobID, Spec: spec, Class: class, Transfer: opt.Transfer, State: Queued, Stage: Encode,
 			Stages: map[Stage]*StageRecord{}, CreatedAt: now, UpdatedAt: now,
 		},
 		TaskKey: t.Key,
@@ -308,32 +341,6 @@ func (s *Store) Wait(ctx context.Context, id string) (Job, error) {
 	}
 }
 
-// Result returns the committed output file of a succeeded job.
-func (s *Store) Result(ctx context.Context, id string) ([]byte, string, error) {
-	rec, _, err := s.getRecord(ctx, id)
-	if err != nil {
-		return nil, "", err
-	}
-	if rec.State != Succeeded || rec.Result == nil {
-		return nil, "", ErrNotReady
-	}
-	resp, err := s.cli.Get(ctx, s.resultPrefix(id), clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
-	if err != nil {
-		return nil, "", fmt.Errorf("jobs: result %s: %w", id, err)
-	}
-	if len(resp.Kvs) != rec.Result.Parts {
-		return nil, "", fmt.Errorf("jobs: result %s has %d parts, record says %d", id, len(resp.Kvs), rec.Result.Parts)
-	}
-	out := make([]byte, 0, rec.Result.Bytes)
-	for _, kv := range resp.Kvs {
-		out = append(out, kv.Value...)
-	}
-	if sum := sha256.Sum256(out); hex.EncodeToString(sum[:]) != rec.Result.SHA256 || int64(len(out)) != rec.Result.Bytes {
-		return nil, "", fmt.Errorf("jobs: result %s does not match its checksum", id)
-	}
-	return out, rec.Result.ContentType, nil
-}
-
 // Cancel stops a job: its queued task and unconsumed inputs are deleted, and a
 // worker running it will find the job cancelled when it tries to commit.
 func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
@@ -347,7 +354,7 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 		}
 		ops := []clientv3.Op{
 			clientv3.OpDelete(s.progressKey(id)),
-			clientv3.OpDelete(s.framePrefix(id), clientv3.WithPrefix()),
+			clientv3.OpDelete(s.previewPrefix(id), clientv3.WithPrefix()),
 		}
 		if rec.TaskKey != "" {
 			ops = append(ops, clientv3.OpDelete(rec.TaskKey))
@@ -363,8 +370,15 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 		rec.State, rec.Stage, rec.TaskKey = Cancelled, "", ""
 		rec.UpdatedAt = s.cfg.Now()
 		rec.Error = &Error{Code: "cancelled", Message: "cancelled by request"}
-		ops = append(ops, clientv3.OpPut(s.jobKey(id), mustJSON(rec)))
+		put, lease, err := s.putRecord(ctx, rec)
+		if err != nil {
+			return Job{}, fmt.Errorf("jobs: cancel %s: %w", id, err)
+		}
+		ops = append(ops, put)
 		resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(s.jobKey(id)), "=", rev)).Then(ops...).Commit()
+		if s.leaseGone(err, lease) {
+			continue
+		}
 		if err != nil {
 			return Job{}, fmt.Errorf("jobs: cancel %s: %w", id, err)
 		}
@@ -391,12 +405,44 @@ func (s *Store) readTask(ctx context.Context, key string) (Task, error) {
 	return t, nil
 }
 
+// releaseOps free consumed inputs: delete-on-consume for peer-to-peer
+// payloads (the producer frees the buffer) and Store objects alike (the
+// holders free their copies).
 func (s *Store) releaseOps(in []Input) []clientv3.Op {
 	ops := make([]clientv3.Op, 0, len(in))
 	for _, i := range in {
-		ops = append(ops, clientv3.OpDelete(s.payloadKey(i.Payload)))
+		if i.Store {
+			ops = append(ops, clientv3.OpDelete(cache.ObjectKey(s.cfg.Prefix, i.Payload)))
+		} else {
+			ops = append(ops, clientv3.OpDelete(s.payloadKey(i.Payload)))
+		}
 	}
 	return ops
+}
+
+// putRecord is the write of a job record: a finished job's goes on the
+// retention lease of its bucket, so etcd deletes it when the retention
+// passes. lease is 0 for a record that does not expire.
+func (s *Store) putRecord(ctx context.Context, rec record) (clientv3.Op, clientv3.LeaseID, error) {
+	if !rec.State.Terminal() || s.cfg.Retention == 0 {
+		return clientv3.OpPut(s.jobKey(rec.ID), mustJSON(rec)), 0, nil
+	}
+	lease, _, err := s.ret.Lease(ctx, s.cfg.Retention)
+	if err != nil {
+		return clientv3.Op{}, 0, err
+	}
+	return clientv3.OpPut(s.jobKey(rec.ID), mustJSON(rec), clientv3.WithLease(lease)), lease, nil
+}
+
+// leaseGone reports whether a write failed because etcd no longer knows its
+// retention lease (an etcd replaced or restored); the lease is forgotten and
+// the caller writes again with a fresh one.
+func (s *Store) leaseGone(err error, lease clientv3.LeaseID) bool {
+	if lease == 0 || !cache.LeaseGone(err) {
+		return false
+	}
+	s.ret.Forget(lease)
+	return true
 }
 
 // Pending returns the unclaimed tasks of a stage (at most PendingLimit, in key
@@ -524,7 +570,7 @@ func (s *Store) finishOps(c *Claim) []clientv3.Op {
 		clientv3.OpDelete(c.Task.Key),
 		clientv3.OpDelete(s.claimKey(&c.Task)),
 		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
-		clientv3.OpDelete(s.framePrefix(c.Task.JobID), clientv3.WithPrefix()),
+		clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()),
 	}
 }
 
@@ -550,10 +596,17 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, mutate func(*
 			return err
 		}
 		rec.UpdatedAt = s.cfg.Now()
-		ops := append(s.finishOps(c), clientv3.OpPut(s.jobKey(rec.ID), mustJSON(rec)))
+		put, lease, err := s.putRecord(ctx, rec)
+		if err != nil {
+			return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, err)
+		}
+		ops := append(s.finishOps(c), put)
 		ops = append(ops, extra...)
 		cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(s.jobKey(rec.ID)), "=", rev))
 		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(clientv3.OpGet(s.claimKey(&c.Task))).Commit()
+		if s.leaseGone(err, lease) {
+			continue
+		}
 		if err != nil {
 			return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, err)
 		}
@@ -576,7 +629,7 @@ func (s *Store) Drop(ctx context.Context, c *Claim) error {
 	_, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(
 		clientv3.OpDelete(s.claimKey(&c.Task)),
 		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
-		clientv3.OpDelete(s.framePrefix(c.Task.JobID), clientv3.WithPrefix()),
+		clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()),
 	).Commit()
 	if err != nil {
 		return fmt.Errorf("jobs: drop claim: %w", err)
@@ -601,8 +654,8 @@ func (s *Store) dropFinished(ctx context.Context, c *Claim) error {
 // was cancelled meanwhile: the claim was dropped; discard the output too.
 func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 	next, last := c.Task.Stage.Next()
-	if last && out.Result == nil {
-		return errors.New("jobs: commit of the last stage without a result")
+	if last && (out.Result == nil || out.Result.Object == "") {
+		return errors.New("jobs: commit of the last stage without a result object")
 	}
 	if !last && len(out.Payloads) == 0 {
 		return fmt.Errorf("jobs: commit of %s without output payloads", c.Task.Stage)
@@ -616,26 +669,22 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 			Node: c.Node, Attempt: c.Task.Attempt, StartedAt: c.StartedAt, FinishedAt: now,
 			Millis: float64(out.Work.Microseconds()) / 1000,
 		}
-		ops := s.releaseOps(c.Task.Inputs)
+		ops := append(s.releaseOps(c.Task.Inputs), out.Ops...)
 		if last {
-			sum := sha256.Sum256(out.Result)
-			parts := 0
-			for off := 0; off < len(out.Result) || parts == 0; off += s.cfg.ResultPart {
-				end := min(off+s.cfg.ResultPart, len(out.Result))
-				ops = append(ops, clientv3.OpPut(s.resultKey(rec.ID, parts), string(out.Result[off:end])))
-				parts++
-			}
 			rec.State, rec.Stage, rec.TaskKey = Succeeded, "", ""
-			rec.Result = &Result{ContentType: out.ContentType, Bytes: int64(len(out.Result)), Parts: parts, SHA256: hex.EncodeToString(sum[:])}
+			res := *out.Result
+			rec.Result = &res
 			return ops, nil
 		}
 		t := Task{
-			ID: newID(), JobID: rec.ID, Stage: next, Class: rec.Class, Spec: rec.Spec,
+			ID: newID(), JobID: rec.ID, Stage: next, Class: rec.Class, Transfer: rec.Transfer, Spec: rec.Spec,
 			Inputs: out.Payloads, Hint: out.Hint, EnqueuedAt: now,
 		}
 		t.Key = s.taskKey(&t)
 		for _, p := range out.Payloads {
-			ops = append(ops, clientv3.OpPut(s.payloadKey(p.Payload), mustJSON(PayloadRecord{Input: p, Job: rec.ID, Stage: c.Task.Stage})))
+			if !p.Store {
+				ops = append(ops, clientv3.OpPut(s.payloadKey(p.Payload), mustJSON(PayloadRecord{Input: p, Job: rec.ID, Stage: c.Task.Stage})))
+			}
 		}
 		rec.State, rec.Stage, rec.TaskKey = Running, next, t.Key
 		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil
@@ -664,7 +713,7 @@ func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
 			return ops, nil
 		}
 		rec.Rewinds++
-		t := Task{ID: newID(), JobID: rec.ID, Stage: Encode, Class: rec.Class, Spec: rec.Spec, EnqueuedAt: s.cfg.Now()}
+		t := Task{ID: newID(), JobID: rec.ID, Stage: Encode, Class: rec.Class, Transfer: rec.Transfer, Spec: rec.Spec, EnqueuedAt: s.cfg.Now()}
 		t.Key = s.taskKey(&t)
 		rec.Stage, rec.TaskKey = Encode, t.Key
 		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil
@@ -753,14 +802,6 @@ func (s *Store) Payloads(ctx context.Context) ([]PayloadRecord, error) {
 	return out, nil
 }
 
-// PutFrame publishes a decoded frame preview (a small PNG) while the decode
-// stage runs, for clients streaming the video as it decodes. Previews live on
-// the worker's lease and are deleted when the stage ends.
-func (s *Store) PutFrame(ctx context.Context, c *Claim, frame int, png []byte) error {
-	_, err := s.cli.Put(ctx, s.frameKey(c.Task.JobID, frame), string(png), clientv3.WithLease(c.Lease))
-	return err
-}
-
 // Frame is one decoded frame preview.
 type Frame struct {
 	Index int
@@ -769,37 +810,48 @@ type Frame struct {
 
 // StreamFrames calls emit with each frame preview of the job as it is
 // decoded, in the order they appear, until the job is terminal (returned) or
-// ctx ends. A frame decoded twice (a retried decode) is emitted once.
-func (s *Store) StreamFrames(ctx context.Context, id string, emit func(Frame) error) (Job, error) {
+// ctx ends. Previews are Store objects (PreviewID); fetch reads one's bytes,
+// and a preview freed before it could be read is skipped. A frame decoded
+// twice (a retried decode) is emitted once.
+func (s *Store) StreamFrames(ctx context.Context, id string, fetch func(context.Context, cache.Record) ([]byte, error), emit func(Frame) error) (Job, error) {
 	rec, _, err := s.getRecord(ctx, id)
 	if err != nil {
 		return Job{}, err
 	}
 	sent := map[int]bool{}
-	send := func(key, val []byte) error {
+	send := func(val []byte) error {
+		var obj cache.Record
+		if json.Unmarshal(val, &obj) != nil {
+			return nil
+		}
 		var f int
-		if _, err := fmt.Sscanf(strings.TrimPrefix(string(key), s.framePrefix(id)), "%d", &f); err != nil || sent[f] {
+		if _, err := fmt.Sscanf(strings.TrimPrefix(obj.ID, cache.JobObjectID(id, "frame.")), "%d", &f); err != nil || sent[f] {
+			return nil
+		}
+		png, err := fetch(ctx, obj)
+		if err != nil {
+			s.log.Debug("preview unreadable; skipped", zap.String("job", id), zap.Int("frame", f), zap.Error(err))
 			return nil
 		}
 		sent[f] = true
-		return emit(Frame{Index: f, PNG: val})
+		return emit(Frame{Index: f, PNG: png})
 	}
 	if rec.State.Terminal() {
 		return rec.Job, nil
 	}
-	// Read what is there, then watch frames and the job from that revision.
-	resp, err := s.cli.Get(ctx, s.framePrefix(id), clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+	// Read what is there, then watch previews and the job from that revision.
+	resp, err := s.cli.Get(ctx, s.previewPrefix(id), clientv3.WithPrefix(), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
 	if err != nil {
 		return Job{}, fmt.Errorf("jobs: frames %s: %w", id, err)
 	}
 	for _, kv := range resp.Kvs {
-		if err := send(kv.Key, kv.Value); err != nil {
+		if err := send(kv.Value); err != nil {
 			return Job{}, err
 		}
 	}
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	frames := s.cli.Watch(wctx, s.framePrefix(id), clientv3.WithPrefix(), clientv3.WithRev(resp.Header.Revision+1), clientv3.WithFilterDelete())
+	frames := s.cli.Watch(wctx, s.previewPrefix(id), clientv3.WithPrefix(), clientv3.WithRev(resp.Header.Revision+1), clientv3.WithFilterDelete())
 	jobs := s.cli.Watch(wctx, s.jobKey(id), clientv3.WithRev(resp.Header.Revision+1))
 	for {
 		select {
@@ -810,7 +862,7 @@ func (s *Store) StreamFrames(ctx context.Context, id string, emit func(Frame) er
 				return Job{}, fmt.Errorf("jobs: frame watch of %s ended", id)
 			}
 			for _, ev := range wr.Events {
-				if err := send(ev.Kv.Key, ev.Kv.Value); err != nil {
+				if err := send(ev.Kv.Value); err != nil {
 					return Job{}, err
 				}
 			}
@@ -827,6 +879,60 @@ func (s *Store) StreamFrames(ctx context.Context, id string, emit func(Frame) er
 			}
 		}
 	}
+}
+
+// States reads the states of jobs ids, a hundred per transaction; a job
+// that does not exist (deleted, or its record expired) is absent from the
+// map.
+func (s *Store) States(ctx context.Context, ids []string) (map[string]State, error) {
+	out := make(map[string]State, len(ids))
+	for len(ids) > 0 {
+		batch := ids[:min(len(ids), 100)] // etcd allows 128 operations per transaction
+		ids = ids[len(batch):]
+		ops := make([]clientv3.Op, 0, len(batch))
+		for _, id := range batch {
+			if validID(id) {
+				ops = append(ops, clientv3.OpGet(s.jobKey(id)))
+			}
+		}
+		resp, err := s.cli.Txn(ctx).Then(ops...).Commit()
+		if err != nil {
+			return nil, fmt.Errorf("jobs: read states: %w", err)
+		}
+		for _, r := range resp.Responses {
+			for _, kv := range r.GetResponseRange().Kvs {
+				var rec record
+				if json.Unmarshal(kv.Value, &rec) == nil {
+					out[rec.ID] = rec.State
+				}
+			}
+		}
+	}
+	return out, nil
+}
+
+// Delete removes a finished job: its record and every Store object it owns
+// (result, previews), whose holders then free their copies. A job still
+// queued or running is ErrNotFinished's to cancel first.
+func (s *Store) Delete(ctx context.Context, id string) error {
+	rec, rev, err := s.getRecord(ctx, id)
+	if err != nil {
+		return err
+	}
+	if !rec.State.Terminal() {
+		return fmt.Errorf("%w: job %s is %s", ErrNotFinished, id, rec.State)
+	}
+	resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(s.jobKey(id)), "=", rev)).Then(
+		clientv3.OpDelete(s.jobKey(id)),
+		clientv3.OpDelete(s.objectsOf(id), clientv3.WithPrefix()),
+	).Commit()
+	if err != nil {
+		return fmt.Errorf("jobs: delete %s: %w", id, err)
+	}
+	if !resp.Succeeded {
+		return fmt.Errorf("jobs: delete %s: the job changed meanwhile; try again", id)
+	}
+	return nil
 }
 
 // PayloadRecorded reports whether payload id has a record: whether a commit

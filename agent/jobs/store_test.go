@@ -1,10 +1,10 @@
 package jobs
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"sync"
 	"testing"
 	"time"
 
@@ -13,6 +13,7 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/etcdembed"
+	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/routing"
 )
 
@@ -31,7 +32,6 @@ func newStore(t *testing.T) (*Store, *clientv3.Client) {
 	}
 	t.Cleanup(func() { cli.Close() })
 	cfg := DefaultConfig()
-	cfg.ResultPart = 10 // force multi-part results
 	cfg.Logger = zaptest.NewLogger(t)
 	s, err := NewStore(cli, cfg)
 	if err != nil {
@@ -97,7 +97,7 @@ func TestLifecycle(t *testing.T) {
 	ctx := context.Background()
 	lease := grant(t, cli)
 
-	job, err := s.Submit(ctx, spec(), routing.Standard)
+	job, err := s.Submit(ctx, spec(), Options{Class: routing.Standard})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -139,28 +139,31 @@ func TestLifecycle(t *testing.T) {
 		t.Fatalf("embedding not released on denoise commit: %+v", prs)
 	}
 
-	if _, _, err := s.Result(ctx, job.ID); !errors.Is(err, ErrNotReady) {
-		t.Fatalf("result before decode: %v", err)
-	}
 	dec := claimOne(t, s, Decode, "dec-1", lease)
-	file := []byte("a result longer than one part of ten bytes")
-	if err := s.Commit(ctx, dec, Output{Result: file, ContentType: "image/png"}); err != nil {
+	res := &Result{ContentType: "image/png", Bytes: 42, SHA256: "ab", Object: ResultID(job.ID)}
+	objKey := cache.ObjectKey(s.cfg.Prefix, res.Object)
+	if err := s.Commit(ctx, dec, Output{Result: res, Ops: []clientv3.Op{clientv3.OpPut(objKey, `{"id":"x"}`)}}); err != nil {
 		t.Fatal(err)
+	}
+	// The result's Store record was written by the commit, and only the
+	// record: no file bytes are in etcd.
+	if r, _ := cli.Get(ctx, objKey); len(r.Kvs) != 1 {
+		t.Fatalf("result object record not written by the commit")
 	}
 
 	got, err := s.Wait(ctx, job.ID)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got.State != Succeeded || got.Result.Parts != 5 || got.Stages[Encode].Node != "enc-1" || got.Stages[Decode].Attempt != 1 {
+	if got.State != Succeeded || *got.Result != *res || got.Stages[Encode].Node != "enc-1" || got.Stages[Decode].Attempt != 1 {
 		t.Fatalf("finished job: %+v", got)
 	}
 	if got.Stages[Encode].Millis != 3 {
 		t.Fatalf("encode ms = %v, want 3", got.Stages[Encode].Millis)
 	}
-	data, ct, err := s.Result(ctx, job.ID)
-	if err != nil || ct != "image/png" || !bytes.Equal(data, file) {
-		t.Fatalf("result = %q %q %v", data, ct, err)
+	// The finished record lives on a retention lease.
+	if r, _ := cli.Get(ctx, s.jobKey(job.ID)); len(r.Kvs) != 1 || r.Kvs[0].Lease == 0 {
+		t.Fatalf("finished job record not on a retention lease: %+v", r.Kvs)
 	}
 	if prs, _ := s.Payloads(ctx); len(prs) != 0 {
 		t.Fatalf("payloads leaked: %+v", prs)
@@ -179,7 +182,7 @@ func TestLifecycle(t *testing.T) {
 func TestFencing(t *testing.T) {
 	s, cli := newStore(t)
 	ctx := context.Background()
-	job, err := s.Submit(ctx, spec(), routing.Standard)
+	job, err := s.Submit(ctx, spec(), Options{Class: routing.Standard})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -221,7 +224,7 @@ func TestCancelWhileRunning(t *testing.T) {
 	s, cli := newStore(t)
 	ctx := context.Background()
 	lease := grant(t, cli)
-	job, _ := s.Submit(ctx, spec(), routing.Standard)
+	job, _ := s.Submit(ctx, spec(), Options{Class: routing.Standard})
 	den := claimAt(t, s, lease, Denoise)
 	got, err := s.Cancel(ctx, job.ID)
 	if err != nil || got.State != Cancelled {
@@ -236,8 +239,8 @@ func TestCancelWhileRunning(t *testing.T) {
 	if q, r, _, _ := s.Depth(ctx, Denoise); q != 0 || r != 0 {
 		t.Fatalf("denoise depth after cancel %d/%d", q, r)
 	}
-	if _, _, err := s.Result(ctx, job.ID); !errors.Is(err, ErrNotReady) {
-		t.Fatalf("result of cancelled job: %v", err)
+	if j, _ := s.Get(ctx, job.ID); j.Result != nil {
+		t.Fatalf("cancelled job has a result: %+v", j.Result)
 	}
 }
 
@@ -245,7 +248,7 @@ func TestPendingOrderAndBackoff(t *testing.T) {
 	s, cli := newStore(t)
 	ctx := context.Background()
 	for _, c := range []routing.Class{routing.Batch, routing.Standard, routing.Interactive} {
-		if _, err := s.Submit(ctx, spec(), c); err != nil {
+		if _, err := s.Submit(ctx, spec(), Options{Class: c}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -279,7 +282,7 @@ func TestRewindThenFail(t *testing.T) {
 	s.cfg.MaxRewinds = 1
 	ctx := context.Background()
 	lease := grant(t, cli)
-	job, _ := s.Submit(ctx, spec(), routing.Standard)
+	job, _ := s.Submit(ctx, spec(), Options{Class: routing.Standard})
 	for i := 0; i < 2; i++ {
 		den := claimAt(t, s, lease, Denoise)
 		if err := s.Rewind(ctx, den, "producer gone"); err != nil {
@@ -304,7 +307,7 @@ func TestWaitChangeWakesOnNewTask(t *testing.T) {
 	}
 	done := make(chan error, 1)
 	go func() { done <- s.WaitChange(ctx, Encode, rev, time.Now().Add(time.Minute)) }()
-	if _, err := s.Submit(ctx, spec(), routing.Standard); err != nil {
+	if _, err := s.Submit(ctx, spec(), Options{Class: routing.Standard}); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -336,16 +339,33 @@ func TestStreamFrames(t *testing.T) {
 	s, cli := newStore(t)
 	ctx := context.Background()
 	lease := grant(t, cli)
-	job, _ := s.Submit(ctx, spec(), routing.Standard)
+	job, _ := s.Submit(ctx, spec(), Options{Class: routing.Standard})
 	dec := claimAt(t, s, lease, Decode)
-	if err := s.PutFrame(ctx, dec, 0, []byte("frame0")); err != nil {
-		t.Fatal(err)
+	// Previews are Store objects; this test's "Store" is a map of bytes.
+	var mu sync.Mutex
+	bytesOf := map[string][]byte{}
+	putFrame := func(f int, b string) {
+		t.Helper()
+		id := PreviewID(job.ID, f)
+		mu.Lock()
+		bytesOf[id] = []byte(b)
+		mu.Unlock()
+		rec, _ := json.Marshal(cache.Record{ID: id, Size: int64(len(b)), Mode: cache.TTL, Job: job.ID})
+		if _, err := cli.Put(ctx, cache.ObjectKey(s.cfg.Prefix, id), string(rec)); err != nil {
+			t.Fatal(err)
+		}
 	}
+	fetch := func(_ context.Context, r cache.Record) ([]byte, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		return bytesOf[r.ID], nil
+	}
+	putFrame(0, "frame0")
 
 	got := make(chan Frame, 8)
 	done := make(chan Job, 1)
 	go func() {
-		j, err := s.StreamFrames(ctx, job.ID, func(f Frame) error { got <- f; return nil })
+		j, err := s.StreamFrames(ctx, job.ID, fetch, func(f Frame) error { got <- f; return nil })
 		if err != nil {
 			t.Error(err)
 		}
@@ -356,15 +376,13 @@ func TestStreamFrames(t *testing.T) {
 	if f := <-got; f.Index != 0 || string(f.PNG) != "frame0" {
 		t.Fatalf("first frame %+v", f)
 	}
-	for _, b := range []string{"frame1", "frame1-again"} {
-		if err := s.PutFrame(ctx, dec, 1, []byte(b)); err != nil {
-			t.Fatal(err)
-		}
-	}
+	putFrame(1, "frame1")
 	if f := <-got; f.Index != 1 || string(f.PNG) != "frame1" {
 		t.Fatalf("second frame %+v", f)
 	}
-	if err := s.Commit(ctx, dec, Output{Result: []byte("gif"), ContentType: "image/gif"}); err != nil {
+	putFrame(1, "frame1-again")
+	res := &Result{ContentType: "image/gif", Bytes: 3, Object: ResultID(job.ID)}
+	if err := s.Commit(ctx, dec, Output{Result: res}); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -378,9 +396,87 @@ func TestStreamFrames(t *testing.T) {
 	if len(got) != 0 {
 		t.Fatalf("%d extra frames sent", len(got))
 	}
-	left, _ := cli.Get(ctx, s.framePrefix(job.ID), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	left, _ := cli.Get(ctx, s.previewPrefix(job.ID), clientv3.WithPrefix(), clientv3.WithCountOnly())
 	if left.Count != 0 {
-		t.Fatalf("%d frame previews left after commit", left.Count)
+		t.Fatalf("%d frame preview records left after commit", left.Count)
+	}
+}
+
+// A Store input is released in the consumer's commit: its object record goes.
+func TestStoreInputReleasedOnCommit(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	job, _ := s.Submit(ctx, spec(), Options{Class: routing.Standard, Transfer: StoreRelay})
+	enc := claimOne(t, s, Encode, "enc-1", lease)
+	obj := cache.JobObjectID(job.ID, "encode.x")
+	key := cache.ObjectKey(s.cfg.Prefix, obj)
+	out := Output{Payloads: []Input{{Payload: obj, Node: "enc-1", Store: true}}, Ops: []clientv3.Op{clientv3.OpPut(key, `{"id":"`+obj+`"}`)}}
+	if err := s.Commit(ctx, enc, out); err != nil {
+		t.Fatal(err)
+	}
+	if prs, _ := s.Payloads(ctx); len(prs) != 0 {
+		t.Fatalf("a Store output got a payload record: %+v", prs)
+	}
+	den := claimOne(t, s, Denoise, "den-1", lease)
+	if den.Task.Transfer != StoreRelay || len(den.Task.Inputs) != 1 || !den.Task.Inputs[0].Store {
+		t.Fatalf("denoise task: %+v", den.Task)
+	}
+	if err := s.Commit(ctx, den, Output{Payloads: payload("lat", "den-1")}); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := cli.Get(ctx, key); len(r.Kvs) != 0 {
+		t.Fatal("consumed Store object's record survived the commit")
+	}
+}
+
+// Finished job records expire with their retention lease; Delete removes a
+// finished job and its objects at once; States reads many jobs.
+func TestRetentionDeleteAndStates(t *testing.T) {
+	s, cli := newStore(t)
+	s.cfg.Retention = 2 * time.Second
+	ctx := context.Background()
+	a, _ := s.Submit(ctx, spec(), Options{Class: routing.Standard})
+	b, _ := s.Submit(ctx, spec(), Options{Class: routing.Standard})
+	c, _ := s.Submit(ctx, spec(), Options{Class: routing.Batch})
+	for _, id := range []string{a.ID, b.ID} {
+		if _, err := s.Cancel(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st, err := s.States(ctx, []string{a.ID, c.ID, "nosuchjob"})
+	if err != nil || len(st) != 2 || st[a.ID] != Cancelled || st[c.ID] != Queued {
+		t.Fatalf("States = %v, %v", st, err)
+	}
+	if err := s.Delete(ctx, c.ID); !errors.Is(err, ErrNotFinished) {
+		t.Fatalf("Delete of a queued job: %v", err)
+	}
+	objKey := cache.ObjectKey(s.cfg.Prefix, ResultID(b.ID))
+	if _, err := cli.Put(ctx, objKey, "{}"); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Delete(ctx, b.ID); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Get(ctx, b.ID); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("deleted job still there: %v", err)
+	}
+	if r, _ := cli.Get(ctx, objKey); len(r.Kvs) != 0 {
+		t.Fatal("Delete left the job's result object record")
+	}
+	// a expires with its retention lease (bucketed: at most 2 s + 1 s late).
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		if _, err := s.Get(ctx, a.ID); errors.Is(err, ErrNotFound) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("finished job record outlived its retention")
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if _, err := s.Get(ctx, c.ID); err != nil {
+		t.Fatalf("a queued job expired: %v", err)
 	}
 }
 
@@ -390,7 +486,7 @@ func TestAbandonAfterCancelKeepsTaskDeleted(t *testing.T) {
 	s, cli := newStore(t)
 	ctx := context.Background()
 	lease := grant(t, cli)
-	job, _ := s.Submit(ctx, spec(), routing.Standard)
+	job, _ := s.Submit(ctx, spec(), Options{Class: routing.Standard})
 	den := claimAt(t, s, lease, Denoise)
 	if _, err := s.Cancel(ctx, job.ID); err != nil {
 		t.Fatal(err)
@@ -415,7 +511,7 @@ func TestCommitOnFinishedJobRemovesOrphanTask(t *testing.T) {
 	s, cli := newStore(t)
 	ctx := context.Background()
 	lease := grant(t, cli)
-	job, _ := s.Submit(ctx, spec(), routing.Standard)
+	job, _ := s.Submit(ctx, spec(), Options{Class: routing.Standard})
 	enc := claimAt(t, s, lease, Encode)
 	// Simulate the orphan: the job finishes while a task for it still exists.
 	if _, err := s.Cancel(ctx, job.ID); err != nil {

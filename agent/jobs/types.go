@@ -2,6 +2,7 @@ package jobs
 
 import (
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
@@ -47,12 +48,49 @@ const (
 // Terminal reports whether no further stage will run.
 func (s State) Terminal() bool { return s == Succeeded || s == Failed || s == Cancelled }
 
+// TransferMode says how a stage's output payload reaches the next stage.
+type TransferMode string
+
+// Transfer modes.
+const (
+	// P2P: the consumer pulls straight from the producer's arena, which
+	// holds the payload until the consumer commits.
+	P2P TransferMode = "p2p"
+	// StoreRelay: the producer copies the payload into the Store and frees
+	// its buffer at once; the consumer reads a replica, so the producer's
+	// death after the handoff costs nothing.
+	StoreRelay TransferMode = "store"
+	// Auto: p2p when a consumer with credit is known at publish time and the
+	// producer's arena has room, the Store otherwise.
+	Auto TransferMode = "auto"
+)
+
+// ParseTransferMode checks a mode name; "" is valid and means the agent's
+// default.
+func ParseTransferMode(s string) (TransferMode, error) {
+	switch m := TransferMode(s); m {
+	case "", P2P, StoreRelay, Auto:
+		return m, nil
+	}
+	return "", fmt.Errorf("jobs: transfer mode %q: want p2p, store or auto", s)
+}
+
+// Options are the scheduling choices of a submission: they do not change the
+// output bytes (the Spec does).
+type Options struct {
+	Class routing.Class
+	// Transfer overrides the agents' default transfer mode for this job's
+	// payloads ("" keeps it).
+	Transfer TransferMode
+}
+
 // Job is the durable record of one generation request, stored as JSON at
 // <prefix>/jobs/<id>.
 type Job struct {
 	ID        string                 `json:"id"`
 	Spec      engine.Spec            `json:"spec"`
 	Class     routing.Class          `json:"class"`
+	Transfer  TransferMode           `json:"transfer_mode,omitempty"`
 	State     State                  `json:"state"`
 	Stage     Stage                  `json:"stage,omitempty"` // the stage queued or running now
 	Stages    map[Stage]*StageRecord `json:"stages,omitempty"`
@@ -81,12 +119,14 @@ type Progress struct {
 	Node  string `json:"node"`
 }
 
-// Result describes the committed output file.
+// Result describes the committed output file. The bytes are a Store object
+// (cache), pinned with a retention; etcd holds only this description.
 type Result struct {
-	ContentType string `json:"content_type"` // image/png or image/gif
-	Bytes       int64  `json:"bytes"`
-	Parts       int    `json:"parts"` // etcd keys the file is split across
-	SHA256      string `json:"sha256"`
+	ContentType string    `json:"content_type"` // image/png or image/gif
+	Bytes       int64     `json:"bytes"`
+	SHA256      string    `json:"sha256"`
+	Object      string    `json:"object"`              // the Store object holding the file
+	ExpiresAt   time.Time `json:"expires_at,omitzero"` // when the Store frees it
 }
 
 // Error is why a job failed, with a stable code for clients.
@@ -102,4 +142,12 @@ var (
 	ErrFenced   = errors.New("jobs: claim lost; commit refused")
 	ErrFinished = errors.New("jobs: job already finished")
 	ErrTaken    = errors.New("jobs: task already claimed")
+	// ErrNotFinished means a job must be finished (or cancelled) first.
+	ErrNotFinished = errors.New("jobs: job not finished")
+	// ErrExpired means a succeeded job's result passed its retention and
+	// was freed.
+	ErrExpired = errors.New("jobs: result expired")
+	// ErrStoreFull means the mesh has no room for a new job's payloads, in
+	// memory or on disk: new submissions are refused until room is freed.
+	ErrStoreFull = errors.New("jobs: store full")
 )

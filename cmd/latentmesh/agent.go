@@ -11,6 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/bench"
 )
@@ -34,6 +35,12 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		transport  = fs.String("transport", def.Transfer.Transport, "data plane: auto (shm on one host, rdma when both ends have a device, else tcp), tcp, shm or rdma")
 		congestion = fs.String("tcp-congestion", def.Transfer.TCPCongestion, "congestion control of data-plane TCP senders (empty: the system default)")
 		arenaSize  = fs.String("arena-size", "1GiB", "registered buffer arena for payloads (e.g. 512MiB, 4GiB)")
+		storeCap   = fs.String("store-capacity", "", "arena bytes lent to the pooled Store (default: a quarter of --arena-size)")
+		spillDir   = fs.String("store-spill-dir", "", "`DIR` for Store copies when its memory is full (default: none)")
+		spillCap   = fs.String("store-spill-capacity", "", "bytes the Store may keep in --store-spill-dir, e.g. 64GiB (default: none)")
+		xferMode   = fs.String("transfer-mode", string(def.TransferMode), "how stage outputs move on: p2p (consumer pulls from the producer), store (relayed through the Store, the producer frees its buffer at once) or auto (p2p while a consumer has credit, else store)")
+		resultTTL  = fs.Duration("result-ttl", def.ResultTTL, "how long finished files stay in the Store")
+		retention  = fs.Duration("job-retention", def.Jobs.Retention, "how long finished job records stay in etcd (0: forever)")
 		logFormat  = fs.String("log-format", "json", "json or console")
 		verbose    = fs.Bool("v", false, "debug logs")
 		slots      = slotsFlag{}
@@ -67,6 +74,11 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprintf(stderr, "latentmesh agent: --arena-size: %v\n", err)
 		return 2
 	}
+	if err := applyStoreFlags(&cfg, *storeCap, *spillDir, *spillCap, *xferMode); err != nil {
+		fmt.Fprintf(stderr, "latentmesh agent: %v\n", err)
+		return 2
+	}
+	cfg.ResultTTL, cfg.Jobs.Retention = *resultTTL, *retention
 	cost.apply(&cfg.Engine)
 	cfg.Logger = log
 
@@ -103,4 +115,32 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		log.Warn("close", zap.Error(err))
 	}
 	return 0
+}
+
+// applyStoreFlags sets the Store's capacities and the transfer mode.
+func applyStoreFlags(cfg *agent.Config, capacity, spillDir, spillCap, mode string) error {
+	if capacity != "" {
+		n, err := bench.ParseSize(capacity)
+		if err != nil {
+			return fmt.Errorf("--store-capacity: %w", err)
+		}
+		cfg.StoreMemory = n
+	}
+	var n int64
+	if spillCap != "" {
+		var err error
+		if n, err = bench.ParseSize(spillCap); err != nil {
+			return fmt.Errorf("--store-spill-capacity: %w", err)
+		}
+	}
+	if n > 0 && spillDir == "" {
+		return fmt.Errorf("--store-spill-capacity needs --store-spill-dir")
+	}
+	cfg.Store.SpillDir, cfg.Store.SpillCapacity = spillDir, n
+	m, err := jobs.ParseTransferMode(mode)
+	if err != nil || m == "" {
+		return fmt.Errorf("--transfer-mode %q: want p2p, store or auto", mode)
+	}
+	cfg.TransferMode = m
+	return nil
 }

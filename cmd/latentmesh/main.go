@@ -22,8 +22,9 @@ commands:
   agent      run one agent daemon against an etcd cluster
   generate   ask a running agent for one image or video, with a progress bar
   status     show an agent's view: node, peers and credits, queues, data plane
+  store      the pooled Store: 'store stat' (by mode and tier), 'store ls [--job ID]'
   version    print the version
-  bench      benchmark the data plane (transfer) and chunked decode (overlap)
+  bench      benchmark the data plane (transfer), chunked decode (overlap) and the Store (store)
 
 Run 'latentmesh <command> -h' for a command's flags.
 `
@@ -47,6 +48,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		"agent":    runAgent,
 		"generate": runGenerate,
 		"status":   runStatus,
+		"store":    runStore,
 		"version":  runVersion,
 		"bench":    runBench,
 	}

@@ -24,29 +24,9 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	if code := parse(fs, args); code >= 0 {
 		return code
 	}
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(*admin, "/")+"/v1/admin/status", nil)
+	body, err := adminGet(ctx, *admin, *token, "/v1/admin/status")
 	if err != nil {
 		fmt.Fprintf(stderr, "latentmesh status: %v\n", err)
-		return 2
-	}
-	if *token != "" {
-		req.Header.Set("Authorization", "Bearer "+*token)
-	}
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh status: cannot reach agent admin at %s: %v\n", *admin, err)
-		return 1
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 4<<20))
-	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh status: %v\n", err)
-		return 1
-	}
-	if resp.StatusCode != http.StatusOK {
-		fmt.Fprintf(stderr, "latentmesh status: %s: %s\n", resp.Status, strings.TrimSpace(string(body)))
 		return 1
 	}
 	if *asJSON {
@@ -60,6 +40,32 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	}
 	writeStatus(stdout, st)
 	return 0
+}
+
+// adminGet reads path from an agent's admin endpoint, with its bearer token.
+func adminGet(ctx context.Context, admin, token, path string) ([]byte, error) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(admin, "/")+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("cannot reach agent admin at %s: %w", admin, err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return nil, err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s: %s", resp.Status, strings.TrimSpace(string(body)))
+	}
+	return body, nil
 }
 
 func boolCode(ok bool) int {

@@ -1,0 +1,269 @@
+package agent
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/cache"
+	"github.com/latentmesh/latentmesh/routing"
+	"github.com/latentmesh/latentmesh/transfer"
+)
+
+// storeMembers lists the live members as the Store sees them: registered in
+// etcd and alive in gossip, with the Store room each gossips (this node's
+// own room exactly).
+func (a *Agent) storeMembers() []cache.Member {
+	var out []cache.Member
+	for _, p := range a.member.Peers() {
+		if !p.Registered || !p.Alive || p.Record.PeerID == "" {
+			continue
+		}
+		m := cache.Member{
+			Node: p.Record.ID, PeerID: p.Record.PeerID, P2PAddrs: p.Record.P2PAddrs,
+			Host: p.Record.Host, Free: int64(p.Meta.StoreFree),
+		}
+		if m.Node == a.id {
+			m.Free = a.cstore.Room()
+		}
+		out = append(out, m)
+	}
+	return out
+}
+
+// storeRoom is the Store room the live members gossip: in all, and the
+// largest object one of them can take.
+func (a *Agent) storeRoom() (total, largest int64) {
+	for _, m := range a.storeMembers() {
+		total += m.Free
+		largest = max(largest, m.Free)
+	}
+	return total, largest
+}
+
+// orphans names the Store objects whose job will never use them: the job is
+// gone (deleted, or its record expired), failed or cancelled, or it
+// succeeded and the object was a relayed latent nobody consumed.
+func (a *Agent) orphans(ctx context.Context, recs []cache.Record) ([]string, error) {
+	ids := map[string]bool{}
+	for _, r := range recs {
+		if r.Job != "" {
+			ids[r.Job] = true
+		}
+	}
+	list := make([]string, 0, len(ids))
+	for id := range ids {
+		list = append(list, id)
+	}
+	states, err := a.store.States(ctx, list)
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, r := range recs {
+		if r.Job == "" {
+			continue
+		}
+		st, ok := states[r.Job]
+		switch {
+		case !ok, st == jobs.Failed, st == jobs.Cancelled:
+			out = append(out, r.ID)
+		case st == jobs.Succeeded && r.Mode == cache.Consume:
+			out = append(out, r.ID)
+		}
+	}
+	return out, nil
+}
+
+// transferMode is the mode for task t's outputs: the job's, else ours.
+func (a *Agent) transferMode(t jobs.Task) jobs.TransferMode {
+	if t.Transfer != "" {
+		return t.Transfer
+	}
+	return a.cfg.TransferMode
+}
+
+// handoff decides how the output of t (size bytes) reaches the next stage,
+// whose preferred worker is hint ("" when none has credit).
+func (a *Agent) handoff(t jobs.Task, hint string, size int64) routing.Handoff {
+	room := true
+	if st := a.xfer.Stats(); st.HasArena {
+		room = st.Arena.Free >= size
+	}
+	return routing.ChooseHandoff(string(a.transferMode(t)), hint != "", room)
+}
+
+// relay puts a produced payload into the Store as a delete-on-consume
+// object and frees the producer's buffer at once: the next stage reads a
+// replica, and a producer that dies after this costs nothing. The object's
+// record is written by the stage's commit (staged.Op in out.Ops).
+func (a *Agent) relay(ctx context.Context, c *jobs.Claim, ref transfer.Ref, hint string) (jobs.Output, *cache.Staged, error) {
+	id := cache.JobObjectID(c.Task.JobID, string(c.Task.Stage)+"."+ref.ID)
+	st, err := a.cstore.Stage(ctx, cache.PutSpec{ID: id, Mode: cache.Consume, Job: c.Task.JobID}, ref)
+	if err != nil {
+		return jobs.Output{}, nil, err
+	}
+	a.xfer.Release(ref.ID)
+	a.relayed.Add(1)
+	out := jobs.Output{
+		Payloads: []jobs.Input{{Payload: id, Node: a.id, Store: true}},
+		Hint:     hint,
+		Ops:      []clientv3.Op{st.Op()},
+	}
+	return out, st, nil
+}
+
+// inputRefs resolves a task's single input to the references to pull it
+// from, nearest first: the producer's payload, or the Store object's holders.
+func (a *Agent) inputRefs(ctx context.Context, ins []jobs.Input) (jobs.Input, []transfer.Ref, error) {
+	if len(ins) != 1 {
+		return jobs.Input{}, nil, fmt.Errorf("%w: task has %d inputs, want 1", errInputLost, len(ins))
+	}
+	in := ins[0]
+	if !in.Store {
+		_, ref, err := input(ins)
+		return in, []transfer.Ref{ref}, err
+	}
+	rec, err := a.cstore.Lookup(ctx, in.Payload)
+	if errors.Is(err, cache.ErrNotFound) {
+		return in, nil, fmt.Errorf("%w: store object %s: %v", errInputLost, in.Payload, err)
+	}
+	if err != nil {
+		return in, nil, fmt.Errorf("%w: look up %s: %v", errTransient, in.Payload, err)
+	}
+	var refs []transfer.Ref
+	for _, h := range a.cstore.Nearest(rec) {
+		refs = append(refs, h.Ref)
+	}
+	if len(refs) == 0 {
+		return in, nil, fmt.Errorf("%w: store object %s has no holders", errInputLost, in.Payload)
+	}
+	return in, refs, nil
+}
+
+// putResult stages a finished file as the job's pinned result object, kept
+// for ResultTTL on R holders. When no member has room it is held here beyond
+// the Store's capacity (counted as overflow): a decode must always be able to
+// finish, since finishing is what frees the latents filling the Store.
+func (a *Agent) putResult(ctx context.Context, c *jobs.Claim, file []byte, contentType string) (*cache.Staged, *jobs.Result, error) {
+	st, err := a.cstore.StageBytes(ctx, cache.PutSpec{
+		ID: jobs.ResultID(c.Task.JobID), Mode: cache.Pinned, Job: c.Task.JobID, TTL: a.cfg.ResultTTL,
+		ContentType: contentType, Overflow: true,
+	}, file)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: store result: %v", errTransient, err)
+	}
+	sum := sha256.Sum256(file)
+	return st, &jobs.Result{
+		ContentType: contentType, Bytes: int64(len(file)), SHA256: hex.EncodeToString(sum[:]),
+		Object: st.Record.ID, ExpiresAt: st.Record.ExpiresAt,
+	}, nil
+}
+
+// putPreview publishes a decoded frame as a short-lived preview object held
+// by this node (advisory: a failure is logged by the caller).
+func (a *Agent) putPreview(ctx context.Context, c *jobs.Claim, frame int, png []byte) error {
+	_, err := a.cstore.PutBytes(ctx, cache.PutSpec{
+		ID: jobs.PreviewID(c.Task.JobID, frame), Mode: cache.TTL, TTL: a.cfg.PreviewTTL, Job: c.Task.JobID,
+		ContentType: "image/png", Local: true,
+	}, png)
+	return err
+}
+
+// fetchObject reads a Store object's bytes (frame previews).
+func (a *Agent) fetchObject(ctx context.Context, rec cache.Record) ([]byte, error) {
+	buf := make([]byte, rec.Size)
+	if err := a.cstore.Fetch(ctx, rec, buf); err != nil {
+		return nil, err
+	}
+	return buf, nil
+}
+
+// Result returns a finished job's file, read from the nearest holder of its
+// Store object and checked against the job record's SHA-256.
+func (a *Agent) Result(ctx context.Context, id string) ([]byte, string, error) {
+	job, err := a.store.Get(ctx, id)
+	if err != nil {
+		return nil, "", err
+	}
+	if job.State != jobs.Succeeded || job.Result == nil {
+		return nil, "", jobs.ErrNotReady
+	}
+	data, _, err := a.cstore.ReadAll(ctx, job.Result.Object)
+	if errors.Is(err, cache.ErrNotFound) {
+		if _, lerr := a.cstore.Lookup(ctx, job.Result.Object); errors.Is(lerr, cache.ErrNotFound) {
+			return nil, "", fmt.Errorf("%w: %s", jobs.ErrExpired, job.Result.Object)
+		}
+	}
+	if err != nil {
+		return nil, "", fmt.Errorf("agent: result of %s: %w", id, err)
+	}
+	if sum := sha256.Sum256(data); hex.EncodeToString(sum[:]) != job.Result.SHA256 || int64(len(data)) != job.Result.Bytes {
+		return nil, "", fmt.Errorf("agent: result of %s does not match its checksum", id)
+	}
+	return data, job.Result.ContentType, nil
+}
+
+// checkSubmit refuses new work the mesh cannot take: while etcd's database
+// is full (NOSPACE), and, for jobs relayed through the Store, while no
+// member has Store room for the job's largest payload, in memory or on disk.
+// Jobs already accepted are not affected: they wait for room.
+func (a *Agent) checkSubmit(spec engine.Spec, opts jobs.Options) error {
+	if err := a.alarms.NoSpace(); err != nil {
+		return err
+	}
+	mode := opts.Transfer
+	if mode == "" {
+		mode = a.cfg.TransferMode
+	}
+	if mode != jobs.StoreRelay {
+		return nil
+	}
+	need := a.engine.LatentMeta(spec).Bytes()
+	total, largest := a.storeRoom()
+	if largest < need {
+		return fmt.Errorf("%w: the Store has no room for this job's %d-byte latent in memory or on disk (%d bytes free across the mesh, at most %d on one agent); retry when running jobs have finished",
+			jobs.ErrStoreFull, need, total, largest)
+	}
+	return nil
+}
+
+// StoreView is the admin view of the Store: the objects as etcd records
+// them, and this node's part.
+type StoreView struct {
+	Summary cache.Summary    `json:"summary"`
+	Local   cache.LocalStats `json:"local"`
+	Node    string           `json:"node"`
+	Objects []cache.Record   `json:"objects,omitempty"`
+}
+
+// StoreStatus reads the Store's records (those of job when set) and this
+// node's holdings; list includes the records themselves.
+func (a *Agent) StoreStatus(ctx context.Context, job string, list bool) (StoreView, error) {
+	prefix := ""
+	if job != "" {
+		prefix = cache.JobObjectID(job, "")
+	}
+	recs, err := a.cstore.List(ctx, prefix)
+	if err != nil {
+		return StoreView{}, err
+	}
+	v := StoreView{Summary: cache.Summarize(recs), Local: a.cstore.LocalStats(), Node: a.id}
+	if list {
+		v.Objects = recs
+	}
+	return v, nil
+}
+
+func (a *Agent) logStoreErr(what string, err error) {
+	if err != nil && a.ctx.Err() == nil {
+		a.log.Warn(what, zap.Error(err))
+	}
+}

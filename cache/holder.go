@@ -188,19 +188,21 @@ func (h *holdings) fillMemory(ctx context.Context, src transfer.Ref, overflow bo
 	if overflow && errors.Is(err, arena.ErrNoSpace) {
 		// Held beyond capacity so a decode can finish: the heap (tcp only).
 		mem := make([]byte, src.Meta.Bytes())
-		if err := h.xfer.PullInto(ctx, src, mem); err != nil {
+		sums, err := h.xfer.PullCopy(ctx, src, mem)
+		if err != nil {
 			return transfer.Ref{}, err
 		}
-		return h.xfer.PublishCopy(src.Meta, mem, src.Checksum, nil)
+		return h.xfer.PublishCopy(src.Meta, mem, src.Checksum, sums, nil)
 	}
 	if err != nil {
 		return transfer.Ref{}, err
 	}
 	defer buf.Release() // the published payload keeps the region until its own Release
-	if err := h.xfer.PullInto(ctx, src, buf.Bytes()); err != nil {
+	sums, err := h.xfer.PullCopy(ctx, src, buf.Bytes())
+	if err != nil {
 		return transfer.Ref{}, err
 	}
-	return h.xfer.PublishCopy(src.Meta, buf.Bytes(), src.Checksum, nil)
+	return h.xfer.PublishCopy(src.Meta, buf.Bytes(), src.Checksum, sums, nil)
 }
 
 // fillDisk copies src into a new file of the spill directory, mapped
@@ -234,11 +236,12 @@ func (h *holdings) fillDisk(ctx context.Context, object string, src transfer.Ref
 		os.Remove(path)
 		freeDisk()
 	}
-	if err := h.xfer.PullInto(ctx, src, mem); err != nil {
+	sums, err := h.xfer.PullCopy(ctx, src, mem)
+	if err != nil {
 		release()
 		return transfer.Ref{}, err
 	}
-	return h.xfer.PublishCopy(src.Meta, mem, src.Checksum, release)
+	return h.xfer.PublishCopy(src.Meta, mem, src.Checksum, sums, release)
 }
 
 // commit marks a copy as recorded, by the record state of revision rev:

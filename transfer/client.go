@@ -85,6 +85,45 @@ func (s *Service) PullInto(ctx context.Context, ref Ref, dst []byte) error {
 	return s.pull(ctx, ref, dst, nil)
 }
 
+// BlockSums are the block checksums a pull received with a payload's bytes,
+// per chunk (nil for a chunk that came without them: over shm, or from a
+// range the producer could not checksum). PublishCopy takes them so a copy
+// need not be hashed again.
+type BlockSums [][]uint64
+
+// sumSinkKey carries a *sumSink in a pull's context.
+type sumSinkKey struct{}
+
+// sumSink collects the block checksums a tcp pull verified.
+type sumSink struct {
+	mu   sync.Mutex
+	sums BlockSums
+}
+
+// put records the checksums of span sp (block-aligned within its chunk).
+func (k *sumSink) put(meta TensorMeta, sp span, sums []uint64) {
+	_, cs := meta.ChunkRange(0)
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.sums[sp.chunk] == nil {
+		k.sums[sp.chunk] = make([]uint64, (cs+sumBlock-1)/sumBlock)
+	}
+	copy(k.sums[sp.chunk][(sp.off-int64(sp.chunk)*cs)/sumBlock:], sums)
+}
+
+// PullCopy is PullInto for a payload that will be published again with
+// PublishCopy (a Store copy): it also returns the block checksums that came
+// with the bytes, so the copy is not hashed again before it is served.
+func (s *Service) PullCopy(ctx context.Context, ref Ref, dst []byte) (BlockSums, error) {
+	sink := &sumSink{sums: make(BlockSums, max(ref.Meta.Chunks(), 1))}
+	if err := s.PullInto(context.WithValue(ctx, sumSinkKey{}, sink), ref, dst); err != nil {
+		return nil, err
+	}
+	sink.mu.Lock()
+	defer sink.mu.Unlock()
+	return sink.sums, nil
+}
+
 // PullChunks starts fetching a payload into dst and yields each chunk as it
 // lands, so work can start on chunk 0 while later chunks are still being
 // produced or transferred. Cancel ctx to abandon the pull.
@@ -285,7 +324,8 @@ func (s *Service) pullTCP(ctx context.Context, pid peer.ID, ref Ref, dst []byte,
 		left[sp.chunk].Add(1)
 	}
 	needWhole := s.cfg.ChecksumTCP && ref.Checksum != 0
-	var deferred atomic.Bool // some chunk waits for the whole-payload checksum
+	sink, _ := ctx.Value(sumSinkKey{}).(*sumSink) // PullCopy wants the checksums
+	var deferred atomic.Bool                      // some chunk waits for the whole-payload checksum
 	workers := min(s.cfg.Conns, len(spans))
 	var next atomic.Int64
 	var firstErr error
@@ -312,6 +352,9 @@ func (s *Service) pullTCP(ctx context.Context, pid peer.ID, ref Ref, dst []byte,
 			}
 			if !verified && s.cfg.ChecksumTCP {
 				unverified[sp.chunk].Store(true)
+			}
+			if verified && sink != nil && c.sumsBlock == sumBlock {
+				sink.put(ref.Meta, sp, c.sumsSeen)
 			}
 			if left[sp.chunk].Add(-1) != 0 || onChunk == nil {
 				continue
@@ -341,6 +384,11 @@ func (s *Service) pullTCP(ctx context.Context, pid peer.ID, ref Ref, dst []byte,
 	anyUnverified := false
 	for k := range unverified {
 		anyUnverified = anyUnverified || unverified[k].Load()
+		if sink != nil && unverified[k].Load() {
+			sink.mu.Lock()
+			sink.sums[k] = nil // partial: the copy hashes this chunk itself
+			sink.mu.Unlock()
+		}
 	}
 	if needWhole && anyUnverified {
 		if got := xxh3.Hash(dst); got != ref.Checksum {
@@ -452,6 +500,9 @@ func (s *Service) fetch(ctx context.Context, c *dataConn, t []byte, off int64, d
 			}
 		}
 		got += k
+	}
+	if check {
+		c.sumsSeen, c.sumsBlock = sums, block
 	}
 	return true, check, nil
 }
@@ -638,6 +689,10 @@ type dataConn struct {
 	wbuf   []byte
 	sumBuf []byte   // block checksums as read, reused across requests
 	sums   []uint64 // decoded, reused
+	// sumsSeen are the checksums the last verified range came with (a view
+	// of sums), in blocks of sumsBlock bytes, for PullCopy.
+	sumsSeen  []uint64
+	sumsBlock int64
 
 	mu sync.Mutex
 	// mu guards the field below.

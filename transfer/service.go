@@ -432,23 +432,23 @@ func (s *Service) producer() Producer {
 // Release(id). Any other slice is held as it is, also without a copy, and
 // travels by tcp only.
 func (s *Service) Publish(meta TensorMeta, data []byte) (Ref, error) {
-	return s.publish(meta, data, nil, false, 0)
+	return s.publish(meta, data, nil, false, 0, nil)
 }
 
 // PublishCopy publishes data, a copy of a payload that the pull which made
 // it already verified (block by block over tcp; shm copies memory on one
-// host), without hashing it again at publish: each chunk's block checksums
-// are computed the first time a consumer reads it over tcp, and the Ref
-// carries checksum, the source's whole-payload XXH3 (0 when unknown). The
-// Store publishes its copies so: a put then costs its copies, not a hash
-// pass per holder. free, when not nil, makes data lent memory as with
-// PublishLent.
-func (s *Service) PublishCopy(meta TensorMeta, data []byte, checksum uint64, free func()) (Ref, error) {
+// host), without hashing it again at publish: the checksums PullCopy
+// received serve consumers, and a chunk that came without them is hashed
+// the first time a consumer reads it over tcp. The Ref carries checksum, the
+// source's whole-payload XXH3 (0 when unknown). The Store publishes its
+// copies so: a put then costs its copies, not a hash pass per holder. free,
+// when not nil, makes data lent memory as with PublishLent.
+func (s *Service) PublishCopy(meta TensorMeta, data []byte, checksum uint64, sums BlockSums, free func()) (Ref, error) {
 	var lent *lentMem
 	if free != nil {
 		lent = &lentMem{free: free}
 	}
-	ref, err := s.publish(meta, data, lent, true, checksum)
+	ref, err := s.publish(meta, data, lent, true, checksum, sums)
 	if err != nil && free != nil {
 		free()
 	}
@@ -463,14 +463,14 @@ func (s *Service) PublishLent(meta TensorMeta, data []byte, free func()) (Ref, e
 	if free == nil {
 		return Ref{}, errors.New("transfer: PublishLent without a free function")
 	}
-	ref, err := s.publish(meta, data, &lentMem{free: free}, false, 0)
+	ref, err := s.publish(meta, data, &lentMem{free: free}, false, 0, nil)
 	if err != nil {
 		free()
 	}
 	return ref, err
 }
 
-func (s *Service) publish(meta TensorMeta, data []byte, lent *lentMem, lazy bool, checksum uint64) (Ref, error) {
+func (s *Service) publish(meta TensorMeta, data []byte, lent *lentMem, lazy bool, checksum uint64, known BlockSums) (Ref, error) {
 	if err := meta.Validate(s.cfg.MaxPayloadBytes); err != nil {
 		return Ref{}, err
 	}
@@ -486,7 +486,11 @@ func (s *Service) publish(meta TensorMeta, data []byte, lent *lentMem, lazy bool
 	}
 	if lazy {
 		e := s.reg.add(meta, data, owner, s.arenaPinner(owner), checksum, lent, true)
+		_, cs := meta.ChunkRange(0)
 		for k := range e.ready {
+			if k < len(known) && int64(len(known[k])) == (cs+sumBlock-1)/sumBlock {
+				e.lazy[k].Do(func() { e.sums[k] = known[k] })
+			}
 			close(e.ready[k])
 		}
 		return Ref{ID: e.id, Producer: s.producer(), Meta: meta, Checksum: e.whole}, nil

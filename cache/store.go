@@ -535,15 +535,22 @@ func (s *Store) isMember(p peer.ID) bool {
 // Put stages src and commits its record: the object is readable when Put
 // returns.
 func (s *Store) Put(ctx context.Context, spec PutSpec, src transfer.Ref) (Record, error) {
-	st, err := s.Stage(ctx, spec, src)
-	if err != nil {
-		return Record{}, err
+	return commitStaged(ctx)(s.Stage(ctx, spec, src))
+}
+
+// commitStaged returns a function that commits what a Stage returned and
+// aborts it when the commit fails.
+func commitStaged(ctx context.Context) func(*Staged, error) (Record, error) {
+	return func(st *Staged, err error) (Record, error) {
+		if err != nil {
+			return Record{}, err
+		}
+		if err := st.Commit(ctx); err != nil {
+			st.Abort(context.WithoutCancel(ctx))
+			return Record{}, err
+		}
+		return st.Record, nil
 	}
-	if err := st.Commit(ctx); err != nil {
-		st.Abort(context.WithoutCancel(ctx))
-		return Record{}, err
-	}
-	return st.Record, nil
 }
 
 // StageBytes stages data (a file: a result, a preview) as an object. It is
@@ -562,15 +569,7 @@ func (s *Store) StageBytes(ctx context.Context, spec PutSpec, data []byte) (*Sta
 
 // PutBytes is StageBytes and Commit.
 func (s *Store) PutBytes(ctx context.Context, spec PutSpec, data []byte) (Record, error) {
-	st, err := s.StageBytes(ctx, spec, data)
-	if err != nil {
-		return Record{}, err
-	}
-	if err := st.Commit(ctx); err != nil {
-		st.Abort(context.WithoutCancel(ctx))
-		return Record{}, err
-	}
-	return st.Record, nil
+	return commitStaged(ctx)(s.StageBytes(ctx, spec, data))
 }
 
 // Lookup reads an object's record.

@@ -16,6 +16,7 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/cache"
 )
 
 // Jobs is what the client API needs from the agent's job store.
@@ -217,19 +218,9 @@ func jobID(w http.ResponseWriter, r *http.Request) (string, bool) {
 	return id, true
 }
 
-func validID(id string) bool {
-	if id == "" || len(id) > 128 || strings.Trim(id, ".") == "" {
-		return false
-	}
-	for _, c := range id {
-		switch {
-		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '-', c == '_', c == '.':
-		default:
-			return false
-		}
-	}
-	return true
-}
+// validID accepts what could be a key segment: the Store's rule for object
+// ids (letters, digits, '-', '_', '.'), at most 128 bytes.
+func validID(id string) bool { return len(id) <= 128 && cache.ValidID(id) }
 
 func (s *server) createJob(w http.ResponseWriter, r *http.Request) {
 	var req JobRequest

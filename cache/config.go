@@ -27,7 +27,10 @@ type Config struct {
 	// MemoryCapacity is how many bytes of the arena this node lends to the
 	// Store (0: it holds nothing in memory).
 	MemoryCapacity int64
-	// SpillDir is where copies go when memory is full; "" means no disk tier.
+	// SpillDir is where copies go when memory is full; "" means no disk
+	// tier. Each node uses its own subdirectory, <SpillDir>/<Node>, which it
+	// empties when it starts: spilled copies die with the agent, as memory
+	// copies do, and the survivors' replicas cover them.
 	SpillDir string
 	// SpillCapacity bounds the bytes kept in SpillDir.
 	SpillCapacity int64

@@ -122,6 +122,34 @@ func (h *holdings) reserve(size int64, mode Mode, overflow bool) (tier Tier, evi
 		ErrFull, size, h.memUsed, h.cfg.MemoryCapacity, h.diskUsed, h.cfg.SpillCapacity, h.cfg.Node)
 }
 
+// spillDir is this node's own directory under SpillDir.
+func (h *holdings) spillDir() string { return filepath.Join(h.cfg.SpillDir, h.cfg.Node) }
+
+// prepareSpill creates this node's spill directory and removes the copies a
+// previous run of the node left there (they died with it).
+func (h *holdings) prepareSpill() error {
+	if h.cfg.SpillDir == "" {
+		return nil
+	}
+	dir := h.spillDir()
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return fmt.Errorf("cache: spill dir: %w", err)
+	}
+	stale, err := filepath.Glob(filepath.Join(dir, "*.spill"))
+	if err != nil {
+		return fmt.Errorf("cache: spill dir: %w", err)
+	}
+	for _, f := range stale {
+		if err := os.Remove(f); err != nil {
+			return fmt.Errorf("cache: remove a previous run's spill file: %w", err)
+		}
+	}
+	if len(stale) > 0 {
+		h.log.Info("removed a previous run's spill files", zap.String("dir", dir), zap.Int("files", len(stale)))
+	}
+	return nil
+}
+
 // reserveDisk claims size bytes on disk only (the arena had no room).
 func (h *holdings) reserveDisk(size int64) (Tier, []*copyOf, error) {
 	h.mu.Lock()
@@ -212,7 +240,7 @@ func (h *holdings) fillDisk(ctx context.Context, object string, src transfer.Ref
 	size := src.Meta.Bytes()
 	var rnd [6]byte
 	rand.Read(rnd[:])
-	path := filepath.Join(h.cfg.SpillDir, object+"-"+hex.EncodeToString(rnd[:])+".spill")
+	path := filepath.Join(h.spillDir(), object+"-"+hex.EncodeToString(rnd[:])+".spill")
 	freeDisk := func() { h.unreserve(Disk, size) }
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {

@@ -3,6 +3,8 @@ package cache
 import (
 	"context"
 	"errors"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -207,5 +209,35 @@ func TestReserveEvictsLRU(t *testing.T) {
 	}
 	if st := s.LocalStats(); st.Evictions != 2 || st.Copies != 1 || st.MemoryUsed != 3*size {
 		t.Errorf("stats %+v", st)
+	}
+}
+
+// A node empties its own spill directory when it starts (copies died with
+// its previous run) and leaves other nodes' directories alone.
+func TestPrepareSpillRemovesStaleCopies(t *testing.T) {
+	dir := t.TempDir()
+	for _, node := range []string{"n0", "n1"} {
+		if err := os.MkdirAll(filepath.Join(dir, node), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, node, "old-1.spill"), []byte("x"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cfg := testStoreConfig(t, "/bare", "n0")
+	cfg.SpillDir, cfg.SpillCapacity = dir, 1<<20
+	cfg, err := cfg.validate()
+	if err != nil {
+		t.Fatal(err)
+	}
+	h := newHoldings(nil, &cfg, cfg.Logger)
+	if err := h.prepareSpill(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "n0", "old-1.spill")); !os.IsNotExist(err) {
+		t.Fatalf("n0's stale spill file survived: %v", err)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "n1", "old-1.spill")); err != nil {
+		t.Fatalf("n1's spill file was touched: %v", err)
 	}
 }

@@ -312,7 +312,7 @@ func spillFiles(t *testing.T, dir string) []string {
 	if dir == "" {
 		return nil
 	}
-	fs, err := filepath.Glob(filepath.Join(dir, "*.spill"))
+	fs, err := filepath.Glob(filepath.Join(dir, "*", "*.spill")) // <dir>/<node>/
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -68,6 +68,9 @@ func New(cfg Config, cli *clientv3.Client, x *transfer.Service, h host.Host, mem
 		ret: NewRetention(cli, cfg.Now), kick: make(chan struct{}, 1),
 	}
 	s.hold = newHoldings(x, &s.cfg, s.log)
+	if err := s.hold.prepareSpill(); err != nil {
+		return nil, err
+	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	return s, nil
 }

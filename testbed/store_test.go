@@ -198,7 +198,7 @@ func TestStoreSpillsThenRefuses(t *testing.T) {
 	if inMemory == 0 || onDisk == 0 {
 		t.Fatalf("latents in memory %d, on disk %d: want both tiers used", inMemory, onDisk)
 	}
-	files, _ := filepath.Glob(filepath.Join(spill, "*.spill"))
+	files, _ := filepath.Glob(filepath.Join(spill, "enc", "*.spill"))
 	if len(files) != onDisk {
 		t.Fatalf("%d spill files for %d disk copies", len(files), onDisk)
 	}
@@ -236,7 +236,7 @@ func TestStoreSpillsThenRefuses(t *testing.T) {
 				}
 			}
 		}
-		if files, _ := filepath.Glob(filepath.Join(spill, "*.spill")); len(files) != disk {
+		if files, _ := filepath.Glob(filepath.Join(spill, "enc", "*.spill")); len(files) != disk {
 			return fmt.Errorf("%d spill files for %d disk copies in the records", len(files), disk)
 		}
 		return nil

@@ -233,11 +233,12 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err e
 	}
 	inFlight := a.credits[st].InUse() // running tasks of this stage; this claim has no credit yet
 	ok = a.cfg.Admission.Admit(int(queued), free, inFlight)
-	// Outputs relayed through the Store wait there, not in our arena or a
-	// consumer's: the Store's room bounds them (fits checks it per task), so
-	// a store-relay agent runs ahead of a slow or absent downstream pool,
-	// which is what frees its GPU. auto relays when downstream is busy.
-	if !ok && a.cfg.TransferMode != jobs.P2P {
+	// An agent that relays every output through the Store (store mode)
+	// parks them there, not in its arena or a consumer's: the Store's room
+	// bounds them (fits checks it per task), so it runs ahead of a slow or
+	// absent downstream pool, which is what frees its GPU. auto keeps the
+	// credit chain and relays only an output whose consumer is not ready.
+	if !ok && a.cfg.TransferMode == jobs.StoreRelay {
 		_, largest := a.storeRoom()
 		ok = largest > 0
 	}

@@ -116,10 +116,11 @@ func (m *Membership) memberChanged(n *memberlist.Node, t EventType) {
 	}
 }
 
-// suspected marks a peer whose probe failed. memberlist has no delegate
-// for suspicion, so logBridge feeds this from memberlist's log line. The
-// mark lapses after the longest suspicion timeout memberlist could use, and
-// clears sooner on any sign of the peer or a death verdict.
+// suspected marks a peer whose probe failed. memberlist (v0.7.0 too) has
+// no delegate for suspicion and never fills in Node.State, so logBridge
+// feeds this from memberlist's log line. The mark lapses after the longest
+// suspicion timeout memberlist could use, and clears sooner on any sign of
+// the peer or a death verdict.
 func (m *Membership) suspected(id string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()

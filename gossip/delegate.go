@@ -2,7 +2,11 @@ package gossip
 
 import (
 	"bytes"
+	"errors"
+	"fmt"
 	"math"
+	"net"
+	"strconv"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -20,6 +24,7 @@ var (
 	_ memberlist.Delegate      = (*delegate)(nil)
 	_ memberlist.EventDelegate = (*delegate)(nil)
 	_ memberlist.PingDelegate  = (*delegate)(nil)
+	_ memberlist.AliveDelegate = (*delegate)(nil)
 )
 
 // NodeMeta returns this node's current encoded meta.
@@ -57,6 +62,33 @@ func (d *delegate) NotifyUpdate(n *memberlist.Node) {
 // NotifyLeave: a member was declared dead or left.
 func (d *delegate) NotifyLeave(n *memberlist.Node) {
 	d.m.memberChanged(n, EventDead)
+}
+
+// NotifyAlive admits a node to memberlist only if it is this node or is
+// registered in etcd at the gossip address it claims. A node writes its
+// record before it joins, so a real peer passes; a memberlist node that is
+// not in this mesh's etcd, or an alive message that moves a member to
+// another address, does not. A peer whose record the watch has not
+// delivered yet is refused for now and joined when the record arrives.
+// Without a keyring this is the only check, and it cannot tell a forged
+// alive message from the member's own (same name, same address).
+func (d *delegate) NotifyAlive(n *memberlist.Node) error {
+	m := d.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if n.Name == m.self.ID {
+		return nil // memberlist refutes claims about us itself
+	}
+	r, ok := m.records[n.Name]
+	if !ok {
+		return errors.New("gossip: not registered in etcd")
+	}
+	ip, port, err := splitIPPort(r.rec.GossipAddr)
+	if err != nil || !ip.Equal(n.Addr) || port != int(n.Port) {
+		return fmt.Errorf("gossip: registered at %q, not at %s", r.rec.GossipAddr,
+			net.JoinHostPort(n.Addr.String(), strconv.Itoa(int(n.Port))))
+	}
+	return nil
 }
 
 // AckPayload is unused.

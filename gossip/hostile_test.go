@@ -137,6 +137,11 @@ func TestHostileGossipInput(t *testing.T) {
 		{"truncated alive", aliveMsg("x", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 1}, 1, nil)[:30]},
 		{"compound with bogus lengths", []byte{wireCompound, 255, 0xff, 0xff}},
 		{"crc mismatch", []byte{wireHasCRC, 1, 2, 3, 4, wireAlive}},
+		// memberlist v0.7.0 alone takes this into its node list with
+		// protocol version 0, and every later joiner then fails its version
+		// check against it; gossip's alive check keeps it out.
+		{"alive with short Vsn", mp{wireAlive}.fixmap(2).str("Node").str("x").str("Vsn").bin([]byte{1})},
+		{"alive for an unregistered node", aliveMsg("intruder", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 9}, 1, nil)},
 		{"empty", nil},
 	}
 	for _, p := range packets {
@@ -191,6 +196,11 @@ func TestHostileGossipInput(t *testing.T) {
 		}
 		return nil
 	})
+	for _, id := range []string{"x", "intruder"} {
+		if p, ok := a.Peer(id); ok {
+			t.Errorf("a took in %s: %+v", id, p)
+		}
+	}
 
 	// memberlist gives up on a bomb only after decompressing 40 MiB of it,
 	// a second of CPU (ten under -race) that nothing waits for; let it end

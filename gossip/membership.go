@@ -248,7 +248,7 @@ func (m *Membership) createMemberlist() (*memberlist.Memberlist, error) {
 		}
 	}
 	d := &delegate{m: m}
-	conf.Delegate, conf.Events, conf.Ping = d, d, d
+	conf.Delegate, conf.Events, conf.Ping, conf.Alive = d, d, d, d
 	conf.LogOutput = nil
 	conf.Logger = log.New(&logBridge{m: m}, "", 0)
 

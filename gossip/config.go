@@ -32,6 +32,13 @@ type Config struct {
 	// BindAddr/Port, AdvertiseAddr/Port, the delegates and the logger and
 	// overwrites them; the delegate fields must be left nil.
 	Memberlist *memberlist.Config
+	// LogLimit and LogLimitEvery bound memberlist's log lines: at most
+	// LogLimit lines per LogLimitEvery are written, and the number of lines
+	// held back is logged once the interval is over. Each bad packet makes
+	// memberlist log a line, so without a bound anyone who can reach the
+	// gossip port could flood the log.
+	LogLimit      int
+	LogLimitEvery time.Duration
 	// Logger receives the package's logs, named "gossip", and memberlist's.
 	Logger *zap.Logger
 	// RevokeDeadPeers makes this node revoke the etcd lease of a peer that
@@ -75,6 +82,8 @@ func DefaultConfig() Config {
 		LeaveTimeout:    2 * time.Second,        // leave is a courtesy; the lease revoke is the truth
 		RetryMin:        100 * time.Millisecond, // most failures are a leader election: retry soon
 		RetryMax:        5 * time.Second,        // at most one attempt per 5 s against a sick etcd
+		LogLimit:        20,                     // a burst of real trouble is all there
+		LogLimitEvery:   10 * time.Second,       // then at most 2 lines a second, with a count
 	}
 }
 
@@ -137,9 +146,13 @@ func (c Config) validate() (Config, error) {
 	if c.EventBuffer < 1 {
 		return bad("event buffer %d below 1", c.EventBuffer)
 	}
+	if c.LogLimit < 1 {
+		return bad("log limit %d below 1", c.LogLimit)
+	}
 	for name, d := range map[string]time.Duration{
 		"request timeout": c.RequestTimeout, "update timeout": c.UpdateTimeout,
 		"leave timeout": c.LeaveTimeout, "retry min": c.RetryMin, "retry max": c.RetryMax,
+		"log limit interval": c.LogLimitEvery,
 	} {
 		if d <= 0 {
 			return bad("%s %v must be positive", name, d)

@@ -1,7 +1,6 @@
 package gossip
 
 import (
-	"bytes"
 	"errors"
 	"fmt"
 	"math"
@@ -165,45 +164,4 @@ func (m *Membership) suspected(id string) {
 	longest := time.Duration(float64(ml.SuspicionMult*ml.SuspicionMaxTimeoutMult) * n * float64(ml.ProbeInterval))
 	s.suspectUntil = time.Now().Add(longest)
 	m.emitLocked(EventSuspect, id)
-}
-
-// logBridge routes memberlist's standard-library log lines into zap, and
-// picks out the one line that says this node suspects a peer.
-type logBridge struct {
-	m *Membership
-}
-
-var suspectPrefix = []byte("memberlist: Suspect ")
-
-func (b *logBridge) Write(p []byte) (int, error) {
-	if b.m.ctx.Err() != nil {
-		// Closing: memberlist's in-flight probes outlive Shutdown by a moment
-		// and only report the sockets we just closed. Their owner (a test's
-		// logger, say) may already be gone.
-		return len(p), nil
-	}
-	line := bytes.TrimSpace(p)
-	level, msg := "", line
-	if len(line) > 0 && line[0] == '[' {
-		if i := bytes.IndexByte(line, ']'); i > 0 {
-			level, msg = string(line[1:i]), bytes.TrimSpace(line[i+1:])
-		}
-	}
-	if rest, ok := bytes.CutPrefix(msg, suspectPrefix); ok {
-		if name, _, ok := bytes.Cut(rest, []byte(" has failed")); ok {
-			b.m.suspected(string(name))
-		}
-	}
-	log := b.m.log.Named("memberlist")
-	switch level {
-	case "DEBUG":
-		log.Debug(string(msg))
-	case "WARN":
-		log.Warn(string(msg))
-	case "ERR", "ERROR":
-		log.Error(string(msg))
-	default:
-		log.Info(string(msg))
-	}
-	return len(p), nil
 }

@@ -13,6 +13,9 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // heapObjects reads the bytes of live and not yet swept heap objects
@@ -82,7 +85,11 @@ func waitClosed(t *testing.T, c net.Conn, limit time.Duration) time.Duration {
 func TestHostileGossipInput(t *testing.T) {
 	cli := startEtcd(t)
 	prefix := testPrefix(t)
-	a := startNode(t, cli, prefix, "a", []string{RoleEncode}, nil)
+	core, logs := observer.New(zap.DebugLevel)
+	a := startNode(t, cli, prefix, "a", []string{RoleEncode}, func(c *Config) {
+		c.Logger = zap.New(core)
+		c.LogLimitEvery = time.Minute // longer than the test: one interval
+	})
 	addr := a.Self().Record.GossipAddr
 	label := ""
 	timeout := a.cfg.Memberlist.TCPTimeout
@@ -230,4 +237,18 @@ func TestHostileGossipInput(t *testing.T) {
 		}
 		return nil
 	})
+
+	// Every frame above made memberlist log a line; at most LogLimit got
+	// through, and Close reports how many were held back.
+	lines := logs.FilterLoggerName("gossip.memberlist")
+	if n := lines.Len(); n > a.cfg.LogLimit+1 {
+		t.Errorf("%d memberlist log lines, limit %d per %v", n, a.cfg.LogLimit, a.cfg.LogLimitEvery)
+	}
+	a.Close()
+	held := logs.FilterLoggerName("gossip.memberlist").FilterMessage("memberlist log lines suppressed").All()
+	if len(held) == 0 || held[len(held)-1].ContextMap()["lines"].(int64) == 0 {
+		t.Errorf("no count of suppressed lines: %v", held)
+	} else {
+		t.Logf("%d memberlist lines written, %d held back", lines.Len()-len(held), held[len(held)-1].ContextMap()["lines"])
+	}
 }

@@ -56,6 +56,8 @@ type Membership struct {
 
 	dropped atomic.Uint64 // events not delivered to a full subscriber
 
+	logs *logBridge // memberlist's log lines, bounded
+
 	// lifeMu guards the lifecycle fields below.
 	lifeMu  sync.Mutex
 	started bool
@@ -133,6 +135,7 @@ func New(cfg Config, cli *clientv3.Client, rec NodeRecord) (*Membership, error) 
 		revokes:     make(map[clientv3.LeaseID]string),
 	}
 	m.selfKey = m.nodesPrefix + rec.ID
+	m.logs = newLogBridge(m)
 	return m, nil
 }
 
@@ -250,7 +253,7 @@ func (m *Membership) createMemberlist() (*memberlist.Memberlist, error) {
 	d := &delegate{m: m}
 	conf.Delegate, conf.Events, conf.Ping, conf.Alive = d, d, d, d
 	conf.LogOutput = nil
-	conf.Logger = log.New(&logBridge{m: m}, "", 0)
+	conf.Logger = log.New(m.logs, "", 0)
 
 	ml, err := memberlist.Create(&conf)
 	if err != nil {
@@ -288,6 +291,7 @@ func (m *Membership) Close() error {
 			m.log.Warn("memberlist shutdown", zap.Error(err))
 		}
 	}
+	m.logs.flush()
 	if lease := m.Lease(); lease != 0 {
 		m.revoke(lease)
 		m.setLease(0)

@@ -307,6 +307,7 @@ func TestNewValidates(t *testing.T) {
 		{"nil memberlist", func(c *Config, _ *NodeRecord) { c.Memberlist = nil }, ErrInvalidConfig},
 		{"foreign delegate", func(c *Config, _ *NodeRecord) { c.Memberlist.Events = &memberlist.ChannelEventDelegate{} }, ErrInvalidConfig},
 		{"nil logger", func(c *Config, _ *NodeRecord) { c.Logger = nil }, ErrInvalidConfig},
+		{"no log limit", func(c *Config, _ *NodeRecord) { c.LogLimit = 0 }, ErrInvalidConfig},
 		{"no event buffer", func(c *Config, _ *NodeRecord) { c.EventBuffer = 0 }, ErrInvalidConfig},
 		{"retry max below min", func(c *Config, _ *NodeRecord) { c.RetryMax = c.RetryMin / 2 }, ErrInvalidConfig},
 		{"empty id", func(_ *Config, r *NodeRecord) { r.ID = "" }, ErrInvalidRecord},

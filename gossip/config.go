@@ -29,9 +29,29 @@ type Config struct {
 	// port of 0 means the bound port.
 	GossipAdvertise string
 	// Memberlist tunes failure detection and gossip. gossip owns Name,
-	// BindAddr/Port, AdvertiseAddr/Port, the delegates and the logger and
-	// overwrites them; the delegate fields must be left nil.
+	// BindAddr/Port, AdvertiseAddr/Port, Label (set to Prefix), the
+	// encryption fields (from KeyringFile), the delegates and the logger and
+	// overwrites them; the delegate, Keyring and SecretKey fields must be
+	// left nil.
 	Memberlist *memberlist.Config
+	// KeyringFile is the path of this mesh's gossip keys: a JSON list of
+	// base64 strings, each 16, 24 or 32 bytes (AES-128, -192 or -256), the
+	// first of which encrypts; every key decrypts. With a keyring, memberlist
+	// drops any packet or stream that is not encrypted and authenticated by
+	// one of the keys. Empty: gossip is in clear, and whoever reaches the
+	// gossip port can forge any member's meta and declare members dead.
+	KeyringFile string
+	// KeyringCheck is how often KeyringFile is read again; a change is
+	// applied to the running keyring (see docs/ARCHITECTURE.md for the
+	// rotation steps). A bad file is logged and the keys in use are kept.
+	KeyringCheck time.Duration
+	// LogLimit and LogLimitEvery bound memberlist's log lines: at most
+	// LogLimit lines per LogLimitEvery are written, and the number of lines
+	// held back is logged once the interval is over. Each bad packet makes
+	// memberlist log a line, so without a bound anyone who can reach the
+	// gossip port could flood the log.
+	LogLimit      int
+	LogLimitEvery time.Duration
 	// Logger receives the package's logs, named "gossip", and memberlist's.
 	Logger *zap.Logger
 	// RevokeDeadPeers makes this node revoke the etcd lease of a peer that
@@ -75,6 +95,10 @@ func DefaultConfig() Config {
 		LeaveTimeout:    2 * time.Second,        // leave is a courtesy; the lease revoke is the truth
 		RetryMin:        100 * time.Millisecond, // most failures are a leader election: retry soon
 		RetryMax:        5 * time.Second,        // at most one attempt per 5 s against a sick etcd
+		KeyringFile:     "",                     // no keys: the operator must create and distribute them
+		KeyringCheck:    10 * time.Second,       // a rotation step is live everywhere within 10 s
+		LogLimit:        20,                     // a burst of real trouble is all there
+		LogLimitEvery:   10 * time.Second,       // then at most 2 lines a second, with a count
 	}
 }
 
@@ -98,6 +122,7 @@ func DefaultLocalConfig() Config {
 	c.LeaveTimeout = 500 * time.Millisecond
 	c.RetryMin = 20 * time.Millisecond
 	c.RetryMax = 500 * time.Millisecond
+	c.KeyringCheck = 50 * time.Millisecond
 	return c
 }
 
@@ -110,6 +135,9 @@ func (c Config) validate() (Config, error) {
 	c.Prefix = strings.TrimRight(c.Prefix, "/")
 	if c.Prefix == "" || !strings.HasPrefix(c.Prefix, "/") {
 		return bad("prefix %q must start with '/' and not be the root", c.Prefix)
+	}
+	if len(c.Prefix) > memberlist.LabelMaxSize {
+		return bad("prefix is %d bytes; as the gossip label it may have at most %d", len(c.Prefix), memberlist.LabelMaxSize)
 	}
 	if c.LeaseTTL < time.Second {
 		return bad("lease ttl %v below 1s", c.LeaseTTL)
@@ -130,6 +158,9 @@ func (c Config) validate() (Config, error) {
 		ml.Merge != nil || ml.Conflict != nil {
 		return bad("memberlist delegates are owned by gossip and must be nil")
 	}
+	if ml.Keyring != nil || ml.SecretKey != nil {
+		return bad("memberlist keys come from KeyringFile; Keyring and SecretKey must be nil")
+	}
 	c.Memberlist = &ml
 	if c.Logger == nil {
 		return bad("logger is nil (use zap.NewNop())")
@@ -137,9 +168,13 @@ func (c Config) validate() (Config, error) {
 	if c.EventBuffer < 1 {
 		return bad("event buffer %d below 1", c.EventBuffer)
 	}
+	if c.LogLimit < 1 {
+		return bad("log limit %d below 1", c.LogLimit)
+	}
 	for name, d := range map[string]time.Duration{
 		"request timeout": c.RequestTimeout, "update timeout": c.UpdateTimeout,
 		"leave timeout": c.LeaveTimeout, "retry min": c.RetryMin, "retry max": c.RetryMax,
+		"keyring check": c.KeyringCheck, "log limit interval": c.LogLimitEvery,
 	} {
 		if d <= 0 {
 			return bad("%s %v must be positive", name, d)

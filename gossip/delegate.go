@@ -1,8 +1,11 @@
 package gossip
 
 import (
-	"bytes"
+	"errors"
+	"fmt"
 	"math"
+	"net"
+	"strconv"
 	"time"
 
 	"github.com/hashicorp/memberlist"
@@ -20,6 +23,7 @@ var (
 	_ memberlist.Delegate      = (*delegate)(nil)
 	_ memberlist.EventDelegate = (*delegate)(nil)
 	_ memberlist.PingDelegate  = (*delegate)(nil)
+	_ memberlist.AliveDelegate = (*delegate)(nil)
 )
 
 // NodeMeta returns this node's current encoded meta.
@@ -57,6 +61,33 @@ func (d *delegate) NotifyUpdate(n *memberlist.Node) {
 // NotifyLeave: a member was declared dead or left.
 func (d *delegate) NotifyLeave(n *memberlist.Node) {
 	d.m.memberChanged(n, EventDead)
+}
+
+// NotifyAlive admits a node to memberlist only if it is this node or is
+// registered in etcd at the gossip address it claims. A node writes its
+// record before it joins, so a real peer passes; a memberlist node that is
+// not in this mesh's etcd, or an alive message that moves a member to
+// another address, does not. A peer whose record the watch has not
+// delivered yet is refused for now and joined when the record arrives.
+// Without a keyring this is the only check, and it cannot tell a forged
+// alive message from the member's own (same name, same address).
+func (d *delegate) NotifyAlive(n *memberlist.Node) error {
+	m := d.m
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if n.Name == m.self.ID {
+		return nil // memberlist refutes claims about us itself
+	}
+	r, ok := m.records[n.Name]
+	if !ok {
+		return errors.New("gossip: not registered in etcd")
+	}
+	ip, port, err := splitIPPort(r.rec.GossipAddr)
+	if err != nil || !ip.Equal(n.Addr) || port != int(n.Port) {
+		return fmt.Errorf("gossip: registered at %q, not at %s", r.rec.GossipAddr,
+			net.JoinHostPort(n.Addr.String(), strconv.Itoa(int(n.Port))))
+	}
+	return nil
 }
 
 // AckPayload is unused.
@@ -116,10 +147,11 @@ func (m *Membership) memberChanged(n *memberlist.Node, t EventType) {
 	}
 }
 
-// suspected marks a peer whose probe failed. memberlist has no delegate
-// for suspicion, so logBridge feeds this from memberlist's log line. The
-// mark lapses after the longest suspicion timeout memberlist could use, and
-// clears sooner on any sign of the peer or a death verdict.
+// suspected marks a peer whose probe failed. memberlist (v0.7.0 too) has
+// no delegate for suspicion and never fills in Node.State, so logBridge
+// feeds this from memberlist's log line. The mark lapses after the longest
+// suspicion timeout memberlist could use, and clears sooner on any sign of
+// the peer or a death verdict.
 func (m *Membership) suspected(id string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -132,45 +164,4 @@ func (m *Membership) suspected(id string) {
 	longest := time.Duration(float64(ml.SuspicionMult*ml.SuspicionMaxTimeoutMult) * n * float64(ml.ProbeInterval))
 	s.suspectUntil = time.Now().Add(longest)
 	m.emitLocked(EventSuspect, id)
-}
-
-// logBridge routes memberlist's standard-library log lines into zap, and
-// picks out the one line that says this node suspects a peer.
-type logBridge struct {
-	m *Membership
-}
-
-var suspectPrefix = []byte("memberlist: Suspect ")
-
-func (b *logBridge) Write(p []byte) (int, error) {
-	if b.m.ctx.Err() != nil {
-		// Closing: memberlist's in-flight probes outlive Shutdown by a moment
-		// and only report the sockets we just closed. Their owner (a test's
-		// logger, say) may already be gone.
-		return len(p), nil
-	}
-	line := bytes.TrimSpace(p)
-	level, msg := "", line
-	if len(line) > 0 && line[0] == '[' {
-		if i := bytes.IndexByte(line, ']'); i > 0 {
-			level, msg = string(line[1:i]), bytes.TrimSpace(line[i+1:])
-		}
-	}
-	if rest, ok := bytes.CutPrefix(msg, suspectPrefix); ok {
-		if name, _, ok := bytes.Cut(rest, []byte(" has failed")); ok {
-			b.m.suspected(string(name))
-		}
-	}
-	log := b.m.log.Named("memberlist")
-	switch level {
-	case "DEBUG":
-		log.Debug(string(msg))
-	case "WARN":
-		log.Warn(string(msg))
-	case "ERR", "ERROR":
-		log.Error(string(msg))
-	default:
-		log.Info(string(msg))
-	}
-	return len(p), nil
 }

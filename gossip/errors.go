@@ -5,6 +5,9 @@ import "errors"
 var (
 	// ErrInvalidConfig reports a Config that fails validation in New.
 	ErrInvalidConfig = errors.New("gossip: invalid config")
+	// ErrInvalidKeyring reports a keyring file that cannot be read or is not
+	// a non-empty JSON list of base64 AES keys.
+	ErrInvalidKeyring = errors.New("gossip: invalid keyring")
 	// ErrInvalidRecord reports a NodeRecord that cannot be registered.
 	ErrInvalidRecord = errors.New("gossip: invalid node record")
 	// ErrMetaTooLarge reports a NodeMeta whose encoding exceeds MetaMaxSize,

@@ -56,6 +56,10 @@ type Membership struct {
 
 	dropped atomic.Uint64 // events not delivered to a full subscriber
 
+	keyring    *memberlist.Keyring // nil without KeyringFile; memberlist reads it, keyringLoop edits it
+	keyringRaw []byte              // the file content keyring was built from
+	logs       *logBridge          // memberlist's log lines, bounded
+
 	// lifeMu guards the lifecycle fields below.
 	lifeMu  sync.Mutex
 	started bool
@@ -133,6 +137,19 @@ func New(cfg Config, cli *clientv3.Client, rec NodeRecord) (*Membership, error) 
 		revokes:     make(map[clientv3.LeaseID]string),
 	}
 	m.selfKey = m.nodesPrefix + rec.ID
+	m.logs = newLogBridge(m)
+	if cfg.KeyringFile != "" {
+		keys, raw, err := readKeyring(cfg.KeyringFile)
+		if err != nil {
+			cancel()
+			return nil, err
+		}
+		if m.keyring, err = memberlist.NewKeyring(keys[1:], keys[0]); err != nil {
+			cancel()
+			return nil, fmt.Errorf("%w: %v", ErrInvalidKeyring, err)
+		}
+		m.keyringRaw = raw
+	}
 	return m, nil
 }
 
@@ -163,6 +180,11 @@ func (m *Membership) Start(ctx context.Context) (err error) {
 	stop := context.AfterFunc(m.ctx, cancel)
 	defer stop()
 
+	if m.keyring == nil {
+		m.log.Warn("gossip is not encrypted: anyone who reaches the gossip port can forge members' meta and declare them dead; set a keyring file")
+	} else {
+		m.checkKeyringMode()
+	}
 	ml, err := m.createMemberlist()
 	if err != nil {
 		return err
@@ -222,6 +244,10 @@ func (m *Membership) startLoops(ml *memberlist.Memberlist, lease clientv3.LeaseI
 	go m.watchLoop(rev)
 	go m.metaLoop()
 	go m.workLoop()
+	if m.keyring != nil {
+		m.wg.Add(1)
+		go m.keyringLoop(m.keyringRaw)
+	}
 	return nil
 }
 
@@ -248,9 +274,18 @@ func (m *Membership) createMemberlist() (*memberlist.Memberlist, error) {
 		}
 	}
 	d := &delegate{m: m}
-	conf.Delegate, conf.Events, conf.Ping = d, d, d
+	conf.Delegate, conf.Events, conf.Ping, conf.Alive = d, d, d, d
 	conf.LogOutput = nil
-	conf.Logger = log.New(&logBridge{m: m}, "", 0)
+	conf.Logger = log.New(m.logs, "", 0)
+	// The label keeps meshes that share a network apart, and with a keyring
+	// it is authenticated with every message, so a mesh's keys are good for
+	// that mesh only.
+	conf.Label = m.cfg.Prefix
+	if m.keyring != nil {
+		conf.Keyring = m.keyring
+		conf.GossipVerifyIncoming = true // drop what is not encrypted with one of our keys
+		conf.GossipVerifyOutgoing = true // and never send in clear
+	}
 
 	ml, err := memberlist.Create(&conf)
 	if err != nil {
@@ -288,6 +323,7 @@ func (m *Membership) Close() error {
 			m.log.Warn("memberlist shutdown", zap.Error(err))
 		}
 	}
+	m.logs.flush()
 	if lease := m.Lease(); lease != 0 {
 		m.revoke(lease)
 		m.setLease(0)

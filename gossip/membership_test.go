@@ -9,6 +9,7 @@ import (
 	"net"
 	"slices"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -220,6 +221,7 @@ func TestDeadPeerRevoked(t *testing.T) {
 
 	mc := DefaultLocalConfig().Memberlist
 	mc.Name = "ghost"
+	mc.Label = prefix // gossip labels its packets with the mesh's prefix
 	mc.BindAddr, mc.BindPort = "127.0.0.1", 0
 	mc.LogOutput = io.Discard
 	ghost, err := memberlist.Create(mc)
@@ -307,6 +309,11 @@ func TestNewValidates(t *testing.T) {
 		{"nil memberlist", func(c *Config, _ *NodeRecord) { c.Memberlist = nil }, ErrInvalidConfig},
 		{"foreign delegate", func(c *Config, _ *NodeRecord) { c.Memberlist.Events = &memberlist.ChannelEventDelegate{} }, ErrInvalidConfig},
 		{"nil logger", func(c *Config, _ *NodeRecord) { c.Logger = nil }, ErrInvalidConfig},
+		{"prefix too long for a label", func(c *Config, _ *NodeRecord) { c.Prefix = "/" + strings.Repeat("p", 255) }, ErrInvalidConfig},
+		{"memberlist keyring", func(c *Config, _ *NodeRecord) { c.Memberlist.SecretKey = make([]byte, 32) }, ErrInvalidConfig},
+		{"missing keyring file", func(c *Config, _ *NodeRecord) { c.KeyringFile = "/nonexistent/keyring.json" }, ErrInvalidKeyring},
+		{"no log limit", func(c *Config, _ *NodeRecord) { c.LogLimit = 0 }, ErrInvalidConfig},
+		{"no keyring check", func(c *Config, _ *NodeRecord) { c.KeyringCheck = 0 }, ErrInvalidConfig},
 		{"no event buffer", func(c *Config, _ *NodeRecord) { c.EventBuffer = 0 }, ErrInvalidConfig},
 		{"retry max below min", func(c *Config, _ *NodeRecord) { c.RetryMax = c.RetryMin / 2 }, ErrInvalidConfig},
 		{"empty id", func(_ *Config, r *NodeRecord) { r.ID = "" }, ErrInvalidRecord},

@@ -3,6 +3,8 @@ package testbed
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -67,6 +69,7 @@ type mesh struct {
 	endpoint string
 	cli      *clientv3.Client
 	procs    []*Process
+	keyring  string // gossip keyring file every agent gets, as in a deployment
 }
 
 func startMesh(t *testing.T) *mesh { return startMeshAt(t, "127.0.0.1") }
@@ -78,8 +81,13 @@ func startMeshAt(t *testing.T, ip string) *mesh {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := &mesh{t: t, procs: []*Process{dev}}
+	m := &mesh{t: t, procs: []*Process{dev}, keyring: filepath.Join(t.TempDir(), "gossip-keyring.json")}
 	t.Cleanup(m.stop)
+	key := make([]byte, 32)
+	rand.Read(key)
+	if err := os.WriteFile(m.keyring, fmt.Appendf(nil, "[%q]", base64.StdEncoding.EncodeToString(key)), 0o600); err != nil {
+		t.Fatal(err)
+	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if m.endpoint, err = dev.WaitFor(ctx, regexp.MustCompile(`etcd endpoint: (\S+)`)); err != nil {
@@ -117,7 +125,8 @@ func (m *mesh) agentOn(h *Host, id, role string, extra ...string) (*Process, gos
 		ip = h.IP
 	}
 	args := append([]string{binary, "agent", "--etcd-endpoints", m.endpoint, "--roles", role, "--node-id", id,
-		"--http", ip + ":0", "--admin", ip + ":0", "--lease-ttl", "2s", "--log-format", "console"}, extra...)
+		"--http", ip + ":0", "--admin", ip + ":0", "--lease-ttl", "2s", "--log-format", "console",
+		"--gossip-keyring", m.keyring}, extra...)
 	if h != nil {
 		args = append(args, "--p2p-listen", "/ip4/"+ip+"/tcp/0", "--data-listen", ip+":0", "--gossip-bind", ip+":0")
 	}

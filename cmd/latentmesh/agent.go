@@ -12,6 +12,7 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/bench"
 )
@@ -30,6 +31,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		p2p        = fs.String("p2p-listen", def.P2PListen, "libp2p control-channel multiaddr")
 		data       = fs.String("data-listen", def.Transfer.DataListen, "raw TCP data-plane listen address")
 		gossipBind = fs.String("gossip-bind", def.Gossip.GossipBind, "memberlist ip:port (port 0: any)")
+		gossipKeys = fs.String("gossip-keyring", "", "gossip encryption keys: `FILE` holding a JSON list of base64 AES keys, the first encrypting; re-read every "+def.Gossip.KeyringCheck.String()+" (empty: gossip in clear)")
 		leaseTTL   = fs.Duration("lease-ttl", def.Gossip.LeaseTTL, "etcd lease TTL: a dead agent's claims free up after this")
 		identity   = fs.String("identity", "", "libp2p key `FILE`, created if missing (default: a fresh key each start)")
 		transport  = fs.String("transport", def.Transfer.Transport, "data plane: auto (shm on one host, rdma when both ends have a device, else tcp), tcp, shm or rdma")
@@ -69,6 +71,13 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	cfg.HTTPListen, cfg.AdminListen, cfg.AdminToken = *httpAddr, *adminAddr, *adminToken
 	cfg.P2PListen, cfg.Transfer.DataListen, cfg.IdentityFile = *p2p, *data, *identity
 	cfg.Gossip.GossipBind, cfg.Gossip.LeaseTTL = *gossipBind, *leaseTTL
+	if *gossipKeys != "" {
+		if _, err := gossip.ReadKeyringFile(*gossipKeys); err != nil {
+			fmt.Fprintf(stderr, "latentmesh agent: --gossip-keyring: %v\n", err)
+			return 2
+		}
+		cfg.Gossip.KeyringFile = *gossipKeys
+	}
 	cfg.Transfer.Transport, cfg.Transfer.TCPCongestion = *transport, *congestion
 	if cfg.Transfer.Arena.Size, err = bench.ParseSize(*arenaSize); err != nil {
 		fmt.Fprintf(stderr, "latentmesh agent: --arena-size: %v\n", err)

@@ -35,6 +35,7 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"agent", "--slots", "encode=0"}, 2, "not in [1,1024]"},
 		{[]string{"agent", "--sim-cost", "step=fast"}, 2, "bad duration"},
 		{[]string{"agent", "--arena-size", "lots"}, 2, "--arena-size"},
+		{[]string{"agent", "--gossip-keyring", "/nonexistent/keyring.json"}, 2, "--gossip-keyring"},
 		{[]string{"bench", "transfer", "--sizes", "big"}, 2, "big"},
 	}
 	for _, tt := range tests {

@@ -184,23 +184,31 @@ func TestStoreSpillsThenRefuses(t *testing.T) {
 	if refused.Status != http.StatusServiceUnavailable || refused.Code != httpapi.CodeOverloaded || !strings.Contains(refused.Message, "Store has no room") {
 		t.Fatalf("refusal: %d %s %q", refused.Status, refused.Code, refused.Message)
 	}
+	// Count once no copy is staged any more (the last accepted job's latent
+	// may still be in flight): every copy is then named by a record.
 	var inMemory, onDisk int
-	for _, r := range objects(t, cl.Client, "") {
-		for _, h := range r.Holders {
-			switch h.Tier {
-			case cache.Memory:
-				inMemory++
-			case cache.Disk:
-				onDisk++
+	eventually(t, 30*time.Second, func() error {
+		if st, err := enc.Status(ctx); err != nil || st.Store.Staged != 0 {
+			return fmt.Errorf("copies still staged (%v)", err)
+		}
+		inMemory, onDisk = 0, 0
+		for _, r := range objects(t, cl.Client, "") {
+			for _, h := range r.Holders {
+				switch h.Tier {
+				case cache.Memory:
+					inMemory++
+				case cache.Disk:
+					onDisk++
+				}
 			}
 		}
-	}
+		if files, _ := filepath.Glob(filepath.Join(spill, "enc", "*.spill")); len(files) != onDisk {
+			return fmt.Errorf("%d spill files for %d disk copies", len(files), onDisk)
+		}
+		return nil
+	})
 	if inMemory == 0 || onDisk == 0 {
 		t.Fatalf("latents in memory %d, on disk %d: want both tiers used", inMemory, onDisk)
-	}
-	files, _ := filepath.Glob(filepath.Join(spill, "enc", "*.spill"))
-	if len(files) != onDisk {
-		t.Fatalf("%d spill files for %d disk copies", len(files), onDisk)
 	}
 	t.Logf("%d jobs accepted; Store copies: %d in memory, %d on disk; then: %s", len(accepted), inMemory, onDisk, refused.Message)
 

@@ -23,6 +23,9 @@ const (
 	maxAddrs        = 32
 	maxErrMsgLen    = 1024
 	maxPeerIDLen    = 128
+	// MaxProofLen bounds TicketRequest.Proof. A claim proof (a task key, a
+	// stage and a revision) takes about a tenth of it.
+	MaxProofLen = 1024
 )
 
 // maxNesting bounds msgpack container nesting inside one frame; our messages
@@ -227,6 +230,11 @@ type TicketRequest struct {
 	// (shm and rdma pulls read the producer's memory directly, so they learn
 	// readiness this way).
 	Watch bool `msgpack:"watch,omitempty"`
+	// Proof is opaque to transfer: the consumer's evidence that it may read
+	// the payload, which the producer's Config.AuthorizePayload judges
+	// (the agent sends the claim of the task consuming it). At most
+	// MaxProofLen bytes; empty when the pull carries none (WithTicketProof).
+	Proof []byte `msgpack:"proof,omitempty"`
 }
 
 // Validate checks the version and bounds of a decoded request.
@@ -236,6 +244,9 @@ func (m *TicketRequest) Validate() error {
 	}
 	if m.PayloadID == "" || len(m.PayloadID) > maxPayloadIDLen {
 		return fmt.Errorf("%w: payload id of %d bytes", ErrProtocol, len(m.PayloadID))
+	}
+	if len(m.Proof) > MaxProofLen {
+		return fmt.Errorf("%w: proof of %d bytes", ErrProtocol, len(m.Proof))
 	}
 	return nil
 }

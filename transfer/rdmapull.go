@@ -132,6 +132,11 @@ func (s *Service) handleRDMAStream(str network.Stream) {
 	defer s.wg.Done()
 	defer str.Close()
 	remote := str.Conn().RemotePeer()
+	if !s.admit(remote) {
+		s.refused.refuse("rdma", remote, "not admitted")
+		str.Reset()
+		return
+	}
 	ctx, cancel := context.WithTimeout(s.life, s.cfg.IOTimeout)
 	defer cancel()
 	q, err := s.connectQP(ctx, str)

@@ -110,7 +110,7 @@ func (a *Agent) relay(ctx context.Context, c *jobs.Claim, ref transfer.Ref, hint
 	if err != nil {
 		return jobs.Output{}, nil, err
 	}
-	a.xfer.Release(ref.ID)
+	a.release(ref.ID)
 	a.relayed.Add(1)
 	out := jobs.Output{
 		Payloads: []jobs.Input{{Payload: id, Node: a.id, Store: true}},

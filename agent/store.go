@@ -129,6 +129,9 @@ func (a *Agent) inputRefs(ctx context.Context, ins []jobs.Input) (jobs.Input, []
 	in := ins[0]
 	if !in.Store {
 		_, ref, err := input(ins)
+		if err == nil {
+			err = a.checkProducer(in, ref)
+		}
 		return in, []transfer.Ref{ref}, err
 	}
 	rec, err := a.cstore.Lookup(ctx, in.Payload)
@@ -140,6 +143,12 @@ func (a *Agent) inputRefs(ctx context.Context, ins []jobs.Input) (jobs.Input, []
 	}
 	var refs []transfer.Ref
 	for _, h := range a.cstore.Nearest(rec) {
+		// Only holders that are registered nodes serving from their own
+		// peer id: a forged record cannot point this worker elsewhere.
+		if err := a.checkProducer(jobs.Input{Payload: in.Payload, Node: h.Node}, h.Ref); err != nil {
+			a.log.Debug("skipping store holder", zap.String("object", in.Payload), zap.String("holder", h.Node), zap.Error(err))
+			continue
+		}
 		refs = append(refs, h.Ref)
 	}
 	if len(refs) == 0 {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/libp2p/go-libp2p/core/peer"
+	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/transfer"
@@ -77,4 +78,23 @@ func (a *Agent) release(id string) {
 // producer.
 func withClaim(ctx context.Context, c *jobs.Claim) context.Context {
 	return transfer.WithTicketProof(ctx, c.Proof())
+}
+
+// checkProducer makes sure ref's producer is the node the input names, as
+// registered in etcd: a forged task (etcd is writable by whoever reaches
+// it) cannot make this worker pull bytes from a peer of its choosing. A
+// mismatch is a lost input; the job restarts from encode.
+func (a *Agent) checkProducer(in jobs.Input, ref transfer.Ref) error {
+	p, ok := a.member.Peer(in.Node)
+	if !ok || !p.Registered {
+		return fmt.Errorf("%w: producer node %s of %s is not registered", errInputLost, in.Node, in.Payload)
+	}
+	if p.Record.PeerID == "" || p.Record.PeerID != ref.Producer.PeerID {
+		a.log.Warn("input names a producer that is not its node's registered peer; not pulling",
+			zap.String("payload", in.Payload), zap.String("node", in.Node),
+			zap.String("registered_peer", p.Record.PeerID), zap.String("ref_peer", ref.Producer.PeerID))
+		return fmt.Errorf("%w: %s's ref names peer %s, node %s is registered as %s",
+			errInputLost, in.Payload, ref.Producer.PeerID, in.Node, p.Record.PeerID)
+	}
+	return nil
 }

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"testing"
@@ -201,5 +202,39 @@ func TestHandoffTicketOnlyToClaimHolder(t *testing.T) {
 	}
 	if err := cons.xfer.PullInto(withClaim(trustCtx(t), den), ref, dst); !errors.Is(err, transfer.ErrDenied) {
 		t.Fatalf("pull on a dropped claim: %v, want ErrDenied", err)
+	}
+}
+
+// A task whose input names a producer peer other than the registered peer
+// of the input's node (a task forged in etcd) is not pulled from: the input
+// is lost, and logged.
+func TestForgedProducerIsLostInput(t *testing.T) {
+	m := startTrustMesh(t)
+	worker, honest := m.agents[0], m.agents[1]
+	out, outID := outsider(t)
+	ref, err := out.Publish(transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{64}}, make([]byte, 64))
+	if err != nil {
+		t.Fatal(err)
+	}
+	raw, err := json.Marshal(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, node := range []string{honest.id, "nobody"} {
+		_, _, err := worker.pull(trustCtx(t), []jobs.Input{{Payload: ref.ID, Node: node, Ref: raw}})
+		if !errors.Is(err, errInputLost) {
+			t.Fatalf("input on %s served by %s: %v, want errInputLost", node, outID, err)
+		}
+	}
+	if len(m.logs.FilterMessage("input names a producer that is not its node's registered peer; not pulling").All()) == 0 {
+		t.Fatal("forged producer not logged")
+	}
+	// The honest producer's own ref passes the check.
+	good, err := honest.xfer.Publish(transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{64}}, make([]byte, 64))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := worker.checkProducer(jobs.Input{Payload: good.ID, Node: honest.id}, good); err != nil {
+		t.Fatal(err)
 	}
 }

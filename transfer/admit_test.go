@@ -213,7 +213,7 @@ func TestRDMAUnadmittedPeerNoQP(t *testing.T) {
 	prod := startService(t, cfg)
 	cons := rdmaService(t, fab, 1<<20)
 	cons.h.Peerstore().AddAddrs(prod.self, prod.h.Addrs(), time.Minute)
-	_, err := cons.qpTo(testCtx(t), prod.self)
+	_, err := cons.qpTo(testCtx(t), prod.self, []byte("no ticket"))
 	if err == nil {
 		t.Fatal("queue pair connected for a peer the producer does not admit")
 	}

@@ -274,12 +274,35 @@ type TicketResponse struct {
 }
 
 // RDMARegion is where a payload lies in a producer's registered memory: the
-// region (as rdma.MemInfo) and the payload's offset in it.
+// region (as rdma.MemInfo) and the payload's offset in it. The producer
+// registers each payload as a region of its own, so Off is 0 and Len the
+// payload's size: the rkey reaches no other payload's bytes.
 type RDMARegion struct {
 	Addr uint64 `msgpack:"addr"`
 	RKey uint32 `msgpack:"rkey"`
 	Len  uint64 `msgpack:"len"`
 	Off  uint64 `msgpack:"off"`
+}
+
+// QPRequest opens an RDMAProtocolID stream: the consumer shows a ticket
+// this producer issued to it (for any payload) before the producer creates
+// a queue pair for it. The queue pair alone reads nothing: each payload's
+// bytes are a region of their own whose rkey only that payload's ticket
+// response carries.
+type QPRequest struct {
+	V      int    `msgpack:"v"`
+	Ticket []byte `msgpack:"ticket"`
+}
+
+// Validate checks the version and bounds of a decoded request.
+func (m *QPRequest) Validate() error {
+	if m.V != WireVersion {
+		return fmt.Errorf("%w: qp request v%d", ErrVersion, m.V)
+	}
+	if len(m.Ticket) == 0 || len(m.Ticket) > maxTicketLen {
+		return fmt.Errorf("%w: ticket of %d bytes", ErrProtocol, len(m.Ticket))
+	}
+	return nil
 }
 
 // ChunkEvent follows a TicketResponse on a watched stream: chunk Chunk is

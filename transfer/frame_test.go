@@ -159,6 +159,21 @@ func FuzzReadFrameTicketRequest(f *testing.F) {
 	})
 }
 
+func FuzzReadFrameQPRequest(f *testing.F) {
+	f.Add(frameBytes(f, &QPRequest{V: WireVersion, Ticket: make([]byte, 80)}))
+	f.Add(frameBytes(f, &QPRequest{V: WireVersion, Ticket: make([]byte, maxTicketLen+1)}))
+	f.Add(frameBytes(f, &QPRequest{V: 2, Ticket: []byte{1}}))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var m QPRequest
+		if err := ReadFrame(bytes.NewReader(b), fuzzMaxFrame, &m); err != nil {
+			return
+		}
+		if m.V != WireVersion || len(m.Ticket) == 0 || len(m.Ticket) > maxTicketLen {
+			t.Fatalf("accepted invalid qp request %+v", m)
+		}
+	})
+}
+
 func FuzzReadFrameTicketResponse(f *testing.F) {
 	f.Add(frameBytes(f, goodResponse()))
 	f.Add(frameBytes(f, &TicketResponse{V: WireVersion, ErrCode: CodeNotFound, ErrMsg: "gone"}))

@@ -233,18 +233,28 @@ func verifyAuth(nonce *[nonceLen]byte, producer []byte, m authMsg) (peer.ID, err
 	return id, nil
 }
 
+// checkTicket verifies raw: minted by this service, for consumer, not
+// expired. On failure it returns the wire code to send back.
+func (s *Service) checkTicket(raw []byte, consumer peer.ID) (ticket, string, error) {
+	t, code, err := s.key.verify(raw)
+	if err != nil {
+		return t, code, err
+	}
+	if t.consumer != consumer {
+		return t, CodeWrongPeer, fmt.Errorf("%w: issued to %s, presented by %s", ErrTicket, t.consumer, consumer)
+	}
+	if !s.now().Before(t.expiry) {
+		return t, CodeExpired, fmt.Errorf("%w: at %s", ErrTicketExpired, t.expiry.UTC().Format(time.RFC3339Nano))
+	}
+	return t, "", nil
+}
+
 // authorize checks a request's ticket and range; on failure it returns the
 // wire code to send back.
 func (s *Service) authorize(q request, consumer peer.ID) (*entry, string, error) {
-	t, code, err := s.key.verify(q.Ticket)
+	t, code, err := s.checkTicket(q.Ticket, consumer)
 	if err != nil {
 		return nil, code, err
-	}
-	if t.consumer != consumer {
-		return nil, CodeWrongPeer, fmt.Errorf("%w: issued to %s, presented by %s", ErrTicket, t.consumer, consumer)
-	}
-	if !s.now().Before(t.expiry) {
-		return nil, CodeExpired, fmt.Errorf("%w: at %s", ErrTicketExpired, t.expiry.UTC().Format(time.RFC3339Nano))
 	}
 	e := s.reg.get(t.payloadID)
 	if e == nil {

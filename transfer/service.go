@@ -598,7 +598,11 @@ func (s *Service) Begin(meta TensorMeta) (*Pending, Ref, error) {
 // already being served finish, and arena memory they read stays allocated
 // until they do. Releasing an unknown id is a no-op.
 func (s *Service) Release(id string) {
-	if e := s.reg.remove(id); e != nil && e.owner != nil {
+	e := s.reg.remove(id)
+	if e != nil && s.rdma != nil {
+		s.rdma.dropPayload(id) // later READs of it fail with a remote access error
+	}
+	if e != nil && e.owner != nil {
 		e.owner.unref()
 	}
 }
@@ -739,7 +743,7 @@ func (s *Service) issue(id string, consumer peer.ID) TicketResponse {
 			resp.Shm = &h
 		}
 		if s.rdma != nil {
-			resp.RDMA = s.rdma.region(e.owner.ab.Off)
+			resp.RDMA = s.rdmaRegion(e)
 		}
 	}
 	return resp

@@ -142,13 +142,10 @@ func (a *Agent) inputRefs(ctx context.Context, ins []jobs.Input) (jobs.Input, []
 		return in, nil, fmt.Errorf("%w: look up %s: %v", errTransient, in.Payload, err)
 	}
 	var refs []transfer.Ref
+	// Nearest leaves out holders that are not their node's registered peer
+	// (registeredAs, the Store's VerifyHolder): a forged record cannot point
+	// this worker elsewhere.
 	for _, h := range a.cstore.Nearest(rec) {
-		// Only holders that are registered nodes serving from their own
-		// peer id: a forged record cannot point this worker elsewhere.
-		if err := a.checkProducer(jobs.Input{Payload: in.Payload, Node: h.Node}, h.Ref); err != nil {
-			a.log.Debug("skipping store holder", zap.String("object", in.Payload), zap.String("holder", h.Node), zap.Error(err))
-			continue
-		}
 		refs = append(refs, h.Ref)
 	}
 	if len(refs) == 0 {

@@ -80,6 +80,12 @@ func withClaim(ctx context.Context, c *jobs.Claim) context.Context {
 	return transfer.WithTicketProof(ctx, c.Proof())
 }
 
+// registeredAs reports whether node is registered with libp2p peer id pid.
+func (a *Agent) registeredAs(node, pid string) bool {
+	p, ok := a.member.Peer(node)
+	return ok && p.Registered && p.Record.PeerID != "" && p.Record.PeerID == pid
+}
+
 // checkProducer makes sure ref's producer is the node the input names, as
 // registered in etcd: a forged task (etcd is writable by whoever reaches
 // it) cannot make this worker pull bytes from a peer of its choosing. A

@@ -237,4 +237,8 @@ func TestForgedProducerIsLostInput(t *testing.T) {
 	if err := worker.checkProducer(jobs.Input{Payload: good.ID, Node: honest.id}, good); err != nil {
 		t.Fatal(err)
 	}
+	// The Store's reads apply the same rule to an object's holders.
+	if !worker.registeredAs(honest.id, good.Producer.PeerID) || worker.registeredAs(honest.id, outID) || worker.registeredAs("nobody", outID) {
+		t.Fatal("registeredAs does not match node to registered peer id")
+	}
 }

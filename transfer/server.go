@@ -60,8 +60,8 @@ func (s *Service) acceptLoop() {
 }
 
 // trackServing registers a producer-side connection so Close can close it.
-// It refuses one past MaxDataConns (full, after telling the consumer so) and
-// any once Close began.
+// It refuses one past MaxDataConns (full: the caller tells the consumer
+// so) and any once Close began.
 func (s *Service) trackServing(c net.Conn) (ok, full bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

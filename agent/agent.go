@@ -21,6 +21,7 @@ import (
 
 	"github.com/libp2p/go-libp2p/core/crypto"
 	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/prometheus/client_golang/prometheus"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
@@ -43,10 +44,14 @@ type Agent struct {
 	log *zap.Logger
 	cli *clientv3.Client
 
-	id      string
-	host    host.Host
-	xfer    *transfer.Service
-	member  *gossip.Membership
+	id     string
+	host   host.Host
+	xfer   *transfer.Service
+	member *gossip.Membership
+	// members is member, published for the admission checks that libp2p
+	// and the data plane call from their own goroutines, before New has
+	// built member (nil: nobody is admitted yet).
+	members atomic.Pointer[gossip.Membership]
 	store   *jobs.Store
 	cstore  *cache.Store       // this node's part of the pooled Store
 	alarms  *jobs.AlarmWatcher // etcd's NOSPACE alarm
@@ -61,6 +66,12 @@ type Agent struct {
 	ctx    context.Context // cancelled by Close: the stop signal of every goroutine
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+
+	// handoffsMu guards handoffs: the peer-to-peer stage outputs this node
+	// holds, which it gives a ticket for only to the holder of the claim
+	// on the task reading them (authorizePayload).
+	handoffsMu sync.Mutex
+	handoffs   map[string]bool
 
 	// inflightMu guards inflight: payloads published by tasks still running,
 	// which have no record yet (see resyncHeld).
@@ -88,7 +99,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.validate(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	defer func() {
 		if err != nil {
@@ -99,7 +110,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if a.engine, err = engine.New(cfg.Engine); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
-	if a.host, err = newHost(cfg); err != nil {
+	if a.host, err = newHost(cfg, a.admitPeer); err != nil {
 		return nil, err
 	}
 	a.id = cfg.NodeID
@@ -109,6 +120,8 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	}
 	a.log = cfg.Logger.With(zap.String("node", a.id))
 	cfg.Transfer.Logger = a.log
+	cfg.Transfer.Admit = a.admitPeer
+	cfg.Transfer.AuthorizePayload = a.authorizePayload
 	if a.xfer, err = transfer.New(cfg.Transfer, a.host); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
@@ -163,8 +176,10 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if a.member, err = gossip.New(gc, cli, rec); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
+	a.members.Store(a.member)
 	sc := cfg.Store
 	sc.Node, sc.Logger = a.id, a.log
+	sc.VerifyHolder = a.registeredAs
 	if a.cstore, err = cache.New(sc, cli, a.xfer, a.host, a.storeMembers, a.orphans); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
@@ -172,13 +187,15 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 }
 
 // newHost opens the libp2p host that carries control messages, with this
-// agent's persistent identity.
-func newHost(cfg Config) (host.Host, error) {
+// agent's persistent identity, admitting only the peers admit accepts.
+func newHost(cfg Config, admit func(peer.ID) bool) (host.Host, error) {
 	key, err := loadIdentity(cfg.IdentityFile)
 	if err != nil {
 		return nil, err
 	}
-	return transfer.NewHost(cfg.P2PListen, key)
+	hc := transfer.DefaultHostConfig(cfg.P2PListen, key)
+	hc.Admit, hc.Logger = admit, cfg.Logger
+	return transfer.NewHostWith(hc)
 }
 
 // loadIdentity reads an Ed25519 key from path, creating it on first start;
@@ -227,7 +244,7 @@ func (a *Agent) Start(ctx context.Context) error {
 	}
 	a.cstore.Start()
 	a.wg.Go(func() { a.alarms.Run(a.ctx) })
-	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.xfer.Release, a.resyncHeld) })
+	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.release, a.resyncHeld) })
 	for _, st := range a.cfg.Roles {
 		a.wg.Go(func() { a.worker(st) })
 	}
@@ -418,7 +435,7 @@ func (a *Agent) resyncHeld() {
 	for _, id := range held {
 		if !recorded[id] && !inflight[id] {
 			a.log.Info("releasing payload whose release was compacted away", zap.String("payload", id))
-			a.xfer.Release(id)
+			a.release(id)
 		}
 	}
 }

@@ -110,7 +110,7 @@ func (a *Agent) relay(ctx context.Context, c *jobs.Claim, ref transfer.Ref, hint
 	if err != nil {
 		return jobs.Output{}, nil, err
 	}
-	a.xfer.Release(ref.ID)
+	a.release(ref.ID)
 	a.relayed.Add(1)
 	out := jobs.Output{
 		Payloads: []jobs.Input{{Payload: id, Node: a.id, Store: true}},
@@ -129,6 +129,9 @@ func (a *Agent) inputRefs(ctx context.Context, ins []jobs.Input) (jobs.Input, []
 	in := ins[0]
 	if !in.Store {
 		_, ref, err := input(ins)
+		if err == nil {
+			err = a.checkProducer(in, ref)
+		}
 		return in, []transfer.Ref{ref}, err
 	}
 	rec, err := a.cstore.Lookup(ctx, in.Payload)
@@ -139,6 +142,9 @@ func (a *Agent) inputRefs(ctx context.Context, ins []jobs.Input) (jobs.Input, []
 		return in, nil, fmt.Errorf("%w: look up %s: %v", errTransient, in.Payload, err)
 	}
 	var refs []transfer.Ref
+	// Nearest leaves out holders that are not their node's registered peer
+	// (registeredAs, the Store's VerifyHolder): a forged record cannot point
+	// this worker elsewhere.
 	for _, h := range a.cstore.Nearest(rec) {
 		refs = append(refs, h.Ref)
 	}

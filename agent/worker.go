@@ -273,7 +273,7 @@ func (a *Agent) execute(c *jobs.Claim) {
 
 	release := func() {
 		for _, id := range published {
-			a.xfer.Release(id)
+			a.release(id)
 		}
 		a.abort(staged)
 	}
@@ -388,7 +388,7 @@ func (a *Agent) releaseUncommitted(published []string, recordErr error) {
 				continue // committed, or unknown: the record's deletion will release it
 			}
 		}
-		a.xfer.Release(id)
+		a.release(id)
 	}
 }
 
@@ -436,6 +436,7 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff *atomic.Bool) (ctx context.
 // staged collects the Store objects run staged, for the caller to abort
 // when the stage does not commit.
 func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
+	ctx = withClaim(ctx, c) // the claim gets this worker the tickets for its inputs
 	spec := c.Task.Spec
 	switch c.Task.Stage {
 	case jobs.Encode:
@@ -445,11 +446,11 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, 
 		}
 		defer p.Done() // on every path: the buffer is not written after this
 		if _, err := a.engine.EncodeInto(ctx, spec, p.Buf()); err != nil {
-			a.xfer.Release(ref.ID)
+			a.release(ref.ID)
 			return out, nil, false, err
 		}
 		if err := p.ChunkReady(0); err != nil {
-			a.xfer.Release(ref.ID)
+			a.release(ref.ID)
 			return out, nil, false, err
 		}
 		hint := a.pickHint(jobs.Denoise)
@@ -486,11 +487,11 @@ func (a *Agent) relayOutput(ctx context.Context, c *jobs.Claim, ref transfer.Ref
 		return out, nil, false, nil
 	}
 	if ctx.Err() != nil {
-		a.xfer.Release(ref.ID)
+		a.release(ref.ID)
 		return out, nil, false, ctx.Err()
 	}
 	if a.transferMode(c.Task) == jobs.StoreRelay {
-		a.xfer.Release(ref.ID)
+		a.release(ref.ID)
 		return out, nil, false, fmt.Errorf("%w: relay through the Store: %v", errTransient, err)
 	}
 	a.log.Debug("store relay failed; handing off peer to peer", zap.String("job", c.Task.JobID), zap.Error(err))
@@ -528,6 +529,7 @@ func (a *Agent) output(c *jobs.Claim, ref transfer.Ref, hint string) (jobs.Outpu
 	if err != nil {
 		return jobs.Output{}, err
 	}
+	a.handOff(ref.ID) // from now on only the claim holder of its consumer gets a ticket
 	return jobs.Output{Payloads: []jobs.Input{{Payload: ref.ID, Node: a.id, Ref: raw}}, Hint: hint}, nil
 }
 
@@ -563,7 +565,7 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 				a.log.Error("chunk ready", zap.Int("chunk", k), zap.Error(err))
 			}
 		}); err != nil {
-			a.xfer.Release(ref.ID)
+			a.release(ref.ID)
 			return out, nil, false, err
 		}
 		return a.relayOutput(ctx, c, ref, hint, staged)
@@ -620,7 +622,7 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 	if err != nil {
 		// Committed, but the tail never came: drop the payload so its
 		// consumer fails fast and rewinds the job.
-		a.xfer.Release(ref.ID)
+		a.release(ref.ID)
 		return out, nil, true, err
 	}
 	return out, nil, true, nil

@@ -57,6 +57,12 @@ type Config struct {
 	Logger *zap.Logger
 	// Now is the clock; tests may set it.
 	Now func() time.Time
+	// VerifyHolder says whether a holder in an object's record is who it
+	// claims: node is registered with peer id peerID, the producer of the
+	// holder's ref. Reads (Nearest, Fetch) skip holders it refuses, so a
+	// record forged in etcd cannot point them at another peer. nil trusts
+	// every record (tests); the agent checks etcd registrations.
+	VerifyHolder func(node, peerID string) bool
 }
 
 // DefaultConfig sets every field; callers fill Prefix, Node and capacities.

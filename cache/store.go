@@ -592,6 +592,7 @@ func (s *Store) Lookup(ctx context.Context, id string) (Record, error) {
 
 // Nearest orders rec's holders for reading: this node, then live holders
 // on this host (shm), then other live holders, then those not seen alive.
+// Holders Config.VerifyHolder refuses are left out.
 func (s *Store) Nearest(rec Record) []Holder {
 	alive := map[string]bool{}
 	for _, m := range s.members() {
@@ -609,7 +610,15 @@ func (s *Store) Nearest(rec Record) []Holder {
 		}
 		return 2
 	}
-	out := slices.Clone(rec.Holders)
+	out := make([]Holder, 0, len(rec.Holders))
+	for _, h := range rec.Holders {
+		if h.Node != s.cfg.Node && s.cfg.VerifyHolder != nil && !s.cfg.VerifyHolder(h.Node, h.Ref.Producer.PeerID) {
+			s.log.Warn("skipping a holder that is not its node's registered peer",
+				zap.String("object", rec.ID), zap.String("node", h.Node), zap.String("peer", h.Ref.Producer.PeerID))
+			continue
+		}
+		out = append(out, h)
+	}
 	slices.SortStableFunc(out, func(a, b Holder) int { return rankOf(a) - rankOf(b) })
 	return out
 }

@@ -820,3 +820,22 @@ func TestExpiredRecordCollected(t *testing.T) {
 		t.Errorf("a record without retention went too: %v", err)
 	}
 }
+
+// A record forged in etcd cannot point a reader at a peer of its choosing:
+// Nearest (and so Fetch) leaves out holders Config.VerifyHolder refuses,
+// never this node's own copy.
+func TestNearestSkipsUnverifiedHolders(t *testing.T) {
+	c := newCluster(t, clusterConfig{nodes: 1, mem: 4 << 20})
+	s := c.nodes[0].s
+	s.cfg.VerifyHolder = func(node, peerID string) bool { return node == "b" && peerID == "peer-b" }
+	holder := func(node, peerID string) Holder {
+		return Holder{Node: node, Ref: transfer.Ref{ID: "x", Producer: transfer.Producer{PeerID: peerID}}}
+	}
+	rec := Record{ID: "obj", Holders: []Holder{
+		holder("b", "peer-evil"), holder("evil", "peer-evil"), holder("b", "peer-b"), holder(s.cfg.Node, "whatever"),
+	}}
+	got := s.Nearest(rec)
+	if len(got) != 2 || got[0].Node != s.cfg.Node || got[1].Ref.Producer.PeerID != "peer-b" {
+		t.Fatalf("Nearest = %+v, want this node's copy and b's registered one", got)
+	}
+}

@@ -432,6 +432,21 @@ func (m *Membership) Peer(id string) (p Peer, ok bool) {
 	return m.peerLocked(id), true
 }
 
+// ByPeerID reports the registered node whose record carries libp2p peer id
+// pid: the mesh's notion of a member. It reads only etcd registrations
+// (liveness does not matter) and costs a scan of them, no copies but the
+// one record returned.
+func (m *Membership) ByPeerID(pid string) (NodeRecord, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, r := range m.records {
+		if r.rec.PeerID == pid && pid != "" {
+			return r.rec.clone(), true
+		}
+	}
+	return NodeRecord{}, false
+}
+
 func (m *Membership) peerLocked(id string) Peer {
 	var p Peer
 	if r, ok := m.records[id]; ok {

@@ -344,3 +344,34 @@ func TestNewValidates(t *testing.T) {
 		t.Fatalf("nil client: %v", err)
 	}
 }
+
+// ByPeerID finds a registered node by its libp2p peer id, whether or not
+// memberlist counts it alive, and forgets it once its record leaves etcd:
+// the agent's admission check (who may use the data plane) rests on it.
+func TestByPeerIDFollowsRegistration(t *testing.T) {
+	cli := startEtcd(t)
+	prefix := testPrefix(t)
+	a := startNode(t, cli, prefix, "a", []string{RoleEncode}, nil)
+	b := startNode(t, cli, prefix, "b", []string{RoleDecode}, nil)
+	eventually(t, 10*time.Second, func() error {
+		if r, ok := a.ByPeerID("12D3KooWb"); !ok || r.ID != "b" {
+			return fmt.Errorf("a does not find b by peer id: %+v %v", r, ok)
+		}
+		return nil
+	})
+	if _, ok := a.ByPeerID("12D3KooWnobody"); ok {
+		t.Fatal("an unregistered peer id found")
+	}
+	if _, ok := a.ByPeerID(""); ok {
+		t.Fatal("the empty peer id found")
+	}
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, func() error {
+		if _, ok := a.ByPeerID("12D3KooWb"); ok {
+			return fmt.Errorf("b still found after it deregistered")
+		}
+		return nil
+	})
+}

@@ -1,6 +1,7 @@
 package transfer
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -660,7 +661,7 @@ func (s *Service) requestTicketStream(ctx context.Context, pid peer.ID, ref Ref,
 		}
 	}()
 	str.SetDeadline(time.Now().Add(s.cfg.IOTimeout))
-	if err := WriteFrame(str, &TicketRequest{V: WireVersion, PayloadID: ref.ID, Watch: watch}); err != nil {
+	if err := WriteFrame(str, &TicketRequest{V: WireVersion, PayloadID: ref.ID, Watch: watch, Proof: ticketProof(ctx)}); err != nil {
 		return nil, nil, unreachable("write ticket request", err)
 	}
 	str.CloseWrite()
@@ -780,8 +781,16 @@ func (p *connPool) dial(ctx context.Context, key, addr string, pid peer.ID) (_ *
 	stop := context.AfterFunc(ctx, c.cancel)
 	defer stop()
 	c.setDeadline(time.Now().Add(s.cfg.IOTimeout))
+	// A producer at its connection cap answers an error status instead of
+	// its hello.
+	if _, err := io.ReadFull(c, c.rbuf[:1]); err != nil {
+		return nil, p.handshakeErr(ctx, addr, err)
+	}
+	if c.rbuf[0] == statusErr {
+		return nil, readErrStatus(c)
+	}
 	var nonce [nonceLen]byte
-	if err := readHello(c, &nonce); err != nil {
+	if err := readHello(io.MultiReader(bytes.NewReader(c.rbuf[:1]), c), &nonce); err != nil {
 		return nil, p.handshakeErr(ctx, addr, err)
 	}
 	sig, err := s.priv.Sign(authPayload(&nonce, []byte(pid), []byte(s.self)))

@@ -37,6 +37,14 @@ var (
 	// producer (a forced shm towards another host, a forced rdma without a
 	// device, a payload the producer holds outside its arena).
 	ErrTransport = errors.New("transfer: transport unavailable")
+	// ErrDenied means the producer refused this peer: it is not admitted
+	// (not a registered member of the mesh), or not authorized for the
+	// payload it asked for. Retrying will not help until that changes.
+	ErrDenied = errors.New("transfer: peer denied")
+	// ErrBusy means the producer refused a data-plane connection because
+	// it serves as many as it allows (in all, or from this peer); it may be
+	// transient.
+	ErrBusy = errors.New("transfer: producer busy")
 	// ErrBufferSize means a destination slice does not match the payload size.
 	ErrBufferSize = errors.New("transfer: destination size mismatch")
 )
@@ -54,6 +62,8 @@ const (
 	CodeShuttingDown  = "shutting_down"
 	CodeUnauthorized  = "unauthenticated"
 	CodeInternalError = "internal"
+	CodeDenied        = "denied"
+	CodeBusy          = "busy"
 )
 
 // codeErrs maps a wire code to the sentinel a caller tests with errors.Is.
@@ -67,6 +77,8 @@ var codeErrs = map[string]error{
 	CodeBadRequest:   ErrProtocol,
 	CodeVersion:      ErrVersion,
 	CodeShuttingDown: ErrUnreachable,
+	CodeDenied:       ErrDenied,
+	CodeBusy:         ErrBusy,
 }
 
 // RemoteError is an error reported by the other end of a transfer, carrying

@@ -23,6 +23,9 @@ const (
 	maxAddrs        = 32
 	maxErrMsgLen    = 1024
 	maxPeerIDLen    = 128
+	// MaxProofLen bounds TicketRequest.Proof. A claim proof (a task key, a
+	// stage and a revision) takes about a tenth of it.
+	MaxProofLen = 1024
 )
 
 // maxNesting bounds msgpack container nesting inside one frame; our messages
@@ -227,6 +230,11 @@ type TicketRequest struct {
 	// (shm and rdma pulls read the producer's memory directly, so they learn
 	// readiness this way).
 	Watch bool `msgpack:"watch,omitempty"`
+	// Proof is opaque to transfer: the consumer's evidence that it may read
+	// the payload, which the producer's Config.AuthorizePayload judges
+	// (the agent sends the claim of the task consuming it). At most
+	// MaxProofLen bytes; empty when the pull carries none (WithTicketProof).
+	Proof []byte `msgpack:"proof,omitempty"`
 }
 
 // Validate checks the version and bounds of a decoded request.
@@ -236,6 +244,9 @@ func (m *TicketRequest) Validate() error {
 	}
 	if m.PayloadID == "" || len(m.PayloadID) > maxPayloadIDLen {
 		return fmt.Errorf("%w: payload id of %d bytes", ErrProtocol, len(m.PayloadID))
+	}
+	if len(m.Proof) > MaxProofLen {
+		return fmt.Errorf("%w: proof of %d bytes", ErrProtocol, len(m.Proof))
 	}
 	return nil
 }
@@ -263,12 +274,35 @@ type TicketResponse struct {
 }
 
 // RDMARegion is where a payload lies in a producer's registered memory: the
-// region (as rdma.MemInfo) and the payload's offset in it.
+// region (as rdma.MemInfo) and the payload's offset in it. The producer
+// registers each payload as a region of its own, so Off is 0 and Len the
+// payload's size: the rkey reaches no other payload's bytes.
 type RDMARegion struct {
 	Addr uint64 `msgpack:"addr"`
 	RKey uint32 `msgpack:"rkey"`
 	Len  uint64 `msgpack:"len"`
 	Off  uint64 `msgpack:"off"`
+}
+
+// QPRequest opens an RDMAProtocolID stream: the consumer shows a ticket
+// this producer issued to it (for any payload) before the producer creates
+// a queue pair for it. The queue pair alone reads nothing: each payload's
+// bytes are a region of their own whose rkey only that payload's ticket
+// response carries.
+type QPRequest struct {
+	V      int    `msgpack:"v"`
+	Ticket []byte `msgpack:"ticket"`
+}
+
+// Validate checks the version and bounds of a decoded request.
+func (m *QPRequest) Validate() error {
+	if m.V != WireVersion {
+		return fmt.Errorf("%w: qp request v%d", ErrVersion, m.V)
+	}
+	if len(m.Ticket) == 0 || len(m.Ticket) > maxTicketLen {
+		return fmt.Errorf("%w: ticket of %d bytes", ErrProtocol, len(m.Ticket))
+	}
+	return nil
 }
 
 // ChunkEvent follows a TicketResponse on a watched stream: chunk Chunk is

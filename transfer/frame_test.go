@@ -32,9 +32,9 @@ func goodResponse() *TicketResponse {
 }
 
 func TestFrameRoundTrip(t *testing.T) {
-	req := &TicketRequest{V: WireVersion, PayloadID: "abc"}
+	req := &TicketRequest{V: WireVersion, PayloadID: "abc", Proof: []byte("claim")}
 	var got TicketRequest
-	if err := ReadFrame(bytes.NewReader(frameBytes(t, req)), 1024, &got); err != nil || got != *req {
+	if err := ReadFrame(bytes.NewReader(frameBytes(t, req)), 1024, &got); err != nil || got.PayloadID != req.PayloadID || string(got.Proof) != "claim" {
 		t.Fatalf("request: %+v, %v", got, err)
 	}
 	var resp TicketResponse
@@ -73,6 +73,7 @@ func TestReadFrameRejects(t *testing.T) {
 		{"length over max", huge, &TicketRequest{}, ErrFrameTooLarge},
 		{"trailing bytes", trailing, &TicketRequest{}, ErrProtocol},
 		{"empty payload id", frameBytes(t, &TicketRequest{V: 1}), &TicketRequest{}, ErrProtocol},
+		{"proof too long", frameBytes(t, &TicketRequest{V: 1, PayloadID: "x", Proof: make([]byte, MaxProofLen+1)}), &TicketRequest{}, ErrProtocol},
 	}
 	for _, tc := range cases {
 		if err := ReadFrame(bytes.NewReader(tc.frame), fuzzMaxFrame, tc.v); !errors.Is(err, tc.want) {
@@ -138,6 +139,8 @@ func TestConfigValidate(t *testing.T) {
 func FuzzReadFrameTicketRequest(f *testing.F) {
 	f.Add(frameBytes(f, &TicketRequest{V: WireVersion, PayloadID: "0123456789abcdef"}))
 	f.Add(frameBytes(f, &TicketRequest{V: 2, PayloadID: "x"}))
+	f.Add(frameBytes(f, &TicketRequest{V: WireVersion, PayloadID: "x", Proof: []byte(`{"task_key":"/lm/tasks/decode/1/x","rev":7}`)}))
+	f.Add(frameBytes(f, &TicketRequest{V: WireVersion, PayloadID: "x", Proof: make([]byte, MaxProofLen+1)}))
 	f.Add([]byte{0, 0, 0, 5, 0xdd, 0xff, 0xff, 0xff, 0xff})
 	f.Add([]byte{0xff, 0xff, 0xff, 0xff})
 	f.Fuzz(func(t *testing.T, b []byte) {
@@ -145,12 +148,28 @@ func FuzzReadFrameTicketRequest(f *testing.F) {
 		if err := ReadFrame(bytes.NewReader(b), fuzzMaxFrame, &m); err != nil {
 			return
 		}
-		if m.V != WireVersion || m.PayloadID == "" || len(m.PayloadID) > maxPayloadIDLen {
+		if m.V != WireVersion || m.PayloadID == "" || len(m.PayloadID) > maxPayloadIDLen || len(m.Proof) > MaxProofLen {
 			t.Fatalf("accepted invalid request %+v", m)
 		}
 		var again TicketRequest
-		if err := ReadFrame(bytes.NewReader(frameBytes(t, &m)), fuzzMaxFrame, &again); err != nil || again != m {
+		if err := ReadFrame(bytes.NewReader(frameBytes(t, &m)), fuzzMaxFrame, &again); err != nil ||
+			again.V != m.V || again.PayloadID != m.PayloadID || again.Watch != m.Watch || !bytes.Equal(again.Proof, m.Proof) {
 			t.Fatalf("re-encode: %+v, %v", again, err)
+		}
+	})
+}
+
+func FuzzReadFrameQPRequest(f *testing.F) {
+	f.Add(frameBytes(f, &QPRequest{V: WireVersion, Ticket: make([]byte, 80)}))
+	f.Add(frameBytes(f, &QPRequest{V: WireVersion, Ticket: make([]byte, maxTicketLen+1)}))
+	f.Add(frameBytes(f, &QPRequest{V: 2, Ticket: []byte{1}}))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var m QPRequest
+		if err := ReadFrame(bytes.NewReader(b), fuzzMaxFrame, &m); err != nil {
+			return
+		}
+		if m.V != WireVersion || len(m.Ticket) == 0 || len(m.Ticket) > maxTicketLen {
+			t.Fatalf("accepted invalid qp request %+v", m)
 		}
 	})
 }

@@ -20,17 +20,20 @@ import (
 // opens it, and the stream's authenticated peer ids say who is connecting.
 const RDMAProtocolID protocol.ID = "/latentmesh/rdma/1"
 
-// rdmaState is an open RDMA device with the arena registered on it, and the
-// queue pairs connected through it.
+// rdmaState is an open RDMA device with the arena registered on it for
+// local writes (the destination of this service's READs), each payload a
+// peer may read registered as a region of its own, and the queue pairs
+// connected through it.
 type rdmaState struct {
 	dev *rdma.Device
-	mr  *rdma.MR
+	mr  *rdma.MR // the arena, local write only: no peer reads through it
 
 	mu sync.Mutex
 	// mu guards the fields below.
-	pulls  map[peer.ID]*rdma.QP // consumer side, one per producer
-	served map[peer.ID]*rdma.QP // producer side, one per consumer
-	closed bool
+	pulls    map[peer.ID]*rdma.QP // consumer side, one per producer
+	served   map[peer.ID]*rdma.QP // producer side, one per consumer
+	payloads map[string]*rdma.MR  // producer side: payload id -> its region
+	closed   bool
 }
 
 // rdmaFallbackMsg is the one line an agent logs when it could use RDMA (the
@@ -69,38 +72,90 @@ func (s *Service) startRDMA() error {
 	if err != nil {
 		return unavailable("open device: "+err.Error(), err)
 	}
-	mr, err := dev.RegisterMemory(s.arena.Bytes())
+	mr, err := dev.RegisterLocal(s.arena.Bytes())
 	if err != nil {
 		dev.Close()
 		return unavailable("register arena: "+err.Error(), err)
 	}
 	s.rdma = &rdmaState{
-		dev:    dev,
-		mr:     mr,
-		pulls:  make(map[peer.ID]*rdma.QP),
-		served: make(map[peer.ID]*rdma.QP),
+		dev:      dev,
+		mr:       mr,
+		pulls:    make(map[peer.ID]*rdma.QP),
+		served:   make(map[peer.ID]*rdma.QP),
+		payloads: make(map[string]*rdma.MR),
 	}
 	s.log.Info("rdma enabled", zap.String("device", dev.Name()), zap.Int64("registered_bytes", mr.Len()))
 	return nil
 }
 
-// region is where the payload at arena offset off lies for a remote reader.
-func (r *rdmaState) region(off int64) *RDMARegion {
-	mi := r.mr.MemInfo()
-	return &RDMARegion{Addr: mi.Addr, RKey: mi.RKey, Len: mi.Len, Off: uint64(off)}
+// rdmaRegion is where payload e lies for a remote reader: a region holding
+// its bytes only, registered on the first ticket for it and deregistered
+// when it is released, so an rkey reads nothing but the payload its ticket
+// named, and nothing once that payload is gone. nil (the consumer then
+// pulls by tcp) when the region cannot be registered.
+func (s *Service) rdmaRegion(e *entry) *RDMARegion {
+	r := s.rdma
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return nil
+	}
+	mr := r.payloads[e.id]
+	r.mu.Unlock()
+	if mr == nil {
+		var err error
+		if mr, err = r.dev.RegisterMemory(e.buf); err != nil {
+			s.log.Warn("rdma: register payload", zap.String("payload", e.id), zap.Error(err))
+			return nil
+		}
+		r.mu.Lock()
+		if old := r.payloads[e.id]; old != nil || r.closed { // another ticket won, or closing
+			r.mu.Unlock()
+			mr.Close()
+			if old == nil {
+				return nil
+			}
+			mr = old
+		} else {
+			r.payloads[e.id] = mr
+			r.mu.Unlock()
+		}
+		select {
+		case <-e.released: // released meanwhile: Release may have missed it
+			r.dropPayload(e.id)
+			return nil
+		default:
+		}
+	}
+	mi := mr.MemInfo()
+	return &RDMARegion{Addr: mi.Addr, RKey: mi.RKey, Len: mi.Len, Off: 0}
+}
+
+// dropPayload deregisters payload id's region, if it has one.
+func (r *rdmaState) dropPayload(id string) {
+	r.mu.Lock()
+	mr := r.payloads[id]
+	delete(r.payloads, id)
+	r.mu.Unlock()
+	if mr != nil {
+		mr.Close()
+	}
 }
 
 func (r *rdmaState) close() {
 	r.mu.Lock()
 	r.closed = true
-	pulls, served := r.pulls, r.served
-	r.pulls, r.served = nil, nil
+	pulls, served, payloads := r.pulls, r.served, r.payloads
+	r.pulls, r.served, r.payloads = nil, nil, nil
 	r.mu.Unlock()
 	for _, q := range pulls {
 		q.Close()
 	}
 	for _, q := range served {
 		q.Close()
+	}
+	for _, mr := range payloads {
+		mr.Close()
 	}
 	r.mr.Close()
 	r.dev.Close()
@@ -120,10 +175,11 @@ func (r *rdmaState) forget(pid peer.ID) {
 	}
 }
 
-// handleRDMAStream connects a queue pair for the consumer at the other end;
-// it stays until the consumer connects another or the service closes. The
-// consumer can then read this service's registered arena, but only payloads
-// a ticket told it about are ones it can find.
+// handleRDMAStream connects a queue pair for the consumer at the other end,
+// once it shows a valid ticket this service issued to it; the queue pair
+// stays until the consumer connects another or the service closes. Through
+// it the consumer reads only the payload regions whose rkeys its tickets
+// carried.
 func (s *Service) handleRDMAStream(str network.Stream) {
 	if !s.enter() {
 		str.Reset()
@@ -132,6 +188,23 @@ func (s *Service) handleRDMAStream(str network.Stream) {
 	defer s.wg.Done()
 	defer str.Close()
 	remote := str.Conn().RemotePeer()
+	if !s.admit(remote) {
+		s.refused.refuse("rdma", remote, "not admitted")
+		str.Reset()
+		return
+	}
+	str.SetDeadline(time.Now().Add(s.cfg.IOTimeout))
+	var req QPRequest
+	if err := ReadFrame(str, s.cfg.MaxFrame, &req); err != nil {
+		s.refused.refuse("rdma", remote, "bad qp request: "+err.Error())
+		str.Reset()
+		return
+	}
+	if _, _, err := s.checkTicket(req.Ticket, remote); err != nil {
+		s.refused.refuse("rdma", remote, "qp without a valid ticket: "+err.Error())
+		str.Reset()
+		return
+	}
 	ctx, cancel := context.WithTimeout(s.life, s.cfg.IOTimeout)
 	defer cancel()
 	q, err := s.connectQP(ctx, str)
@@ -174,8 +247,9 @@ func (s *Service) connectQP(ctx context.Context, str network.Stream) (*rdma.QP, 
 }
 
 // qpTo returns the queue pair connected to producer pid, connecting one over
-// RDMAProtocolID first when there is none.
-func (s *Service) qpTo(ctx context.Context, pid peer.ID) (*rdma.QP, error) {
+// RDMAProtocolID first when there is none, showing ticket (one pid issued to
+// this service) to get it.
+func (s *Service) qpTo(ctx context.Context, pid peer.ID, ticket []byte) (*rdma.QP, error) {
 	r := s.rdma
 	r.mu.Lock()
 	if r.closed {
@@ -193,6 +267,10 @@ func (s *Service) qpTo(ctx context.Context, pid peer.ID) (*rdma.QP, error) {
 	}
 	defer str.Close()
 	str.SetDeadline(time.Now().Add(s.cfg.IOTimeout))
+	if err := WriteFrame(str, &QPRequest{V: WireVersion, Ticket: ticket}); err != nil {
+		str.Reset()
+		return nil, fmt.Errorf("%w: %s: rdma qp request: %w", ErrUnreachable, pid, err)
+	}
 	q, err := s.connectQP(ctx, str)
 	if err != nil {
 		str.Reset()
@@ -248,7 +326,7 @@ func (s *Service) pullRDMA(ctx context.Context, pid peer.ID, ref Ref, dst []byte
 	if reg.Off > reg.Len || size > reg.Len-reg.Off {
 		return fmt.Errorf("%w: rdma payload at %d+%d outside a region of %d bytes", ErrProtocol, reg.Off, size, reg.Len)
 	}
-	q, err := s.qpTo(ctx, pid)
+	q, err := s.qpTo(ctx, pid, w.resp.Ticket)
 	if err != nil {
 		if ctx.Err() != nil || errors.Is(err, ErrClosed) {
 			return err

@@ -148,3 +148,94 @@ func TestRDMAForgetClosesQueuePairs(t *testing.T) {
 		t.Fatalf("%d rdma pulls counted, want 3", got)
 	}
 }
+
+// A queue pair is connected only for a consumer that shows a valid ticket
+// the producer issued to it; a forged ticket, or one issued to another
+// peer, gets none, and the refusal is logged.
+func TestRDMAQueuePairNeedsTicket(t *testing.T) {
+	fab := rdma.NewFabric()
+	cfg := arenaConfig(t, shmDir(t), 1<<20)
+	logs := observed(&cfg)
+	cfg.Transport = TransportRDMA
+	cfg.openRDMA = fab.Open
+	prod := startService(t, cfg)
+	cons := rdmaService(t, fab, 1<<20)
+	other := rdmaService(t, fab, 1<<20)
+	ref := publishArena(t, prod, u8Meta(4096), randBytes(4096, 6))
+	cons.h.Peerstore().AddAddrs(prod.self, prod.h.Addrs(), time.Minute)
+	other.h.Peerstore().AddAddrs(prod.self, prod.h.Addrs(), time.Minute)
+
+	forged := prod.key.mint(ticket{payloadID: ref.ID, consumer: cons.self, expiry: time.Now().Add(time.Minute)})
+	forged[len(forged)-1] ^= 1
+	if _, err := cons.qpTo(testCtx(t), prod.self, forged); err == nil {
+		t.Fatal("queue pair connected on a forged ticket")
+	}
+	refusedLogged(t, logs, "rdma", cons.self)
+	resp, err := cons.requestTicket(testCtx(t), prod.self, ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.qpTo(testCtx(t), prod.self, resp.Ticket); err == nil {
+		t.Fatal("queue pair connected on another peer's ticket")
+	}
+	if _, err := cons.qpTo(testCtx(t), prod.self, resp.Ticket); err != nil {
+		t.Fatalf("queue pair on a valid ticket: %v", err)
+	}
+}
+
+// A ticket's rkey reads its payload's bytes and nothing else: not the
+// payload next to it in the arena, not the arena through its own
+// registration, and not the payload itself once released.
+func TestRDMATicketReadsOnlyItsPayload(t *testing.T) {
+	fab := rdma.NewFabric()
+	prod := rdmaService(t, fab, 1<<20)
+	cons := rdmaService(t, fab, 1<<20)
+	a := publishArena(t, prod, u8Meta(4096), randBytes(4096, 7))
+	b := publishArena(t, prod, u8Meta(4096), randBytes(4096, 8))
+	resp, err := cons.requestTicket(testCtx(t), prod.self, a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg := resp.RDMA
+	if reg == nil || reg.Off != 0 || reg.Len != 4096 {
+		t.Fatalf("region for a 4096-byte payload: %+v", reg)
+	}
+	cons.h.Peerstore().AddAddrs(prod.self, prod.h.Addrs(), time.Minute)
+	q, err := cons.qpTo(testCtx(t), prod.self, resp.Ticket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst, err := cons.Alloc(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dst.Release()
+	local := cons.arenaOffset(dst.Bytes())
+	mi := rdma.MemInfo{Addr: reg.Addr, RKey: reg.RKey, Len: reg.Len}
+	if err := q.Read(testCtx(t), cons.rdma.mr, local, mi, 0, 4096); err != nil {
+		t.Fatalf("read of the ticket's payload: %v", err)
+	}
+	// Where b lies relative to a in the producer's arena.
+	bOff := prod.arenaOffset(prod.reg.get(b.ID).buf) - prod.arenaOffset(prod.reg.get(a.ID).buf)
+	wide := rdma.MemInfo{Addr: reg.Addr, RKey: reg.RKey, Len: uint64(bOff + 4096)}
+	if err := q.Read(testCtx(t), cons.rdma.mr, local, wide, bOff, 4096); err == nil {
+		t.Fatal("a's rkey read b's bytes")
+	}
+	// A failed READ breaks the queue pair, as on hardware: connect anew.
+	cons.dropQP(prod.self, q)
+	arenaMI := prod.rdma.mr.MemInfo()
+	if q, err = cons.qpTo(testCtx(t), prod.self, resp.Ticket); err != nil {
+		t.Fatal(err)
+	}
+	if err := q.Read(testCtx(t), cons.rdma.mr, local, arenaMI, 0, 4096); err == nil {
+		t.Fatal("the producer's arena registration is remotely readable")
+	}
+	cons.dropQP(prod.self, q)
+	prod.Release(a.ID)
+	if q, err = cons.qpTo(testCtx(t), prod.self, resp.Ticket); err != nil {
+		t.Fatal(err)
+	}
+	if err := q.Read(testCtx(t), cons.rdma.mr, local, mi, 0, 4096); err == nil {
+		t.Fatal("a released payload's region is still readable")
+	}
+}

@@ -41,7 +41,17 @@ func (s *Service) acceptLoop() {
 			}
 			continue
 		}
-		if !s.trackServing(c) {
+		ok, full := s.trackServing(c)
+		if full {
+			// Unauthenticated, so no peer id: the log names the address.
+			// A fresh socket's buffer takes the short status at once.
+			s.refused.refuse("data", "", "connection cap", zap.Stringer("remote", c.RemoteAddr()), zap.Int("max", s.cfg.MaxDataConns))
+			c.SetWriteDeadline(time.Now().Add(s.cfg.IOTimeout))
+			writeErrStatus(c, CodeBusy, fmt.Sprintf("producer serves %d data connections, its most", s.cfg.MaxDataConns))
+			c.Close()
+			continue
+		}
+		if !ok {
 			c.Close()
 			return
 		}
@@ -50,15 +60,40 @@ func (s *Service) acceptLoop() {
 }
 
 // trackServing registers a producer-side connection so Close can close it.
-func (s *Service) trackServing(c net.Conn) bool {
+// It refuses one past MaxDataConns (full: the caller tells the consumer
+// so) and any once Close began.
+func (s *Service) trackServing(c net.Conn) (ok, full bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		return false
+		return false, false
+	}
+	if len(s.dataConns) >= s.cfg.MaxDataConns {
+		return false, true
 	}
 	s.wg.Add(1)
 	s.dataConns[c] = struct{}{}
+	return true, false
+}
+
+// admitConn counts an authenticated connection against its peer's cap; it
+// returns false (and counts nothing) when the peer is at MaxDataConnsPerPeer.
+func (s *Service) admitConn(p peer.ID) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.peerConns[p] >= s.cfg.MaxDataConnsPerPeer {
+		return false
+	}
+	s.peerConns[p]++
 	return true
+}
+
+func (s *Service) releaseConn(p peer.ID) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.peerConns[p]--; s.peerConns[p] <= 0 {
+		delete(s.peerConns, p)
+	}
 }
 
 func (s *Service) untrackServing(c net.Conn) {
@@ -88,6 +123,20 @@ func (s *Service) serveConn(c net.Conn) {
 			code = CodeVersion
 		}
 		writeErrStatus(c, code, err.Error())
+		return
+	}
+	if !s.admit(consumer) {
+		s.refused.refuse("data", consumer, "not admitted", zap.Stringer("remote", c.RemoteAddr()))
+		writeErrStatus(c, CodeDenied, "peer not admitted")
+		return
+	}
+	if !s.admitConn(consumer) {
+		s.refused.refuse("data", consumer, "per-peer connection cap", zap.Int("max", s.cfg.MaxDataConnsPerPeer))
+		writeErrStatus(c, CodeBusy, fmt.Sprintf("peer holds %d data connections, the most allowed", s.cfg.MaxDataConnsPerPeer))
+		return
+	}
+	defer s.releaseConn(consumer)
+	if _, err := c.Write([]byte{statusOK}); err != nil {
 		return
 	}
 	var rb reqBuf
@@ -148,7 +197,9 @@ func (s *Service) serveRange(c net.Conn, e *entry, off, n int64, hdr *[]byte) er
 }
 
 // handshake proves the consumer's peer identity: it signs our fresh nonce,
-// our peer id and its own with the key its peer id is derived from.
+// our peer id and its own with the key its peer id is derived from. The
+// caller sends the status that ends the handshake, once it has admitted the
+// peer.
 func (s *Service) handshake(c net.Conn) (peer.ID, error) {
 	var nonce [nonceLen]byte
 	if _, err := rand.Read(nonce[:]); err != nil {
@@ -161,14 +212,7 @@ func (s *Service) handshake(c net.Conn) (peer.ID, error) {
 	if err != nil {
 		return "", err
 	}
-	id, err := verifyAuth(&nonce, []byte(s.self), m)
-	if err != nil {
-		return "", err
-	}
-	if _, err := c.Write([]byte{statusOK}); err != nil {
-		return "", err
-	}
-	return id, nil
+	return verifyAuth(&nonce, []byte(s.self), m)
 }
 
 // verifyAuth checks that m is a valid signature, for this connection's nonce
@@ -189,18 +233,28 @@ func verifyAuth(nonce *[nonceLen]byte, producer []byte, m authMsg) (peer.ID, err
 	return id, nil
 }
 
+// checkTicket verifies raw: minted by this service, for consumer, not
+// expired. On failure it returns the wire code to send back.
+func (s *Service) checkTicket(raw []byte, consumer peer.ID) (ticket, string, error) {
+	t, code, err := s.key.verify(raw)
+	if err != nil {
+		return t, code, err
+	}
+	if t.consumer != consumer {
+		return t, CodeWrongPeer, fmt.Errorf("%w: issued to %s, presented by %s", ErrTicket, t.consumer, consumer)
+	}
+	if !s.now().Before(t.expiry) {
+		return t, CodeExpired, fmt.Errorf("%w: at %s", ErrTicketExpired, t.expiry.UTC().Format(time.RFC3339Nano))
+	}
+	return t, "", nil
+}
+
 // authorize checks a request's ticket and range; on failure it returns the
 // wire code to send back.
 func (s *Service) authorize(q request, consumer peer.ID) (*entry, string, error) {
-	t, code, err := s.key.verify(q.Ticket)
+	t, code, err := s.checkTicket(q.Ticket, consumer)
 	if err != nil {
 		return nil, code, err
-	}
-	if t.consumer != consumer {
-		return nil, CodeWrongPeer, fmt.Errorf("%w: issued to %s, presented by %s", ErrTicket, t.consumer, consumer)
-	}
-	if !s.now().Before(t.expiry) {
-		return nil, CodeExpired, fmt.Errorf("%w: at %s", ErrTicketExpired, t.expiry.UTC().Format(time.RFC3339Nano))
 	}
 	e := s.reg.get(t.payloadID)
 	if e == nil {

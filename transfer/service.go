@@ -93,6 +93,34 @@ type Config struct {
 	// Logger receives the service's logs; named "transfer".
 	Logger *zap.Logger
 
+	// Admit says whether a peer may use this service at all: it is asked
+	// for every control stream (ticket request), every data-plane
+	// connection once its handshake proved the peer id, and every RDMA
+	// queue pair. The agent admits the peers registered in etcd. nil
+	// admits every peer (tests, benchmarks); the service always admits
+	// itself. It must be cheap and must not block: it runs on every
+	// connection.
+	Admit func(p peer.ID) bool
+	// AuthorizePayload says whether peer p, already admitted, may have a
+	// ticket for payload id, given the opaque proof its TicketRequest
+	// carried (see WithTicketProof). A non-nil error refuses the ticket
+	// with CodeDenied. nil authorizes every admitted peer. It may do I/O
+	// (the agent reads the consumer's claim from etcd): ctx is bounded by
+	// IOTimeout.
+	AuthorizePayload func(ctx context.Context, id string, p peer.ID, proof []byte) error
+	// MaxDataConns bounds the data-plane connections this producer serves
+	// at once, handshaking ones included; excess connections are refused
+	// with CodeBusy before any handshake work. Each costs a goroutine, a
+	// file descriptor and socket buffers; 1024 is far above what a mesh of
+	// a few hundred nodes pulling Conns-wide needs.
+	MaxDataConns int
+	// MaxDataConnsPerPeer bounds the authenticated data-plane connections
+	// one consumer holds open at once; more are refused with CodeBusy. A
+	// consumer pools Conns per producer, but concurrent pulls (stage
+	// inputs, Store copies) each stripe over their own: 64 covers sixteen
+	// four-wide pulls at once.
+	MaxDataConnsPerPeer int
+
 	// openRDMA, when set (by this package's tests, with an rdma.Fabric),
 	// replaces rdma.Available and rdma.Open.
 	openRDMA func(rdma.Config, *zap.Logger) (*rdma.Device, error)
@@ -120,6 +148,9 @@ func DefaultConfig() Config {
 		ShmDir: filepath.Join(os.TempDir(), "latentmesh-shm"),
 		RDMA:   rdma.DefaultConfig(),
 		Logger: zap.NewNop(),
+		// Admit and AuthorizePayload nil: every peer; the agent sets both.
+		MaxDataConns:        1024,
+		MaxDataConnsPerPeer: 64,
 	}
 }
 
@@ -151,6 +182,10 @@ func (c Config) validate() error {
 		return fmt.Errorf("transfer: config: MaxFrame %d < 256", c.MaxFrame)
 	case c.Logger == nil:
 		return errors.New("transfer: config: Logger is nil")
+	case c.MaxDataConns < 1:
+		return fmt.Errorf("transfer: config: MaxDataConns %d < 1", c.MaxDataConns)
+	case c.MaxDataConnsPerPeer < 1:
+		return fmt.Errorf("transfer: config: MaxDataConnsPerPeer %d < 1", c.MaxDataConnsPerPeer)
 	case !validCongestion(c.TCPCongestion):
 		return fmt.Errorf("transfer: config: TCPCongestion %q is not a congestion control name", c.TCPCongestion)
 	}
@@ -210,9 +245,10 @@ type Service struct {
 	pub  []byte // marshalled public key, sent in data-plane handshakes
 	now  func() time.Time
 
-	key  ticketKey
-	reg  *registry
-	pool *connPool
+	key     ticketKey
+	reg     *registry
+	pool    *connPool
+	refused refusalLog
 
 	ln       net.Listener
 	dataAddr string
@@ -240,6 +276,7 @@ type Service struct {
 	closed      bool
 	arenaClosed bool
 	dataConns   map[net.Conn]struct{} // producer side, closed on Close
+	peerConns   map[peer.ID]int       // authenticated producer-side connections by consumer
 	bufs        map[int64]*Buffer     // live arena buffers by offset
 }
 
@@ -279,8 +316,10 @@ func newService(cfg Config, h host.Host, now func() time.Time) (_ *Service, err 
 		reg:       newRegistry(),
 		hostID:    hostIdentity(),
 		dataConns: make(map[net.Conn]struct{}),
+		peerConns: make(map[peer.ID]int),
 		bufs:      make(map[int64]*Buffer),
 	}
+	s.refused = refusalLog{log: s.log, now: now}
 	s.life, s.endLife = context.WithCancel(context.Background())
 	s.stop = s.life.Done()
 	defer func() {
@@ -559,7 +598,11 @@ func (s *Service) Begin(meta TensorMeta) (*Pending, Ref, error) {
 // already being served finish, and arena memory they read stays allocated
 // until they do. Releasing an unknown id is a no-op.
 func (s *Service) Release(id string) {
-	if e := s.reg.remove(id); e != nil && e.owner != nil {
+	e := s.reg.remove(id)
+	if e != nil && s.rdma != nil {
+		s.rdma.dropPayload(id) // later READs of it fail with a remote access error
+	}
+	if e != nil && e.owner != nil {
 		e.owner.unref()
 	}
 }
@@ -608,6 +651,11 @@ func (s *Service) handleStream(str network.Stream) {
 	defer context.AfterFunc(s.life, func() { str.Reset() })()
 	str.SetDeadline(time.Now().Add(s.cfg.IOTimeout))
 	remote := str.Conn().RemotePeer()
+	if !s.admit(remote) {
+		s.refused.refuse("ticket", remote, "not admitted")
+		WriteFrame(str, &TicketResponse{V: WireVersion, ErrCode: CodeDenied, ErrMsg: "peer not admitted"})
+		return
+	}
 	var req TicketRequest
 	if err := ReadFrame(str, s.cfg.MaxFrame, &req); err != nil {
 		s.log.Debug("bad ticket request", zap.Stringer("peer", remote), zap.Error(err))
@@ -616,6 +664,11 @@ func (s *Service) handleStream(str network.Stream) {
 			code = CodeVersion
 		}
 		WriteFrame(str, &TicketResponse{V: WireVersion, ErrCode: code, ErrMsg: err.Error()})
+		return
+	}
+	if err := s.authorizePayload(req.PayloadID, remote, req.Proof); err != nil {
+		s.refused.refuse("payload", remote, err.Error(), zap.String("payload", req.PayloadID))
+		WriteFrame(str, &TicketResponse{V: WireVersion, ErrCode: CodeDenied, ErrMsg: "not authorized for payload " + req.PayloadID})
 		return
 	}
 	resp := s.issue(req.PayloadID, remote)
@@ -690,7 +743,7 @@ func (s *Service) issue(id string, consumer peer.ID) TicketResponse {
 			resp.Shm = &h
 		}
 		if s.rdma != nil {
-			resp.RDMA = s.rdma.region(e.owner.ab.Off)
+			resp.RDMA = s.rdmaRegion(e)
 		}
 	}
 	return resp

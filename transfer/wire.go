@@ -11,9 +11,13 @@ import (
 // with no encoding in between. Every variable field has a length prefix that
 // is checked against a fixed bound before it is read.
 //
-//	producer -> consumer  hello:    "LMTD" | version(1) | nonce(32)
+//	producer -> consumer  hello:    "LMTD" | version(1) | nonce(32),
+//	                      or, at its connection cap, statusErr (below) and close
+
 //	consumer -> producer  auth:     version(1) | len(1) peer id | len(2) public key | len(2) signature
-//	producer -> consumer  status:   statusOK, or an error (below) and close
+//	producer -> consumer  status:   statusOK, or an error (below) and close: the
+//	                      peer is not admitted (denied) or holds too many
+//	                      connections (busy)
 //	then, repeatedly:
 //	consumer -> producer  request:  version(1) | offset(8) | length(8) | len(2) ticket
 //	producer -> consumer  statusWait (heartbeat while chunks are not yet written), any number

@@ -43,6 +43,7 @@ func (f *Fabric) ClosedQPs() int {
 type memVerbs struct {
 	mu        sync.Mutex // guards the fields below
 	regions   map[uint32][]byte
+	remote    map[uint32]bool // keys registered for remote read
 	nextKey   uint32
 	nextQPN   uint32
 	events    []string
@@ -57,17 +58,18 @@ type memVerbs struct {
 }
 
 func newMemVerbs() *memVerbs {
-	return &memVerbs{regions: make(map[uint32][]byte), nextKey: 100, nextQPN: 0x10, failWR: -1}
+	return &memVerbs{regions: make(map[uint32][]byte), remote: make(map[uint32]bool), nextKey: 100, nextQPN: 0x10, failWR: -1}
 }
 
 func (f *memVerbs) name() string { return "fake0" }
 
-func (f *memVerbs) regMR(buf []byte) (region, error) {
+func (f *memVerbs) regMR(buf []byte, remote bool) (region, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.nextKey++
 	key := f.nextKey
 	f.regions[key] = buf
+	f.remote[key] = remote
 	return region{
 		addr: uint64(key) << 32, // a fake address space: one 4 GiB window per key
 		lkey: key,
@@ -75,6 +77,7 @@ func (f *memVerbs) regMR(buf []byte) (region, error) {
 		dereg: func() error {
 			f.mu.Lock()
 			delete(f.regions, key)
+			delete(f.remote, key)
 			f.events = append(f.events, fmt.Sprintf("dereg %d", key))
 			f.mu.Unlock()
 			return nil
@@ -82,12 +85,13 @@ func (f *memVerbs) regMR(buf []byte) (region, error) {
 	}, nil
 }
 
-// resolve returns the bytes of [addr, addr+n) in the region with key.
-func (f *memVerbs) resolve(key uint32, addr uint64, n int64) ([]byte, bool) {
+// resolve returns the bytes of [addr, addr+n) in the region with key;
+// with remote, only a region registered for remote read resolves.
+func (f *memVerbs) resolve(key uint32, addr uint64, n int64, remote bool) ([]byte, bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	buf, ok := f.regions[key]
-	if !ok || addr>>32 != uint64(key) {
+	if !ok || addr>>32 != uint64(key) || remote && !f.remote[key] {
 		return nil, false
 	}
 	off := int64(addr & (1<<32 - 1))
@@ -173,8 +177,8 @@ func (q *memQP) post(t readTarget, wrs []WR) (int, error) {
 			continue
 		}
 		c := completion{id: w.ID}
-		src, okR := q.f.resolve(t.rkey, w.RemoteAddr, w.Len)
-		dst, okL := q.f.resolve(t.lkey, t.localBase+uint64(w.LocalOff), w.Len)
+		src, okR := q.f.resolve(t.rkey, w.RemoteAddr, w.Len, true)
+		dst, okL := q.f.resolve(t.lkey, t.localBase+uint64(w.LocalOff), w.Len, false)
 		switch {
 		case int64(w.ID) == q.failWR:
 			c.err = fmt.Errorf("%w: wr %d: remote operation error", ErrCompletion, w.ID)

@@ -49,8 +49,8 @@ func Available() (bool, string) {
 // implements it over libibverbs and tests use a loopback fake.
 type verbs interface {
 	name() string
-	// regMR registers buf for local write and remote read.
-	regMR(buf []byte) (region, error)
+	// regMR registers buf for local write and, with remote, remote read.
+	regMR(buf []byte, remote bool) (region, error)
 	// newQP creates an RC queue pair in RESET with its own completion queue
 	// and completion channel. The QPInfo carries everything but the PSN.
 	newQP(cfg Config) (queue, QPInfo, error)
@@ -152,6 +152,17 @@ func (d *Device) Name() string { return d.v.name() }
 // garbage collector would not know the NIC still uses it. Pass memory mapped
 // with mmap (the agent's arena) and keep it mapped until the MR is closed.
 func (d *Device) RegisterMemory(buf []byte) (*MR, error) {
+	return d.register(buf, true)
+}
+
+// RegisterLocal registers buf for local write only: the destination of
+// Reads, which no peer can read through its rkey. The same rules on buf as
+// for RegisterMemory apply.
+func (d *Device) RegisterLocal(buf []byte) (*MR, error) {
+	return d.register(buf, false)
+}
+
+func (d *Device) register(buf []byte, remote bool) (*MR, error) {
 	if len(buf) == 0 {
 		return nil, fmt.Errorf("rdma: register empty buffer")
 	}
@@ -160,7 +171,7 @@ func (d *Device) RegisterMemory(buf []byte) (*MR, error) {
 	if d.closed {
 		return nil, ErrClosed
 	}
-	reg, err := d.v.regMR(buf)
+	reg, err := d.v.regMR(buf, remote)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: register %d bytes at %p: %w", len(buf), unsafe.Pointer(unsafe.SliceData(buf)), err)
 	}

@@ -342,3 +342,24 @@ func waitFor(t *testing.T, cond func() bool) {
 	}
 	t.Fatal("condition not met within 5s")
 }
+
+// A region registered with RegisterLocal is a valid destination but no peer
+// can read it through its rkey: the READ completes with a remote access
+// error, as on hardware without IBV_ACCESS_REMOTE_READ.
+func TestRegisterLocalNotRemotelyReadable(t *testing.T) {
+	l := newLoopback(t, testConfig(), 64, nil)
+	local, err := l.d.RegisterLocal(make([]byte, 64))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.qa.Read(context.Background(), local, 0, l.src.MemInfo(), 0, 64); err != nil {
+		t.Fatalf("read into a local-only region: %v", err)
+	}
+	if local.Bytes()[5] != l.src.Bytes()[5] {
+		t.Fatal("read into a local-only region delivered nothing")
+	}
+	err = l.qb.Read(context.Background(), l.dst, 0, local.MemInfo(), 0, 64)
+	if !errors.Is(err, ErrCompletion) {
+		t.Fatalf("remote read of a local-only region: %v, want a completion error", err)
+	}
+}

@@ -282,9 +282,12 @@ func (v *verbsDevice) name() string { return v.devName }
 // regMR registers buf, which must be memory outside the Go heap (see
 // Device.RegisterMemory): only its address crosses into C, and the NIC keeps
 // using it after the call.
-func (v *verbsDevice) regMR(buf []byte) (region, error) {
+func (v *verbsDevice) regMR(buf []byte, remote bool) (region, error) {
 	p := unsafe.Pointer(unsafe.SliceData(buf))
-	access := C.int(C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_REMOTE_READ)
+	access := C.int(C.IBV_ACCESS_LOCAL_WRITE)
+	if remote {
+		access |= C.IBV_ACCESS_REMOTE_READ
+	}
 	mr, errno := C.lm_reg_mr(v.pd, p, C.size_t(len(buf)), access)
 	if mr == nil {
 		return region{}, fmt.Errorf("ibv_reg_mr: %w", errno)

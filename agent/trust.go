@@ -1,0 +1,106 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/libp2p/go-libp2p/core/peer"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/transfer"
+)
+
+// Trust: only members act (docs/ARCHITECTURE.md#trust). A peer is a member
+// when its libp2p peer id is in a node record registered in etcd under the
+// prefix, whatever its gossip liveness. The transfer service and the libp2p
+// host ask admitPeer about every connection and stream; the producer asks
+// authorizePayload before each ticket.
+
+// admitPeer reports whether p is a member. Until the membership exists
+// (during New) nobody is.
+func (a *Agent) admitPeer(p peer.ID) bool {
+	m := a.members.Load()
+	if m == nil {
+		return false
+	}
+	_, ok := m.ByPeerID(p.String())
+	return ok
+}
+
+// authorizePayload decides whether member p may have a ticket for payload
+// id. A peer-to-peer stage output goes only to the node holding the claim
+// on the task that reads it: p must send that claim (jobs.Claim.Proof) and
+// the claim, read from etcd, must name p's node. Anything else this node
+// serves (its Store copies, a stage output being relayed into the Store)
+// goes to any member, since holders re-replicate and readers fetch.
+func (a *Agent) authorizePayload(ctx context.Context, id string, p peer.ID, proof []byte) error {
+	a.handoffsMu.Lock()
+	handoff := a.handoffs[id]
+	a.handoffsMu.Unlock()
+	if !handoff {
+		return nil
+	}
+	if len(proof) == 0 {
+		return errors.New("stage handoff: no claim proof")
+	}
+	node, err := a.store.ClaimHolder(ctx, proof, id)
+	if err != nil {
+		return fmt.Errorf("stage handoff: %w", err)
+	}
+	m := a.members.Load()
+	if m == nil {
+		return errors.New("membership not started")
+	}
+	if rec, ok := m.ByPeerID(p.String()); !ok || rec.ID != node {
+		return fmt.Errorf("stage handoff: the claim is %s's, not this peer's", node)
+	}
+	return nil
+}
+
+// handOff marks payload id as a peer-to-peer stage output (authorizePayload).
+func (a *Agent) handOff(id string) {
+	a.handoffsMu.Lock()
+	a.handoffs[id] = true
+	a.handoffsMu.Unlock()
+}
+
+// release drops a payload this node published, and its handoff mark.
+func (a *Agent) release(id string) {
+	a.xfer.Release(id)
+	a.handoffsMu.Lock()
+	delete(a.handoffs, id)
+	a.handoffsMu.Unlock()
+}
+
+// withClaim marks ctx so that pulls made with it show c's claim to the
+// producer.
+func withClaim(ctx context.Context, c *jobs.Claim) context.Context {
+	return transfer.WithTicketProof(ctx, c.Proof())
+}
+
+// registeredAs reports whether node is registered with libp2p peer id pid.
+func (a *Agent) registeredAs(node, pid string) bool {
+	p, ok := a.member.Peer(node)
+	return ok && p.Registered && p.Record.PeerID != "" && p.Record.PeerID == pid
+}
+
+// checkProducer makes sure ref's producer is the node the input names, as
+// registered in etcd: a forged task (etcd is writable by whoever reaches
+// it) cannot make this worker pull bytes from a peer of its choosing. A
+// mismatch is a lost input; the job restarts from encode.
+func (a *Agent) checkProducer(in jobs.Input, ref transfer.Ref) error {
+	p, ok := a.member.Peer(in.Node)
+	if !ok || !p.Registered {
+		return fmt.Errorf("%w: producer node %s of %s is not registered", errInputLost, in.Node, in.Payload)
+	}
+	if p.Record.PeerID == "" || p.Record.PeerID != ref.Producer.PeerID {
+		a.log.Warn("input names a producer that is not its node's registered peer; not pulling",
+			zap.String("payload", in.Payload), zap.String("node", in.Node),
+			zap.String("registered_peer", p.Record.PeerID), zap.String("ref_peer", ref.Producer.PeerID))
+		return fmt.Errorf("%w: %s's ref names peer %s, node %s is registered as %s",
+			errInputLost, in.Payload, ref.Producer.PeerID, in.Node, p.Record.PeerID)
+	}
+	return nil
+}

@@ -235,11 +235,12 @@ func (a *Agent) Start(ctx context.Context) error {
 	a.wg.Go(a.gossipStoreRoom)
 	a.wg.Go(a.forgetDeparted)
 	if a.httpLn != nil {
-		a.httpSrv = &http.Server{Handler: httpapi.NewHandler(a.apiConfig(), a), ReadHeaderTimeout: 10 * time.Second}
+		api := a.apiConfig()
+		a.httpSrv = httpapi.NewServer(httpapi.NewHandler(api, a), api.Server, a.log)
 		a.wg.Go(func() { a.serve(a.httpSrv, a.httpLn, "http") })
 	}
 	if a.adminLn != nil {
-		a.adminSrv = &http.Server{Handler: httpapi.NewAdminHandler(httpapi.AdminConfig{
+		a.adminSrv = httpapi.NewServer(httpapi.NewAdminHandler(httpapi.AdminConfig{
 			Live:   func() error { return nil },
 			Ready:  a.ready,
 			Status: func(ctx context.Context) (any, error) { return a.Status(ctx) },
@@ -248,8 +249,9 @@ func (a *Agent) Start(ctx context.Context) error {
 			},
 			Metrics: a.metrics.Handler(),
 			Token:   a.cfg.AdminToken,
+			Server:  a.cfg.AdminServer,
 			Logger:  a.log,
-		}), ReadHeaderTimeout: 10 * time.Second}
+		}), a.cfg.AdminServer, a.log)
 		a.wg.Go(func() { a.serve(a.adminSrv, a.adminLn, "admin") })
 	}
 	a.log.Info("agent started",

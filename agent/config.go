@@ -74,12 +74,14 @@ type Config struct {
 	Transfer transfer.Config
 	// Store configures this agent's part of the Store; Prefix, Node,
 	// Logger and (with StoreMemory) MemoryCapacity are set by the agent.
-	Store     cache.Config
-	Jobs      jobs.Config
-	Engine    engine.Config
-	API       httpapi.Config
-	Queue     routing.QueuePolicy
-	Admission routing.Admission
+	Store  cache.Config
+	Jobs   jobs.Config
+	Engine engine.Config
+	API    httpapi.Config
+	// AdminServer bounds the admin endpoint's connections (timeouts, in-flight cap).
+	AdminServer httpapi.ServerConfig
+	Queue       routing.QueuePolicy
+	Admission   routing.Admission
 
 	Logger *zap.Logger
 }
@@ -116,6 +118,7 @@ func DefaultConfig() Config {
 		Jobs:             jobs.DefaultConfig(),
 		Engine:           engine.DefaultConfig(),
 		API:              httpapi.DefaultConfig(),
+		AdminServer:      httpapi.DefaultAdminServerConfig(),
 		Queue:            routing.DefaultQueuePolicy(),
 		Admission:        routing.DefaultAdmission(),
 		Logger:           zap.NewNop(),

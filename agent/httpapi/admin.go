@@ -25,7 +25,19 @@ type AdminConfig struct {
 	Store   func(ctx context.Context, job string, objects bool) (any, error)
 	Metrics http.Handler // /metrics, e.g. Metrics.Handler()
 	Token   string       // when set, every path but /livez needs "Authorization: Bearer <Token>"
-	Logger  *zap.Logger
+	// Server holds the timeouts and in-flight cap; see DefaultAdminServerConfig.
+	Server ServerConfig
+	Logger *zap.Logger
+}
+
+// DefaultAdminServerConfig is DefaultServerConfig with room for CPU
+// profiles and traces: net/http/pprof refuses a profile as long as the
+// server's WriteTimeout, and operators commonly take 30 s ones.
+func DefaultAdminServerConfig() ServerConfig {
+	c := DefaultServerConfig()
+	c.WriteTimeout = 2 * time.Minute // a 30 s or 60 s profile, then writing it
+	c.MaxInFlight = 32               // one operator and a scraper or two
+	return c
 }
 
 // NewAdminHandler returns the admin endpoint: probes, metrics, status and
@@ -69,7 +81,11 @@ func NewAdminHandler(cfg AdminConfig) http.Handler {
 	handle("/debug/pprof/symbol", auth(http.HandlerFunc(pprof.Symbol)))
 	handle("/debug/pprof/trace", auth(http.HandlerFunc(pprof.Trace)))
 	handle("/", auth(http.HandlerFunc(notFound)))
-	return mux
+	sc := cfg.Server
+	if sc == (ServerConfig{}) {
+		sc = DefaultAdminServerConfig()
+	}
+	return limitInFlight(sc.withDefaults().MaxInFlight, nil, mux)
 }
 
 // probe answers 200 "ok" while check passes and 503 with its reason when

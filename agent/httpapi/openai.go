@@ -132,6 +132,7 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 	}
 	_, opts, _ := req.spec(s.cfg.Limits) // validated by specs
 
+	s.holdOpen(w, s.cfg.SyncTimeout)
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.SyncTimeout)
 	defer cancel()
 

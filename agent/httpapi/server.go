@@ -47,6 +47,7 @@ type Config struct {
 	MaxBodyBytes int64         // request bodies larger than this get 413
 	SyncTimeout  time.Duration // how long /v1/images/generations waits for its jobs
 	MaxWait      time.Duration // cap on GET /v1/jobs/{id}?wait=
+	Server       ServerConfig  // timeouts and the in-flight cap of the server carrying the handler
 	Logger       *zap.Logger
 	Metrics      *Metrics // optional: counts requests by route and status
 }
@@ -59,6 +60,7 @@ func DefaultConfig() Config {
 		MaxBodyBytes: 64 << 10,         // two 2000-byte prompts and numbers fit many times over
 		SyncTimeout:  10 * time.Minute, // a CPU-only mesh can take minutes per image
 		MaxWait:      time.Minute,      // below common proxy idle timeouts
+		Server:       DefaultServerConfig(),
 		Logger:       zap.NewNop(),
 	}
 }
@@ -81,6 +83,7 @@ func (c Config) withDefaults() Config {
 	if c.MaxWait <= 0 {
 		c.MaxWait = d.MaxWait
 	}
+	c.Server = c.Server.withDefaults()
 	if c.Logger == nil {
 		c.Logger = d.Logger
 	}
@@ -111,7 +114,7 @@ func NewHandler(cfg Config, j Jobs) http.Handler {
 	rt.handle("/v1/jobs/{id}/result", methods{http.MethodGet: s.getResult})
 	rt.handle("/v1/jobs/{id}/frames", methods{http.MethodGet: s.streamFrames})
 	rt.handle("/", methods{"*": notFound})
-	return mux
+	return limitInFlight(cfg.Server.MaxInFlight, cfg.Metrics, mux)
 }
 
 // methods maps an HTTP method to its handler; "*" matches any method.
@@ -254,6 +257,7 @@ func (s *server) getJob(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if wait > 0 {
+		s.holdOpen(w, wait)
 		ctx, cancel := context.WithTimeout(r.Context(), wait)
 		job, err := s.jobs.Wait(ctx, id)
 		cancel()

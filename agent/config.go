@@ -69,6 +69,10 @@ type Config struct {
 	// AlarmEvery is how often etcd's alarms are read (NOSPACE refuses new
 	// jobs and turns /readyz to 503).
 	AlarmEvery time.Duration
+	// EtcdTimeout bounds each etcd call made for a client request, and each
+	// attempt of a stage's commit: past it etcd counts as unreachable (503
+	// with Retry-After) rather than leaving the client waiting on gRPC.
+	EtcdTimeout time.Duration
 
 	Gossip   gossip.Config
 	Transfer transfer.Config
@@ -112,6 +116,7 @@ func DefaultConfig() Config {
 		ResultTTL:        24 * time.Hour,   // a day to download a result; the record says when it goes
 		PreviewTTL:       10 * time.Minute, // previews are for watching a decode, not for keeping
 		AlarmEvery:       5 * time.Second,  // a full etcd is noticed within seconds; one cheap read
+		EtcdTimeout:      5 * time.Second,  // a healthy etcd answers in milliseconds; a leader election takes ~1 s
 		Gossip:           gossip.DefaultConfig(),
 		Transfer:         tc,
 		Store:            cache.DefaultConfig(),
@@ -169,8 +174,8 @@ func (c Config) validate() (Config, error) {
 	if _, err := jobs.ParseTransferMode(string(c.TransferMode)); err != nil {
 		return c, fmt.Errorf("agent: %w", err)
 	}
-	if c.ResultTTL <= 0 || c.PreviewTTL <= 0 || c.AlarmEvery <= 0 {
-		return c, errors.New("agent: ResultTTL, PreviewTTL and AlarmEvery must be positive")
+	if c.ResultTTL <= 0 || c.PreviewTTL <= 0 || c.AlarmEvery <= 0 || c.EtcdTimeout <= 0 {
+		return c, errors.New("agent: ResultTTL, PreviewTTL, AlarmEvery and EtcdTimeout must be positive")
 	}
 	switch {
 	case c.StoreMemory == StoreMemoryAuto:

@@ -234,6 +234,13 @@ func (e *EtcdProcess) Output() string { return e.proc.Output() }
 // Kill sends SIGKILL and waits for the process to be gone.
 func (e *EtcdProcess) Kill() { e.proc.Kill() }
 
+// Pause freezes etcd (SIGSTOP): its connections stay open and every request
+// hangs, as with an overloaded or hung etcd, until Resume.
+func (e *EtcdProcess) Pause() error { return e.proc.Pause() }
+
+// Resume continues a paused etcd (SIGCONT).
+func (e *EtcdProcess) Resume() error { return e.proc.Resume() }
+
 // Stop sends SIGTERM and waits for etcd to exit (SIGKILL after a timeout).
 // Exiting on the SIGTERM is a clean stop.
 func (e *EtcdProcess) Stop() error {

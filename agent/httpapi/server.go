@@ -438,6 +438,12 @@ func (s *server) storeError(r *http.Request, op, id string, err error) *APIError
 		e := apiErr(http.StatusServiceUnavailable, typeServer, CodeOverloaded, "%s", err.Error())
 		e.RetryAfter = 30
 		return e
+	case errors.Is(err, jobs.ErrUnavailable):
+		// The job store is etcd; say so, so an operator knows where to look.
+		e := apiErr(http.StatusServiceUnavailable, typeServer, CodeUnavailable, "%s; retry shortly",
+			strings.TrimPrefix(err.Error(), "jobs: "))
+		e.RetryAfter = 5
+		return e
 	case errors.As(err, &fe):
 		return fieldError(err)
 	case errors.Is(err, context.DeadlineExceeded):

@@ -138,6 +138,14 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		if a.adminLn, err = net.Listen("tcp", cfg.AdminListen); err != nil {
 			return nil, fmt.Errorf("agent: admin listen: %w", err)
 		}
+		// pprof and status tell a reader about the process and the mesh.
+		if !loopback(a.adminLn) && cfg.AdminToken == "" && (cfg.API.Tokens == nil || !cfg.API.Tokens.HasAdmin()) {
+			return nil, fmt.Errorf("agent: the admin endpoint listens beyond loopback (%s): give it a token (AdminToken, or an admin: token in the API tokens)", a.adminLn.Addr())
+		}
+	}
+	if a.httpLn != nil && !loopback(a.httpLn) && cfg.API.Tokens == nil {
+		a.log.Warn("the client API listens beyond loopback without tokens: anyone who reaches it can submit, read and cancel any job",
+			zap.String("http", a.httpLn.Addr().String()))
 	}
 
 	rec := gossip.NodeRecord{
@@ -249,6 +257,7 @@ func (a *Agent) Start(ctx context.Context) error {
 			},
 			Metrics: a.metrics.Handler(),
 			Token:   a.cfg.AdminToken,
+			Tokens:  a.cfg.API.Tokens,
 			Server:  a.cfg.AdminServer,
 			Logger:  a.log,
 		}), a.cfg.AdminServer, a.log)
@@ -295,6 +304,12 @@ func (a *Agent) HTTPAddr() string { return addrOf(a.httpLn) }
 
 // AdminAddr is the admin endpoint address ("" when disabled).
 func (a *Agent) AdminAddr() string { return addrOf(a.adminLn) }
+
+// loopback reports whether ln accepts connections from this host only.
+func loopback(ln net.Listener) bool {
+	ta, ok := ln.Addr().(*net.TCPAddr)
+	return ok && ta.IP.IsLoopback()
+}
 
 func addrOf(ln net.Listener) string {
 	if ln == nil {

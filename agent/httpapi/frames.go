@@ -44,6 +44,9 @@ func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	// Fail with a proper JSON error before committing to a stream.
+	if !s.visible(w, r, id) {
+		return
+	}
 	if _, err := s.jobs.Get(r.Context(), id); err != nil {
 		writeError(w, s.storeError(r, "get", id, err))
 		return
@@ -80,5 +83,5 @@ func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
 		}
 		return
 	}
-	_ = send("done", job)
+	_ = send("done", public(job))
 }

@@ -230,7 +230,7 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 	rec := record{
 		Job: Job{
 			ID: t.JobID, Spec: spec, Class: class, Transfer: opt.Transfer, State: Queued, Stage: Encode,
-			Stages: map[Stage]*StageRecord{}, CreatedAt: now, UpdatedAt: now,
+			Stages: map[Stage]*StageRecord{}, CreatedAt: now, UpdatedAt: now, Owner: opt.Owner,
 		},
 		TaskKey: t.Key,
 	}

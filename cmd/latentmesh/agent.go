@@ -12,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/bench"
@@ -32,7 +33,9 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		nodeID     = fs.String("node-id", "", "node id (default: hostname-<peer id suffix>)")
 		httpAddr   = fs.String("http", def.HTTPListen, "client API listen address (empty: off)")
 		adminAddr  = fs.String("admin", def.AdminListen, "admin listen address: health, metrics, status (empty: off)")
-		adminToken = fs.String("admin-token", "", "bearer token required on admin paths except /livez")
+		adminToken = fs.String("admin-token", "", "bearer token required on admin paths except /livez (required when --admin is not loopback, unless --api-tokens has an admin: token)")
+		apiTokens  = fs.String("api-tokens", "", "`FILE` of client API bearer tokens, one a line, \"admin:\" before an admin token; when set every client request needs one and sees only its own jobs (default: off)")
+		apiRate    = fs.Float64("api-rate", def.API.RatePerToken, "requests a second per API token (burst: twice that); 0: no limit")
 		p2p        = fs.String("p2p-listen", def.P2PListen, "libp2p control-channel multiaddr")
 		data       = fs.String("data-listen", def.Transfer.DataListen, "raw TCP data-plane listen address")
 		gossipBind = fs.String("gossip-bind", def.Gossip.GossipBind, "memberlist ip:port (port 0: any)")
@@ -85,6 +88,17 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return 2
 	}
 	cfg.ResultTTL, cfg.Jobs.Retention = *resultTTL, *retention
+	if *apiTokens != "" {
+		if cfg.API.Tokens, err = httpapi.LoadTokens(*apiTokens); err != nil {
+			fmt.Fprintf(stderr, "latentmesh agent: --api-tokens: %v\n", err)
+			return 2
+		}
+	}
+	if *apiRate < 0 {
+		fmt.Fprintf(stderr, "latentmesh agent: --api-rate must not be negative\n")
+		return 2
+	}
+	cfg.API.RatePerToken, cfg.API.RateBurst = *apiRate, max(1, int(2**apiRate))
 	cost.apply(&cfg.Engine)
 	cfg.Logger = log
 

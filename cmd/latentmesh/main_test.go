@@ -37,6 +37,8 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"agent", "--slots", "encode=0"}, 2, "not in [1,1024]"},
 		{[]string{"agent", "--sim-cost", "step=fast"}, 2, "bad duration"},
 		{[]string{"agent", "--arena-size", "lots"}, 2, "--arena-size"},
+		{[]string{"agent", "--api-tokens", "/nonexistent"}, 2, "--api-tokens"},
+		{[]string{"agent", "--api-rate", "-1"}, 2, "--api-rate must not be negative"},
 		{[]string{"agent", "--etcd-user", "agent"}, 2, "--etcd-user needs --etcd-password-file"},
 		{[]string{"agent", "--etcd-password-file", "/nonexistent"}, 2, "--etcd-password-file needs --etcd-user"},
 		{[]string{"agent", "--etcd-user", "agent", "--etcd-password-file", "/nonexistent"}, 2, "no such file"},

@@ -26,6 +26,9 @@ var (
 	// errCommit is a commit etcd failed (not refused): transient, but a job
 	// that keeps failing it fails with its own code.
 	errCommit = fmt.Errorf("%w: commit failed", errTransient)
+	// errMaybeCommitted marks an outcome recorded after a commit attempt
+	// that got no answer: that attempt may have committed.
+	errMaybeCommitted = errors.New("agent: a commit attempt got no answer")
 )
 
 // worker is the pull loop of one stage: wait for a free credit, claim the
@@ -291,9 +294,9 @@ func (a *Agent) execute(c *jobs.Claim) {
 		}
 		return
 	}
+	var uncertain bool // a commit attempt got no answer: it may have taken effect
 	if err == nil {
-		var retried bool
-		err, retried = a.commit(ctx, c, out, log)
+		uncertain, err = a.commit(ctx, c, out, log)
 		switch {
 		case err == nil:
 			a.metrics.ObserveStage(st, out.Work)
@@ -302,7 +305,7 @@ func (a *Agent) execute(c *jobs.Claim) {
 			}
 			log.Info("stage committed", zap.Duration("took", out.Work))
 			return
-		case (errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished)) && retried:
+		case (errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished)) && uncertain:
 			// An attempt whose answer was lost may have committed after
 			// all: its payloads then belong to the next stage.
 			log.Warn("commit refused after a retry; output discarded unless an earlier attempt committed it", zap.Error(err))
@@ -362,6 +365,9 @@ func (a *Agent) execute(c *jobs.Claim) {
 	for {
 		err := record()
 		if err == nil || errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished) {
+			if err == nil && uncertain {
+				err = errMaybeCommitted // keep the payloads a lost commit may have handed on
+			}
 			a.releaseUncommitted(published, err)
 			a.abort(staged)
 			return
@@ -377,29 +383,32 @@ func (a *Agent) execute(c *jobs.Claim) {
 
 // commit commits a finished stage. While etcd does not answer (or is full)
 // it keeps the output and retries the fenced commit with backoff, for as
-// long as the claim may still be valid: the task's context ends when the
-// job is cancelled or this agent's lease changes, and etcd itself refuses
-// the commit (ErrFenced) once the claim's lease has expired. Rerunning the
-// stage instead would throw away finished GPU work over an etcd hiccup.
-// retried reports that an attempt before the last failed without an
-// answer, so it may have taken effect.
-func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log *zap.Logger) (err error, retried bool) {
+// long as the claim may still be valid: it stops when ctx (the task's) ends,
+// on a cancelled job or a changed lease, and etcd itself refuses the commit
+// (ErrFenced) once the claim's lease has expired. Rerunning the stage
+// instead would throw away finished GPU work over an etcd hiccup. Each
+// attempt runs under the agent's context, not the task's, so that a cancel
+// never cuts one off halfway: its outcome is always known from its answer.
+// uncertain reports that some attempt got no answer, so it may have taken
+// effect even if the returned error says otherwise.
+func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log *zap.Logger) (uncertain bool, err error) {
 	backoff := a.cfg.RetryBackoff
 	for attempt := 1; ; attempt++ {
-		actx, cancel := context.WithTimeout(ctx, a.cfg.EtcdTimeout)
+		actx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 		err = a.store.Commit(actx, c, out)
 		cancel()
-		if err == nil || ctx.Err() != nil {
-			return err, attempt > 1
+		if err == nil || a.ctx.Err() != nil {
+			return uncertain, err
 		}
 		if !errors.Is(err, context.DeadlineExceeded) && !jobs.IsUnavailable(err) && !jobs.IsNoSpace(err) {
-			return err, attempt > 1 // refused (fenced, finished, too large): retrying cannot help
+			return uncertain, err // refused (fenced, finished, too large): retrying cannot help
 		}
+		uncertain = uncertain || !jobs.IsNoSpace(err) // a NOSPACE refusal is an answer
 		a.alarms.Observe(err)
 		log.Warn("commit failed; keeping the output and retrying", zap.Int("commit_try", attempt), zap.Duration("backoff", backoff), zap.Error(err))
 		select {
 		case <-ctx.Done():
-			return err, true
+			return uncertain, err
 		case <-time.After(backoff):
 		}
 		backoff = min(2*backoff, 5*time.Second)

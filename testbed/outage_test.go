@@ -55,7 +55,7 @@ func TestEtcdOutageOnHTTPPath(t *testing.T) {
 		c.EtcdEndpoints = etcd.Endpoints()
 		c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), obs))
 		c.Agent.EtcdTimeout = etcdTimeout
-		c.Agent.AlarmEvery = 500 * time.Millisecond // unreachable after 1.5 s of silence
+		c.Agent.AlarmEvery = 500 * time.Millisecond // unreachable after 2.5 s of silence (0.5 s + a 2 s poll timeout)
 		// Longer than the outage: the claim survives it, so the commit may
 		// still succeed once etcd answers.
 		c.Agent.Gossip.LeaseTTL = 20 * time.Second

@@ -73,10 +73,11 @@ func NewAlarmWatcher(cli *clientv3.Client, every time.Duration, log *zap.Logger)
 	}
 }
 
-// pollTimeout is how long one poll waits for etcd: it gives up before the
-// next poll is due, but gives a slow etcd a second.
+// pollTimeout is how long one poll waits for etcd: about until the next
+// poll is due, but at least two seconds, so that a busy etcd (an alarm list
+// goes through raft) is not taken for an unreachable one.
 func (w *AlarmWatcher) pollTimeout() time.Duration {
-	return min(max(w.every, time.Second), 5*time.Second)
+	return min(max(w.every, 2*time.Second), 5*time.Second)
 }
 
 // UnreachableAfter is how long etcd may go without answering a poll before

@@ -68,6 +68,9 @@ func NewServer(h http.Handler, sc ServerConfig, log *zap.Logger) *http.Server {
 	if log == nil {
 		log = zap.NewNop()
 	}
+	// What net/http logs (a client's bad TLS handshake, a timed-out read)
+	// is a client's doing, not ours: kept for debugging only.
+	errLog, _ := zap.NewStdLogAt(log.Named("http"), zap.DebugLevel) // fails only for levels above Fatal
 	return &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: sc.ReadHeaderTimeout,
@@ -75,8 +78,7 @@ func NewServer(h http.Handler, sc ServerConfig, log *zap.Logger) *http.Server {
 		WriteTimeout:      sc.WriteTimeout,
 		IdleTimeout:       sc.IdleTimeout,
 		MaxHeaderBytes:    sc.MaxHeaderBytes,
-		// Timeouts and refused handshakes are a client's doing, not ours.
-		ErrorLog: zap.NewStdLog(log.Named("http").WithOptions(zap.IncreaseLevel(zap.WarnLevel))),
+		ErrorLog:          errLog,
 	}
 }
 

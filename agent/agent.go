@@ -151,6 +151,14 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		if a.adminLn, err = net.Listen("tcp", cfg.AdminListen); err != nil {
 			return nil, fmt.Errorf("agent: admin listen: %w", err)
 		}
+		// pprof and status tell a reader about the process and the mesh.
+		if !loopback(a.adminLn) && cfg.AdminToken == "" && (cfg.API.Tokens == nil || !cfg.API.Tokens.HasAdmin()) {
+			return nil, fmt.Errorf("agent: the admin endpoint listens beyond loopback (%s): give it a token (AdminToken, or an admin: token in the API tokens)", a.adminLn.Addr())
+		}
+	}
+	if a.httpLn != nil && !loopback(a.httpLn) && cfg.API.Tokens == nil {
+		a.log.Warn("the client API listens beyond loopback without tokens: anyone who reaches it can submit, read and cancel any job",
+			zap.String("http", a.httpLn.Addr().String()))
 	}
 
 	rec := gossip.NodeRecord{
@@ -252,11 +260,12 @@ func (a *Agent) Start(ctx context.Context) error {
 	a.wg.Go(a.gossipStoreRoom)
 	a.wg.Go(a.forgetDeparted)
 	if a.httpLn != nil {
-		a.httpSrv = &http.Server{Handler: httpapi.NewHandler(a.apiConfig(), a), ReadHeaderTimeout: 10 * time.Second}
+		api := a.apiConfig()
+		a.httpSrv = httpapi.NewServer(httpapi.NewHandler(api, a), api.Server, a.log)
 		a.wg.Go(func() { a.serve(a.httpSrv, a.httpLn, "http") })
 	}
 	if a.adminLn != nil {
-		a.adminSrv = &http.Server{Handler: httpapi.NewAdminHandler(httpapi.AdminConfig{
+		a.adminSrv = httpapi.NewServer(httpapi.NewAdminHandler(httpapi.AdminConfig{
 			Live:   func() error { return nil },
 			Ready:  a.ready,
 			Status: func(ctx context.Context) (any, error) { return a.Status(ctx) },
@@ -265,8 +274,10 @@ func (a *Agent) Start(ctx context.Context) error {
 			},
 			Metrics: a.metrics.Handler(),
 			Token:   a.cfg.AdminToken,
+			Tokens:  a.cfg.API.Tokens,
+			Server:  a.cfg.AdminServer,
 			Logger:  a.log,
-		}), ReadHeaderTimeout: 10 * time.Second}
+		}), a.cfg.AdminServer, a.log)
 		a.wg.Go(func() { a.serve(a.adminSrv, a.adminLn, "admin") })
 	}
 	a.log.Info("agent started",
@@ -289,11 +300,15 @@ func (a *Agent) serve(srv *http.Server, ln net.Listener, name string) {
 	}
 }
 
-// ready is /readyz: registered in etcd with a live lease, and etcd able to
-// take writes (no NOSPACE alarm).
+// ready is /readyz: registered in etcd with a live lease, etcd answering
+// the alarm poll (no etcd call here: a probe must be cheap and fast), and
+// etcd able to take writes (no NOSPACE alarm).
 func (a *Agent) ready() error {
 	if a.member.Lease() == 0 {
 		return errors.New("not registered in etcd (no lease)")
+	}
+	if err := a.alarms.Unreachable(); err != nil {
+		return err
 	}
 	return a.alarms.NoSpace()
 }
@@ -306,6 +321,12 @@ func (a *Agent) HTTPAddr() string { return addrOf(a.httpLn) }
 
 // AdminAddr is the admin endpoint address ("" when disabled).
 func (a *Agent) AdminAddr() string { return addrOf(a.adminLn) }
+
+// loopback reports whether ln accepts connections from this host only.
+func loopback(ln net.Listener) bool {
+	ta, ok := ln.Addr().(*net.TCPAddr)
+	return ok && ta.IP.IsLoopback()
+}
 
 func addrOf(ln net.Listener) string {
 	if ln == nil {
@@ -354,7 +375,33 @@ func (a *Agent) Close() error {
 	return a.closeErr
 }
 
-// The httpapi.Jobs interface: the job store, counted in metrics.
+// The httpapi.Jobs interface: the job store, counted in metrics. Each etcd
+// call made for a client request is bounded by EtcdTimeout, and refused at
+// once while the alarm poll finds etcd silent, so a client learns that etcd
+// is unreachable (503, jobs.ErrUnavailable) instead of waiting on gRPC.
+
+// onEtcd runs f with ctx bounded by EtcdTimeout and names an unanswered
+// call as jobs.ErrUnavailable.
+func (a *Agent) onEtcd(ctx context.Context, f func(context.Context) error) error {
+	if err := a.alarms.Unreachable(); err != nil {
+		return err
+	}
+	cctx, cancel := context.WithTimeout(ctx, a.cfg.EtcdTimeout)
+	defer cancel()
+	return a.etcdErr(ctx, f(cctx))
+}
+
+// etcdErr turns an error of a call made under ctx into jobs.ErrUnavailable
+// when etcd, not the caller, ran out of time or could not be reached.
+func (a *Agent) etcdErr(ctx context.Context, err error) error {
+	if err == nil || ctx.Err() != nil || errors.Is(err, jobs.ErrUnavailable) {
+		return err
+	}
+	if errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err) {
+		return fmt.Errorf("%w: no answer within %v: %v", jobs.ErrUnavailable, a.cfg.EtcdTimeout, err)
+	}
+	return err
+}
 
 // Submit stores a new job, unless the mesh cannot take it (checkSubmit).
 func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options) (jobs.Job, error) {
@@ -362,30 +409,55 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 		a.metrics.JobRefused()
 		return jobs.Job{}, err
 	}
-	j, err := a.store.Submit(ctx, spec, opts)
+	var j jobs.Job
+	err := a.onEtcd(ctx, func(ctx context.Context) (err error) {
+		j, err = a.store.Submit(ctx, spec, opts)
+		return err
+	})
 	if jobs.IsNoSpace(err) {
 		a.alarms.Observe(err)
 		return jobs.Job{}, a.alarms.NoSpace() // ErrNoSpace with what to do: a 503
 	}
 	if err == nil {
 		a.metrics.JobSubmitted(opts.Class)
+	} else if errors.Is(err, jobs.ErrUnavailable) {
+		a.metrics.JobRefused()
 	}
 	return j, err
 }
 
 // Get reads a job.
-func (a *Agent) Get(ctx context.Context, id string) (jobs.Job, error) { return a.store.Get(ctx, id) }
+func (a *Agent) Get(ctx context.Context, id string) (j jobs.Job, err error) {
+	err = a.onEtcd(ctx, func(ctx context.Context) error {
+		j, err = a.store.Get(ctx, id)
+		return err
+	})
+	return j, err
+}
 
-// Wait blocks until the job finishes.
-func (a *Agent) Wait(ctx context.Context, id string) (jobs.Job, error) { return a.store.Wait(ctx, id) }
+// Wait blocks until the job finishes or ctx ends; ctx, not EtcdTimeout,
+// bounds it (it is a long poll).
+func (a *Agent) Wait(ctx context.Context, id string) (jobs.Job, error) {
+	if err := a.alarms.Unreachable(); err != nil {
+		return jobs.Job{}, err
+	}
+	j, err := a.store.Wait(ctx, id)
+	return j, a.etcdErr(ctx, err)
+}
 
 // Cancel stops a job.
-func (a *Agent) Cancel(ctx context.Context, id string) (jobs.Job, error) {
-	return a.store.Cancel(ctx, id)
+func (a *Agent) Cancel(ctx context.Context, id string) (j jobs.Job, err error) {
+	err = a.onEtcd(ctx, func(ctx context.Context) error {
+		j, err = a.store.Cancel(ctx, id)
+		return err
+	})
+	return j, err
 }
 
 // Delete removes a finished job and its Store objects.
-func (a *Agent) Delete(ctx context.Context, id string) error { return a.store.Delete(ctx, id) }
+func (a *Agent) Delete(ctx context.Context, id string) error {
+	return a.onEtcd(ctx, func(ctx context.Context) error { return a.store.Delete(ctx, id) })
+}
 
 // StreamFrames streams a video's frame previews as they decode (httpapi.FrameStreamer).
 func (a *Agent) StreamFrames(ctx context.Context, id string, emit func(jobs.Frame) error) (jobs.Job, error) {

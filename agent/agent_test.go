@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -161,5 +162,26 @@ func TestResyncHeldReleasesOnlyOrphans(t *testing.T) {
 	a.resyncHeld()
 	if ids := a.xfer.HeldIDs(); len(ids) != 1 || ids[0] != recorded {
 		t.Fatalf("after its task ended, the unrecorded payload should go: held %v", ids)
+	}
+}
+
+// An admin endpoint reachable from other hosts serves pprof and the
+// mesh's status: the agent refuses to start it without a token.
+func TestAdminBeyondLoopbackNeedsToken(t *testing.T) {
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{"127.0.0.1:1"}, DialTimeout: time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	cfg := DefaultLocalConfig()
+	cfg.HTTPListen = ""
+	cfg.AdminListen = "0.0.0.0:0"
+	a, err := New(cfg, cli)
+	if err == nil {
+		a.Close()
+		t.Fatal("started an admin endpoint on 0.0.0.0 without a token")
+	}
+	if !strings.Contains(err.Error(), "beyond loopback") {
+		t.Fatalf("%v", err)
 	}
 }

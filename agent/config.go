@@ -69,17 +69,23 @@ type Config struct {
 	// AlarmEvery is how often etcd's alarms are read (NOSPACE refuses new
 	// jobs and turns /readyz to 503).
 	AlarmEvery time.Duration
+	// EtcdTimeout bounds each etcd call made for a client request, and each
+	// attempt of a stage's commit: past it etcd counts as unreachable (503
+	// with Retry-After) rather than leaving the client waiting on gRPC.
+	EtcdTimeout time.Duration
 
 	Gossip   gossip.Config
 	Transfer transfer.Config
 	// Store configures this agent's part of the Store; Prefix, Node,
 	// Logger and (with StoreMemory) MemoryCapacity are set by the agent.
-	Store     cache.Config
-	Jobs      jobs.Config
-	Engine    engine.Config
-	API       httpapi.Config
-	Queue     routing.QueuePolicy
-	Admission routing.Admission
+	Store  cache.Config
+	Jobs   jobs.Config
+	Engine engine.Config
+	API    httpapi.Config
+	// AdminServer bounds the admin endpoint's connections (timeouts, in-flight cap).
+	AdminServer httpapi.ServerConfig
+	Queue       routing.QueuePolicy
+	Admission   routing.Admission
 
 	Logger *zap.Logger
 }
@@ -110,12 +116,14 @@ func DefaultConfig() Config {
 		ResultTTL:        24 * time.Hour,   // a day to download a result; the record says when it goes
 		PreviewTTL:       10 * time.Minute, // previews are for watching a decode, not for keeping
 		AlarmEvery:       5 * time.Second,  // a full etcd is noticed within seconds; one cheap read
+		EtcdTimeout:      5 * time.Second,  // a healthy etcd answers in milliseconds; a leader election takes ~1 s
 		Gossip:           gossip.DefaultConfig(),
 		Transfer:         tc,
 		Store:            cache.DefaultConfig(),
 		Jobs:             jobs.DefaultConfig(),
 		Engine:           engine.DefaultConfig(),
 		API:              httpapi.DefaultConfig(),
+		AdminServer:      httpapi.DefaultAdminServerConfig(),
 		Queue:            routing.DefaultQueuePolicy(),
 		Admission:        routing.DefaultAdmission(),
 		Logger:           zap.NewNop(),
@@ -166,8 +174,8 @@ func (c Config) validate() (Config, error) {
 	if _, err := jobs.ParseTransferMode(string(c.TransferMode)); err != nil {
 		return c, fmt.Errorf("agent: %w", err)
 	}
-	if c.ResultTTL <= 0 || c.PreviewTTL <= 0 || c.AlarmEvery <= 0 {
-		return c, errors.New("agent: ResultTTL, PreviewTTL and AlarmEvery must be positive")
+	if c.ResultTTL <= 0 || c.PreviewTTL <= 0 || c.AlarmEvery <= 0 || c.EtcdTimeout <= 0 {
+		return c, errors.New("agent: ResultTTL, PreviewTTL, AlarmEvery and EtcdTimeout must be positive")
 	}
 	switch {
 	case c.StoreMemory == StoreMemoryAuto:

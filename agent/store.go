@@ -195,7 +195,7 @@ func (a *Agent) fetchObject(ctx context.Context, rec cache.Record) ([]byte, erro
 // Result returns a finished job's file, read from the nearest holder of its
 // Store object and checked against the job record's SHA-256.
 func (a *Agent) Result(ctx context.Context, id string) ([]byte, string, error) {
-	job, err := a.store.Get(ctx, id)
+	job, err := a.Get(ctx, id)
 	if err != nil {
 		return nil, "", err
 	}
@@ -223,6 +223,9 @@ func (a *Agent) Result(ctx context.Context, id string) ([]byte, string, error) {
 // Jobs already accepted are not affected: they wait for room.
 func (a *Agent) checkSubmit(spec engine.Spec, opts jobs.Options) error {
 	if err := a.alarms.NoSpace(); err != nil {
+		return err
+	}
+	if err := a.alarms.Unreachable(); err != nil {
 		return err
 	}
 	mode := opts.Transfer

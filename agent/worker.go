@@ -26,6 +26,9 @@ var (
 	// errCommit is a commit etcd failed (not refused): transient, but a job
 	// that keeps failing it fails with its own code.
 	errCommit = fmt.Errorf("%w: commit failed", errTransient)
+	// errMaybeCommitted marks an outcome recorded after a commit attempt
+	// that got no answer: that attempt may have committed.
+	errMaybeCommitted = errors.New("agent: a commit attempt got no answer")
 )
 
 // worker is the pull loop of one stage: wait for a free credit, claim the
@@ -292,8 +295,9 @@ func (a *Agent) execute(c *jobs.Claim) {
 		}
 		return
 	}
+	var uncertain bool // a commit attempt got no answer: it may have taken effect
 	if err == nil {
-		err = a.store.Commit(a.ctx, c, out)
+		uncertain, err = a.commit(ctx, c, out, log)
 		switch {
 		case err == nil:
 			a.metrics.ObserveStage(st, out.Work)
@@ -301,6 +305,13 @@ func (a *Agent) execute(c *jobs.Claim) {
 				a.metrics.JobFinished(jobs.Succeeded)
 			}
 			log.Info("stage committed", zap.Duration("took", out.Work))
+			return
+		case (errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished)) && uncertain:
+			// An attempt whose answer was lost may have committed after
+			// all: its payloads then belong to the next stage.
+			log.Warn("commit refused after a retry; output discarded unless an earlier attempt committed it", zap.Error(err))
+			a.releaseUncommitted(published, err)
+			a.abort(staged)
 			return
 		case errors.Is(err, jobs.ErrFenced), errors.Is(err, jobs.ErrFinished):
 			// Lost the claim or the job was cancelled: the output is nobody's.
@@ -355,6 +366,9 @@ func (a *Agent) execute(c *jobs.Claim) {
 	for {
 		err := record()
 		if err == nil || errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished) {
+			if err == nil && uncertain {
+				err = errMaybeCommitted // keep the payloads a lost commit may have handed on
+			}
 			a.releaseUncommitted(published, err)
 			a.abort(staged)
 			return
@@ -364,6 +378,40 @@ func (a *Agent) execute(c *jobs.Claim) {
 		}
 		log.Warn("recording task failure; retrying", zap.Duration("backoff", backoff), zap.Error(err))
 		a.sleep(backoff)
+		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+// commit commits a finished stage. While etcd does not answer (or is full)
+// it keeps the output and retries the fenced commit with backoff, for as
+// long as the claim may still be valid: it stops when ctx (the task's) ends,
+// on a cancelled job or a changed lease, and etcd itself refuses the commit
+// (ErrFenced) once the claim's lease has expired. Rerunning the stage
+// instead would throw away finished GPU work over an etcd hiccup. Each
+// attempt runs under the agent's context, not the task's, so that a cancel
+// never cuts one off halfway: its outcome is always known from its answer.
+// uncertain reports that some attempt got no answer, so it may have taken
+// effect even if the returned error says otherwise.
+func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log *zap.Logger) (uncertain bool, err error) {
+	backoff := a.cfg.RetryBackoff
+	for attempt := 1; ; attempt++ {
+		actx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
+		err = a.store.Commit(actx, c, out)
+		cancel()
+		if err == nil || a.ctx.Err() != nil {
+			return uncertain, err
+		}
+		if !errors.Is(err, context.DeadlineExceeded) && !jobs.IsUnavailable(err) && !jobs.IsNoSpace(err) {
+			return uncertain, err // refused (fenced, finished, too large): retrying cannot help
+		}
+		uncertain = uncertain || !jobs.IsNoSpace(err) // a NOSPACE refusal is an answer
+		a.alarms.Observe(err)
+		log.Warn("commit failed; keeping the output and retrying", zap.Int("commit_try", attempt), zap.Duration("backoff", backoff), zap.Error(err))
+		select {
+		case <-ctx.Done():
+			return uncertain, err
+		case <-time.After(backoff):
+		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
 }
@@ -559,8 +607,10 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 	// under us (a cancel after an early handoff), so the sampler's last
 	// writes never land in memory handed to another payload.
 	defer p.Done()
+	report, stopProgress := a.progress(ctx, c)
+	defer stopProgress() // before the commit, which the caller makes
 	if relay {
-		if _, err := a.engine.DenoiseInto(ctx, spec, cond, p.Buf(), a.progress(ctx, c), func(k int) {
+		if _, err := a.engine.DenoiseInto(ctx, spec, cond, p.Buf(), report, func(k int) {
 			if err := p.ChunkReady(k); err != nil {
 				a.log.Error("chunk ready", zap.Int("chunk", k), zap.Error(err))
 			}
@@ -601,7 +651,6 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 			}()
 		}
 	}
-	report := a.progress(ctx, c)
 	progress := func(step, total int) {
 		if commitErr == nil { // after the handoff the job's progress is the decoder's
 			report(step, total)
@@ -766,15 +815,57 @@ func (a *Agent) pullFailed(ctx context.Context, in jobs.Input, err error) error 
 	return fmt.Errorf("%w: pull %s from %s: %v", errTransient, in.Payload, in.Node, err)
 }
 
-// progress returns the denoise step callback, throttled to ProgressEvery.
-func (a *Agent) progress(ctx context.Context, c *jobs.Claim) func(step, total int) {
-	var last time.Time
-	return func(step, total int) {
-		if now := time.Now(); step == total || now.Sub(last) >= a.cfg.ProgressEvery {
-			last = now
-			if err := a.store.SetProgress(ctx, c, step, total); err != nil && ctx.Err() == nil {
-				a.log.Debug("progress write", zap.Error(err))
+// progress returns the denoise step callback, throttled to ProgressEvery,
+// and stop, which ends its writer and must be called before the stage
+// commits. The callback never blocks a sampler step on etcd: it leaves the
+// latest step in a one-value slot that a single goroutine writes out, so a
+// slow or unreachable etcd costs skipped progress updates, not GPU time.
+func (a *Agent) progress(ctx context.Context, c *jobs.Claim) (report func(step, total int), stop func()) {
+	type stepOf struct{ step, total int }
+	var (
+		mu      sync.Mutex // guards pending
+		pending *stepOf
+		last    time.Time // only the sampler's goroutine touches it
+	)
+	wake := make(chan struct{}, 1)
+	ctx, cancel := context.WithCancel(ctx)
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-wake:
+			}
+			mu.Lock()
+			p := pending
+			pending = nil
+			mu.Unlock()
+			if p == nil {
+				continue
+			}
+			wctx, wcancel := context.WithTimeout(ctx, a.cfg.EtcdTimeout)
+			err := a.store.SetProgress(wctx, c, p.step, p.total)
+			wcancel()
+			if err != nil && ctx.Err() == nil {
+				a.log.Debug("progress write", zap.String("job", c.Task.JobID), zap.Error(err))
 			}
 		}
+	})
+	report = func(step, total int) {
+		if now := time.Now(); step == total || now.Sub(last) >= a.cfg.ProgressEvery {
+			last = now
+			mu.Lock()
+			pending = &stepOf{step, total} // replaces an unwritten older step
+			mu.Unlock()
+			select {
+			case wake <- struct{}{}:
+			default: // the writer is already due to look
+			}
+		}
+	}
+	return report, func() {
+		cancel()
+		wg.Wait()
 	}
 }

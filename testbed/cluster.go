@@ -10,7 +10,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
@@ -53,7 +52,10 @@ type ClusterConfig struct {
 	// EtcdEndpoints, when set, is an etcd the cluster uses instead of
 	// starting its own (an external etcd process, say).
 	EtcdEndpoints []string
-	Logger        *zap.Logger
+	// EtcdClient holds the TLS files and credentials for EtcdEndpoints
+	// (its Endpoints and Logger are set by the cluster).
+	EtcdClient EtcdClientConfig
+	Logger     *zap.Logger
 }
 
 // DefaultClusterConfig is a disaggregated cluster on loopback.
@@ -73,26 +75,6 @@ type Cluster struct {
 	Etcd   *etcdembed.Server
 	Client *clientv3.Client
 	Agents []*agent.Agent
-}
-
-// NewEtcdClient connects to endpoints. Its message limits are generous, but
-// nothing latentmesh writes needs them: files live in the Store, and a
-// commit is a few KiB.
-func NewEtcdClient(endpoints []string, log *zap.Logger) (*clientv3.Client, error) {
-	if log == nil {
-		log = zap.NewNop()
-	}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:          endpoints,
-		DialTimeout:        5 * time.Second,
-		MaxCallSendMsgSize: 64 << 20, // generous; commits are a few KiB
-		MaxCallRecvMsgSize: 64 << 20, // a prefix read of many records
-		Logger:             log.Named("etcdclient").WithOptions(zap.IncreaseLevel(zap.ErrorLevel)),
-	})
-	if err != nil {
-		return nil, fmt.Errorf("testbed: etcd client %v: %w", endpoints, err)
-	}
-	return cli, nil
 }
 
 // StartCluster starts etcd and the topology's agents.
@@ -115,7 +97,9 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 		}
 		endpoints = c.Etcd.Endpoints()
 	}
-	if c.Client, err = NewEtcdClient(endpoints, cfg.Logger); err != nil {
+	ecc := cfg.EtcdClient
+	ecc.Endpoints, ecc.Logger = endpoints, cfg.Logger
+	if c.Client, err = ecc.New(ctx); err != nil {
 		return nil, err
 	}
 	switch cfg.Topology {

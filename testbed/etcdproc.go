@@ -32,6 +32,13 @@ type EtcdProcessConfig struct {
 	StartTimeout time.Duration
 	// Output also receives etcd's output (it is always captured); may be nil.
 	Output io.Writer
+	// CertFile and KeyFile, when set, serve clients over TLS (https URLs);
+	// with TrustedCAFile, etcd also requires client certificates signed by
+	// it (--client-cert-auth).
+	CertFile, KeyFile, TrustedCAFile string
+	// Client is how StartEtcdProcess checks that etcd serves (its Endpoints
+	// are filled in): the client certificate for a TLS etcd.
+	Client EtcdClientConfig
 }
 
 // DefaultEtcdProcessConfig is etcd from PATH with its default flags.
@@ -130,6 +137,14 @@ func startEtcdOnce(ctx context.Context, bin, dataDir string, cfg EtcdProcessConf
 		return nil, err
 	}
 	clientURL, peerURL := "http://"+client, "http://"+peer
+	var tlsArgs []string
+	if cfg.CertFile != "" {
+		clientURL = "https://" + client
+		tlsArgs = []string{"--cert-file", cfg.CertFile, "--key-file", cfg.KeyFile}
+		if cfg.TrustedCAFile != "" {
+			tlsArgs = append(tlsArgs, "--trusted-ca-file", cfg.TrustedCAFile, "--client-cert-auth")
+		}
+	}
 	args := []string{
 		"--name", cfg.Name,
 		"--data-dir", dataDir,
@@ -139,6 +154,7 @@ func startEtcdOnce(ctx context.Context, bin, dataDir string, cfg EtcdProcessConf
 		"--initial-advertise-peer-urls", peerURL,
 		"--initial-cluster", cfg.Name + "=" + peerURL,
 	}
+	args = append(args, tlsArgs...)
 	args = append(args, cfg.ExtraArgs...)
 	cmd := exec.Command(bin, args...)
 	cmd.Env = etcdEnv(os.Environ())
@@ -149,7 +165,7 @@ func startEtcdOnce(ctx context.Context, bin, dataDir string, cfg EtcdProcessConf
 		return nil, err
 	}
 	e := &EtcdProcess{proc: p, dataDir: dataDir, endpoints: []string{clientURL}}
-	if err := e.waitServing(ctx); err != nil {
+	if err := e.waitServing(ctx, cfg.Client); err != nil {
 		p.Kill()
 		if strings.Contains(p.Output(), "address already in use") {
 			return nil, fmt.Errorf("%w: %w", errPortTaken, err)
@@ -184,8 +200,9 @@ func freeLoopbackPort() (string, error) {
 }
 
 // waitServing polls with a Get until etcd answers, it exits or ctx ends.
-func (e *EtcdProcess) waitServing(ctx context.Context) error {
-	cli, err := NewEtcdClient(e.endpoints, nil)
+func (e *EtcdProcess) waitServing(ctx context.Context, cc EtcdClientConfig) error {
+	cc.Endpoints = e.endpoints
+	cli, err := cc.New(ctx)
 	if err != nil {
 		return err
 	}
@@ -233,6 +250,13 @@ func (e *EtcdProcess) Output() string { return e.proc.Output() }
 
 // Kill sends SIGKILL and waits for the process to be gone.
 func (e *EtcdProcess) Kill() { e.proc.Kill() }
+
+// Pause freezes etcd (SIGSTOP): its connections stay open and every request
+// hangs, as with an overloaded or hung etcd, until Resume.
+func (e *EtcdProcess) Pause() error { return e.proc.Pause() }
+
+// Resume continues a paused etcd (SIGCONT).
+func (e *EtcdProcess) Resume() error { return e.proc.Resume() }
 
 // Stop sends SIGTERM and waits for etcd to exit (SIGKILL after a timeout).
 // Exiting on the SIGTERM is a clean stop.

@@ -143,6 +143,7 @@ func adminStatus(ctx context.Context, addr string) (agent.Status, error) {
 	if err != nil {
 		return st, err
 	}
+	req.Header.Set("Authorization", "Bearer "+meshAdminToken)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return st, err

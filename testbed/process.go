@@ -124,6 +124,21 @@ func (p *Process) Kill() {
 	<-p.done
 }
 
+// Pause stops the process with SIGSTOP: it keeps its sockets open but
+// answers nothing, like a host that hangs (a long GC pause, a stalled disk)
+// rather than one that dies.
+func (p *Process) Pause() error { return p.signal(syscall.SIGSTOP) }
+
+// Resume continues a paused process (SIGCONT).
+func (p *Process) Resume() error { return p.signal(syscall.SIGCONT) }
+
+func (p *Process) signal(sig syscall.Signal) error {
+	if err := p.cmd.Process.Signal(sig); err != nil {
+		return fmt.Errorf("testbed: %s: %v: %w", p.Name, sig, err)
+	}
+	return nil
+}
+
 // Stop sends SIGTERM and waits up to timeout before killing.
 func (p *Process) Stop(timeout time.Duration) error {
 	select {
@@ -135,6 +150,7 @@ func (p *Process) Stop(timeout time.Duration) error {
 	default:
 	}
 	p.cmd.Process.Signal(syscall.SIGTERM)
+	p.cmd.Process.Signal(syscall.SIGCONT) // a paused process handles its SIGTERM only once continued
 	select {
 	case <-p.done:
 		return p.err

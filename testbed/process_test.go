@@ -110,6 +110,9 @@ func (m *mesh) stop() {
 	}
 }
 
+// meshAdminToken guards the admin endpoints of agents on a Net's hosts.
+const meshAdminToken = "testbed-admin-token-0123456789"
+
 // agent starts `latentmesh agent` with one role and waits for its record.
 func (m *mesh) agent(id, role string, extra ...string) (*Process, gossip.NodeRecord) {
 	m.t.Helper()
@@ -128,7 +131,8 @@ func (m *mesh) agentOn(h *Host, id, role string, extra ...string) (*Process, gos
 		"--http", ip + ":0", "--admin", ip + ":0", "--lease-ttl", "2s", "--log-format", "console",
 		"--gossip-keyring", m.keyring}, extra...)
 	if h != nil {
-		args = append(args, "--p2p-listen", "/ip4/"+ip+"/tcp/0", "--data-listen", ip+":0", "--gossip-bind", ip+":0")
+		args = append(args, "--p2p-listen", "/ip4/"+ip+"/tcp/0", "--data-listen", ip+":0", "--gossip-bind", ip+":0",
+			"--admin-token", meshAdminToken) // an admin endpoint beyond loopback needs one
 	}
 	cmd := exec.Command(args[0], args[1:]...)
 	if h != nil {

@@ -6,7 +6,6 @@ import (
 	"net/http"
 	"net/http/pprof"
 	"strconv"
-	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -25,7 +24,21 @@ type AdminConfig struct {
 	Store   func(ctx context.Context, job string, objects bool) (any, error)
 	Metrics http.Handler // /metrics, e.g. Metrics.Handler()
 	Token   string       // when set, every path but /livez needs "Authorization: Bearer <Token>"
-	Logger  *zap.Logger
+	// Tokens' admin tokens are accepted too (and alone turn the check on).
+	Tokens *Tokens
+	// Server holds the timeouts and in-flight cap; see DefaultAdminServerConfig.
+	Server ServerConfig
+	Logger *zap.Logger
+}
+
+// DefaultAdminServerConfig is DefaultServerConfig with room for CPU
+// profiles and traces: net/http/pprof refuses a profile as long as the
+// server's WriteTimeout, and operators commonly take 30 s ones.
+func DefaultAdminServerConfig() ServerConfig {
+	c := DefaultServerConfig()
+	c.WriteTimeout = 2 * time.Minute // a 30 s or 60 s profile, then writing it
+	c.MaxInFlight = 32               // one operator and a scraper or two
+	return c
 }
 
 // NewAdminHandler returns the admin endpoint: probes, metrics, status and
@@ -43,7 +56,7 @@ func NewAdminHandler(cfg AdminConfig) http.Handler {
 	}
 	handle("GET /livez", probe(cfg.Live))
 	// Everything below may need the token.
-	auth := func(h http.Handler) http.Handler { return requireToken(cfg.Token, h) }
+	auth := func(h http.Handler) http.Handler { return requireToken(cfg.Token, cfg.Tokens, h) }
 	handle("GET /readyz", auth(probe(cfg.Ready)))
 	if cfg.Metrics != nil {
 		handle("GET /metrics", auth(cfg.Metrics))
@@ -69,7 +82,11 @@ func NewAdminHandler(cfg AdminConfig) http.Handler {
 	handle("/debug/pprof/symbol", auth(http.HandlerFunc(pprof.Symbol)))
 	handle("/debug/pprof/trace", auth(http.HandlerFunc(pprof.Trace)))
 	handle("/", auth(http.HandlerFunc(notFound)))
-	return mux
+	sc := cfg.Server
+	if sc == (ServerConfig{}) {
+		sc = DefaultAdminServerConfig()
+	}
+	return limitInFlight(sc.withDefaults().MaxInFlight, nil, mux)
 }
 
 // probe answers 200 "ok" while check passes and 503 with its reason when
@@ -103,16 +120,24 @@ func statusHandler(log *zap.Logger, status func(context.Context) (any, error)) h
 	})
 }
 
-// requireToken passes requests carrying the bearer token; an empty token
-// lets everything through.
-func requireToken(token string, next http.Handler) http.Handler {
-	if token == "" {
+// requireToken passes requests carrying the bearer token or one of tokens'
+// admin tokens; with neither set it lets everything through.
+func requireToken(token string, tokens *Tokens, next http.Handler) http.Handler {
+	if tokens != nil && !tokens.HasAdmin() {
+		tokens = nil
+	}
+	if token == "" && tokens == nil {
 		return next
 	}
 	want := []byte(token)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		got, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-		if !ok || subtle.ConstantTimeCompare([]byte(strings.TrimSpace(got)), want) != 1 {
+		got, ok := bearer(r)
+		admin := false
+		if ok && tokens != nil {
+			c, known := tokens.lookup(got)
+			admin = known && c.admin
+		}
+		if !ok || (!admin && (token == "" || subtle.ConstantTimeCompare([]byte(got), want) != 1)) {
 			w.Header().Set("WWW-Authenticate", `Bearer realm="latentmesh-admin"`)
 			writeError(w, apiErr(http.StatusUnauthorized, typeAuth, CodeUnauthorized, "missing or wrong bearer token"))
 			return

@@ -20,6 +20,7 @@ import (
 type Client struct {
 	BaseURL string
 	HTTP    *http.Client
+	Token   string // sent as "Authorization: Bearer <Token>" when set (--api-tokens)
 }
 
 // Client-side bounds on what it will read.
@@ -168,6 +169,9 @@ func (c *Client) do(ctx context.Context, method, path string, body io.Reader) (*
 		return nil, fmt.Errorf("httpapi: %s %s: %w", method, path, err)
 	}
 	req.Header.Set("Accept", "application/json")
+	if c.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.Token)
+	}
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
 	}

@@ -35,6 +35,7 @@ const (
 	CodeJobFailed          = "job_failed"
 	CodeTimeout            = "timeout"
 	CodeUnauthorized       = "unauthorized"
+	CodeRateLimited        = "rate_limited" // this token's request rate is used up; see Retry-After
 	CodeUnavailable        = "unavailable"
 	CodeOverloaded         = "overloaded" // the mesh cannot take more work now; retry later
 	CodeExpired            = "expired"

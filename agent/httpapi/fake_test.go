@@ -52,7 +52,7 @@ func (f *fakeJobs) Submit(ctx context.Context, spec engine.Spec, opts jobs.Optio
 	defer f.mu.Unlock()
 	f.next++
 	now := time.Unix(1700000000, 0).UTC()
-	j := &jobs.Job{ID: fmt.Sprintf("job-%d", f.next), Spec: spec, Class: opts.Class, Transfer: opts.Transfer, State: jobs.Queued, Stage: jobs.Encode, CreatedAt: now, UpdatedAt: now}
+	j := &jobs.Job{ID: fmt.Sprintf("job-%d", f.next), Spec: spec, Class: opts.Class, Transfer: opts.Transfer, State: jobs.Queued, Stage: jobs.Encode, CreatedAt: now, UpdatedAt: now, Owner: opts.Owner}
 	f.jobs[j.ID] = j
 	if f.auto {
 		f.succeedLocked(j)

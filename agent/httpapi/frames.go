@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -43,11 +44,19 @@ func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	// Fail with a proper JSON error before committing to a stream.
+	if !s.visible(w, r, id) {
+		return
+	}
 	if _, err := s.jobs.Get(r.Context(), id); err != nil {
 		writeError(w, s.storeError(r, "get", id, err))
 		return
 	}
+	// The stream lasts as long as the job: no read deadline (a GET has no
+	// body), and each event, not the stream, must be written within
+	// WriteTimeout, so a client that stops reading is dropped.
 	rc := http.NewResponseController(w)
+	_ = rc.SetReadDeadline(time.Time{})
+	_ = rc.SetWriteDeadline(time.Now().Add(s.cfg.Server.WriteTimeout))
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-store")
@@ -58,6 +67,7 @@ func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
 		if err != nil {
 			return err
 		}
+		_ = rc.SetWriteDeadline(time.Now().Add(s.cfg.Server.WriteTimeout))
 		if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", event, b); err != nil {
 			return err
 		}
@@ -73,5 +83,5 @@ func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
 		}
 		return
 	}
-	_ = send("done", job)
+	_ = send("done", public(job))
 }

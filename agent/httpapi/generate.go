@@ -34,6 +34,7 @@ func RunGenerate(ctx context.Context, args []string, stdout, stderr io.Writer) i
 		guidance = fs.Float64("guidance", 0, "classifier-free guidance scale (default: server's)")
 		priority = fs.String("priority", "", "interactive, standard or batch (default standard)")
 		out      = fs.String("o", "", "output `FILE` (required)")
+		token    = fs.String("token-file", "", "`FILE` holding the API bearer token (first line), for an agent run with --api-tokens")
 	)
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: latentmesh generate --prompt TEXT -o FILE [flags]\n\n")
@@ -92,6 +93,14 @@ func RunGenerate(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	defer tr.CloseIdleConnections()
 	c := &Client{BaseURL: *server, HTTP: &http.Client{Transport: tr}}
+	if *token != "" {
+		b, err := os.ReadFile(*token)
+		if err != nil {
+			return usageErr("--token-file: %v", err)
+		}
+		line, _, _ := strings.Cut(string(b), "\n")
+		c.Token = strings.TrimSpace(line)
+	}
 
 	bar := &progressBar{w: stderr}
 	job, data, err := c.Generate(ctx, req, bar.update)

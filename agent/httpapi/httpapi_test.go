@@ -333,6 +333,17 @@ func TestStoreErrors(t *testing.T) {
 	}
 }
 
+// An unreachable etcd is a 503 that says so and when to retry, not a 500.
+func TestEtcdUnreachableIs503(t *testing.T) {
+	f := newFakeJobs(true)
+	f.submitErr = fmt.Errorf("%w: no answer within 5s: context deadline exceeded", jobs.ErrUnavailable)
+	w := do(NewHandler(testConfig(t), f), "POST", "/v1/jobs", "", `{"prompt":"x"}`)
+	e := wantError(t, w, http.StatusServiceUnavailable, CodeUnavailable)
+	if !strings.HasPrefix(e.Message, "etcd unreachable: no answer within 5s") || w.Header().Get("Retry-After") != "5" {
+		t.Fatalf("%+v, Retry-After %q", e, w.Header().Get("Retry-After"))
+	}
+}
+
 type panickyJobs struct{ *fakeJobs }
 
 func (panickyJobs) Get(context.Context, string) (jobs.Job, error) { panic("boom") }

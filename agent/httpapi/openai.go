@@ -131,7 +131,9 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	_, opts, _ := req.spec(s.cfg.Limits) // validated by specs
+	opts.Owner = owner(r)
 
+	s.holdOpen(w, s.cfg.SyncTimeout)
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.SyncTimeout)
 	defer cancel()
 

@@ -47,6 +47,14 @@ type Config struct {
 	MaxBodyBytes int64         // request bodies larger than this get 413
 	SyncTimeout  time.Duration // how long /v1/images/generations waits for its jobs
 	MaxWait      time.Duration // cap on GET /v1/jobs/{id}?wait=
+	Server       ServerConfig  // timeouts and the in-flight cap of the server carrying the handler
+	// Tokens, when set, makes every request need a bearer token; a job is
+	// then visible only to the token that created it and admin tokens.
+	Tokens *Tokens
+	// RatePerToken and RateBurst bound each token's requests (a token
+	// bucket); 0 means no limit. Only with Tokens.
+	RatePerToken float64
+	RateBurst    int
 	Logger       *zap.Logger
 	Metrics      *Metrics // optional: counts requests by route and status
 }
@@ -59,6 +67,9 @@ func DefaultConfig() Config {
 		MaxBodyBytes: 64 << 10,         // two 2000-byte prompts and numbers fit many times over
 		SyncTimeout:  10 * time.Minute, // a CPU-only mesh can take minutes per image
 		MaxWait:      time.Minute,      // below common proxy idle timeouts
+		Server:       DefaultServerConfig(),
+		RatePerToken: 20, // a client polling a few jobs; a runaway script is slowed, not the mesh
+		RateBurst:    40, // a page of submissions and their first polls at once
 		Logger:       zap.NewNop(),
 	}
 }
@@ -81,6 +92,7 @@ func (c Config) withDefaults() Config {
 	if c.MaxWait <= 0 {
 		c.MaxWait = d.MaxWait
 	}
+	c.Server = c.Server.withDefaults()
 	if c.Logger == nil {
 		c.Logger = d.Logger
 	}
@@ -111,7 +123,11 @@ func NewHandler(cfg Config, j Jobs) http.Handler {
 	rt.handle("/v1/jobs/{id}/result", methods{http.MethodGet: s.getResult})
 	rt.handle("/v1/jobs/{id}/frames", methods{http.MethodGet: s.streamFrames})
 	rt.handle("/", methods{"*": notFound})
-	return mux
+	var h http.Handler = mux
+	if cfg.Tokens != nil {
+		h = authenticate(cfg.Tokens, cfg.RatePerToken, cfg.RateBurst, cfg.Metrics, h)
+	}
+	return limitInFlight(cfg.Server.MaxInFlight, cfg.Metrics, h)
 }
 
 // methods maps an HTTP method to its handler; "*" matches any method.
@@ -233,6 +249,7 @@ func (s *server) createJob(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fieldError(err))
 		return
 	}
+	opts.Owner = owner(r)
 	job, err := s.jobs.Submit(r.Context(), spec, opts)
 	if err != nil {
 		writeError(w, s.storeError(r, "submit", "", err))
@@ -240,7 +257,7 @@ func (s *server) createJob(w http.ResponseWriter, r *http.Request) {
 	}
 	s.log.Info("job submitted", zap.String("job", job.ID), zap.Stringer("class", opts.Class))
 	w.Header().Set("Location", "/v1/jobs/"+url.PathEscape(job.ID))
-	writeJSON(w, http.StatusAccepted, job)
+	writeJSON(w, http.StatusAccepted, public(job))
 }
 
 func (s *server) getJob(w http.ResponseWriter, r *http.Request) {
@@ -253,13 +270,17 @@ func (s *server) getJob(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
+	if !s.visible(w, r, id) {
+		return
+	}
 	if wait > 0 {
+		s.holdOpen(w, wait)
 		ctx, cancel := context.WithTimeout(r.Context(), wait)
 		job, err := s.jobs.Wait(ctx, id)
 		cancel()
 		switch {
 		case err == nil:
-			writeJSON(w, http.StatusOK, job)
+			writeJSON(w, http.StatusOK, public(job))
 			return
 		case r.Context().Err() != nil:
 			return // the client left; nobody to answer
@@ -274,7 +295,32 @@ func (s *server) getJob(w http.ResponseWriter, r *http.Request) {
 		writeError(w, s.storeError(r, "get", id, err))
 		return
 	}
-	writeJSON(w, http.StatusOK, job)
+	writeJSON(w, http.StatusOK, public(job))
+}
+
+// visible answers 404, as for a job that does not exist, when tokens are
+// on and the caller's token neither created the job nor is an admin's, so
+// that ids cannot be probed. Without tokens it costs nothing.
+func (s *server) visible(w http.ResponseWriter, r *http.Request, id string) bool {
+	if _, ok := callerOf(r.Context()); !ok {
+		return true
+	}
+	job, err := s.jobs.Get(r.Context(), id)
+	if err != nil {
+		writeError(w, s.storeError(r, "get", id, err))
+		return false
+	}
+	if !mayAccess(r, job) {
+		writeError(w, apiErr(http.StatusNotFound, typeNotFound, CodeJobNotFound, "no job %q", id))
+		return false
+	}
+	return true
+}
+
+// public is a job as the API shows it: without its owner's token hash.
+func public(j jobs.Job) jobs.Job {
+	j.Owner = ""
+	return j
 }
 
 // parseWait reads ?wait=DURATION, capped at MaxWait.
@@ -305,7 +351,7 @@ func (s *server) parseWait(r *http.Request) (time.Duration, *APIError) {
 
 func (s *server) getResult(w http.ResponseWriter, r *http.Request) {
 	id, ok := jobID(w, r)
-	if !ok {
+	if !ok || !s.visible(w, r, id) {
 		return
 	}
 	data, ct, err := s.jobs.Result(r.Context(), id)
@@ -386,7 +432,7 @@ func (s *server) cancelJob(w http.ResponseWriter, r *http.Request) {
 
 func (s *server) cancel(w http.ResponseWriter, r *http.Request, deleteFinished bool) {
 	id, ok := jobID(w, r)
-	if !ok {
+	if !ok || !s.visible(w, r, id) {
 		return
 	}
 	job, err := s.jobs.Cancel(r.Context(), id)
@@ -412,7 +458,7 @@ func (s *server) cancel(w http.ResponseWriter, r *http.Request, deleteFinished b
 		return
 	}
 	s.log.Info("job cancelled", zap.String("job", id))
-	writeJSON(w, http.StatusOK, job)
+	writeJSON(w, http.StatusOK, public(job))
 }
 
 // storeError maps an error from Jobs to an HTTP answer. Unknown errors are
@@ -433,6 +479,12 @@ func (s *server) storeError(r *http.Request, op, id string, err error) *APIError
 	case errors.Is(err, jobs.ErrNoSpace), errors.Is(err, jobs.ErrStoreFull):
 		e := apiErr(http.StatusServiceUnavailable, typeServer, CodeOverloaded, "%s", err.Error())
 		e.RetryAfter = 30
+		return e
+	case errors.Is(err, jobs.ErrUnavailable):
+		// The job store is etcd; say so, so an operator knows where to look.
+		e := apiErr(http.StatusServiceUnavailable, typeServer, CodeUnavailable, "%s; retry shortly",
+			strings.TrimPrefix(err.Error(), "jobs: "))
+		e.RetryAfter = 5
 		return e
 	case errors.As(err, &fe):
 		return fieldError(err)

@@ -12,11 +12,18 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
-// ErrNoSpace means etcd raised its NOSPACE alarm: the agent refuses new jobs
-// until an operator frees space and disarms it.
-var ErrNoSpace = errors.New("jobs: etcd database is full")
+var (
+	// ErrNoSpace means etcd raised its NOSPACE alarm: the agent refuses new jobs
+	// until an operator frees space and disarms it.
+	ErrNoSpace = errors.New("jobs: etcd database is full")
+	// ErrUnavailable means etcd did not answer in time or could not be
+	// reached: a client should retry later, the work is not lost.
+	ErrUnavailable = errors.New("jobs: etcd unreachable")
+)
 
 // noSpaceDesc is how etcd's NOSPACE error reads on the wire, for errors that
 // were flattened to text on their way here.
@@ -40,6 +47,8 @@ type AlarmWatcher struct {
 	observed    uint64     // counts Observe calls that saw NOSPACE
 	lastErrLog  time.Time  // when a poll error was last logged
 	errsSkipped int        // poll errors not logged since lastErrLog
+	lastContact time.Time  // when a poll last got an answer (construction time before the first)
+	lastErr     error      // the last poll's error, nil after an answer
 }
 
 // defaultAlarmEvery replaces a non-positive poll period.
@@ -55,12 +64,72 @@ func NewAlarmWatcher(cli *clientv3.Client, every time.Duration, log *zap.Logger)
 		every = defaultAlarmEvery
 	}
 	return &AlarmWatcher{
-		cli:   cli,
-		every: every,
-		log:   log.Named("alarms"),
-		now:   time.Now,
-		kick:  make(chan struct{}, 1),
+		cli:         cli,
+		every:       every,
+		log:         log.Named("alarms"),
+		now:         time.Now,
+		kick:        make(chan struct{}, 1),
+		lastContact: time.Now(), // the caller just reached etcd, or will say so itself
 	}
+}
+
+// pollTimeout is how long one poll waits for etcd: about until the next
+// poll is due, but at least two seconds, so that a busy etcd (an alarm list
+// goes through raft) is not taken for an unreachable one.
+func (w *AlarmWatcher) pollTimeout() time.Duration {
+	return min(max(w.every, 2*time.Second), 5*time.Second)
+}
+
+// UnreachableAfter is how long etcd may go without answering a poll before
+// Unreachable reports it: one missed poll, and the one after it timing out.
+func (w *AlarmWatcher) UnreachableAfter() time.Duration { return w.every + w.pollTimeout() }
+
+// LastContact is when a poll last got an answer from etcd.
+func (w *AlarmWatcher) LastContact() time.Time {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.lastContact
+}
+
+// Unreachable is nil while etcd answered a poll within UnreachableAfter,
+// else an error wrapping ErrUnavailable with the last poll's error. It
+// costs no etcd call, so a request path can refuse at once.
+func (w *AlarmWatcher) Unreachable() error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	age := w.now().Sub(w.lastContact)
+	if age <= w.UnreachableAfter() {
+		return nil
+	}
+	why := "no answer"
+	if w.lastErr != nil {
+		why = w.lastErr.Error()
+	}
+	return fmt.Errorf("%w: no answer for %v (%s)", ErrUnavailable, age.Round(100*time.Millisecond), why)
+}
+
+// IsUnavailable reports whether err says etcd could not be reached or did
+// not answer in time (as opposed to refusing the request). A caller's own
+// context.DeadlineExceeded is not included: only the caller knows whether
+// its deadline was etcd's to meet.
+func IsUnavailable(err error) bool {
+	if err == nil {
+		return false
+	}
+	if errors.Is(err, ErrUnavailable) {
+		return true
+	}
+	for _, e := range []error{rpctypes.ErrTimeout, rpctypes.ErrTimeoutDueToLeaderFail,
+		rpctypes.ErrTimeoutDueToConnectionLost, rpctypes.ErrNoLeader, rpctypes.ErrLeaderChanged} {
+		if errors.Is(err, e) || errors.Is(rpctypes.Error(err), e) {
+			return true
+		}
+	}
+	switch status.Code(err) {
+	case codes.Unavailable, codes.DeadlineExceeded:
+		return true
+	}
+	return false
 }
 
 // Run polls etcd's alarm list now, every `every`, and whenever Observe saw a
@@ -129,8 +198,7 @@ func (w *AlarmWatcher) poll(ctx context.Context) {
 	observed := w.observed
 	w.mu.Unlock()
 
-	// Give up before the next poll is due, but give a slow etcd a second.
-	pctx, cancel := context.WithTimeout(ctx, min(max(w.every, time.Second), 5*time.Second))
+	pctx, cancel := context.WithTimeout(ctx, w.pollTimeout())
 	resp, err := w.cli.AlarmList(pctx)
 	cancel()
 
@@ -140,6 +208,10 @@ func (w *AlarmWatcher) poll(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
+		if w.lastErr == nil {
+			w.log.Warn("etcd did not answer the alarm poll", zap.Time("last_contact", w.lastContact), zap.Error(err))
+		}
+		w.lastErr = err
 		if now := w.now(); now.Sub(w.lastErrLog) >= alarmPollErrorEvery {
 			w.log.Warn("cannot read etcd alarms; keeping the last state",
 				zap.Bool("no_space", w.noSpace != nil), zap.Int("errors_not_logged", w.errsSkipped), zap.Error(err))
@@ -149,6 +221,10 @@ func (w *AlarmWatcher) poll(ctx context.Context) {
 		}
 		return
 	}
+	if w.lastErr != nil {
+		w.log.Info("etcd answers again", zap.Duration("silent_for", w.now().Sub(w.lastContact)))
+	}
+	w.lastContact, w.lastErr = w.now(), nil
 	for _, a := range resp.Alarms {
 		if a.Alarm == etcdserverpb.AlarmType_NOSPACE {
 			if w.noSpace == nil {

@@ -230,7 +230,7 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 	rec := record{
 		Job: Job{
 			ID: t.JobID, Spec: spec, Class: class, Transfer: opt.Transfer, State: Queued, Stage: Encode,
-			Stages: map[Stage]*StageRecord{}, CreatedAt: now, UpdatedAt: now,
+			Stages: map[Stage]*StageRecord{}, CreatedAt: now, UpdatedAt: now, Owner: opt.Owner,
 		},
 		TaskKey: t.Key,
 	}
@@ -548,11 +548,21 @@ func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv
 	return &Claim{Task: claimed, Node: node, Lease: lease, Rev: resp.Header.Revision, StartedAt: now}, nil
 }
 
-// SetProgress records the running stage's step count (advisory, on the lease).
+// SetProgress records the running stage's step count (advisory, on the
+// lease). It is fenced like a commit: a write that arrives after the stage
+// committed (progress is written asynchronously) is refused, so it cannot
+// bring back a progress key the commit deleted.
 func (s *Store) SetProgress(ctx context.Context, c *Claim, step, total int) error {
 	p := Progress{Stage: c.Task.Stage, Step: step, Total: total, Node: c.Node}
-	_, err := s.cli.Put(ctx, s.progressKey(c.Task.JobID), mustJSON(p), clientv3.WithLease(c.Lease))
-	return err
+	resp, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(
+		clientv3.OpPut(s.progressKey(c.Task.JobID), mustJSON(p), clientv3.WithLease(c.Lease))).Commit()
+	if err != nil {
+		return err
+	}
+	if !resp.Succeeded {
+		return ErrFenced
+	}
+	return nil
 }
 
 // fenced are the conditions every write by a claim holder carries.

@@ -82,24 +82,30 @@ type Options struct {
 	// Transfer overrides the agents' default transfer mode for this job's
 	// payloads ("" keeps it).
 	Transfer TransferMode
+	// Owner identifies who submitted the job (the client API stores a
+	// hash of the caller's token, never the token); "" for none.
+	Owner string
 }
 
 // Job is the durable record of one generation request, stored as JSON at
 // <prefix>/jobs/<id>.
 type Job struct {
-	ID        string                 `json:"id"`
-	Spec      engine.Spec            `json:"spec"`
-	Class     routing.Class          `json:"class"`
-	Transfer  TransferMode           `json:"transfer_mode,omitempty"`
-	State     State                  `json:"state"`
-	Stage     Stage                  `json:"stage,omitempty"` // the stage queued or running now
-	Stages    map[Stage]*StageRecord `json:"stages,omitempty"`
-	Progress  *Progress              `json:"progress,omitempty"` // filled on read from the progress key
-	Result    *Result                `json:"result,omitempty"`
-	Error     *Error                 `json:"error,omitempty"`
-	Rewinds   int                    `json:"rewinds,omitempty"` // restarts from encode after a lost payload
-	CreatedAt time.Time              `json:"created_at"`
-	UpdatedAt time.Time              `json:"updated_at"`
+	ID       string                 `json:"id"`
+	Spec     engine.Spec            `json:"spec"`
+	Class    routing.Class          `json:"class"`
+	Transfer TransferMode           `json:"transfer_mode,omitempty"`
+	State    State                  `json:"state"`
+	Stage    Stage                  `json:"stage,omitempty"` // the stage queued or running now
+	Stages   map[Stage]*StageRecord `json:"stages,omitempty"`
+	Progress *Progress              `json:"progress,omitempty"` // filled on read from the progress key
+	Result   *Result                `json:"result,omitempty"`
+	Error    *Error                 `json:"error,omitempty"`
+	Rewinds  int                    `json:"rewinds,omitempty"` // restarts from encode after a lost payload
+	// Owner is Options.Owner. The client API checks it and leaves it out
+	// of its answers.
+	Owner     string    `json:"owner,omitempty"`
+	CreatedAt time.Time `json:"created_at"`
+	UpdatedAt time.Time `json:"updated_at"`
 }
 
 // StageRecord is what one committed stage left behind.

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"os"
 	"strings"
 	"time"
 
@@ -11,6 +12,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/testbed"
@@ -21,13 +23,20 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	def := agent.DefaultConfig()
 	fs := newFlagSet("agent", "--etcd-endpoints URLS --roles ROLES [flags]", stderr)
 	var (
-		endpoints  = fs.String("etcd-endpoints", "http://127.0.0.1:2379", "comma-separated etcd client `URLS`")
+		endpoints  = fs.String("etcd-endpoints", "http://127.0.0.1:2379", "comma-separated etcd client `URLS` (https:// with TLS)")
+		etcdCert   = fs.String("etcd-cert", "", "client certificate `FILE` (PEM) for an etcd with --client-cert-auth")
+		etcdKey    = fs.String("etcd-key", "", "key `FILE` (PEM) of --etcd-cert")
+		etcdCA     = fs.String("etcd-ca", "", "CA `FILE` (PEM) that signed etcd's server certificate (default: system roots)")
+		etcdUser   = fs.String("etcd-user", "", "etcd user, for an etcd with auth enabled (see docs/etcd.md for its role)")
+		etcdPwFile = fs.String("etcd-password-file", "", "`FILE` holding --etcd-user's password (first line)")
 		roles      = fs.String("roles", "encode,denoise,decode", "comma-separated stages this agent serves")
 		prefix     = fs.String("prefix", def.Prefix, "etcd key prefix of the mesh")
 		nodeID     = fs.String("node-id", "", "node id (default: hostname-<peer id suffix>)")
 		httpAddr   = fs.String("http", def.HTTPListen, "client API listen address (empty: off)")
 		adminAddr  = fs.String("admin", def.AdminListen, "admin listen address: health, metrics, status (empty: off)")
-		adminToken = fs.String("admin-token", "", "bearer token required on admin paths except /livez")
+		adminToken = fs.String("admin-token", "", "bearer token required on admin paths except /livez (required when --admin is not loopback, unless --api-tokens has an admin: token)")
+		apiTokens  = fs.String("api-tokens", "", "`FILE` of client API bearer tokens, one a line, \"admin:\" before an admin token; when set every client request needs one and sees only its own jobs (default: off)")
+		apiRate    = fs.Float64("api-rate", def.API.RatePerToken, "requests a second per API token (burst: twice that); 0: no limit")
 		p2p        = fs.String("p2p-listen", def.P2PListen, "libp2p control-channel multiaddr")
 		data       = fs.String("data-listen", def.Transfer.DataListen, "raw TCP data-plane listen address")
 		gossipBind = fs.String("gossip-bind", def.Gossip.GossipBind, "memberlist ip:port (port 0: any)")
@@ -88,10 +97,31 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return 2
 	}
 	cfg.ResultTTL, cfg.Jobs.Retention = *resultTTL, *retention
+	if *apiTokens != "" {
+		if cfg.API.Tokens, err = httpapi.LoadTokens(*apiTokens); err != nil {
+			fmt.Fprintf(stderr, "latentmesh agent: --api-tokens: %v\n", err)
+			return 2
+		}
+	}
+	if *apiRate < 0 {
+		fmt.Fprintf(stderr, "latentmesh agent: --api-rate must not be negative\n")
+		return 2
+	}
+	cfg.API.RatePerToken, cfg.API.RateBurst = *apiRate, max(1, int(2**apiRate))
 	cost.apply(&cfg.Engine)
 	cfg.Logger = log
 
-	cli, err := testbed.NewEtcdClient(strings.Split(*endpoints, ","), log)
+	ecc := testbed.EtcdClientConfig{
+		Endpoints: strings.Split(*endpoints, ","),
+		CertFile:  *etcdCert, KeyFile: *etcdKey, CAFile: *etcdCA,
+		Username: *etcdUser,
+		Logger:   log,
+	}
+	if ecc.Password, err = readPassword(*etcdUser, *etcdPwFile); err != nil {
+		fmt.Fprintf(stderr, "latentmesh agent: %v\n", err)
+		return 2
+	}
+	cli, err := ecc.New(ctx)
 	if err != nil {
 		fmt.Fprintf(stderr, "latentmesh agent: %v\n", err)
 		return 1
@@ -124,6 +154,30 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		log.Warn("close", zap.Error(err))
 	}
 	return 0
+}
+
+// readPassword reads the first line of file, the password of user. A
+// password never comes on the command line, where ps shows it.
+func readPassword(user, file string) (string, error) {
+	if file == "" {
+		if user != "" {
+			return "", fmt.Errorf("--etcd-user needs --etcd-password-file")
+		}
+		return "", nil
+	}
+	if user == "" {
+		return "", fmt.Errorf("--etcd-password-file needs --etcd-user")
+	}
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return "", fmt.Errorf("--etcd-password-file: %w", err)
+	}
+	pw, _, _ := strings.Cut(string(b), "\n")
+	pw = strings.TrimSuffix(pw, "\r")
+	if pw == "" {
+		return "", fmt.Errorf("--etcd-password-file %s: empty password", file)
+	}
+	return pw, nil
 }
 
 // applyStoreFlags sets the Store's capacities and the transfer mode.

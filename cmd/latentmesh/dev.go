@@ -15,6 +15,7 @@ func runDev(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var (
 		httpAddr   = fs.String("http", "127.0.0.1:8080", "client API address of the first agent")
 		adminAddr  = fs.String("admin", "127.0.0.1:9090", "admin address of the first agent")
+		adminToken = fs.String("admin-token", "", "bearer token for the admin endpoints (required when --admin is not loopback)")
 		n          = fs.Int("agents", 3, "agents to run: 1 (all roles), 3 or more (roles round-robin: encode, denoise, decode), or 0 (etcd only, for separate 'latentmesh agent' processes)")
 		etcdListen = fs.String("etcd-listen", "127.0.0.1:2379", "embedded etcd client address (port 0: any free port)")
 		prefix     = fs.String("prefix", "/latentmesh/default", "etcd key prefix of the mesh")
@@ -37,7 +38,7 @@ func runDev(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	cfg := testbed.DefaultClusterConfig()
 	cfg.Logger = log
 	cfg.Etcd.ClientURL = "http://" + *etcdListen
-	cfg.Agent.Prefix = *prefix
+	cfg.Agent.Prefix, cfg.Agent.AdminToken = *prefix, *adminToken
 	cost.apply(&cfg.Agent.Engine)
 	cfg.Topology = "" // agents are added below
 	cl, err := testbed.StartCluster(ctx, cfg)

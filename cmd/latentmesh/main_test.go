@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -36,6 +38,14 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"agent", "--sim-cost", "step=fast"}, 2, "bad duration"},
 		{[]string{"agent", "--arena-size", "lots"}, 2, "--arena-size"},
 		{[]string{"agent", "--gossip-keyring", "/nonexistent/keyring.json"}, 2, "--gossip-keyring"},
+		{[]string{"agent", "--api-tokens", "/nonexistent"}, 2, "--api-tokens"},
+		{[]string{"agent", "--api-rate", "-1"}, 2, "--api-rate must not be negative"},
+		{[]string{"agent", "--etcd-user", "agent"}, 2, "--etcd-user needs --etcd-password-file"},
+		{[]string{"agent", "--etcd-password-file", "/nonexistent"}, 2, "--etcd-password-file needs --etcd-user"},
+		{[]string{"agent", "--etcd-user", "agent", "--etcd-password-file", "/nonexistent"}, 2, "no such file"},
+		{[]string{"agent", "--etcd-cert", "/nonexistent.crt"}, 1, "needs both a cert and a key file"},
+		{[]string{"agent", "--etcd-ca", "/nonexistent.crt"}, 1, "etcd CA"},
+		{[]string{"agent", "--etcd-cert", "c", "--etcd-key", "k", "--etcd-endpoints", "http://127.0.0.1:1"}, 1, "etcd client certificate"},
 		{[]string{"bench", "transfer", "--sizes", "big"}, 2, "big"},
 	}
 	for _, tt := range tests {
@@ -75,5 +85,19 @@ func TestStatus(t *testing.T) {
 	}
 	if code, _, errOut := runCmd("status", "--admin", srv.URL); code != 1 || !strings.Contains(errOut, "401") {
 		t.Fatalf("status without token: %d %q", code, errOut)
+	}
+}
+
+func TestReadPassword(t *testing.T) {
+	f := filepath.Join(t.TempDir(), "pw")
+	if err := os.WriteFile(f, []byte("s3cret\r\nignored\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if pw, err := readPassword("agent", f); err != nil || pw != "s3cret" {
+		t.Fatalf("%q %v", pw, err)
+	}
+	os.WriteFile(f, []byte("\n"), 0o600)
+	if _, err := readPassword("agent", f); err == nil {
+		t.Fatal("empty password accepted")
 	}
 }

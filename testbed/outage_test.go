@@ -1,0 +1,182 @@
+package testbed
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/latentmesh/latentmesh/agent/httpapi"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+// getJSON GETs url and decodes a 200 answer into v; it returns the status,
+// the body and how long the answer took.
+func getJSON(t *testing.T, url string, v any) (int, string, time.Duration) {
+	t.Helper()
+	start := time.Now()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode == http.StatusOK && v != nil {
+		if err := json.Unmarshal(b, v); err != nil {
+			t.Fatalf("%s: %v: %s", url, err, b)
+		}
+	}
+	return resp.StatusCode, string(b), time.Since(start)
+}
+
+// An etcd that hangs (SIGSTOP: connections open, no answers) costs clients
+// a fast 503 naming etcd, turns /readyz to 503, and costs no finished work:
+// the denoise that ends during the outage keeps its output and commits when
+// etcd is back, instead of running again.
+func TestEtcdOutageOnHTTPPath(t *testing.T) {
+	if _, err := EtcdBinaryAvailable(); err != nil {
+		if os.Geteuid() != 0 {
+			t.Skipf("no etcd binary and not root to install it: %v", err)
+		}
+		t.Fatal(err)
+	}
+	etcd := startEtcdProcess(t)
+	obs, logs := observer.New(zap.InfoLevel)
+	const etcdTimeout = time.Second
+	cl := startCluster(t, Colocated, func(c *ClusterConfig) {
+		c.EtcdEndpoints = etcd.Endpoints()
+		c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), obs))
+		c.Agent.EtcdTimeout = etcdTimeout
+		c.Agent.AlarmEvery = 500 * time.Millisecond // unreachable after 2.5 s of silence (0.5 s + a 2 s poll timeout)
+		// Longer than the outage: the claim survives it, so the commit may
+		// still succeed once etcd answers.
+		c.Agent.Gossip.LeaseTTL = 20 * time.Second
+		c.Agent.Engine.StepCost = 100 * time.Millisecond
+	})
+	a := cl.Agents[0]
+	api, admin := "http://"+a.HTTPAddr(), "http://"+a.AdminAddr()
+
+	code, body := post(t, api+"/v1/jobs", `{"prompt":"through an outage","steps":20,"width":64,"height":64}`)
+	if code != http.StatusAccepted {
+		t.Fatalf("submit: %d %s", code, body)
+	}
+	var job jobs.Job
+	if err := json.Unmarshal(body, &job); err != nil {
+		t.Fatal(err)
+	}
+	// Pause etcd a few steps into the denoise, so that the sampler ends and
+	// the stage commits while etcd is silent.
+	eventually(t, 30*time.Second, func() error {
+		var j jobs.Job
+		getJSON(t, api+"/v1/jobs/"+job.ID, &j)
+		if j.Progress == nil || j.Progress.Stage != jobs.Denoise || j.Progress.Step < 3 {
+			return fmt.Errorf("job at %s %+v", j.Stage, j.Progress)
+		}
+		return nil
+	})
+	if err := etcd.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	paused := time.Now()
+	resumed := false
+	defer func() {
+		if !resumed {
+			etcd.Resume()
+		}
+	}()
+
+	// A submission is refused with 503 and Retry-After, within one
+	// EtcdTimeout (at once, once the alarm poll has noticed).
+	start := time.Now()
+	resp, err := http.Post(api+"/v1/jobs", "application/json", strings.NewReader(`{"prompt":"during the outage"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	took := time.Since(start)
+	if resp.StatusCode != http.StatusServiceUnavailable || resp.Header.Get("Retry-After") == "" ||
+		!strings.Contains(string(b), "etcd unreachable") || !strings.Contains(string(b), httpapi.CodeUnavailable) {
+		t.Fatalf("submit during the outage: %d Retry-After %q %s", resp.StatusCode, resp.Header.Get("Retry-After"), b)
+	}
+	if took > etcdTimeout+time.Second {
+		t.Fatalf("submit refused after %v; want within EtcdTimeout %v", took, etcdTimeout)
+	}
+	t.Logf("first submission refused after %v: %s", took, strings.TrimSpace(string(b)))
+
+	// /readyz goes 503, naming etcd, once the alarm poll finds it silent.
+	eventually(t, 5*time.Second, func() error {
+		code, body, _ := getJSON(t, admin+"/readyz", nil)
+		if code != http.StatusServiceUnavailable || !strings.Contains(body, "etcd unreachable") {
+			return fmt.Errorf("readyz %d %q", code, body)
+		}
+		return nil
+	})
+	t.Logf("readyz 503 %v after the pause", time.Since(paused).Round(time.Millisecond))
+
+	// Now refusals are immediate, and a long poll does not outlast its wait.
+	start = time.Now()
+	code, body = post(t, api+"/v1/jobs", `{"prompt":"during the outage"}`)
+	if took := time.Since(start); code != http.StatusServiceUnavailable || took > 500*time.Millisecond {
+		t.Fatalf("second submission: %d after %v: %s", code, took, body)
+	}
+	code, sbody, took := getJSON(t, api+"/v1/jobs/"+job.ID+"?wait=2s", nil)
+	if code != http.StatusServiceUnavailable || took > 2*time.Second+etcdTimeout+time.Second {
+		t.Fatalf("long poll during the outage: %d after %v: %s", code, took, sbody)
+	}
+
+	// The sampler was not held up by its progress writes: the denoise ended
+	// during the outage and its commit waits for etcd.
+	eventually(t, 10*time.Second, func() error {
+		if logs.FilterMessage("commit failed; keeping the output and retrying").Len() == 0 {
+			return fmt.Errorf("no commit attempted during the outage")
+		}
+		return nil
+	})
+	time.Sleep(time.Second) // a few failed attempts
+	if err := etcd.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	resumed = true
+	t.Logf("etcd paused for %v", time.Since(paused).Round(time.Millisecond))
+
+	var done jobs.Job
+	eventually(t, time.Minute, func() error {
+		code, body, _ := getJSON(t, api+"/v1/jobs/"+job.ID+"?wait=10s", &done)
+		if code != http.StatusOK || done.State != jobs.Succeeded {
+			return fmt.Errorf("job: %d %s", code, body)
+		}
+		return nil
+	})
+	if st := done.Stages[jobs.Denoise]; st == nil || st.Attempt != 1 {
+		t.Fatalf("denoise ran again: %+v", st)
+	}
+	eventually(t, 10*time.Second, func() error {
+		if code, body, _ := getJSON(t, admin+"/readyz", nil); code != http.StatusOK {
+			return fmt.Errorf("readyz %d %q", code, body)
+		}
+		return nil
+	})
+	// And the mesh takes new work again.
+	code, body = post(t, api+"/v1/jobs", `{"prompt":"after the outage","steps":2,"width":64,"height":64}`)
+	if code != http.StatusAccepted {
+		t.Fatalf("submit after the outage: %d %s", code, body)
+	}
+	var after jobs.Job
+	json.Unmarshal(body, &after)
+	eventually(t, time.Minute, func() error {
+		var j jobs.Job
+		if getJSON(t, api+"/v1/jobs/"+after.ID+"?wait=10s", &j); j.State != jobs.Succeeded {
+			return fmt.Errorf("job after the outage: %s", j.State)
+		}
+		return nil
+	})
+}

@@ -187,6 +187,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	a.members.Store(a.member)
 	sc := cfg.Store
 	sc.Node, sc.Logger = a.id, a.log
+	sc.Registered = a.registeredNodes
 	sc.VerifyHolder = a.registeredAs
 	if a.cstore, err = cache.New(sc, cli, a.xfer, a.host, a.storeMembers, a.orphans); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)

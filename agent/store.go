@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"strings"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
@@ -46,6 +47,21 @@ func (a *Agent) storeRoom() (total, largest int64) {
 		largest = max(largest, m.Free)
 	}
 	return total, largest
+}
+
+// registeredNodes reads the node ids registered in etcd now, for the
+// Store's collector (cache.Config.Registered).
+func (a *Agent) registeredNodes(ctx context.Context) (map[string]bool, error) {
+	prefix := a.cfg.Prefix + "/nodes/"
+	resp, err := a.cli.Get(ctx, prefix, clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]bool, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		out[strings.TrimPrefix(string(kv.Key), prefix)] = true
+	}
+	return out, nil
 }
 
 // orphans names the Store objects whose job will never use them: the job is

@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"time"
@@ -53,6 +54,12 @@ type Config struct {
 	ExpiryGrace time.Duration
 	// MaxFrame bounds a store control frame.
 	MaxFrame int
+	// Registered, when set, lists the nodes registered in etcd, read from
+	// etcd when called (not from a gossip view). The collector deletes an
+	// object as lost only when none of its holders is registered, so a node
+	// whose view is stale (cut off by a partition, or just healed) cannot
+	// declare live copies lost. Nil trusts the members function alone.
+	Registered func(ctx context.Context) (map[string]bool, error)
 	// Logger receives the Store's logs, named "store".
 	Logger *zap.Logger
 	// Now is the clock; tests may set it.

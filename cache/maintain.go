@@ -261,10 +261,22 @@ func (s *Store) repair(ctx context.Context, l listed, members []Member, alive ma
 func (s *Store) collect(ctx context.Context, ls []listed, alive map[string]bool) {
 	now := s.cfg.Now()
 	why := map[string]string{}
+	// A holder gossip calls dead may be alive and this node's view stale
+	// (it was just cut off, or has just healed): an object is lost only when
+	// etcd, read now, has no registration for any of its holders.
+	var registered map[string]bool
+	if s.cfg.Registered != nil {
+		reg, err := s.cfg.Registered(ctx)
+		if err != nil {
+			s.log.Debug("collector: registered nodes", zap.Error(err))
+			reg = nil
+		}
+		registered = reg
+	}
 	for _, l := range ls {
-		lost := true
+		lost := s.cfg.Registered == nil || registered != nil
 		for _, h := range l.Holders {
-			lost = lost && !alive[h.Node]
+			lost = lost && !alive[h.Node] && !registered[h.Node]
 		}
 		switch {
 		case lost:

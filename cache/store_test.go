@@ -839,3 +839,49 @@ func TestNearestSkipsUnverifiedHolders(t *testing.T) {
 		t.Fatalf("Nearest = %+v, want this node's copy and b's registered one", got)
 	}
 }
+
+// A holder that gossip no longer shows but etcd still registers (a stale
+// view after a partition) does not make its objects lost: the collector
+// deletes them only once etcd has no registration for any holder.
+func TestLostNeedsEtcdToAgree(t *testing.T) {
+	var mu sync.Mutex
+	gone := map[string]bool{} // deregistered in "etcd"
+	registered := func(context.Context) (map[string]bool, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		m := map[string]bool{}
+		for _, n := range []string{"n0", "n1", "n2"} {
+			if !gone[n] {
+				m[n] = true
+			}
+		}
+		return m, nil
+	}
+	c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: func(cfg *Config) { cfg.Registered = registered }})
+	ctx := testCtx(t)
+	rec, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "single", Mode: Pinned, Replicas: 1}, pattern(objSize, 42))
+	if err != nil {
+		t.Fatal(err)
+	}
+	holder := rec.Holders[0].Node
+	c.kill(holder) // gone from every member list, still registered
+	survivor := c.alive()[0]
+	// Negative check: several maintenance passes (300 ms apart) leave it.
+	for range 5 {
+		c.kick()
+		time.Sleep(400 * time.Millisecond)
+	}
+	if _, err := survivor.s.Lookup(ctx, rec.ID); err != nil {
+		t.Fatalf("collected while etcd still registers its holder %s: %v", holder, err)
+	}
+	mu.Lock()
+	gone[holder] = true
+	mu.Unlock()
+	eventually(t, 10*time.Second, "lost record collected once etcd agrees", func() error {
+		c.kick()
+		if _, err := survivor.s.Lookup(ctx, rec.ID); !errors.Is(err, ErrNotFound) {
+			return fmt.Errorf("lookup: %v", err)
+		}
+		return nil
+	})
+}

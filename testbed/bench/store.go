@@ -104,14 +104,7 @@ func (c StoreConfig) validate() error {
 			return fmt.Errorf("bench: size %d not in [1,%d]", s, c.Transfer.MaxPayloadBytes)
 		}
 	}
-	for _, t := range c.Transports {
-		switch t {
-		case TransportTCP, TransportShm:
-		default:
-			return fmt.Errorf("bench: unknown transport %q (want tcp or shm)", t)
-		}
-	}
-	return nil
+	return checkTransports(c.Transports)
 }
 
 // StoreResult is one row: one transport at one size.

@@ -90,14 +90,7 @@ func (c TransferConfig) validate() error {
 			return fmt.Errorf("bench: size %d is not a positive multiple of %d chunks", s, c.Chunks)
 		}
 	}
-	for _, t := range c.Transports {
-		switch t {
-		case TransportTCP, TransportShm:
-		default:
-			return fmt.Errorf("bench: unknown transport %q (want tcp or shm)", t)
-		}
-	}
-	return nil
+	return checkTransports(c.Transports)
 }
 
 // TransferResult is one row: one transport at one size.
@@ -461,4 +454,16 @@ func (rep *TransferReport) WriteTable(w io.Writer) error {
 			x.BaselineGbpsMedian, x.RatioVsBaseline, tuned, tunedRatio, x.AllocsPerOp, chunks, first, whole, handoff)
 	}
 	return tw.Flush()
+}
+
+// checkTransports accepts the transports the benchmarks compare: tcp, shm.
+func checkTransports(ts []string) error {
+	for _, t := range ts {
+		switch t {
+		case TransportTCP, TransportShm:
+		default:
+			return fmt.Errorf("bench: unknown transport %q (want tcp or shm)", t)
+		}
+	}
+	return nil
 }

@@ -112,7 +112,10 @@ func TestSilentProducerTimesOut(t *testing.T) {
 			if err == nil {
 				t.Fatal("pull through a silent proxy succeeded")
 			}
-			if d := time.Since(start); d > 5*ccfg.IOTimeout {
+			// The deadline (checked below) is what ends it; this bound only
+			// says it did not wait for anything longer, with room for a
+			// loaded machine (5x failed once under parallel test runs).
+			if d := time.Since(start); d > 20*ccfg.IOTimeout {
 				t.Fatalf("pull took %v to fail, IOTimeout %v", d, ccfg.IOTimeout)
 			}
 			if tc.budget == 0 && !errors.Is(err, ErrUnreachable) {

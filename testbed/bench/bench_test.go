@@ -256,11 +256,9 @@ func TestRunOverlap(t *testing.T) {
 	if o["latent_bytes"] != float64(4*4*8*8*4) || o["chunk_interval_ms"] != 10.0 {
 		t.Errorf("overlap: %v", o)
 	}
-	// The chunked path cannot finish its first frame later than the whole
-	// path: the whole path waits for every chunk the chunked one waits for.
-	if r := rep.Overlap; r.Chunked.TimeToFirstFrameMS > r.Whole.TimeToFirstFrameMS {
-		t.Errorf("chunked first frame %.1f ms after whole's %.1f ms", r.Chunked.TimeToFirstFrameMS, r.Whole.TimeToFirstFrameMS)
-	}
+	// Which path is faster is the benchmark's finding, not this test's: the
+	// two are medians of separate repetitions, which a loaded machine can
+	// invert (it failed so under parallel test runs).
 	var table strings.Builder
 	if err := rep.WriteTable(&table); err != nil {
 		t.Fatal(err)

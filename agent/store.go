@@ -9,7 +9,6 @@ import (
 	"strings"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
-	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
@@ -285,10 +284,4 @@ func (a *Agent) StoreStatus(ctx context.Context, job string, list bool) (StoreVi
 		v.Objects = recs
 	}
 	return v, nil
-}
-
-func (a *Agent) logStoreErr(what string, err error) {
-	if err != nil && a.ctx.Err() == nil {
-		a.log.Warn(what, zap.Error(err))
-	}
 }

@@ -59,8 +59,9 @@ func (a *Agent) authorizePayload(ctx context.Context, id string, p peer.ID, proo
 	return nil
 }
 
-// handOff marks payload id as a peer-to-peer stage output (authorizePayload).
-func (a *Agent) handOff(id string) {
+// markStageOutput marks payload id as a peer-to-peer stage output, which
+// only its consumer's claim holder may pull (authorizePayload).
+func (a *Agent) markStageOutput(id string) {
 	a.handoffsMu.Lock()
 	a.handoffs[id] = true
 	a.handoffsMu.Unlock()

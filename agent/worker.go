@@ -577,7 +577,7 @@ func (a *Agent) output(c *jobs.Claim, ref transfer.Ref, hint string) (jobs.Outpu
 	if err != nil {
 		return jobs.Output{}, err
 	}
-	a.handOff(ref.ID) // from now on only the claim holder of its consumer gets a ticket
+	a.markStageOutput(ref.ID) // from now on only the claim holder of its consumer gets a ticket
 	return jobs.Output{Payloads: []jobs.Input{{Payload: ref.ID, Node: a.id, Ref: raw}}, Hint: hint}, nil
 }
 

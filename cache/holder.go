@@ -301,9 +301,6 @@ func (h *holdings) touch(payload string) {
 	}
 }
 
-// drop frees the copy with payload id, if held.
-func (h *holdings) drop(payload string) bool { return h.dropIf(payload, nil) }
-
 // dropIf frees the copy with payload id if it is held and cond (nil: always)
 // holds for it; cond runs under mu, so the decision sees the copy's current
 // state, not a snapshot the watch may have overtaken.

@@ -135,10 +135,6 @@ func (s *Store) Room() int64 {
 	return max(mem, disk, 0)
 }
 
-// Retention is the Store's lease allocator, shared with the job store so
-// both bucket their expiring keys the same way.
-func (s *Store) Retention() *Retention { return s.ret }
-
 // PutSpec describes an object to put.
 type PutSpec struct {
 	ID          string        // object id (ValidID); JobObjectID names a job's

@@ -245,9 +245,6 @@ func (e *EtcdProcess) Endpoints() []string { return append([]string(nil), e.endp
 // DataDir is the member's --data-dir; it is removed on Close.
 func (e *EtcdProcess) DataDir() string { return e.dataDir }
 
-// Output is everything etcd printed so far.
-func (e *EtcdProcess) Output() string { return e.proc.Output() }
-
 // Kill sends SIGKILL and waits for the process to be gone.
 func (e *EtcdProcess) Kill() { e.proc.Kill() }
 

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -135,9 +136,10 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		ordered, retry := a.cfg.Queue.Order(cands, a.id, now)
 		wake = earliest(wake, retry)
 		tried := 0
+		fits := a.roomForOutputs()
 		for _, c := range ordered {
 			t := byID[c.ID]
-			if !a.fits(t) {
+			if !fits(t) {
 				continue // memory backpressure: its output has nowhere to go yet
 			}
 			tried++
@@ -192,22 +194,31 @@ func (a *Agent) outputBytes(t jobs.Task) int64 {
 	return 0
 }
 
-// fits reports whether task t's output has room: a free block of the arena
-// for the producer's buffer and, when it will be relayed, a Store member
-// with room (memory or spill disk) for a copy.
-func (a *Agent) fits(t jobs.Task) bool {
-	n := a.outputBytes(t)
-	if n == 0 {
+// roomForOutputs returns a check of whether a task's output has room: a
+// free block of the arena for the producer's buffer and, when it will be
+// relayed, a Store member with room (memory or spill disk) for a copy. The
+// arena and the Store are read once, when the check first needs them, not
+// once per candidate of a queue scan.
+func (a *Agent) roomForOutputs() func(jobs.Task) bool {
+	arenaBlock := sync.OnceValue(func() int64 {
+		if st := a.xfer.Stats(); st.HasArena {
+			return st.Arena.LargestFree
+		}
+		return math.MaxInt64
+	})
+	storeRoom := sync.OnceValue(func() int64 { _, largest := a.storeRoom(); return largest })
+	return func(t jobs.Task) bool {
+		n := a.outputBytes(t)
+		switch {
+		case n == 0:
+			return true
+		case arenaBlock() < n:
+			return false
+		case a.transferMode(t) == jobs.StoreRelay:
+			return storeRoom() >= n
+		}
 		return true
 	}
-	if st := a.xfer.Stats(); st.HasArena && st.Arena.LargestFree < n {
-		return false
-	}
-	if a.transferMode(t) == jobs.StoreRelay {
-		_, largest := a.storeRoom()
-		return largest >= n
-	}
-	return true
 }
 
 func earliest(a, b time.Time) time.Time {

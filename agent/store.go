@@ -105,12 +105,15 @@ func (a *Agent) transferMode(t jobs.Task) jobs.TransferMode {
 	return a.cfg.TransferMode
 }
 
-// handoff decides how the output of t (size bytes) reaches the next stage,
-// whose preferred worker is hint ("" when none has credit).
+// handoff decides how the output of t (size bytes), already in this
+// node's arena, reaches the next stage, whose preferred worker is hint (""
+// when none has credit). "Room" is room for one more output of its size:
+// auto keeps a payload here for its consumer only while holding it does not
+// starve this node's next task.
 func (a *Agent) handoff(t jobs.Task, hint string, size int64) routing.Handoff {
 	room := true
 	if st := a.xfer.Stats(); st.HasArena {
-		room = st.Arena.Free >= size
+		room = st.Arena.LargestFree >= size // one block, as the next Begin needs
 	}
 	return routing.ChooseHandoff(string(a.transferMode(t)), hint != "", room)
 }

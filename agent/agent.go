@@ -27,6 +27,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/etcdguard"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/cache"
@@ -43,6 +44,8 @@ type Agent struct {
 	cfg Config
 	log *zap.Logger
 	cli *clientv3.Client
+	// guard notices an etcd replaced under the client (etcdguard).
+	guard *etcdguard.Guard
 
 	id     string
 	host   host.Host
@@ -119,6 +122,9 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		a.id = hostname() + "-" + pid[len(pid)-6:]
 	}
 	a.log = cfg.Logger.With(zap.String("node", a.id))
+	// Before anything watches: an etcd replaced under the agent ends every
+	// watch, and each watcher reads its state again from the new etcd.
+	a.guard = etcdguard.Install(cli, a.log)
 	cfg.Transfer.Logger = a.log
 	cfg.Transfer.Admit = a.admitPeer
 	cfg.Transfer.AuthorizePayload = a.authorizePayload
@@ -192,6 +198,9 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if a.cstore, err = cache.New(sc, cli, a.xfer, a.host, a.storeMembers, a.orphans); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
+	// An etcd replaced under us forgot every Store record: the copies
+	// they named are judged again against the new etcd.
+	a.guard.OnReset(a.cstore.EtcdReplaced)
 	return a, nil
 }
 
@@ -582,6 +591,9 @@ type Status struct {
 	Queues  map[jobs.Stage]QueueInfo  `json:"queues"`
 	Data    DataInfo                  `json:"data_plane"`
 	Store   cache.LocalStats          `json:"store"`
+	// EtcdResets counts the times the etcd client saw etcd replaced (an
+	// empty or restored etcd at the same address) and started over.
+	EtcdResets int64 `json:"etcd_resets"`
 }
 
 // DataInfo is this node's data plane: what it holds and how it pulled.
@@ -656,6 +668,7 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 		HeapFallbacks: xs.HeapFallbacks, HeapPulls: a.heapPulls.Load(), Relayed: a.relayed.Load(),
 	}
 	st.Store = a.cstore.LocalStats()
+	st.EtcdResets = a.guard.Resets()
 	return st, nil
 }
 

@@ -121,7 +121,7 @@ func (a *Agent) handoff(t jobs.Task, hint string, size int64) routing.Handoff {
 // relay puts a produced payload into the Store as a delete-on-consume
 // object and frees the producer's buffer at once: the next stage reads a
 // replica, and a producer that dies after this costs nothing. The object's
-// record is written by the stage's commit (staged.Op in out.Ops).
+// record is written by the stage's commit (out.Records).
 func (a *Agent) relay(ctx context.Context, c *jobs.Claim, ref transfer.Ref, hint string) (jobs.Output, *cache.Staged, error) {
 	id := cache.JobObjectID(c.Task.JobID, string(c.Task.Stage)+"."+ref.ID)
 	st, err := a.cstore.Stage(ctx, cache.PutSpec{ID: id, Mode: cache.Consume, Job: c.Task.JobID}, ref)
@@ -133,7 +133,7 @@ func (a *Agent) relay(ctx context.Context, c *jobs.Claim, ref transfer.Ref, hint
 	out := jobs.Output{
 		Payloads: []jobs.Input{{Payload: id, Node: a.id, Store: true}},
 		Hint:     hint,
-		Ops:      []clientv3.Op{st.Op()},
+		Records:  []jobs.StagedRecord{st},
 	}
 	return out, st, nil
 }

@@ -10,7 +10,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
@@ -530,7 +529,7 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, 
 			return out, nil, false, err
 		}
 		*staged = append(*staged, st)
-		out.Result, out.Ops = res, []clientv3.Op{st.Op()}
+		out.Result, out.Records = res, []jobs.StagedRecord{st}
 		return out, nil, false, nil
 	}
 	return out, nil, false, fmt.Errorf("agent: unknown stage %q", c.Task.Stage)

@@ -291,6 +291,17 @@ func (h *holdings) commit(payload string, rev int64) {
 	}
 }
 
+// forgetRevisions sets every copy's revision to 0: after etcd's history
+// restarted (an etcd replaced or restored) the old revisions mean nothing,
+// and a list of the new etcd must be able to judge every copy.
+func (h *holdings) forgetRevisions() {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, c := range h.copies {
+		c.rev = 0
+	}
+}
+
 // touch moves a Cache copy to the back of the LRU order (a ticket was
 // issued for it, or it was read locally).
 func (h *holdings) touch(payload string) {

@@ -119,6 +119,15 @@ func (s *Store) Kick() {
 	}
 }
 
+// EtcdReplaced tells the Store that the etcd under it was replaced by an
+// empty or restored one: revisions seen before mean nothing now, so every
+// copy is judged again by whether a record of the new etcd names it, at
+// once. The records that vanished free their copies.
+func (s *Store) EtcdReplaced() {
+	s.hold.forgetRevisions()
+	s.Kick()
+}
+
 // Free is the room this node has left for the Store, in memory and on disk.
 func (s *Store) Free() (mem, disk int64) { return s.hold.free() }
 

@@ -77,7 +77,13 @@ func startMesh(t *testing.T) *mesh { return startMeshAt(t, "127.0.0.1") }
 // startMeshAt runs etcd listening on ip.
 func startMeshAt(t *testing.T, ip string) *mesh {
 	t.Helper()
-	dev, err := StartProcess("dev", binary, nil, "dev", "--agents", "0", "--etcd-listen", ip+":0")
+	return startMeshListen(t, ip+":0")
+}
+
+// startMeshListen runs etcd listening on addr (host:port).
+func startMeshListen(t *testing.T, addr string) *mesh {
+	t.Helper()
+	dev, err := StartProcess("dev", binary, nil, "dev", "--agents", "0", "--etcd-listen", addr)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -108,6 +114,15 @@ func (m *mesh) stop() {
 	if m.cli != nil {
 		m.cli.Close()
 	}
+}
+
+// outputs is every process's output, for a failure message.
+func (m *mesh) outputs() string {
+	var b bytes.Buffer
+	for _, p := range m.procs {
+		fmt.Fprintf(&b, "--- %s ---\n%s\n", p.Name, p.Output())
+	}
+	return b.String()
 }
 
 // meshAdminToken guards the admin endpoints of agents on a Net's hosts.

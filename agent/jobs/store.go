@@ -100,20 +100,35 @@ type PayloadRecord struct {
 type Output struct {
 	// Payloads are the stage's outputs, inputs of the next stage. Each
 	// peer-to-peer payload is recorded under payloads/ until the next stage
-	// commits; a Store payload's record is among Ops.
+	// commits; a Store payload's record is among Records.
 	Payloads []Input
 	// Hint names the preferred worker for the next stage ("" = anyone).
 	Hint string
 	// Result describes the finished file (last stage only); its Store
-	// object's record is among Ops.
+	// object's record is among Records.
 	Result *Result
-	// Ops are written in the commit's transaction: the records of the
-	// Store objects the stage staged (cache.Staged.Op), so they become
+	// Records are written in the commit's transaction: the records of the
+	// Store objects the stage staged (a *cache.Staged), so they become
 	// visible exactly when the stage commits.
-	Ops []clientv3.Op
+	Records []StagedRecord
 	// Work is how long the stage's work took on the worker.
 	Work time.Duration
 }
+
+// StagedRecord is a record a commit writes in its transaction. A record
+// may live on a retention lease; when etcd no longer knows that lease (an
+// etcd replaced or restored), Renew takes a fresh one and Op is asked again.
+// *cache.Staged is one.
+type StagedRecord interface {
+	Op() clientv3.Op
+	Renew(ctx context.Context) error
+}
+
+// leaseRenewals bounds how often one update renews leases etcd forgot: a
+// lease granted a moment ago cannot be gone again unless etcd keeps
+// losing them, and then the caller's retry (with backoff) is the place
+// to wait, not a loop here.
+const leaseRenewals = 3
 
 // Config configures a Store.
 type Config struct {
@@ -445,6 +460,20 @@ func (s *Store) leaseGone(err error, lease clientv3.LeaseID) bool {
 	return true
 }
 
+// renewLeases forgets the job record's retention lease (the next putRecord
+// grants a fresh one) and renews those of the staged records.
+func (s *Store) renewLeases(ctx context.Context, lease clientv3.LeaseID, records []StagedRecord) error {
+	if lease != 0 {
+		s.ret.Forget(lease)
+	}
+	for _, r := range records {
+		if err := r.Renew(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // Pending returns the unclaimed tasks of a stage (at most PendingLimit, in key
 // order) and the etcd revision they were read at, for WaitChange.
 func (s *Store) Pending(ctx context.Context, stage Stage) ([]Task, int64, error) {
@@ -589,7 +618,8 @@ func (s *Store) finishOps(c *Claim) []clientv3.Op {
 // when only the job record changed under it (another writer, e.g. Cancel
 // racing a commit), returns ErrFenced when the claim is gone, and ErrFinished
 // (after dropping the claim) when the job was cancelled meanwhile.
-func (s *Store) update(ctx context.Context, c *Claim, what string, mutate func(*record) ([]clientv3.Op, error)) error {
+func (s *Store) update(ctx context.Context, c *Claim, what string, records []StagedRecord, mutate func(*record) ([]clientv3.Op, error)) error {
+	renewals := 0
 	for {
 		rec, rev, err := s.getRecord(ctx, c.Task.JobID)
 		if errors.Is(err, ErrNotFound) {
@@ -612,9 +642,17 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, mutate func(*
 		}
 		ops := append(s.finishOps(c), put)
 		ops = append(ops, extra...)
+		for _, r := range records {
+			ops = append(ops, r.Op())
+		}
 		cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(s.jobKey(rec.ID)), "=", rev))
 		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(clientv3.OpGet(s.claimKey(&c.Task))).Commit()
-		if s.leaseGone(err, lease) {
+		if cache.LeaseGone(err) && renewals < leaseRenewals {
+			// The error does not say whose lease is gone: renew them all.
+			renewals++
+			if rerr := s.renewLeases(ctx, lease, records); rerr != nil {
+				return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, rerr)
+			}
 			continue
 		}
 		if err != nil {
@@ -670,7 +708,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 	if !last && len(out.Payloads) == 0 {
 		return fmt.Errorf("jobs: commit of %s without output payloads", c.Task.Stage)
 	}
-	return s.update(ctx, c, "commit", func(rec *record) ([]clientv3.Op, error) {
+	return s.update(ctx, c, "commit", out.Records, func(rec *record) ([]clientv3.Op, error) {
 		now := s.cfg.Now()
 		if rec.Stages == nil {
 			rec.Stages = map[Stage]*StageRecord{}
@@ -679,7 +717,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 			Node: c.Node, Attempt: c.Task.Attempt, StartedAt: c.StartedAt, FinishedAt: now,
 			Millis: float64(out.Work.Microseconds()) / 1000,
 		}
-		ops := append(s.releaseOps(c.Task.Inputs), out.Ops...)
+		ops := s.releaseOps(c.Task.Inputs)
 		if last {
 			rec.State, rec.Stage, rec.TaskKey = Succeeded, "", ""
 			res := *out.Result
@@ -704,7 +742,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 // Fail ends the job with an error (a deterministic failure: retrying would
 // fail the same way). Inputs are released.
 func (s *Store) Fail(ctx context.Context, c *Claim, code, msg string) error {
-	return s.update(ctx, c, "fail", func(rec *record) ([]clientv3.Op, error) {
+	return s.update(ctx, c, "fail", nil, func(rec *record) ([]clientv3.Op, error) {
 		rec.State, rec.Stage, rec.TaskKey = Failed, "", ""
 		rec.Error = &Error{Code: code, Message: msg}
 		return s.releaseOps(c.Task.Inputs), nil
@@ -715,7 +753,7 @@ func (s *Store) Fail(ctx context.Context, c *Claim, code, msg string) error {
 // lost with its producer. The engine is deterministic, so the output is the
 // same. After MaxRewinds the job fails instead.
 func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
-	return s.update(ctx, c, "rewind", func(rec *record) ([]clientv3.Op, error) {
+	return s.update(ctx, c, "rewind", nil, func(rec *record) ([]clientv3.Op, error) {
 		ops := s.releaseOps(c.Task.Inputs)
 		if rec.Rewinds >= s.cfg.MaxRewinds {
 			rec.State, rec.Stage, rec.TaskKey = Failed, "", ""

@@ -220,9 +220,26 @@ func (a *Agent) Result(ctx context.Context, id string) ([]byte, string, error) {
 	if job.State != jobs.Succeeded || job.Result == nil {
 		return nil, "", jobs.ErrNotReady
 	}
-	data, _, err := a.cstore.ReadAll(ctx, job.Result.Object)
+	// The record is read from etcd under the etcd deadline (an unreachable
+	// etcd is a 503, not a hang); the bytes come from a holder under the
+	// request's own context, however long the file takes.
+	var rec cache.Record
+	lookup := func() error {
+		return a.onEtcd(ctx, func(ctx context.Context) (err error) {
+			rec, err = a.cstore.Lookup(ctx, job.Result.Object)
+			return err
+		})
+	}
+	if err := lookup(); errors.Is(err, cache.ErrNotFound) {
+		return nil, "", fmt.Errorf("%w: %s", jobs.ErrExpired, job.Result.Object)
+	} else if err != nil {
+		return nil, "", fmt.Errorf("agent: result of %s: %w", id, err)
+	}
+	data := make([]byte, rec.Size)
+	err = a.cstore.Fetch(ctx, rec, data)
 	if errors.Is(err, cache.ErrNotFound) {
-		if _, lerr := a.cstore.Lookup(ctx, job.Result.Object); errors.Is(lerr, cache.ErrNotFound) {
+		// Every holder refused: the object may have expired meanwhile.
+		if lerr := lookup(); errors.Is(lerr, cache.ErrNotFound) {
 			return nil, "", fmt.Errorf("%w: %s", jobs.ErrExpired, job.Result.Object)
 		}
 	}

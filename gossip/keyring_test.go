@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -191,8 +192,13 @@ func TestKeyringKeepsOutsiders(t *testing.T) {
 		attack.MP{}.Fixmap(3).Str("Name").Str("b").Str("Incarnation").Uint32(1<<32-1).Str("State").Int(2)...)))
 	// memberlist saw and dropped all three.
 	eventually(t, 5*time.Second, func() error {
-		packets := logs.FilterMessageSnippet("Decrypt packet failed").Len()
-		streams := logs.FilterMessageSnippet("encryption is configured but remote state is not encrypted").Len()
+		refused := logs.FilterMessage("gossip message refused")
+		packets := refused.Filter(func(e observer.LoggedEntry) bool {
+			return strings.Contains(e.ContextMap()["memberlist"].(string), "Decrypt packet failed")
+		}).Len()
+		streams := refused.Filter(func(e observer.LoggedEntry) bool {
+			return e.ContextMap()["reason"] == "not encrypted, and this node's gossip is"
+		}).Len()
 		if packets < 2 || streams < 1 {
 			return fmt.Errorf("memberlist logged %d dropped packets and %d dropped streams", packets, streams)
 		}

@@ -536,8 +536,9 @@ func TestHostileInputEveryPort(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	// Gossip has formed: every agent sees the other two alive.
+	ids := []string{enc.ID, den.ID, dec.ID}
 	for _, r := range recs {
-		waitPeersAlive(t, ctx, r, recs)
+		eventually(t, 30*time.Second, func() error { return peersAlive(ctx, r.AdminAddr, meshAdminToken, ids) })
 	}
 
 	var targets []target
@@ -659,7 +660,7 @@ func TestHostileInputEveryPort(t *testing.T) {
 		if done, err := p.Exited(); done {
 			t.Fatalf("%s exited during the attack: %v; output:\n%s", p.Name, err, p.Output())
 		}
-		waitPeersAlive(t, ctx, recs[i], recs)
+		eventually(t, 30*time.Second, func() error { return peersAlive(ctx, recs[i].AdminAddr, meshAdminToken, ids) })
 	}
 
 	// The job that ran through the attack, and one submitted after it,
@@ -742,25 +743,3 @@ func TestHostileInputEveryPort(t *testing.T) {
 }
 
 func ptr[T any](v T) *T { return &v }
-
-// waitPeersAlive waits until r's admin status shows every other record in
-// recs as an alive peer.
-func waitPeersAlive(t *testing.T, ctx context.Context, r gossip.NodeRecord, recs []gossip.NodeRecord) {
-	t.Helper()
-	eventually(t, 30*time.Second, func() error {
-		st, err := adminStatus(ctx, r.AdminAddr)
-		if err != nil {
-			return err
-		}
-		alive := map[string]bool{}
-		for _, p := range st.Peers {
-			alive[p.ID] = p.Alive
-		}
-		for _, o := range recs {
-			if o.ID != r.ID && !alive[o.ID] {
-				return fmt.Errorf("%s does not see %s alive: %+v", r.ID, o.ID, st.Peers)
-			}
-		}
-		return nil
-	})
-}

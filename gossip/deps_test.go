@@ -10,7 +10,8 @@ import (
 )
 
 // TestNoLatentmeshImports keeps gossip at the bottom of the stack: it may
-// not import any other latentmesh package.
+// not import any other latentmesh package. Its tests may import
+// testbed/attack, the hostile frames, which imports nothing of latentmesh.
 func TestNoLatentmeshImports(t *testing.T) {
 	files, err := filepath.Glob("*.go")
 	if err != nil {
@@ -27,6 +28,9 @@ func TestNoLatentmeshImports(t *testing.T) {
 		}
 		for _, imp := range f.Imports {
 			path, _ := strconv.Unquote(imp.Path.Value)
+			if strings.HasSuffix(name, "_test.go") && path == "github.com/latentmesh/latentmesh/testbed/attack" {
+				continue
+			}
 			if strings.HasPrefix(path, "github.com/latentmesh/latentmesh/") {
 				t.Errorf("%s imports %s", name, path)
 			}

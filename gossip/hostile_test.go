@@ -16,6 +16,8 @@ import (
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/latentmesh/latentmesh/testbed/attack"
 )
 
 // heapObjects reads the bytes of live and not yet swept heap objects
@@ -103,9 +105,6 @@ func TestHostileGossipInput(t *testing.T) {
 		}
 		return b
 	}
-	deep := func(typ byte, n int) []byte { // n nested one-element arrays
-		return append([]byte{typ}, bytes.Repeat([]byte{0x91}, n)...)
-	}
 
 	before := retainedHeap()
 	stopPeak := peakHeap()
@@ -115,23 +114,23 @@ func TestHostileGossipInput(t *testing.T) {
 		name  string
 		frame []byte
 	}{
-		{"push/pull declaring -1 nodes", pushPullHeader(-1)},
-		{"push/pull declaring 2^20 nodes", pushPullHeader(1 << 20)},
-		{"push/pull declaring 2^62 nodes", pushPullHeader(1 << 62)},
-		{"user message declaring 1 TiB", userMsgHeader(1 << 40)},
-		{"user message declaring -1 bytes", userMsgHeader(-1)},
-		{"lzw bomb", compressed(lzwZeros(37))},
-		{"lzw of nothing", compressed(nil)},
-		{"compress declaring 4 GiB, 4 sent", append(mp{wireCompress}.fixmap(2).str("Algo").int(0).str("Buf"),
+		{"push/pull declaring -1 nodes", attack.PushPullHeader(-1)},
+		{"push/pull declaring 2^20 nodes", attack.PushPullHeader(1 << 20)},
+		{"push/pull declaring 2^62 nodes", attack.PushPullHeader(1 << 62)},
+		{"user message declaring 1 TiB", attack.UserMsgHeader(1 << 40)},
+		{"user message declaring -1 bytes", attack.UserMsgHeader(-1)},
+		{"lzw bomb", attack.Compressed(attack.LZWZeros(37))},
+		{"lzw of nothing", attack.Compressed(nil)},
+		{"compress declaring 4 GiB, 4 sent", append(attack.MP{attack.Compress}.Fixmap(2).Str("Algo").Int(0).Str("Buf"),
 			0xc6, 0xff, 0xff, 0xff, 0xff, 1, 2, 3, 4)},
-		{"deep msgpack", deep(wirePushPull, 1<<20)},
+		{"deep msgpack", attack.Deep(attack.PushPull, 1<<20)},
 		{"random bytes", garbage(64 << 10)},
-		{"truncated push/pull", pushPullHeader(1)[:20]},
+		{"truncated push/pull", attack.PushPullHeader(1)[:20]},
 		{"unknown type", []byte{200, 1, 2, 3}},
-		{"label declaring 255 bytes, 3 sent", []byte{wireLabel, 255, 'a', 'b', 'c'}},
+		{"label declaring 255 bytes, 3 sent", []byte{attack.Label, 255, 'a', 'b', 'c'}},
 	}
 	for _, s := range streams {
-		sendStream(t, addr, labeled(label, s.frame))
+		sendStream(t, addr, attack.Labeled(label, s.frame))
 		t.Logf("sent %s (%d bytes)", s.name, len(s.frame))
 	}
 
@@ -142,19 +141,19 @@ func TestHostileGossipInput(t *testing.T) {
 		frame []byte
 	}{
 		{"random bytes", garbage(1400)},
-		{"deep msgpack", deep(wireAlive, 60000)},
-		{"truncated alive", aliveMsg("x", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 1}, 1, nil)[:30]},
-		{"compound with bogus lengths", []byte{wireCompound, 255, 0xff, 0xff}},
-		{"crc mismatch", []byte{wireHasCRC, 1, 2, 3, 4, wireAlive}},
+		{"deep msgpack", attack.Deep(attack.Alive, 60000)},
+		{"truncated alive", attack.AliveMsg("x", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 1}, 1, nil)[:30]},
+		{"compound with bogus lengths", []byte{attack.Compound, 255, 0xff, 0xff}},
+		{"crc mismatch", []byte{attack.HasCRC, 1, 2, 3, 4, attack.Alive}},
 		// memberlist v0.7.0 alone takes this into its node list with
 		// protocol version 0, and every later joiner then fails its version
 		// check against it; gossip's alive check keeps it out.
-		{"alive with short Vsn", mp{wireAlive}.fixmap(2).str("Node").str("x").str("Vsn").bin([]byte{1})},
-		{"alive for an unregistered node", aliveMsg("intruder", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 9}, 1, nil)},
+		{"alive with short Vsn", attack.MP{attack.Alive}.Fixmap(2).Str("Node").Str("x").Str("Vsn").Bin([]byte{1})},
+		{"alive for an unregistered node", attack.AliveMsg("intruder", &net.UDPAddr{IP: net.IPv4(127, 0, 0, 1), Port: 9}, 1, nil)},
 		{"empty", nil},
 	}
 	for _, p := range packets {
-		sendPacket(t, addr, labeled(label, p.frame))
+		sendPacket(t, addr, attack.Labeled(label, p.frame))
 		t.Logf("sent packet %s (%d bytes)", p.name, len(p.frame))
 	}
 
@@ -172,7 +171,7 @@ func TestHostileGossipInput(t *testing.T) {
 	defer slow.Close()
 	var trickle sync.WaitGroup
 	trickle.Go(func() {
-		for _, b := range labeled(label, pushPullHeader(1)) {
+		for _, b := range attack.Labeled(label, attack.PushPullHeader(1)) {
 			if _, err := slow.Write([]byte{b}); err != nil {
 				return
 			}

@@ -12,12 +12,15 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/hashicorp/memberlist"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/latentmesh/latentmesh/testbed/attack"
 )
 
 func newKey(t *testing.T) []byte {
@@ -183,14 +186,19 @@ func TestKeyringKeepsOutsiders(t *testing.T) {
 		t.Fatal(err)
 	}
 	// Labeled like the mesh's own packets: the label is no secret.
-	sendPacket(t, addr, labeled(prefix, aliveMsg("b", bAddr, 1<<32-1, forged)))
-	sendPacket(t, addr, labeled(prefix, deadMsg("b", "a", 1<<32-1)))
-	sendStream(t, addr, labeled(prefix, append(pushPullHeader(1),
-		mp{}.fixmap(3).str("Name").str("b").str("Incarnation").uint32(1<<32-1).str("State").int(2)...)))
+	sendPacket(t, addr, attack.Labeled(prefix, attack.AliveMsg("b", bAddr, 1<<32-1, forged)))
+	sendPacket(t, addr, attack.Labeled(prefix, attack.DeadMsg("b", "a", 1<<32-1)))
+	sendStream(t, addr, attack.Labeled(prefix, append(attack.PushPullHeader(1),
+		attack.MP{}.Fixmap(3).Str("Name").Str("b").Str("Incarnation").Uint32(1<<32-1).Str("State").Int(2)...)))
 	// memberlist saw and dropped all three.
 	eventually(t, 5*time.Second, func() error {
-		packets := logs.FilterMessageSnippet("Decrypt packet failed").Len()
-		streams := logs.FilterMessageSnippet("encryption is configured but remote state is not encrypted").Len()
+		refused := logs.FilterMessage("gossip message refused")
+		packets := refused.Filter(func(e observer.LoggedEntry) bool {
+			return strings.Contains(e.ContextMap()["memberlist"].(string), "Decrypt packet failed")
+		}).Len()
+		streams := refused.Filter(func(e observer.LoggedEntry) bool {
+			return e.ContextMap()["reason"] == "not encrypted, and this node's gossip is"
+		}).Len()
 		if packets < 2 || streams < 1 {
 			return fmt.Errorf("memberlist logged %d dropped packets and %d dropped streams", packets, streams)
 		}

@@ -29,6 +29,39 @@ func newLogBridge(m *Membership) *logBridge {
 
 var suspectPrefix = []byte("memberlist: Suspect ")
 
+// refusals are memberlist's words for a message it dropped before decoding
+// it, and what they mean to an operator. memberlist's own lines ("Decrypt
+// packet failed: no installed keys could decrypt the message from=...")
+// read as internal errors; a node started with the wrong --gossip-keyring
+// shows up only as these.
+var refusals = []struct {
+	text   []byte
+	reason string
+}{
+	{[]byte("no installed keys could decrypt the message"), "wrong gossip key: none of this node's keys decrypts it"},
+	{[]byte("remote state is not encrypted"), "not encrypted, and this node's gossip is"},
+	{[]byte("unsupported encryption version"), "not encrypted (or corrupt), and this node's gossip is"},
+	{[]byte("payload is too small to decrypt"), "not encrypted (or truncated), and this node's gossip is"},
+	{[]byte("remote state is encrypted and encryption is not configured"), "encrypted, and this node has no gossip key"},
+	{[]byte("with unacceptable label"), "another mesh's label (etcd prefix)"},
+}
+
+var fromMarker = []byte("from=")
+
+// refusal returns why memberlist dropped the message msg reports, and who
+// sent it, or ok false when msg is not such a line.
+func refusal(msg []byte) (reason, from string, ok bool) {
+	for _, r := range refusals {
+		if bytes.Contains(msg, r.text) {
+			if i := bytes.LastIndex(msg, fromMarker); i >= 0 {
+				from = string(bytes.TrimSpace(msg[i+len(fromMarker):]))
+			}
+			return r.reason, from, true
+		}
+	}
+	return "", "", false
+}
+
 func (b *logBridge) Write(p []byte) (int, error) {
 	if b.m.ctx.Err() != nil {
 		// Closing: memberlist's in-flight probes outlive Shutdown by a moment
@@ -63,10 +96,14 @@ func (b *logBridge) Write(p []byte) (int, error) {
 	if held > 0 {
 		b.logHeld(held)
 	}
-	if ok {
-		if ce := b.log.Check(level, string(msg)); ce != nil {
-			ce.Write()
-		}
+	if !ok {
+		return len(p), nil
+	}
+	if reason, from, refused := refusal(msg); refused {
+		b.log.Warn("gossip message refused", zap.String("from", from), zap.String("reason", reason),
+			zap.ByteString("memberlist", msg))
+	} else if ce := b.log.Check(level, string(msg)); ce != nil {
+		ce.Write()
 	}
 	return len(p), nil
 }

@@ -84,3 +84,45 @@ func TestLogBridgeBoundsLines(t *testing.T) {
 		t.Errorf("levels not kept: %v", logs.All())
 	}
 }
+
+// memberlist's lines for messages it drops undecoded become one clear,
+// structured line naming the sender and why; other lines pass as they are.
+func TestLogBridgeNamesRefusals(t *testing.T) {
+	for _, c := range []struct {
+		line, reason, from string
+	}{
+		{"[ERR] memberlist: Decrypt packet failed: no installed keys could decrypt the message from=127.0.0.1:7946",
+			"wrong gossip key: none of this node's keys decrypts it", "127.0.0.1:7946"},
+		{"[ERR] memberlist: failed to receive: no installed keys could decrypt the message from=10.0.0.2:41234",
+			"wrong gossip key: none of this node's keys decrypts it", "10.0.0.2:41234"},
+		{"[ERR] memberlist: failed to receive: encryption is configured but remote state is not encrypted from=10.0.0.3:1",
+			"not encrypted, and this node's gossip is", "10.0.0.3:1"},
+		{"[ERR] memberlist: Decrypt packet failed: unsupported encryption version 4 from=10.0.0.4:1",
+			"not encrypted (or corrupt), and this node's gossip is", "10.0.0.4:1"},
+		{"[ERR] memberlist: failed to receive: remote state is encrypted and encryption is not configured from=10.0.0.5:1",
+			"encrypted, and this node has no gossip key", "10.0.0.5:1"},
+		{`[ERR] memberlist: discarding packet with unacceptable label "/other": from=10.0.0.6:1`,
+			"another mesh's label (etcd prefix)", "10.0.0.6:1"},
+		{"[ERR] memberlist: Failed to read remote state: EOF from=10.0.0.7:1", "", ""},
+	} {
+		core, logs := observer.New(zapcore.InfoLevel)
+		b := &logBridge{m: &Membership{ctx: t.Context()}, log: zap.New(core),
+			limit: logLimiter{limit: 10, every: time.Hour, now: time.Now}}
+		fmt.Fprintln(b, c.line)
+		all := logs.All()
+		if len(all) != 1 {
+			t.Fatalf("%q: %d lines", c.line, len(all))
+		}
+		e := all[0]
+		if c.reason == "" {
+			if e.Message == "gossip message refused" || e.Level != zapcore.ErrorLevel {
+				t.Errorf("%q logged as %s %q", c.line, e.Level, e.Message)
+			}
+			continue
+		}
+		m := e.ContextMap()
+		if e.Message != "gossip message refused" || e.Level != zapcore.WarnLevel || m["reason"] != c.reason || m["from"] != c.from {
+			t.Errorf("%q logged as %s %q %v", c.line, e.Level, e.Message, m)
+		}
+	}
+}

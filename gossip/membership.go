@@ -219,7 +219,19 @@ func (m *Membership) Start(ctx context.Context) (err error) {
 	// otherwise outlast the lease TTL.
 	if seeds := m.seeds(); len(seeds) > 0 {
 		n, jerr := ml.Join(seeds)
+		var reason string
+		var refused bool
 		if jerr != nil {
+			reason, _, refused = refusal([]byte(jerr.Error()))
+		}
+		if refused && n == 0 {
+			// Every seed answered in a way this node cannot read: its
+			// gossip keys (or label) are not the mesh's. It stays
+			// registered but no one will gossip with it.
+			m.log.Error("gossip join refused", zap.String("reason", reason),
+				zap.String("hint", "the keyring file (agent --gossip-keyring) must hold a key of the mesh's"),
+				zap.Strings("seeds", seeds), zap.Error(jerr))
+		} else if jerr != nil {
 			// Records of crashed nodes linger until their leases expire;
 			// anyone alive will find us through the watch or gossip.
 			m.log.Warn("join seeds", zap.Strings("seeds", seeds), zap.Int("joined", n), zap.Error(jerr))

@@ -98,48 +98,59 @@ func (ca *testCA) issue(t *testing.T, dir, name string, server bool) (certFile, 
 	return certFile, keyFile
 }
 
-// An agent runs against an etcd that requires TLS client certificates and
-// has auth enabled, as a user whose role only reaches the mesh's prefix;
-// a client whose certificate etcd does not trust, or that does not trust
-// etcd's, is refused with an error that says which.
-func TestAgentOnSecuredEtcd(t *testing.T) {
+// securedEtcd is an etcd process that requires TLS client certificates and
+// has auth enabled, set up as docs/etcd.md tells an operator: a role with
+// read-write on one prefix only, an "agent" user holding it, and root.
+type securedEtcd struct {
+	*EtcdProcess
+	dir                   string
+	ca, rogue             *testCA
+	clientCert, clientKey string           // signed by ca
+	rogueCert, rogueKey   string           // signed by rogue: etcd refuses it
+	admin                 EtcdClientConfig // TLS identity, no user
+	agent                 EtcdClientConfig // the agent user, limited to the prefix
+	password              string           // the agent user's
+}
+
+// startSecuredEtcd runs a secured etcd whose agent user may use prefix.
+// It skips the test when there is no etcd binary and no way to install it.
+func startSecuredEtcd(t *testing.T, ctx context.Context, prefix string) *securedEtcd {
+	t.Helper()
 	if _, err := EtcdBinaryAvailable(); err != nil {
 		if os.Geteuid() != 0 {
 			t.Skipf("no etcd binary and not root to install it: %v", err)
 		}
 		t.Fatal(err)
 	}
-	dir := t.TempDir()
-	ca := newTestCA(t, dir, "mesh-ca")
-	serverCert, serverKey := ca.issue(t, dir, "etcd-server", true)
-	clientCert, clientKey := ca.issue(t, dir, "latentmesh-client", false)
-	rogue := newTestCA(t, dir, "rogue-ca")
-	rogueCert, rogueKey := rogue.issue(t, dir, "rogue-client", false)
+	s := &securedEtcd{dir: t.TempDir(), password: "agent-secret"}
+	s.ca = newTestCA(t, s.dir, "mesh-ca")
+	serverCert, serverKey := s.ca.issue(t, s.dir, "etcd-server", true)
+	s.clientCert, s.clientKey = s.ca.issue(t, s.dir, "latentmesh-client", false)
+	s.rogue = newTestCA(t, s.dir, "rogue-ca")
+	s.rogueCert, s.rogueKey = s.rogue.issue(t, s.dir, "rogue-client", false)
 
 	ecfg := DefaultEtcdProcessConfig()
-	ecfg.Dir = dir
-	ecfg.CertFile, ecfg.KeyFile, ecfg.TrustedCAFile = serverCert, serverKey, ca.file
-	ecfg.Client = EtcdClientConfig{CertFile: clientCert, KeyFile: clientKey, CAFile: ca.file}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	etcd, err := StartEtcdProcess(ctx, ecfg)
-	if err != nil {
+	ecfg.Dir = s.dir
+	ecfg.CertFile, ecfg.KeyFile, ecfg.TrustedCAFile = serverCert, serverKey, s.ca.file
+	ecfg.Client = EtcdClientConfig{CertFile: s.clientCert, KeyFile: s.clientKey, CAFile: s.ca.file}
+	var err error
+	if s.EtcdProcess, err = StartEtcdProcess(ctx, ecfg); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { etcd.Close() })
-	eps := etcd.Endpoints()
+	t.Cleanup(func() { s.Close() })
+	eps := s.Endpoints()
 	if !strings.HasPrefix(eps[0], "https://") {
 		t.Fatalf("endpoint %s is not TLS", eps[0])
 	}
 
 	// As an operator would with etcdctl: a role on the mesh's prefix only,
 	// an agent user with it, then root, then auth on.
-	const prefix = "/latentmesh/secure"
-	admin := EtcdClientConfig{Endpoints: eps, CertFile: clientCert, KeyFile: clientKey, CAFile: ca.file}
-	root, err := admin.New(ctx)
+	s.admin = EtcdClientConfig{Endpoints: eps, CertFile: s.clientCert, KeyFile: s.clientKey, CAFile: s.ca.file}
+	root, err := s.admin.New(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
+	defer root.Close()
 	for _, step := range []func() error{
 		func() error { _, err := root.RoleAdd(ctx, "latentmesh-agent"); return err },
 		func() error {
@@ -147,7 +158,7 @@ func TestAgentOnSecuredEtcd(t *testing.T) {
 				clientv3.PermissionType(clientv3.PermReadWrite))
 			return err
 		},
-		func() error { _, err := root.UserAdd(ctx, "agent", "agent-secret"); return err },
+		func() error { _, err := root.UserAdd(ctx, "agent", s.password); return err },
 		func() error { _, err := root.UserGrantRole(ctx, "agent", "latentmesh-agent"); return err },
 		func() error { _, err := root.UserAdd(ctx, "root", "root-secret"); return err },
 		func() error { _, err := root.UserGrantRole(ctx, "root", "root"); return err },
@@ -157,11 +168,24 @@ func TestAgentOnSecuredEtcd(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	root.Close()
+	s.agent = s.admin
+	s.agent.Username, s.agent.Password = "agent", s.password
+	return s
+}
 
-	agentClient := admin
-	agentClient.Username, agentClient.Password = "agent", "agent-secret"
-
+// An agent runs against an etcd that requires TLS client certificates and
+// has auth enabled, as a user whose role only reaches the mesh's prefix;
+// a client whose certificate etcd does not trust, or that does not trust
+// etcd's, is refused with an error that says which.
+func TestAgentOnSecuredEtcd(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const prefix = "/latentmesh/secure"
+	sec := startSecuredEtcd(t, ctx, prefix)
+	eps := sec.Endpoints()
+	ca, rogue := sec.ca, sec.rogue
+	clientCert, clientKey, rogueCert, rogueKey := sec.clientCert, sec.clientKey, sec.rogueCert, sec.rogueKey
+	agentClient := sec.agent
 	// Least privilege holds: the agent user cannot read outside its prefix.
 	cli, err := agentClient.New(ctx)
 	if err != nil {

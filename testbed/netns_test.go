@@ -138,12 +138,17 @@ func TestPartitionEndsPullWithinTimeout(t *testing.T) {
 
 // adminStatus reads an agent's admin status.
 func adminStatus(ctx context.Context, addr string) (agent.Status, error) {
+	return adminStatusAs(ctx, addr, meshAdminToken)
+}
+
+// adminStatusAs reads an agent's admin status with token.
+func adminStatusAs(ctx context.Context, addr, token string) (agent.Status, error) {
 	var st agent.Status
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/v1/admin/status", nil)
 	if err != nil {
 		return st, err
 	}
-	req.Header.Set("Authorization", "Bearer "+meshAdminToken)
+	req.Header.Set("Authorization", "Bearer "+token)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return st, err
@@ -153,6 +158,25 @@ func adminStatus(ctx context.Context, addr string) (agent.Status, error) {
 		return st, fmt.Errorf("admin status: %s", resp.Status)
 	}
 	return st, json.NewDecoder(resp.Body).Decode(&st)
+}
+
+// peersAlive checks that the agent whose admin endpoint is addr sees every
+// other node of ids alive in gossip.
+func peersAlive(ctx context.Context, addr, token string, ids []string) error {
+	st, err := adminStatusAs(ctx, addr, token)
+	if err != nil {
+		return err
+	}
+	alive := map[string]bool{}
+	for _, p := range st.Peers {
+		alive[p.ID] = p.Alive
+	}
+	for _, id := range ids {
+		if id != st.Node.ID && !alive[id] {
+			return fmt.Errorf("%s does not see %s alive: %+v", st.Node.ID, id, st.Peers)
+		}
+	}
+	return nil
 }
 
 // Agents on three hosts, etcd on a fourth, every transport left on auto:

@@ -89,6 +89,19 @@ func StartCommand(name string, cmd *exec.Cmd, tee io.Writer) (*Process, error) {
 	return p, nil
 }
 
+// Pid is the process id.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
+// Exited reports whether the process has ended, and how.
+func (p *Process) Exited() (bool, error) {
+	select {
+	case <-p.done:
+		return true, p.err
+	default:
+		return false, nil
+	}
+}
+
 // Output is everything the process printed so far.
 func (p *Process) Output() string {
 	s, _ := p.out.snapshot()

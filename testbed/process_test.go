@@ -63,13 +63,15 @@ func eventually(t *testing.T, timeout time.Duration, cond func() error) {
 	}
 }
 
-// mesh is `latentmesh dev --agents 0` plus agent processes.
+// mesh is `latentmesh dev --agents 0` (or an external etcd) plus agent
+// processes.
 type mesh struct {
 	t        *testing.T
 	endpoint string
 	cli      *clientv3.Client
 	procs    []*Process
-	keyring  string // gossip keyring file every agent gets, as in a deployment
+	keyring  string   // gossip keyring file every agent gets, as in a deployment
+	args     []string // more flags every agent gets (etcd credentials, tokens)
 }
 
 func startMesh(t *testing.T) *mesh { return startMeshAt(t, "127.0.0.1") }
@@ -87,13 +89,7 @@ func startMeshListen(t *testing.T, addr string) *mesh {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := &mesh{t: t, procs: []*Process{dev}, keyring: filepath.Join(t.TempDir(), "gossip-keyring.json")}
-	t.Cleanup(m.stop)
-	key := make([]byte, 32)
-	rand.Read(key)
-	if err := os.WriteFile(m.keyring, fmt.Appendf(nil, "[%q]", base64.StdEncoding.EncodeToString(key)), 0o600); err != nil {
-		t.Fatal(err)
-	}
+	m := newMesh(t, dev)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if m.endpoint, err = dev.WaitFor(ctx, regexp.MustCompile(`etcd endpoint: (\S+)`)); err != nil {
@@ -103,6 +99,27 @@ func startMeshListen(t *testing.T, addr string) *mesh {
 		t.Fatal(err)
 	}
 	return m
+}
+
+// newMesh is a mesh of procs (those already running) with a fresh gossip
+// key; the caller sets endpoint and cli.
+func newMesh(t *testing.T, procs ...*Process) *mesh {
+	t.Helper()
+	m := &mesh{t: t, procs: procs, keyring: writeGossipKeyring(t)}
+	t.Cleanup(m.stop)
+	return m
+}
+
+// writeGossipKeyring writes a keyring file holding one fresh key.
+func writeGossipKeyring(t *testing.T) string {
+	t.Helper()
+	file := filepath.Join(t.TempDir(), "gossip-keyring.json")
+	key := make([]byte, 32)
+	rand.Read(key)
+	if err := os.WriteFile(file, fmt.Appendf(nil, "[%q]", base64.StdEncoding.EncodeToString(key)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return file
 }
 
 func (m *mesh) stop() {
@@ -144,7 +161,7 @@ func (m *mesh) agentOn(h *Host, id, role string, extra ...string) (*Process, gos
 	}
 	args := append([]string{binary, "agent", "--etcd-endpoints", m.endpoint, "--roles", role, "--node-id", id,
 		"--http", ip + ":0", "--admin", ip + ":0", "--lease-ttl", "2s", "--log-format", "console",
-		"--gossip-keyring", m.keyring}, extra...)
+		"--gossip-keyring", m.keyring}, append(append([]string(nil), m.args...), extra...)...)
 	if h != nil {
 		args = append(args, "--p2p-listen", "/ip4/"+ip+"/tcp/0", "--data-listen", ip+":0", "--gossip-bind", ip+":0",
 			"--admin-token", meshAdminToken) // an admin endpoint beyond loopback needs one

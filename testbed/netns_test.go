@@ -2,11 +2,8 @@ package testbed
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
-	"fmt"
 	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -139,20 +136,8 @@ func TestPartitionEndsPullWithinTimeout(t *testing.T) {
 // adminStatus reads an agent's admin status.
 func adminStatus(ctx context.Context, addr string) (agent.Status, error) {
 	var st agent.Status
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/v1/admin/status", nil)
-	if err != nil {
-		return st, err
-	}
-	req.Header.Set("Authorization", "Bearer "+meshAdminToken)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return st, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return st, fmt.Errorf("admin status: %s", resp.Status)
-	}
-	return st, json.NewDecoder(resp.Body).Decode(&st)
+	err := AdminGet(ctx, addr, meshAdminToken, "/v1/admin/status", &st)
+	return st, err
 }
 
 // Agents on three hosts, etcd on a fourth, every transport left on auto:

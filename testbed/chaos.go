@@ -651,6 +651,7 @@ func (r *chaosRun) checkLeaks(ctx context.Context, rep *ChaosReport) error {
 	for {
 		n, evidence, err := r.leaks(ctx)
 		if err == nil && n == 0 {
+			r.logf("no leaks: %s", evidence[0])
 			return nil
 		}
 		if time.Now().After(deadline) {
@@ -700,5 +701,14 @@ func (r *chaosRun) leaks(ctx context.Context) (int, []string, error) {
 	}
 	recs := leakedRecords(snap)
 	n, held := leakedHoldings(snap, hs)
+	if len(recs)+n == 0 {
+		// Say what was compared, for the log.
+		p, c := 0, 0
+		for _, h := range hs {
+			p, c = p+h.Payloads, c+h.Copies
+		}
+		return 0, []string{fmt.Sprintf("%d payload and %d object records; agents hold %d payloads, %d of them Store copies",
+			len(snap.Payloads), len(snap.Objects), p, c)}, nil
+	}
 	return len(recs) + n, append(recs, held...), nil
 }

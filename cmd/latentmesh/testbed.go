@@ -61,6 +61,9 @@ func runChaos(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	cfg.Binary, cfg.Progress = bin, stderr
 	rep, err := testbed.RunChaos(ctx, cfg)
 	if err != nil {
+		if ctx.Err() != nil {
+			err = fmt.Errorf("%w (%v)", err, context.Cause(ctx))
+		}
 		fmt.Fprintf(stderr, "latentmesh testbed chaos: %v\n", err)
 		return 1
 	}

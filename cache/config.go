@@ -48,6 +48,16 @@ type Config struct {
 	// copies with the records, re-replicate objects that lost a holder,
 	// collect orphans. A member leaving triggers a pass at once (Kick).
 	MaintainEvery time.Duration
+	// LostGrace is how long every holder of an object must have been
+	// gone (not alive in gossip and not registered in etcd, as the
+	// collector saw it on each of its passes) before the collector deletes
+	// the record as lost. A partitioned or paused holder loses its
+	// registration after a lease TTL but keeps its copy, and gets the
+	// registration back when it heals; deleting the record at once would
+	// make that copy unreachable for good. A holder that restarts without
+	// its copies unlists itself from the records at once, so this wait
+	// only delays the cleanup of records whose holders never come back.
+	LostGrace time.Duration
 	// ExpiryGrace is how long past its retention a record may outlive its
 	// etcd lease (etcd extends leases on a leader change) before the
 	// collector deletes it.
@@ -80,6 +90,7 @@ func DefaultConfig() Config {
 		StageTimeout:   2 * time.Minute,  // a put's copy plus a commit retried across an etcd hiccup
 		RequestTimeout: 60 * time.Second, // copying 4 GiB at ~1 GB/s on a busy link
 		MaintainEvery:  10 * time.Second, // a departure is kicked at once; this is the safety net
+		LostGrace:      5 * time.Minute,  // outlasts partitions and stalls a holder recovers from
 		ExpiryGrace:    time.Minute,
 		MaxFrame:       16 << 10, // a request is two refs and an id
 		Logger:         zap.NewNop(),
@@ -99,7 +110,7 @@ func (c Config) validate() (Config, error) {
 		return c, errors.New("cache: config: SpillCapacity needs a SpillDir")
 	case c.Replicas < 1 || c.Replicas > 8:
 		return c, fmt.Errorf("cache: config: Replicas %d not in [1,8]", c.Replicas)
-	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0:
+	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0:
 		return c, errors.New("cache: config: timeouts must be positive (start from DefaultConfig)")
 	case c.MaxFrame < 1024:
 		return c, fmt.Errorf("cache: config: MaxFrame %d < 1024", c.MaxFrame)

@@ -206,7 +206,8 @@ func (s *Store) unlistMissing(ctx context.Context, l listed) {
 // repair brings an object back to its replica count. The first live holder
 // in the record is responsible, so exactly one node acts per object; it
 // copies its own copy onto new holders chosen by rendezvous and rewrites the
-// record, if no one else changed it meanwhile. Cache objects are not
+// record, if no one else changed it meanwhile, naming the new holders in
+// place of holders that are not alive (those not replaced stay named). Cache objects are not
 // repaired: losing one costs a recompute, not a job.
 func (s *Store) repair(ctx context.Context, l listed, members []Member, alive map[string]bool) {
 	if l.Mode == Cache {
@@ -234,11 +235,24 @@ func (s *Store) repair(ctx context.Context, l listed, members []Member, alive ma
 			added = nil
 		}
 	}
-	if len(added) == 0 && len(live) == len(l.Holders) {
+	holders := append(live, added...)
+	// A holder not alive now may be cut off or paused with its copy
+	// intact, and come back: it is dropped only when a new copy takes its
+	// place. Dropping it sooner would leave its copy unnamed, freed when
+	// it returns, and the object with fewer copies than it had.
+	for _, h := range l.Holders {
+		if len(holders) >= l.Replicas {
+			break
+		}
+		if !alive[h.Node] {
+			holders = append(holders, h)
+		}
+	}
+	if len(added) == 0 && len(holders) == len(l.Holders) {
 		return // nothing gained and nobody to drop: leave the record be
 	}
 	rec := l.Record
-	rec.Holders = append(live, added...)
+	rec.Holders = holders
 	key := ObjectKey(s.cfg.Prefix, l.ID)
 	put := clientv3.OpPut(key, encodeRecord(rec))
 	if l.lease != 0 {
@@ -255,8 +269,34 @@ func (s *Store) repair(ctx context.Context, l listed, members []Member, alive ma
 		zap.Int("live", len(live)), zap.Int("added", len(added)), zap.Int("want", l.Replicas))
 }
 
-// collect deletes records nobody will use: objects every holder of which is
-// gone (lost), records past their retention plus ExpiryGrace (etcd extends
+// goneFor returns, for each holder named in ls that is neither alive nor
+// registered, how long this collector has seen it so on every pass; a
+// holder seen again starts over. With known false (etcd could not be
+// read) no holder is counted gone.
+func (s *Store) goneFor(ls []listed, alive, registered map[string]bool, known bool, now time.Time) map[string]time.Duration {
+	s.goneMu.Lock()
+	defer s.goneMu.Unlock()
+	next := map[string]time.Time{}
+	out := map[string]time.Duration{}
+	for _, l := range ls {
+		for _, h := range l.Holders {
+			if !known || alive[h.Node] || registered[h.Node] {
+				continue
+			}
+			since, ok := s.goneSince[h.Node]
+			if !ok {
+				since = now
+			}
+			next[h.Node] = since
+			out[h.Node] = now.Sub(since)
+		}
+	}
+	s.goneSince = next // nodes no record names are forgotten
+	return out
+}
+
+// collect deletes records nobody will use: objects every holder of which
+// has been gone for LostGrace (lost), records past their retention plus ExpiryGrace (etcd extends
 // leases on a leader change), and objects the agent says are orphans.
 func (s *Store) collect(ctx context.Context, ls []listed, alive map[string]bool) {
 	now := s.cfg.Now()
@@ -273,10 +313,15 @@ func (s *Store) collect(ctx context.Context, ls []listed, alive map[string]bool)
 		}
 		registered = reg
 	}
+	known := s.cfg.Registered == nil || registered != nil
+	gone := s.goneFor(ls, alive, registered, known, now)
 	for _, l := range ls {
-		lost := s.cfg.Registered == nil || registered != nil
+		// A record with no holder left is lost at once: every holder
+		// unlisted itself, having found its copy gone.
+		lost := known
 		for _, h := range l.Holders {
-			lost = lost && !alive[h.Node] && !registered[h.Node]
+			d, isGone := gone[h.Node]
+			lost = lost && isGone && d >= s.cfg.LostGrace
 		}
 		switch {
 		case lost:

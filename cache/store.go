@@ -50,6 +50,11 @@ type Store struct {
 	closed bool
 
 	repairs, collected, lost, puts, gets atomic.Int64
+
+	goneMu sync.Mutex
+	// goneMu guards goneSince: since when the collector has seen each
+	// holder named in a record gone (LostGrace).
+	goneSince map[string]time.Time
 }
 
 // New builds a Store on the agent's etcd client, transfer service and

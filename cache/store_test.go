@@ -413,9 +413,11 @@ func TestReReplication(t *testing.T) {
 	}
 }
 
-// With nowhere to copy to, a record keeps its live holder and is rewritten
-// once (dropping the dead one), not on every pass.
-func TestRepairWithoutRoomRewritesOnce(t *testing.T) {
+// With nowhere to copy to, a record keeps its live holder and the holder
+// that is not alive (cut off or paused, it may come back with its copy;
+// dropping it would only lose that copy), and passes that can change
+// nothing leave the record alone.
+func TestRepairWithoutRoomKeepsHolders(t *testing.T) {
 	c := newCluster(t, clusterConfig{nodes: 2, mem: 4 << 20, tune: func(cfg *Config) {
 		cfg.MaintainEvery = 50 * time.Millisecond
 	}})
@@ -427,38 +429,29 @@ func TestRepairWithoutRoomRewritesOnce(t *testing.T) {
 	if len(rec.Holders) != 2 {
 		t.Fatalf("holders %v", holderNodes(rec))
 	}
+	raw := c.rawRecord(ctx, rec.ID)
+	if len(raw.Kvs) != 1 {
+		t.Fatal("record missing")
+	}
+	rev := raw.Kvs[0].ModRevision
 	c.kill("n1")
 	c.kick()
-	var rev int64
-	eventually(t, 10*time.Second, "dead holder dropped", func() error {
-		raw := c.rawRecord(ctx, rec.ID)
-		if len(raw.Kvs) != 1 {
-			return errors.New("record gone")
-		}
-		r, err := decodeRecord(raw.Kvs[0].Value)
-		if err != nil {
-			return err
-		}
-		if hs := holderNodes(r); len(hs) != 1 || hs[0] != "n0" {
-			return fmt.Errorf("holders %v", hs)
-		}
-		rev = raw.Kvs[0].ModRevision
-		return nil
-	})
-	// Passes that change nothing leave the record alone.
+	// Negative check: many passes (50 ms apart), then three more by hand.
+	time.Sleep(500 * time.Millisecond)
 	for range 3 {
 		c.nodes[0].s.maintain(ctx)
 	}
-	if raw := c.rawRecord(ctx, rec.ID); len(raw.Kvs) != 1 || raw.Kvs[0].ModRevision != rev {
-		t.Errorf("record rewritten by passes that changed nothing")
+	raw = c.rawRecord(ctx, rec.ID)
+	if len(raw.Kvs) != 1 || raw.Kvs[0].ModRevision != rev {
+		t.Fatalf("record rewritten or deleted with no new holder to name")
 	}
-	if r := c.nodes[0].s.LocalStats().Repairs; r != 1 {
-		t.Errorf("%d repairs, want 1", r)
+	if r := c.nodes[0].s.LocalStats().Repairs; r != 0 {
+		t.Errorf("%d repairs, want 0", r)
 	}
 }
 
 func TestLostObjectCollected(t *testing.T) {
-	c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20})
+	c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: func(cfg *Config) { cfg.LostGrace = 0 }})
 	ctx := testCtx(t)
 	rec, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "fragile", Mode: Pinned, Replicas: 1}, pattern(objSize, 40))
 	if err != nil {
@@ -842,7 +835,9 @@ func TestNearestSkipsUnverifiedHolders(t *testing.T) {
 
 // A holder that gossip no longer shows but etcd still registers (a stale
 // view after a partition) does not make its objects lost: the collector
-// deletes them only once etcd has no registration for any holder.
+// deletes them only once etcd has had no registration for any holder for
+// LostGrace (a partitioned or paused holder loses its registration but
+// keeps its copy, and comes back).
 func TestLostNeedsEtcdToAgree(t *testing.T) {
 	var mu sync.Mutex
 	gone := map[string]bool{} // deregistered in "etcd"
@@ -857,7 +852,10 @@ func TestLostNeedsEtcdToAgree(t *testing.T) {
 		}
 		return m, nil
 	}
-	c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: func(cfg *Config) { cfg.Registered = registered }})
+	const grace = 3 * time.Second
+	c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: func(cfg *Config) {
+		cfg.Registered, cfg.LostGrace = registered, grace
+	}})
 	ctx := testCtx(t)
 	rec, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "single", Mode: Pinned, Replicas: 1}, pattern(objSize, 42))
 	if err != nil {
@@ -877,6 +875,15 @@ func TestLostNeedsEtcdToAgree(t *testing.T) {
 	mu.Lock()
 	gone[holder] = true
 	mu.Unlock()
+	deregistered := time.Now()
+	// Deregistered for less than the grace: the record stays.
+	for range 3 {
+		c.kick()
+		time.Sleep(400 * time.Millisecond)
+	}
+	if _, err := survivor.s.Lookup(ctx, rec.ID); err != nil && time.Since(deregistered) < grace {
+		t.Fatalf("collected %v after etcd dropped its holder, before the %v grace: %v", time.Since(deregistered), grace, err)
+	}
 	eventually(t, 10*time.Second, "lost record collected once etcd agrees", func() error {
 		c.kick()
 		if _, err := survivor.s.Lookup(ctx, rec.ID); !errors.Is(err, ErrNotFound) {

@@ -2,11 +2,9 @@ package testbed
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
-	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -144,20 +142,8 @@ func adminStatus(ctx context.Context, addr string) (agent.Status, error) {
 // adminStatusAs reads an agent's admin status with token.
 func adminStatusAs(ctx context.Context, addr, token string) (agent.Status, error) {
 	var st agent.Status
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/v1/admin/status", nil)
-	if err != nil {
-		return st, err
-	}
-	req.Header.Set("Authorization", "Bearer "+token)
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return st, err
-	}
-	defer resp.Body.Close()
-	if resp.StatusCode != http.StatusOK {
-		return st, fmt.Errorf("admin status: %s", resp.Status)
-	}
-	return st, json.NewDecoder(resp.Body).Decode(&st)
+	err := AdminGet(ctx, addr, token, "/v1/admin/status", &st)
+	return st, err
 }
 
 // peersAlive checks that the agent whose admin endpoint is addr sees every

@@ -172,3 +172,13 @@ func (p *Process) Stop(timeout time.Duration) error {
 		return fmt.Errorf("testbed: %s ignored SIGTERM for %v", p.Name, timeout)
 	}
 }
+
+// exited reports whether the process has ended.
+func (p *Process) exited() bool {
+	select {
+	case <-p.done:
+		return true
+	default:
+		return false
+	}
+}

@@ -49,6 +49,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		storeCap   = fs.String("store-capacity", "", "arena bytes lent to the pooled Store (default: a quarter of --arena-size)")
 		spillDir   = fs.String("store-spill-dir", "", "`DIR` for Store copies when its memory is full (default: none)")
 		spillCap   = fs.String("store-spill-capacity", "", "bytes the Store may keep in --store-spill-dir, e.g. 64GiB (default: none)")
+		stageWait  = fs.Duration("store-stage-timeout", def.Store.StageTimeout, "how long a Store holder keeps a staged copy whose put never committed (its putter died) before dropping it")
 		xferMode   = fs.String("transfer-mode", string(def.TransferMode), "how stage outputs move on: p2p (consumer pulls from the producer), store (relayed through the Store, the producer frees its buffer at once) or auto (p2p while a consumer has credit, else store)")
 		resultTTL  = fs.Duration("result-ttl", def.ResultTTL, "how long finished files stay in the Store")
 		retention  = fs.Duration("job-retention", def.Jobs.Retention, "how long finished job records stay in etcd (0: forever)")
@@ -96,6 +97,11 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprintf(stderr, "latentmesh agent: %v\n", err)
 		return 2
 	}
+	if *stageWait <= 0 {
+		fmt.Fprintf(stderr, "latentmesh agent: --store-stage-timeout must be positive\n")
+		return 2
+	}
+	cfg.Store.StageTimeout = *stageWait
 	cfg.ResultTTL, cfg.Jobs.Retention = *resultTTL, *retention
 	if *apiTokens != "" {
 		if cfg.API.Tokens, err = httpapi.LoadTokens(*apiTokens); err != nil {

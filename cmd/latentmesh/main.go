@@ -25,6 +25,7 @@ commands:
   store      the pooled Store: 'store stat' (by mode and tier), 'store ls [--job ID]'
   version    print the version
   bench      benchmark the data plane (transfer), chunked decode (overlap) and the Store (store)
+  testbed    fault-injection runs on hosts in network namespaces ('testbed chaos', as root)
 
 Run 'latentmesh <command> -h' for a command's flags.
 `
@@ -51,6 +52,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		"store":    runStore,
 		"version":  runVersion,
 		"bench":    runBench,
+		"testbed":  runTestbed,
 	}
 	switch args[0] {
 	case "-h", "--help", "help":

@@ -47,6 +47,10 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"agent", "--etcd-ca", "/nonexistent.crt"}, 1, "etcd CA"},
 		{[]string{"agent", "--etcd-cert", "c", "--etcd-key", "k", "--etcd-endpoints", "http://127.0.0.1:1"}, 1, "etcd client certificate"},
 		{[]string{"bench", "transfer", "--sizes", "big"}, 2, "big"},
+		{[]string{"testbed"}, 2, "usage: latentmesh testbed"},
+		{[]string{"testbed", "storm"}, 2, `unknown command "storm"`},
+		{[]string{"testbed", "chaos", "--agents", "2"}, 2, "want at least 3"},
+		{[]string{"testbed", "chaos", "--duration", "soon"}, 2, "--duration"},
 	}
 	for _, tt := range tests {
 		code, _, stderr := runCmd(tt.args...)
@@ -60,8 +64,14 @@ func TestVersionAndHelp(t *testing.T) {
 	if code, out, _ := runCmd("version"); code != 0 || !strings.Contains(out, agent.Version) {
 		t.Fatalf("version: %d %q", code, out)
 	}
-	if code, out, _ := runCmd("help"); code != 0 || !strings.Contains(out, "generate") {
+	if code, out, _ := runCmd("help"); code != 0 || !strings.Contains(out, "generate") || !strings.Contains(out, "testbed") {
 		t.Fatalf("help: %d %q", code, out)
+	}
+	if code, out, _ := runCmd("testbed", "help"); code != 0 || !strings.Contains(out, "chaos") {
+		t.Fatalf("testbed help: %d %q", code, out)
+	}
+	if code, _, errOut := runCmd("testbed", "chaos", "-h"); code != 0 || !strings.Contains(errOut, "--agents") && !strings.Contains(errOut, "-agents") {
+		t.Fatalf("testbed chaos -h: %d %q", code, errOut)
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
@@ -230,18 +231,22 @@ func (a *Agent) Result(ctx context.Context, id string) ([]byte, string, error) {
 			return err
 		})
 	}
+	// Gone before its retention ended means lost, not expired.
+	gone := jobs.ErrExpired
+	if time.Now().Before(job.Result.ExpiresAt) {
+		gone = jobs.ErrResultLost
+	}
 	if err := lookup(); errors.Is(err, cache.ErrNotFound) {
-		return nil, "", fmt.Errorf("%w: %s", jobs.ErrExpired, job.Result.Object)
+		return nil, "", fmt.Errorf("%w: %s", gone, job.Result.Object)
 	} else if err != nil {
 		return nil, "", fmt.Errorf("agent: result of %s: %w", id, err)
 	}
 	data := make([]byte, rec.Size)
 	err = a.cstore.Fetch(ctx, rec, data)
 	if errors.Is(err, cache.ErrNotFound) {
-		// Every holder refused: the object may have expired meanwhile.
-		if lerr := lookup(); errors.Is(lerr, cache.ErrNotFound) {
-			return nil, "", fmt.Errorf("%w: %s", jobs.ErrExpired, job.Result.Object)
-		}
+		// Every holder refused: the object expired meanwhile, or every
+		// copy it names is gone.
+		return nil, "", fmt.Errorf("%w: %s: %v", gone, job.Result.Object, err)
 	}
 	if err != nil {
 		return nil, "", fmt.Errorf("agent: result of %s: %w", id, err)

@@ -75,6 +75,14 @@ func (s *Store) apply(ev *clientv3.Event) {
 				s.hold.dropIf(c.ref.ID, staleBefore(rev, true)) // superseded by a newer put of the same id
 			}
 		}
+		if listed && len(rec.Holders) < rec.Replicas && ev.PrevKv != nil {
+			// A holder left the record (one restarted without its copy
+			// removes itself): repair now, not at the next periodic pass,
+			// so a second loss soon after does not take the last copy.
+			if prev, err := decodeRecord(ev.PrevKv.Value); err == nil && len(prev.Holders) > len(rec.Holders) {
+				s.Kick()
+			}
+		}
 	case mvccpb.DELETE:
 		if ev.PrevKv == nil {
 			return

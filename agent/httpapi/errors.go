@@ -39,6 +39,7 @@ const (
 	CodeUnavailable        = "unavailable"
 	CodeOverloaded         = "overloaded" // the mesh cannot take more work now; retry later
 	CodeExpired            = "expired"
+	CodeResultLost         = "result_lost" // every copy of the result is gone before its retention ended
 	CodeInternal           = "internal_error"
 	codeInvalidFieldPrefix = "invalid_"
 )

@@ -476,6 +476,8 @@ func (s *server) storeError(r *http.Request, op, id string, err error) *APIError
 		return apiErr(http.StatusConflict, typeConflict, CodeNotReady, "%s", err.Error())
 	case errors.Is(err, jobs.ErrExpired):
 		return apiErr(http.StatusGone, typeJob, CodeExpired, "job %s: its result passed its retention and was freed", id)
+	case errors.Is(err, jobs.ErrResultLost):
+		return apiErr(http.StatusGone, typeJob, CodeResultLost, "job %s: its result was lost: every agent that held a copy died before the Store could copy it elsewhere; submit the job again", id)
 	case errors.Is(err, jobs.ErrNoSpace), errors.Is(err, jobs.ErrStoreFull):
 		e := apiErr(http.StatusServiceUnavailable, typeServer, CodeOverloaded, "%s", err.Error())
 		e.RetryAfter = 30

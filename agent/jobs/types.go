@@ -153,6 +153,10 @@ var (
 	// ErrExpired means a succeeded job's result passed its retention and
 	// was freed.
 	ErrExpired = errors.New("jobs: result expired")
+	// ErrResultLost means a succeeded job's result is gone before its
+	// retention ended: every agent that held a copy lost it (killed before
+	// the Store could copy it elsewhere).
+	ErrResultLost = errors.New("jobs: result lost")
 	// ErrStoreFull means the mesh has no room for a new job's payloads, in
 	// memory or on disk: new submissions are refused until room is freed.
 	ErrStoreFull = errors.New("jobs: store full")

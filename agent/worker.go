@@ -297,6 +297,12 @@ func (a *Agent) execute(c *jobs.Claim) {
 		case err == nil:
 			a.metrics.ObserveStage(st, out.Work)
 			log.Info("stage committed early", zap.Duration("took", out.Work))
+		case errors.Is(err, errMaybeCommitted):
+			// Refused after an attempt whose answer was lost, and etcd
+			// could not say whether that attempt took effect.
+			log.Warn("early commit refused after a retry; output discarded unless an earlier attempt committed it", zap.Error(err))
+			a.releaseUncommitted(published, err)
+			a.abort(staged)
 		case errors.Is(err, jobs.ErrFenced), errors.Is(err, jobs.ErrFinished):
 			log.Warn("early commit refused; output discarded", zap.Error(err))
 			release()
@@ -651,7 +657,7 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 			go func() {
 				o := out
 				o.Work = time.Since(c.StartedAt)
-				err := a.store.Commit(ctx, c, o)
+				err := a.earlyCommit(ctx, c, o, ref.ID)
 				if err == nil {
 					handedOff.Store(true)
 				} else {
@@ -676,7 +682,9 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 		if errors.Is(cerr, jobs.ErrFenced) || errors.Is(cerr, jobs.ErrFinished) {
 			return out, published, true, cerr
 		}
-		// Nothing was committed: the claim is still ours, retry the task.
+		// Not committed (refused, or stopped retrying by a cancel or a
+		// lost lease): the task is retried or dropped, in a write fenced
+		// by the claim, which a commit that did take effect deleted.
 		return out, published, false, fmt.Errorf("%w: early commit: %v", errTransient, cerr)
 	}
 	if err != nil {
@@ -686,6 +694,32 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 		return out, nil, true, err
 	}
 	return out, nil, true, nil
+}
+
+// earlyCommit commits a denoise stage handed off early, as commit does a
+// finished stage: while etcd does not answer it keeps the payload (the
+// sampler goes on writing its tail meanwhile) and retries. When a retry is
+// refused after an attempt got no answer, the payload's record says whether
+// that attempt took effect: the commit writes it, and only the consumer's
+// commit (which needs the tail) or a cancel deletes it. An error that
+// leaves this undecided wraps errMaybeCommitted.
+func (a *Agent) earlyCommit(ctx context.Context, c *jobs.Claim, out jobs.Output, payload string) error {
+	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.Int("attempt", c.Task.Attempt), zap.Bool("early", true))
+	uncertain, err := a.commit(ctx, c, out, log)
+	if err == nil || !uncertain || !(errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished)) {
+		return err
+	}
+	rctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
+	defer cancel()
+	recorded, rerr := a.store.PayloadRecorded(rctx, payload)
+	switch {
+	case rerr != nil:
+		return fmt.Errorf("%w: %w (and reading the payload record: %v)", errMaybeCommitted, err, rerr)
+	case recorded:
+		log.Info("an early commit attempt that got no answer had committed")
+		return nil
+	}
+	return err
 }
 
 // input decodes a task's single input reference.

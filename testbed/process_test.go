@@ -81,13 +81,8 @@ func startMeshAt(t *testing.T, ip string) *mesh {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m := &mesh{t: t, procs: []*Process{dev}, keyring: filepath.Join(t.TempDir(), "gossip-keyring.json")}
+	m := &mesh{t: t, procs: []*Process{dev}, keyring: writeKeyring(t)}
 	t.Cleanup(m.stop)
-	key := make([]byte, 32)
-	rand.Read(key)
-	if err := os.WriteFile(m.keyring, fmt.Appendf(nil, "[%q]", base64.StdEncoding.EncodeToString(key)), 0o600); err != nil {
-		t.Fatal(err)
-	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	if m.endpoint, err = dev.WaitFor(ctx, regexp.MustCompile(`etcd endpoint: (\S+)`)); err != nil {
@@ -97,6 +92,18 @@ func startMeshAt(t *testing.T, ip string) *mesh {
 		t.Fatal(err)
 	}
 	return m
+}
+
+// writeKeyring writes a gossip keyring file of one fresh key.
+func writeKeyring(t *testing.T) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "gossip-keyring.json")
+	key := make([]byte, 32)
+	rand.Read(key)
+	if err := os.WriteFile(path, fmt.Appendf(nil, "[%q]", base64.StdEncoding.EncodeToString(key)), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
 
 func (m *mesh) stop() {

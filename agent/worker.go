@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -315,6 +316,21 @@ func (a *Agent) execute(c *jobs.Claim) {
 	var uncertain bool // a commit attempt got no answer: it may have taken effect
 	if err == nil {
 		uncertain, err = a.commit(ctx, c, out, log)
+		lost := errors.Is(err, jobs.ErrFenced) || (ctx.Err() != nil && a.member.Lease() != c.Lease)
+		if err != nil && lost && a.ctx.Err() == nil {
+			// The claim went with the lease while the finished output
+			// waited for etcd (an etcd majority frozen and thawed expires
+			// leases as it resumes; only the claim's lease or its holder
+			// deletes a claim): take the task back if nobody has since,
+			// and commit it.
+			if c2 := a.reclaim(c, log); c2 != nil {
+				ctx2, stop2 := a.watchCancel(c2, &handedOff)
+				defer stop2()
+				var u2 bool
+				u2, err = a.commit(ctx2, c2, out, log)
+				c, ctx, uncertain = c2, ctx2, uncertain || u2
+			}
+		}
 		switch {
 		case err == nil:
 			a.metrics.ObserveStage(st, out.Work)
@@ -431,6 +447,49 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log 
 		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
+}
+
+// reclaim takes c's task back under this node's lease, for a finished
+// output whose claim went with the lease it was made under
+// (jobs.Store.Reclaim says when that is safe). A commit refused as fenced
+// can come before this node learns that its lease is gone: a reclaim under
+// the old lease then fails as "lease not found", and it waits for the new
+// one. It retries while etcd does not answer; nil means the task is no
+// longer this node's to commit.
+func (a *Agent) reclaim(c *jobs.Claim, log *zap.Logger) *jobs.Claim {
+	backoff := a.cfg.RetryBackoff
+	for a.ctx.Err() == nil {
+		changed := a.member.LeaseChanged() // before Lease, so a change in between is not missed
+		lease := a.member.Lease()
+		if lease == 0 { // registering again: waiting for etcd
+			select {
+			case <-changed:
+			case <-a.ctx.Done():
+			}
+			continue
+		}
+		ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
+		c2, err := a.store.Reclaim(ctx, c, lease)
+		cancel()
+		switch {
+		case err == nil:
+			log.Info("claim lost with the output finished; task reclaimed", zap.Int64("lease", int64(lease)))
+			return c2
+		case errors.Is(err, rpctypes.ErrLeaseNotFound):
+			select { // this node has yet to notice that its lease is gone
+			case <-changed:
+			case <-a.ctx.Done():
+			}
+		case errors.Is(err, context.DeadlineExceeded), jobs.IsUnavailable(err):
+			log.Warn("reclaim failed; retrying", zap.Duration("backoff", backoff), zap.Error(err))
+			a.sleep(backoff)
+			backoff = min(2*backoff, 5*time.Second)
+		default:
+			log.Warn("claim lost with the output finished; the task is no longer this node's", zap.Error(err))
+			return nil
+		}
+	}
+	return nil
 }
 
 // abort drops the copies of Store objects a task staged but did not commit.

@@ -129,7 +129,7 @@ func (m *Membership) holdLease(lease clientv3.LeaseID) string {
 		if gone || m.ctx.Err() != nil {
 			return reason
 		}
-		m.log.Warn("lease renewals unanswered; asking etcd whether it still holds the lease",
+		m.log.Warn("lease keepalive ended; asking etcd whether the lease lives",
 			zap.Int64("lease", int64(lease)), zap.String("reason", reason))
 		if reason, gone = m.renewOnce(lease); gone || m.ctx.Err() != nil {
 			return reason

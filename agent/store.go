@@ -10,6 +10,7 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
@@ -177,11 +178,24 @@ func (a *Agent) inputRefs(ctx context.Context, ins []jobs.Input) (jobs.Input, []
 // for ResultTTL on R holders. When no member has room it is held here beyond
 // the Store's capacity (counted as overflow): a decode must always be able to
 // finish, since finishing is what frees the latents filling the Store.
+// The result's retention lease is etcd's to grant: while etcd does not
+// answer, the file is kept and staged again after a backoff, for as long as
+// the task may still commit (as commit does), rather than decoded again.
 func (a *Agent) putResult(ctx context.Context, c *jobs.Claim, file []byte, contentType string) (*cache.Staged, *jobs.Result, error) {
-	st, err := a.cstore.StageBytes(ctx, cache.PutSpec{
+	spec := cache.PutSpec{
 		ID: jobs.ResultID(c.Task.JobID), Mode: cache.Pinned, Job: c.Task.JobID, TTL: a.cfg.ResultTTL,
 		ContentType: contentType, Overflow: true,
-	}, file)
+	}
+	st, err := a.cstore.StageBytes(ctx, spec, file)
+	for backoff := a.cfg.RetryBackoff; err != nil && jobs.IsUnavailable(err) && ctx.Err() == nil; backoff = min(2*backoff, 5*time.Second) {
+		a.log.Warn("storing the result failed; keeping the file and retrying", zap.String("job", c.Task.JobID),
+			zap.Duration("backoff", backoff), zap.Error(err))
+		select {
+		case <-ctx.Done():
+		case <-time.After(backoff):
+			st, err = a.cstore.StageBytes(ctx, spec, file)
+		}
+	}
 	if err != nil {
 		return nil, nil, fmt.Errorf("%w: store result: %v", errTransient, err)
 	}

@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
@@ -296,6 +297,12 @@ func (a *Agent) execute(c *jobs.Claim) {
 		case err == nil:
 			a.metrics.ObserveStage(st, out.Work)
 			log.Info("stage committed early", zap.Duration("took", out.Work))
+		case errors.Is(err, errMaybeCommitted):
+			// Refused after an attempt whose answer was lost, and etcd
+			// could not say whether that attempt took effect.
+			log.Warn("early commit refused after a retry; output discarded unless an earlier attempt committed it", zap.Error(err))
+			a.releaseUncommitted(published, err)
+			a.abort(staged)
 		case errors.Is(err, jobs.ErrFenced), errors.Is(err, jobs.ErrFinished):
 			log.Warn("early commit refused; output discarded", zap.Error(err))
 			release()
@@ -308,6 +315,21 @@ func (a *Agent) execute(c *jobs.Claim) {
 	var uncertain bool // a commit attempt got no answer: it may have taken effect
 	if err == nil {
 		uncertain, err = a.commit(ctx, c, out, log)
+		lost := errors.Is(err, jobs.ErrFenced) || (ctx.Err() != nil && a.member.Lease() != c.Lease)
+		if err != nil && lost && a.ctx.Err() == nil {
+			// The claim went with the lease while the finished output
+			// waited for etcd (an etcd majority frozen and thawed expires
+			// leases as it resumes; only the claim's lease or its holder
+			// deletes a claim): take the task back if nobody has since,
+			// and commit it.
+			if c2 := a.reclaim(c, log); c2 != nil {
+				ctx2, stop2 := a.watchCancel(c2, &handedOff)
+				defer stop2()
+				var u2 bool
+				u2, err = a.commit(ctx2, c2, out, log)
+				c, ctx, uncertain = c2, ctx2, uncertain || u2
+			}
+		}
 		switch {
 		case err == nil:
 			a.metrics.ObserveStage(st, out.Work)
@@ -424,6 +446,49 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log 
 		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
+}
+
+// reclaim takes c's task back under this node's lease, for a finished
+// output whose claim went with the lease it was made under
+// (jobs.Store.Reclaim says when that is safe). A commit refused as fenced
+// can come before this node learns that its lease is gone: a reclaim under
+// the old lease then fails as "lease not found", and it waits for the new
+// one. It retries while etcd does not answer; nil means the task is no
+// longer this node's to commit.
+func (a *Agent) reclaim(c *jobs.Claim, log *zap.Logger) *jobs.Claim {
+	backoff := a.cfg.RetryBackoff
+	for a.ctx.Err() == nil {
+		changed := a.member.LeaseChanged() // before Lease, so a change in between is not missed
+		lease := a.member.Lease()
+		if lease == 0 { // registering again: waiting for etcd
+			select {
+			case <-changed:
+			case <-a.ctx.Done():
+			}
+			continue
+		}
+		ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
+		c2, err := a.store.Reclaim(ctx, c, lease)
+		cancel()
+		switch {
+		case err == nil:
+			log.Info("claim lost with the output finished; task reclaimed", zap.Int64("lease", int64(lease)))
+			return c2
+		case errors.Is(err, rpctypes.ErrLeaseNotFound):
+			select { // this node has yet to notice that its lease is gone
+			case <-changed:
+			case <-a.ctx.Done():
+			}
+		case errors.Is(err, context.DeadlineExceeded), jobs.IsUnavailable(err):
+			log.Warn("reclaim failed; retrying", zap.Duration("backoff", backoff), zap.Error(err))
+			a.sleep(backoff)
+			backoff = min(2*backoff, 5*time.Second)
+		default:
+			log.Warn("claim lost with the output finished; the task is no longer this node's", zap.Error(err))
+			return nil
+		}
+	}
+	return nil
 }
 
 // abort drops the copies of Store objects a task staged but did not commit.
@@ -650,7 +715,7 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 			go func() {
 				o := out
 				o.Work = time.Since(c.StartedAt)
-				err := a.store.Commit(ctx, c, o)
+				err := a.earlyCommit(ctx, c, o, ref.ID)
 				if err == nil {
 					handedOff.Store(true)
 				} else {
@@ -675,7 +740,9 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 		if errors.Is(cerr, jobs.ErrFenced) || errors.Is(cerr, jobs.ErrFinished) {
 			return out, published, true, cerr
 		}
-		// Nothing was committed: the claim is still ours, retry the task.
+		// Not committed (refused, or stopped retrying by a cancel or a
+		// lost lease): the task is retried or dropped, in a write fenced
+		// by the claim, which a commit that did take effect deleted.
 		return out, published, false, fmt.Errorf("%w: early commit: %v", errTransient, cerr)
 	}
 	if err != nil {
@@ -685,6 +752,32 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 		return out, nil, true, err
 	}
 	return out, nil, true, nil
+}
+
+// earlyCommit commits a denoise stage handed off early, as commit does a
+// finished stage: while etcd does not answer it keeps the payload (the
+// sampler goes on writing its tail meanwhile) and retries. When a retry is
+// refused after an attempt got no answer, the payload's record says whether
+// that attempt took effect: the commit writes it, and only the consumer's
+// commit (which needs the tail) or a cancel deletes it. An error that
+// leaves this undecided wraps errMaybeCommitted.
+func (a *Agent) earlyCommit(ctx context.Context, c *jobs.Claim, out jobs.Output, payload string) error {
+	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.Int("attempt", c.Task.Attempt), zap.Bool("early", true))
+	uncertain, err := a.commit(ctx, c, out, log)
+	if err == nil || !uncertain || !(errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished)) {
+		return err
+	}
+	rctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
+	defer cancel()
+	recorded, rerr := a.store.PayloadRecorded(rctx, payload)
+	switch {
+	case rerr != nil:
+		return fmt.Errorf("%w: %w (and reading the payload record: %v)", errMaybeCommitted, err, rerr)
+	case recorded:
+		log.Info("an early commit attempt that got no answer had committed")
+		return nil
+	}
+	return err
 }
 
 // input decodes a task's single input reference.

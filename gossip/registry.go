@@ -117,33 +117,83 @@ func (m *Membership) leaseLoop(lease clientv3.LeaseID) {
 	}
 }
 
-// holdLease renews lease until it is lost or m.ctx ends, and reports why.
+// holdLease renews lease until etcd says it is gone or m.ctx ends, and
+// reports why. The client stops renewing a lease that got no answer for a
+// TTL, but that is not etcd expiring it: etcd expires leases only while it
+// has a leader, and a new leader extends every lease by its TTL. So through
+// an outage of any length (quorum lost, every member down) the lease, and
+// the claims on it, live on; only etcd's own "not found" ends it.
 func (m *Membership) holdLease(lease clientv3.LeaseID) string {
+	for {
+		reason, gone := m.renew(lease)
+		if gone || m.ctx.Err() != nil {
+			return reason
+		}
+		m.log.Warn("lease keepalive ended; asking etcd whether the lease lives",
+			zap.Int64("lease", int64(lease)), zap.String("reason", reason))
+		if reason, gone = m.renewOnce(lease); gone || m.ctx.Err() != nil {
+			return reason
+		}
+		m.log.Info("lease held through the etcd outage", zap.Int64("lease", int64(lease)))
+	}
+}
+
+// renew keeps lease alive until the client stops renewing it (gone false:
+// etcd may simply not have answered) or etcd says it is gone (gone true).
+func (m *Membership) renew(lease clientv3.LeaseID) (reason string, gone bool) {
 	ctx, cancel := context.WithCancel(m.ctx)
 	defer cancel() // drops this lease's keepalive from the client
 	ka, err := m.cli.KeepAlive(ctx, lease)
 	if err != nil {
-		return "keepalive: " + err.Error()
+		return "keepalive: " + err.Error(), errors.Is(err, rpctypes.ErrLeaseNotFound)
 	}
 	for {
 		select {
 		case <-m.ctx.Done():
-			return "closing"
+			return "closing", true
 		case _, ok := <-ka:
 			if !ok {
-				// The client closes the channel when the lease is not
-				// found or no renewal succeeded within the TTL.
-				return "keepalive ended"
+				// The client closes the channel when etcd answered that
+				// the lease is not found, and when no renewal was answered
+				// within the TTL; renewOnce tells which.
+				return "keepalive ended", false
 			}
 		case <-m.selfGone:
 			// Someone deleted our record. If the lease still exists, put
 			// the record back under it; if not, the lease is gone too.
 			if err := m.reput(lease); err != nil {
 				if errors.Is(err, rpctypes.ErrLeaseNotFound) {
-					return "record deleted and lease not found"
+					return "record deleted and lease not found", true
 				}
 				m.log.Warn("restore deleted record", zap.Error(err))
 			}
+		}
+	}
+}
+
+// renewOnce renews lease once, retrying until etcd answers: gone reports
+// that it answered "not found" (the lease expired or was revoked). Each try
+// is bounded by RequestTimeout and they follow one another closely: once
+// etcd has a leader again the lease lives one TTL (plus an election
+// timeout), and a renewal must land within it.
+func (m *Membership) renewOnce(lease clientv3.LeaseID) (reason string, gone bool) {
+	b := m.newBackoff()
+	b.max = min(b.max, m.cfg.LeaseTTL/4)
+	for {
+		ctx, cancel := context.WithTimeout(m.ctx, m.cfg.RequestTimeout)
+		_, err := m.cli.KeepAliveOnce(ctx, lease)
+		cancel()
+		switch {
+		case err == nil:
+			return "", false
+		case errors.Is(err, rpctypes.ErrLeaseNotFound):
+			return "lease not found", true
+		case m.ctx.Err() != nil:
+			return "closing", true
+		}
+		m.log.Debug("lease renewal", zap.Int64("lease", int64(lease)), zap.Error(err))
+		if !b.wait(m.ctx) {
+			return "closing", true
 		}
 	}
 }

@@ -128,6 +128,14 @@ func IsUnavailable(err error) bool {
 	switch status.Code(err) {
 	case codes.Unavailable, codes.DeadlineExceeded:
 		return true
+	case codes.Unknown:
+		// A member without a leader holds a write until the request's
+		// deadline (the caller's, passed on by gRPC, or its own request
+		// timeout) and answers with that context's bare error, which gRPC
+		// sends as Unknown. The caller's own expired context never gets
+		// here: the client returns ctx.Err() for it.
+		var se interface{ GRPCStatus() *status.Status }
+		return errors.As(err, &se) && se.GRPCStatus().Message() == context.DeadlineExceeded.Error()
 	}
 	return false
 }

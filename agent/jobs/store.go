@@ -577,6 +577,42 @@ func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv
 	return &Claim{Task: claimed, Node: node, Lease: lease, Rev: resp.Header.Revision, StartedAt: now}, nil
 }
 
+// Reclaim claims c's task again, for c's node under lease: the node's
+// lease after the one c was made under expired, with the task's output
+// finished but not committed. It succeeds only if nobody has claimed the
+// task since c (every claim rewrites the task key, so its ModRevision is
+// still c's; Abandon, Commit and Cancel change or delete it too) and
+// nobody holds a claim on it now: the output is still wanted, and no other
+// worker ran or runs the task. The claim continues c's attempt (Attempt is
+// not counted up), since the work was done once. It fails with ErrTaken
+// otherwise. A retry after an attempt that got no answer finds that
+// attempt's claim, on lease, and returns it.
+func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (*Claim, error) {
+	ck := s.claimKey(&c.Task)
+	cr := claimRecord{Task: c.Task.ID, Job: c.Task.JobID, Node: c.Node, StartedAt: c.StartedAt}
+	resp, err := s.cli.Txn(ctx).
+		If(clientv3.Compare(clientv3.ModRevision(c.Task.Key), "=", c.Task.Rev),
+			clientv3.Compare(clientv3.CreateRevision(ck), "=", 0)).
+		Then(clientv3.OpPut(ck, mustJSON(cr), clientv3.WithLease(lease))).
+		Else(clientv3.OpGet(ck), clientv3.OpGet(c.Task.Key, clientv3.WithKeysOnly())).
+		Commit()
+	if err != nil {
+		return nil, fmt.Errorf("jobs: reclaim %s: %w", c.Task.ID, err)
+	}
+	n := *c
+	n.Lease = lease
+	if resp.Succeeded {
+		n.Rev = resp.Header.Revision
+		return &n, nil
+	}
+	claims, tasks := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
+	if len(claims) == 1 && claims[0].Lease == int64(lease) && len(tasks) == 1 && tasks[0].ModRevision == c.Task.Rev {
+		n.Rev = claims[0].CreateRevision // ours, from an attempt whose answer was lost
+		return &n, nil
+	}
+	return nil, ErrTaken
+}
+
 // SetProgress records the running stage's step count (advisory, on the
 // lease). It is fenced like a commit: a write that arrives after the stage
 // committed (progress is written asynchronously) is refused, so it cannot

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap/zaptest"
 
@@ -649,4 +650,80 @@ func (r *forgetfulRecord) Op() clientv3.Op { return r.op }
 func (r *forgetfulRecord) Renew(ctx context.Context) error {
 	r.renewed++
 	return nil
+}
+
+// A worker whose lease expired with its output finished takes the task back
+// under its new lease only while nobody else has claimed it since, commits
+// under the new claim as the same attempt, and the old claim stays fenced.
+func TestReclaimAfterLostLease(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		between func(t *testing.T, s *Store, cli *clientv3.Client, c *Claim) // after the old lease is gone
+		want    error
+	}{
+		{"unclaimed since", func(*testing.T, *Store, *clientv3.Client, *Claim) {}, nil},
+		{"claimed by another worker", func(t *testing.T, s *Store, cli *clientv3.Client, c *Claim) {
+			claimOne(t, s, Encode, "enc-2", grant(t, cli))
+		}, ErrTaken},
+		{"claimed and given back", func(t *testing.T, s *Store, cli *clientv3.Client, c *Claim) {
+			other := claimOne(t, s, Encode, "enc-2", grant(t, cli))
+			if err := s.Abandon(context.Background(), other, 0); err != nil {
+				t.Fatal(err)
+			}
+		}, ErrTaken},
+		{"job cancelled", func(t *testing.T, s *Store, cli *clientv3.Client, c *Claim) {
+			if _, err := s.Cancel(context.Background(), c.Task.JobID); err != nil {
+				t.Fatal(err)
+			}
+		}, ErrTaken},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, cli := newStore(t)
+			ctx := context.Background()
+			job, err := s.Submit(ctx, spec(), Options{Class: routing.Standard})
+			if err != nil {
+				t.Fatal(err)
+			}
+			old := grant(t, cli)
+			c := claimOne(t, s, Encode, "enc-1", old)
+			if _, err := cli.Revoke(ctx, old); err != nil { // the lease expired
+				t.Fatal(err)
+			}
+			// Under the lease that went, it fails as the lease, not the task.
+			if _, err := s.Reclaim(ctx, c, old); !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+				t.Fatalf("reclaim under the revoked lease: %v, want lease not found", err)
+			}
+			tc.between(t, s, cli, c)
+			lease := grant(t, cli)
+			got, err := s.Reclaim(ctx, c, lease)
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("reclaim: %v, want %v", err, tc.want)
+			}
+			if err != nil {
+				return
+			}
+			// A retry of a reclaim whose answer was lost finds its claim.
+			if again, err := s.Reclaim(ctx, c, lease); err != nil || again.Rev != got.Rev {
+				t.Fatalf("reclaim again: %+v %v, want the claim at %d", again, err, got.Rev)
+			}
+			// Another worker cannot take it now, nor can the old claim commit.
+			if _, err := s.Reclaim(ctx, c, grant(t, cli)); !errors.Is(err, ErrTaken) {
+				t.Fatalf("reclaim on another lease: %v, want ErrTaken", err)
+			}
+			out := Output{Payloads: payload("emb", "enc-1")}
+			if err := s.Commit(ctx, c, out); !errors.Is(err, ErrFenced) {
+				t.Fatalf("commit under the old claim: %v, want ErrFenced", err)
+			}
+			if err := s.Commit(ctx, got, out); err != nil {
+				t.Fatal(err)
+			}
+			done, err := s.Get(ctx, job.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st := done.Stages[Encode]; st == nil || st.Attempt != 1 || done.Stage != Denoise {
+				t.Fatalf("after the reclaimed commit: %+v", done)
+			}
+		})
+	}
 }

@@ -21,6 +21,9 @@ func TestIsUnavailable(t *testing.T) {
 		{fmt.Errorf("jobs: get x: %w", status.Error(codes.DeadlineExceeded, "slow")), true},
 		{rpctypes.ErrTimeout, true},
 		{rpctypes.ErrNoLeader, true},
+		// A leaderless member's write that timed out on the member.
+		{fmt.Errorf("cache: grant retention lease: %w", status.Error(codes.Unknown, context.DeadlineExceeded.Error())), true},
+		{status.Error(codes.Unknown, "something else"), false},
 		{context.DeadlineExceeded, false}, // the caller's deadline, not necessarily etcd's
 		{rpctypes.ErrRequestTooLarge, false},
 		{ErrNoSpace, false},

@@ -242,15 +242,23 @@ func TestInFlightCap(t *testing.T) {
 	base := "http://" + addr
 	job, _ := f.Submit(context.Background(), engine.Spec{Prompt: "a"}, jobs.Options{})
 
-	// Two long polls hold both slots.
+	// Two long polls hold both slots. A poll that meets the probe below in
+	// a slot is refused; it asks again, so both polls end up holding one.
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{}, 2)
 	for range 2 {
 		go func() {
 			defer func() { done <- struct{}{} }()
-			req, _ := http.NewRequestWithContext(ctx, "GET", base+"/v1/jobs/"+job.ID+"?wait=30s", nil)
-			if resp, err := http.DefaultClient.Do(req); err == nil {
+			for ctx.Err() == nil {
+				req, _ := http.NewRequestWithContext(ctx, "GET", base+"/v1/jobs/"+job.ID+"?wait=30s", nil)
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					return
+				}
 				resp.Body.Close()
+				if resp.StatusCode != http.StatusServiceUnavailable {
+					return
+				}
 			}
 		}()
 	}

@@ -48,8 +48,8 @@ type frameDecoder interface {
 type builtinRunner struct{ e *engine.Engine }
 
 func (b builtinRunner) Serves(_ jobs.Stage, model string) bool { return model == engine.DefaultModel }
-func (b builtinRunner) Slots(jobs.Stage) int                  { return math.MaxInt }
-func (b builtinRunner) Changed() <-chan struct{}              { return nil } // never changes
+func (b builtinRunner) Slots(jobs.Stage) int                   { return math.MaxInt }
+func (b builtinRunner) Changed() <-chan struct{}               { return nil } // never changes
 func (b builtinRunner) Models() map[string][]jobs.Stage {
 	return map[string][]jobs.Stage{engine.DefaultModel: jobs.Stages()}
 }
@@ -271,7 +271,7 @@ type externalDecoder struct {
 	frameBytes int
 }
 
-func (d *externalDecoder) FrameBytes() int                  { return d.frameBytes }
+func (d *externalDecoder) FrameBytes() int                    { return d.frameBytes }
 func (d *externalDecoder) FramePreview(f int) ([]byte, error) { return d.sink.FramePreview(f) }
 func (d *externalDecoder) Finish() ([]byte, string, error)    { return d.sink.Finish() }
 
@@ -311,4 +311,25 @@ func (d *externalDecoder) DecodeFrames(ctx context.Context, first int, frames []
 		}
 	}
 	return nil
+}
+
+// Engine is the external engine registered on this agent's engine socket,
+// or nil (none yet, or the agent runs the built-in engine).
+func (a *Agent) Engine() *extengine.Registration {
+	if a.ext == nil {
+		return nil
+	}
+	return a.ext.Engine()
+}
+
+// EngineChanged returns a channel closed the next time an external engine
+// registers or goes away (nil for the built-in engine, which never does).
+func (a *Agent) EngineChanged() <-chan struct{} { return a.runner.Changed() }
+
+// EngineSocket is the engine socket's path ("" without one).
+func (a *Agent) EngineSocket() string {
+	if a.ext == nil {
+		return ""
+	}
+	return a.ext.Addr()
 }

@@ -35,7 +35,9 @@ type TaskError struct {
 	Reason string
 }
 
-func (e *TaskError) Error() string { return fmt.Sprintf("engine failed the task (%s): %s", e.Code, e.Reason) }
+func (e *TaskError) Error() string {
+	return fmt.Sprintf("engine failed the task (%s): %s", e.Code, e.Reason)
+}
 
 // Config configures the engine socket.
 type Config struct {
@@ -55,7 +57,7 @@ type Config struct {
 	Node string
 	// Check vets the connecting process's credentials; nil accepts
 	// processes of this process's uid (as the shm transport does).
-	Check func(unix.Ucred) error
+	Check  func(unix.Ucred) error
 	Logger *zap.Logger
 }
 
@@ -315,7 +317,7 @@ func (s *Server) Run(ctx context.Context, r Request) error {
 	if c == nil || !c.reg.Serves(r.Stage, r.Model) {
 		return ErrNoEngine
 	}
-	m := &Msg{T: TypeTask, Stage: r.Stage, Model: r.Model, Spec: &r.Spec, FirstFrame: int32(r.FirstFrame), Frames: int32(r.Frames)}
+	m := &Msg{V: ProtocolVersion, T: TypeTask, Stage: r.Stage, Model: r.Model, Spec: &r.Spec, FirstFrame: int32(r.FirstFrame), Frames: int32(r.Frames)}
 	p := &pending{progress: r.Progress, preview: r.Preview, result: make(chan error, 1)}
 	region := func(t Tensor) (Region, error) {
 		off, ok := s.arena.ArenaOffset(t.Data)
@@ -343,9 +345,11 @@ func (s *Server) Run(ctx context.Context, r Request) error {
 		return err
 	}
 	m.Output = &out
-	if err := m.Validate(); err != nil {
-		p.release()
-		return err
+	for _, reg := range append(m.Inputs, out) {
+		if err := reg.validate(); err != nil {
+			p.release()
+			return fmt.Errorf("%w: %v", ErrBadFrame, err)
+		}
 	}
 	id, ok := c.add(p)
 	if !ok {

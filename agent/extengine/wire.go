@@ -53,8 +53,8 @@ const (
 
 // Failure codes an engine reports in Msg.Code.
 const (
-	CodeCancelled = "cancelled"  // stopped after a Cancel
-	CodeBadInput  = "bad_input"  // the task's inputs or spec were unusable
+	CodeCancelled = "cancelled" // stopped after a Cancel
+	CodeBadInput  = "bad_input" // the task's inputs or spec were unusable
 	CodeInternal  = "engine_error"
 )
 

@@ -333,3 +333,7 @@ func (a *Agent) EngineSocket() string {
 	}
 	return a.ext.Addr()
 }
+
+// ModelServed reports whether, as this agent's gossip tells, live members
+// serve every stage of model (what a submission of it needs).
+func (a *Agent) ModelServed(model string) bool { return a.modelServed(model) }

@@ -1,0 +1,251 @@
+package testbed
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"image/color"
+	"image/png"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/extengine"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+const torchModel = "latentmesh-tiny-torch"
+
+// torchWeights writes the tiny pipeline's seeded weights (a safetensors
+// file) and returns its path; it skips the test where torch is missing.
+func torchWeights(t *testing.T) string {
+	t.Helper()
+	if why := PythonWorkerMissing("torch"); why != "" {
+		t.Skip(why)
+	}
+	path := filepath.Join(t.TempDir(), "tiny.safetensors")
+	out, err := exec.Command(SystemPython, WorkerScript("torch_pipeline.py"), "--write-weights", path).CombinedOutput()
+	if err != nil {
+		t.Fatalf("write weights: %v\n%s", err, out)
+	}
+	return path
+}
+
+// torchMesh starts agents whose stages the torch worker serves, one worker
+// process per agent (each serving its agent's roles).
+func torchMesh(t *testing.T, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
+	t.Helper()
+	cfg := DefaultClusterConfig()
+	cfg.Topology = ""
+	cfg.Logger = testLogger(t)
+	cfg.Agent.TransferMode = jobs.P2P
+	c, err := StartCluster(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	dir := t.TempDir()
+	agents, workers := map[string]*agent.Agent{}, map[string]*Worker{}
+	for id, st := range ids {
+		ac := c.cfg.Agent
+		ac.NodeID, ac.Roles, ac.Logger = id, []jobs.Stage{st}, c.cfg.Logger
+		ac.External.Socket = filepath.Join(dir, id+".sock")
+		a, err := c.AddAgentConfig(ctx, ac)
+		if err != nil {
+			t.Fatal(err)
+		}
+		agents[id] = a
+		workers[id] = startEngine(t, ctx, a, WorkerScript("torch_pipeline.py"), "--weights", weights, "--stages", string(st), "--step-ms", fmt.Sprint(stepMS))
+	}
+	eventually(t, 30*time.Second, func() error {
+		for id, a := range agents {
+			if !a.ModelServed(torchModel) {
+				return fmt.Errorf("%s does not see every stage of %s served yet", id, torchModel)
+			}
+		}
+		return nil
+	})
+	return c, agents, workers
+}
+
+type imageReq struct {
+	Model  string `json:"model"`
+	Prompt string `json:"prompt"`
+	Size   string `json:"size"`
+	Seed   int64  `json:"seed"`
+	Steps  int    `json:"num_inference_steps"`
+}
+
+// generate posts one OpenAI images request and returns the PNG.
+func generate(ctx context.Context, addr string, q imageReq) ([]byte, string, error) {
+	body, _ := json.Marshal(q)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/v1/images/generations", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, "", err
+	}
+	defer resp.Body.Close()
+	var r httpapi.ImagesResponse
+	if resp.StatusCode != http.StatusOK {
+		var e bytes.Buffer
+		e.ReadFrom(resp.Body)
+		return nil, "", fmt.Errorf("status %d: %s", resp.StatusCode, e.String())
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&r); err != nil || len(r.Data) != 1 {
+		return nil, "", fmt.Errorf("response: %v (%d images)", err, len(r.Data))
+	}
+	png, err := base64.StdEncoding.DecodeString(r.Data[0].B64JSON)
+	return png, r.Data[0].Latentmesh.JobID, err
+}
+
+// rgba decodes a PNG into RGBA bytes, row by row.
+func rgba(t *testing.T, b []byte) []byte {
+	t.Helper()
+	img, err := png.Decode(bytes.NewReader(b))
+	if err != nil {
+		t.Fatalf("not a valid PNG: %v", err)
+	}
+	r := img.Bounds()
+	out := make([]byte, 0, 4*r.Dx()*r.Dy())
+	for y := r.Min.Y; y < r.Max.Y; y++ {
+		for x := r.Min.X; x < r.Max.X; x++ {
+			c := color.NRGBAModel.Convert(img.At(x, y))
+			cr, cg, cb, ca := c.RGBA()
+			out = append(out, byte(cr>>8), byte(cg>>8), byte(cb>>8), byte(ca>>8))
+		}
+	}
+	return out
+}
+
+// Criterion: a mesh of three agents whose stages the PyTorch worker
+// serves (one worker process per agent) completes 20 jobs through the
+// OpenAI images API; each output is a valid PNG, deterministic for its
+// seed, and pixel-for-pixel equal (max abs difference 0) to the same torch
+// pipeline run in one Python process without latentmesh.
+func TestTorchMeshMatchesSingleProcess(t *testing.T) {
+	weights := torchWeights(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	_, agents, _ := torchMesh(t, ctx, weights, 0, map[string]jobs.Stage{"encode-t": jobs.Encode, "denoise-t": jobs.Denoise, "decode-t": jobs.Decode})
+	entry := agents["encode-t"].HTTPAddr()
+
+	const jobsN, distinct = 20, 5 // seeds repeat, so determinism is checked across jobs
+	prompts := []string{"a red fox in a snowy forest", "a lighthouse at dusk", "ocean waves", "a bowl of fruit", "mountains"}
+	start := time.Now()
+	got := make([][]byte, jobsN)
+	for i := range jobsN {
+		q := imageReq{Model: torchModel, Prompt: prompts[i%distinct], Size: "64x64", Seed: int64(100 + i%distinct), Steps: 10}
+		png, _, err := generate(ctx, entry, q)
+		if err != nil {
+			t.Fatalf("job %d: %v", i, err)
+		}
+		got[i] = rgba(t, png)
+	}
+	t.Logf("%d jobs through the mesh in %v", jobsN, time.Since(start).Round(time.Millisecond))
+	for i := distinct; i < jobsN; i++ {
+		if !bytes.Equal(got[i], got[i%distinct]) {
+			t.Errorf("job %d and job %d (same spec and seed) differ", i, i%distinct)
+		}
+	}
+
+	// The same pipeline in one process, without latentmesh.
+	var specs []map[string]any
+	for i := range distinct {
+		specs = append(specs, map[string]any{"prompt": prompts[i], "seed": 100 + i, "width": 64, "height": 64, "steps": 10, "guidance_scale": 5.0})
+	}
+	js, _ := json.Marshal(specs)
+	ref := filepath.Join(t.TempDir(), "ref.rgba")
+	if out, err := exec.Command(SystemPython, WorkerScript("torch_pipeline.py"), "--weights", weights, "--reference", string(js), ref).CombinedOutput(); err != nil {
+		t.Fatalf("reference run: %v\n%s", err, out)
+	}
+	want, err := os.ReadFile(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 64 * 64 * 4
+	if len(want) != distinct*n {
+		t.Fatalf("reference wrote %d bytes, want %d", len(want), distinct*n)
+	}
+	for i := range distinct {
+		maxDiff := 0
+		for k, b := range got[i] {
+			maxDiff = max(maxDiff, absDiff(b, want[i*n+k]))
+		}
+		if maxDiff != 0 {
+			t.Errorf("job %d (%q): max abs pixel difference %d from the single-process pipeline, want 0", i, prompts[i], maxDiff)
+		}
+	}
+	if varied := bytes.Count(got[0], got[0][:4]); varied == n/4 {
+		t.Error("the image is one flat colour: the pipeline drew nothing")
+	}
+}
+
+func absDiff(a, b byte) int {
+	if a > b {
+		return int(a - b)
+	}
+	return int(b - a)
+}
+
+// Criteria: `engine check` passes against both reference workers (the
+// torch worker stopping a 50-step denoise within one step of a cancel
+// after step 10), and fails, with a clear line, against a worker that
+// ignores cancellation.
+func TestEngineCheck(t *testing.T) {
+	weights := torchWeights(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	run := func(name string, command ...string) ([]extengine.CheckResult, bool, string) {
+		cfg := extengine.DefaultCheckConfig(filepath.Join(t.TempDir(), "check.sock"))
+		cfg.Command = command
+		cfg.Logger = testLogger(t)
+		var out bytes.Buffer
+		res, ok, err := extengine.Check(ctx, cfg, &out)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		t.Logf("%s:\n%s", name, out.String())
+		return res, ok, out.String()
+	}
+	find := func(res []extengine.CheckResult, name string) extengine.CheckResult {
+		for _, r := range res {
+			if r.Name == name {
+				return r
+			}
+		}
+		t.Fatalf("no %q check in %v", name, res)
+		return extengine.CheckResult{}
+	}
+
+	res, ok, _ := run("numpy decoder", SystemPython, WorkerScript("numpy_decoder.py"))
+	if !ok || !find(res, "crash restart").Pass || !find(res, "malformed input").Pass {
+		t.Errorf("numpy decoder fails the check: %v", res)
+	}
+
+	res, ok, _ = run("torch pipeline", SystemPython, WorkerScript("torch_pipeline.py"), "--weights", weights, "--step-ms", "20")
+	if !ok {
+		t.Errorf("torch worker fails the check: %v", res)
+	}
+	c := find(res, "cancel mid-denoise")
+	if !c.Pass || c.CancelStep != 10 || c.LastStep > c.CancelStep+1 {
+		t.Errorf("50-step torch denoise cancelled after step %d stopped at step %d; want step 10 and at most 11 (%s)", c.CancelStep, c.LastStep, c.Detail)
+	}
+
+	res, ok, out := run("broken worker", SystemPython, filepath.Join("testdata", "broken_worker.py"))
+	if ok {
+		t.Fatalf("the check passed a worker that ignores cancellation:\n%s", out)
+	}
+	if !strings.Contains(out, "FAIL  cancel mid-denoise: cancelled after step 10 of 50, but the engine went on to step 50 (it must stop within one step)") {
+		t.Errorf("the broken worker's failure line is missing or unclear:\n%s", out)
+	}
+	_ = res
+}

@@ -17,9 +17,11 @@ import (
 	"time"
 
 	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/extengine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
 )
 
 const torchModel = "latentmesh-tiny-torch"
@@ -248,4 +250,96 @@ func TestEngineCheck(t *testing.T) {
 		t.Errorf("the broken worker's failure line is missing or unclear:\n%s", out)
 	}
 	_ = res
+}
+
+// Criterion: kill -9 an engine mid-denoise: the task completes on another
+// agent's engine, the job succeeds once, and the dead engine's agent claims
+// nothing until a new engine registers.
+func TestEngineCrashFailsOver(t *testing.T) {
+	weights := torchWeights(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	// 100 ms per step: a 30-step denoise takes 3 s, time to kill it midway.
+	_, agents, workers := torchMesh(t, ctx, weights, 100, map[string]jobs.Stage{
+		"encode-t": jobs.Encode, "denoise-a": jobs.Denoise, "denoise-b": jobs.Denoise, "decode-t": jobs.Decode})
+	entry := agents["encode-t"]
+	spec := engine.Spec{Model: torchModel, Prompt: "a red fox", Seed: 11, Width: 64, Height: 64, Frames: 1, Steps: 30, GuidanceScale: 5}
+	submit := func() string {
+		j, err := entry.Submit(ctx, spec, jobs.Options{Class: routing.Standard})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return j.ID
+	}
+	finish := func(id string) (jobs.Job, []byte) {
+		j, err := entry.Wait(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if j.State != jobs.Succeeded {
+			t.Fatalf("job %s: %s %+v", id, j.State, j.Error)
+		}
+		data, _, err := entry.Result(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rgba(t, data) // a valid PNG
+		return j, data
+	}
+
+	id := submit()
+	var victim string
+	eventually(t, time.Minute, func() error {
+		j, err := entry.Get(ctx, id)
+		if err != nil {
+			return err
+		}
+		if p := j.Progress; p != nil && p.Stage == jobs.Denoise && p.Step >= 3 {
+			victim = p.Node
+			return nil
+		}
+		return fmt.Errorf("denoise not under way: %+v", j.Progress)
+	})
+	other := map[string]string{"denoise-a": "denoise-b", "denoise-b": "denoise-a"}[victim]
+	if other == "" {
+		t.Fatalf("denoise runs on %q", victim)
+	}
+	workers[victim].Kill()
+	t.Logf("killed %s's engine mid-denoise", victim)
+
+	j, first := finish(id)
+	if n := j.Stages[jobs.Denoise].Node; n != other {
+		t.Errorf("denoise committed by %s, want %s (the survivor)", n, other)
+	}
+	if a := j.Stages[jobs.Denoise].Attempt; a < 2 {
+		t.Errorf("denoise committed at attempt %d: the killed engine's claim was not counted", a)
+	}
+	if a := j.Stages[jobs.Decode].Attempt; a != 1 || j.Rewinds != 0 {
+		t.Errorf("decode attempt %d, rewinds %d: want the job to succeed once", a, j.Rewinds)
+	}
+	if agents[victim].Engine() != nil {
+		t.Errorf("%s still has an engine registered after the kill", victim)
+	}
+
+	// With no engine, the victim claims nothing: the next job goes to the
+	// survivor, and gives the same bytes (same spec and seed).
+	j2, second := finish(submit())
+	if n := j2.Stages[jobs.Denoise].Node; n != other {
+		t.Errorf("with %s's engine dead, denoise ran on %s", victim, n)
+	}
+	if !bytes.Equal(first, second) {
+		t.Error("the failed-over job and a clean run of the same spec differ")
+	}
+
+	// A new engine registers on the victim; with the survivor's engine
+	// gone, the victim takes the next job.
+	workers[victim] = startEngine(t, ctx, agents[victim], WorkerScript("torch_pipeline.py"), "--weights", weights, "--stages", "denoise", "--step-ms", "10")
+	workers[other].Kill()
+	j3, third := finish(submit())
+	if n := j3.Stages[jobs.Denoise].Node; n != victim {
+		t.Errorf("after its engine restarted, denoise ran on %s, want %s", n, victim)
+	}
+	if !bytes.Equal(first, third) {
+		t.Error("the restarted engine's output differs")
+	}
 }

@@ -3,6 +3,7 @@ package testbed
 import (
 	"bytes"
 	"context"
+	"io"
 	"os"
 	"path/filepath"
 	"testing"
@@ -32,7 +33,13 @@ func engineAgent(t *testing.T, ctx context.Context, c *Cluster, id, dir, script 
 // register.
 func startEngine(t *testing.T, ctx context.Context, a *agent.Agent, script string, args ...string) *Worker {
 	t.Helper()
-	w, err := StartWorker(script, a.EngineSocket(), workerLog{t}, args...)
+	return startEngineOut(t, ctx, a, workerLog{t}, script, args...)
+}
+
+// startEngineOut is startEngine with the worker's output going to out.
+func startEngineOut(t *testing.T, ctx context.Context, a *agent.Agent, out io.Writer, script string, args ...string) *Worker {
+	t.Helper()
+	w, err := StartWorker(script, a.EngineSocket(), out, args...)
 	if err != nil {
 		t.Fatal(err)
 	}

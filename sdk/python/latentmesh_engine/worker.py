@@ -99,6 +99,7 @@ class Task:
         self._inputs = [p.region_of(r) for r in msg.get("inputs") or []]
         self._output = p.region_of(msg["output"])
         self._cancel = threading.Event()
+        self.last_step = 0  # the last step reported with progress
 
     def _view(self, region: Any) -> np.ndarray:
         off, n, dtype, shape = region
@@ -135,6 +136,7 @@ class Task:
             raise Cancelled()
 
     def progress(self, step: int, total: int) -> None:
+        self.last_step = step
         self._w._send({"t": p.TYPE_PROGRESS, "task": self.id, "step": step, "total": total})
 
     def preview(self, step: int, png: bytes) -> None:
@@ -272,6 +274,8 @@ class Worker:
             fn(task)
             self._send({"t": p.TYPE_DONE, "task": task.id})
         except Cancelled:
+            print(f"latentmesh_engine: task {task.id} ({task.stage}) cancelled after step {task.last_step} of {task.spec.steps}",
+                  file=sys.stderr, flush=True)
             self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_CANCELLED, "reason": "cancelled"})
         except BadInput as e:
             self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_BAD_INPUT, "reason": str(e)[:1000]})

@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -82,6 +83,11 @@ func TestNumpyDecoderMatchesBuiltin(t *testing.T) {
 		}
 	}
 	dec, _ := engineAgent(t, ctx, c, "decode-numpy", t.TempDir(), WorkerScript("numpy_decoder.py"), jobs.Decode)
+
+	// A model no member serves is refused at submission, not queued for ever.
+	if _, err := c.Agents[0].Submit(ctx, engine.Spec{Model: "nobody-serves-this", Prompt: "x"}.WithDefaults(), jobs.Options{}); err == nil || !strings.Contains(err.Error(), "no agent of this mesh serves it") {
+		t.Errorf("submitting an unserved model: %v, want a refusal", err)
+	}
 
 	specs := demoSpecs() // two images and a four-frame video
 	outs, err := c.Run(ctx, specs)

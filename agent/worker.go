@@ -102,7 +102,8 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			a.sleep(a.cfg.AlarmEvery)
 			continue
 		}
-		changed := a.member.LeaseChanged() // before Lease, so a change in between is not missed
+		engineChanged := a.runner.Changed() // before the scan reads what the runner serves
+		changed := a.member.LeaseChanged()  // before Lease, so a change in between is not missed
 		lease := a.member.Lease()
 		if lease == 0 { // re-registering after a lost lease
 			select {
@@ -173,7 +174,11 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			a.setBlocked(st, true)
 			wake = earliest(wake, time.Now().Add(time.Second))
 		}
-		a.store.WaitChange(a.ctx, st, rev, wake)
+		// An engine registering (or going) changes which tasks are ours:
+		// look again then too, not only when etcd's queue moves.
+		wctx, stop := untilClosed(a.ctx, engineChanged)
+		a.store.WaitChange(wctx, st, rev, wake)
+		stop()
 	}
 }
 

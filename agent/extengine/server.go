@@ -302,6 +302,10 @@ func (s *Server) serve(uc *net.UnixConn) {
 	err = c.read()
 	c.fail(err)
 	wg.Wait()
+	// Whoever failed the connection (this reader, a heartbeat, a Run), the
+	// reader goroutine is the one that waits for the process: it is
+	// counted in s.wg, so Close waits for it too.
+	c.releaseAtExit()
 }
 
 // Run runs one task on the engine and waits for its answer. Tensors must
@@ -438,6 +442,7 @@ type conn struct {
 	tasks   map[uint64]*pending
 	dead    chan struct{}
 	deadErr error
+	held    []*pending // unanswered at the failure: retained until the process exits
 }
 
 func (c *conn) add(p *pending) (uint64, bool) {
@@ -596,19 +601,24 @@ func (c *conn) fail(err error) {
 		p.result <- fmt.Errorf("%w: %v", ErrEngineLost, err)
 		held = append(held, p)
 	}
-	if len(held) == 0 {
-		c.closeFd()
-		return
-	}
-	s.wg.Go(func() { c.releaseAtExit(held) })
+	c.mu.Lock()
+	c.held = held // serve releases them once the process is gone
+	c.mu.Unlock()
 }
 
 // releaseAtExit frees the regions of tasks the engine never answered once
 // its process has exited (its pidfd turns readable), so a process that is
 // still running (hung) cannot write into memory given to another payload.
 // Without a pidfd they stay retained: a leak, logged, rather than a risk.
-func (c *conn) releaseAtExit(held []*pending) {
+func (c *conn) releaseAtExit() {
 	defer c.closeFd()
+	c.mu.Lock()
+	held := c.held
+	c.held = nil
+	c.mu.Unlock()
+	if len(held) == 0 {
+		return
+	}
 	if c.pidfd < 0 {
 		c.log.Warn("engine process cannot be watched; its task buffers stay allocated", zap.Int("tasks", len(held)))
 		return

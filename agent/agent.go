@@ -15,6 +15,8 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -28,6 +30,7 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/etcdguard"
+	"github.com/latentmesh/latentmesh/agent/extengine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/cache"
@@ -59,6 +62,10 @@ type Agent struct {
 	cstore  *cache.Store       // this node's part of the pooled Store
 	alarms  *jobs.AlarmWatcher // etcd's NOSPACE alarm
 	engine  *engine.Engine
+	// runner runs the stages' math: the built-in engine, or the external
+	// engine registered on ext (the engine socket; nil without one).
+	runner  stageRunner
+	ext     *extengine.Server
 	credits map[jobs.Stage]*routing.Credits
 	metrics *httpapi.Metrics
 
@@ -130,6 +137,15 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	cfg.Transfer.AuthorizePayload = a.authorizePayload
 	if a.xfer, err = transfer.New(cfg.Transfer, a.host); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
+	}
+	a.runner = builtinRunner{a.engine}
+	if cfg.External.Socket != "" {
+		ec := cfg.External
+		ec.Node, ec.Logger = a.id, a.log
+		if a.ext, err = extengine.Listen(ec, a.xfer); err != nil {
+			return nil, fmt.Errorf("agent: %w", err)
+		}
+		a.runner = &externalRunner{srv: a.ext, xfer: a.xfer, limits: cfg.Engine.Limits}
 	}
 	jc := cfg.Jobs
 	jc.Logger = a.log
@@ -267,6 +283,7 @@ func (a *Agent) Start(ctx context.Context) error {
 		a.wg.Go(func() { a.worker(st) })
 	}
 	a.wg.Go(a.reportLoop)
+	a.wg.Go(a.gossipEngine)
 	a.wg.Go(a.gossipStoreRoom)
 	a.wg.Go(a.forgetDeparted)
 	if a.httpLn != nil {
@@ -366,6 +383,9 @@ func (a *Agent) Close() error {
 			if ln != nil {
 				ln.Close() // never served when Start was not called
 			}
+		}
+		if a.ext != nil {
+			errs = append(errs, a.ext.Close()) // its waits end with the engine connection
 		}
 		a.wg.Wait()
 		if a.cstore != nil {
@@ -480,7 +500,9 @@ func (a *Agent) meta() gossip.NodeMeta {
 	total := 0
 	for st, c := range a.credits {
 		if !a.blocked[st].Load() {
-			m.Free.Set(string(st), uint32(c.Free()))
+			// An external engine's declared slots bound the agent's own.
+			free := max(0, min(c.Free(), a.runner.Slots(st)-c.InUse()))
+			m.Free.Set(string(st), uint32(free))
 		}
 		m.Running += uint32(c.InUse())
 		total += c.Total()
@@ -492,7 +514,40 @@ func (a *Agent) meta() gossip.NodeMeta {
 		m.FreeBufferBytes = uint64(st.Arena.Free)
 	}
 	m.StoreFree = uint64(a.cstore.Room())
+	for model, stages := range a.runner.Models() {
+		roles := make([]string, 0, len(stages))
+		for _, st := range stages {
+			if a.credits[st] != nil { // served by the engine and a role of this agent
+				roles = append(roles, string(st))
+			}
+		}
+		if len(roles) > 0 && len(m.Models) < gossip.MaxMetaModels {
+			m.Models = append(m.Models, gossip.NewModelStages(model, roles...))
+		}
+	}
+	if a.ext != nil && len(m.Models) == 0 {
+		// Serving nothing yet must not read as "the built-in model".
+		m.Models = []gossip.ModelStages{{Name: "-", Stages: 0}}
+	}
+	slices.SortFunc(m.Models, func(x, y gossip.ModelStages) int { return strings.Compare(x.Name, y.Name) })
 	return m
+}
+
+// gossipEngine republishes this node's meta whenever its engine registers
+// or goes away, and wakes the workers (via Changed) to claim or stop.
+func (a *Agent) gossipEngine() {
+	for {
+		ch := a.runner.Changed()
+		if ch == nil {
+			return // the built-in engine never changes
+		}
+		select {
+		case <-a.ctx.Done():
+			return
+		case <-ch:
+		}
+		a.publishMeta()
+	}
 }
 
 // resyncHeld releases held payloads that have no record and are not being

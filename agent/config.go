@@ -9,6 +9,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/extengine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/cache"
@@ -81,7 +82,12 @@ type Config struct {
 	Store  cache.Config
 	Jobs   jobs.Config
 	Engine engine.Config
-	API    httpapi.Config
+	// External is the engine socket: with External.Socket set, an external
+	// engine process (sdk/python, docs/engine-protocol.md) runs this
+	// agent's stages instead of the built-in engine, serving the models it
+	// registers; until one registers the agent claims nothing.
+	External extengine.Config
+	API      httpapi.Config
 	// AdminServer bounds the admin endpoint's connections (timeouts, in-flight cap).
 	AdminServer httpapi.ServerConfig
 	Queue       routing.QueuePolicy
@@ -122,6 +128,7 @@ func DefaultConfig() Config {
 		Store:            cache.DefaultConfig(),
 		Jobs:             jobs.DefaultConfig(),
 		Engine:           engine.DefaultConfig(),
+		External:         extengine.DefaultConfig(""), // no socket: the built-in engine
 		API:              httpapi.DefaultConfig(),
 		AdminServer:      httpapi.DefaultAdminServerConfig(),
 		Queue:            routing.DefaultQueuePolicy(),
@@ -190,6 +197,9 @@ func (c Config) validate() (Config, error) {
 	}
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()
+	}
+	if c.External.Socket != "" && c.Transfer.Arena.Size <= 0 {
+		return c, errors.New("agent: an engine socket needs an arena: the engine reads and writes tensors in it")
 	}
 	// One prefix and one logger tie the layers together.
 	c.Gossip.Prefix, c.Jobs.Prefix, c.Store.Prefix = c.Prefix, c.Prefix, c.Prefix

@@ -282,6 +282,11 @@ func (a *Agent) checkSubmit(spec engine.Spec, opts jobs.Options) error {
 	if err := a.alarms.Unreachable(); err != nil {
 		return err
 	}
+	// The built-in model is always accepted, served or not yet, as before
+	// models: its jobs wait in the queue for agents to come.
+	if spec.ModelName() != engine.DefaultModel && !a.modelServed(spec.ModelName()) {
+		return &engine.FieldError{Field: "model", Msg: fmt.Sprintf("%q: no agent of this mesh serves it on every stage", spec.ModelName())}
+	}
 	mode := opts.Transfer
 	if mode == "" {
 		mode = a.cfg.TransferMode
@@ -289,7 +294,11 @@ func (a *Agent) checkSubmit(spec engine.Spec, opts jobs.Options) error {
 	if mode != jobs.StoreRelay {
 		return nil
 	}
-	need := a.engine.LatentMeta(spec).Bytes()
+	meta, err := a.runner.LatentMeta(spec)
+	if err != nil {
+		return nil // not served here: the Store check is for agents that know the latent
+	}
+	need := meta.Bytes()
 	total, largest := a.storeRoom()
 	if largest < need {
 		return fmt.Errorf("%w: the Store has no room for this job's %d-byte latent in memory or on disk (%d bytes free across the mesh, at most %d on one agent); retry when running jobs have finished",
@@ -323,4 +332,24 @@ func (a *Agent) StoreStatus(ctx context.Context, job string, list bool) (StoreVi
 		v.Objects = recs
 	}
 	return v, nil
+}
+
+// modelServed reports whether, as gossip tells, some live member serves
+// each stage of model. A model nobody serves would wait in the queue for
+// ever; an engine that registers a moment later shows in gossip within a
+// second, so a client retrying then is accepted.
+func (a *Agent) modelServed(model string) bool {
+	for _, st := range jobs.Stages() {
+		served := false
+		for _, p := range a.member.Peers() {
+			if p.Alive && p.Record.HasRole(string(st)) && p.Meta.Serves(string(st), model, engine.DefaultModel) {
+				served = true
+				break
+			}
+		}
+		if !served {
+			return false
+		}
+	}
+	return true
 }

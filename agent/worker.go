@@ -43,9 +43,13 @@ func (a *Agent) worker(st jobs.Stage) {
 	credits := a.credits[st]
 	for a.ctx.Err() == nil {
 		freed := credits.Freed() // before Free, so a release in between is not missed
-		if credits.Free() == 0 {
+		engineChanged := a.runner.Changed()
+		if credits.Free() == 0 || credits.InUse() >= a.runner.Slots(st) {
+			// No credit, or the engine's slots are taken (none while no
+			// external engine is registered).
 			select {
 			case <-freed:
+			case <-engineChanged:
 			case <-a.ctx.Done():
 			}
 			continue
@@ -98,7 +102,8 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			a.sleep(a.cfg.AlarmEvery)
 			continue
 		}
-		changed := a.member.LeaseChanged() // before Lease, so a change in between is not missed
+		engineChanged := a.runner.Changed() // before the scan reads what the runner serves
+		changed := a.member.LeaseChanged()  // before Lease, so a change in between is not missed
 		lease := a.member.Lease()
 		if lease == 0 { // re-registering after a lost lease
 			select {
@@ -126,6 +131,9 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		byID := make(map[string]jobs.Task, len(pend))
 		cands := make([]routing.Candidate, 0, len(pend))
 		for _, t := range pend {
+			if !a.runner.Serves(st, t.Spec.ModelName()) {
+				continue // a model this node's engine does not serve (or none is registered)
+			}
 			if t.NotBefore.After(now) {
 				wake = earliest(wake, t.NotBefore)
 				continue
@@ -166,7 +174,11 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			a.setBlocked(st, true)
 			wake = earliest(wake, time.Now().Add(time.Second))
 		}
-		a.store.WaitChange(a.ctx, st, rev, wake)
+		// An engine registering (or going) changes which tasks are ours:
+		// look again then too, not only when etcd's queue moves.
+		wctx, stop := untilClosed(a.ctx, engineChanged)
+		a.store.WaitChange(wctx, st, rev, wake)
+		stop()
 	}
 }
 
@@ -185,13 +197,20 @@ func (a *Agent) setBlocked(st jobs.Stage, b bool) {
 // conditioning, the latent. A decode's file goes to the Store, where it may
 // overflow (putResult), so decode never waits for room.
 func (a *Agent) outputBytes(t jobs.Task) int64 {
+	var meta transfer.TensorMeta
+	var err error
 	switch t.Stage {
 	case jobs.Encode:
-		return a.engine.CondMeta().Bytes()
+		meta, err = a.runner.CondMeta(t.Spec)
 	case jobs.Denoise:
-		return a.engine.LatentMeta(t.Spec).Bytes()
+		meta, err = a.runner.LatentMeta(t.Spec)
+	default:
+		return 0
 	}
-	return 0
+	if err != nil {
+		return 0 // the stage fails with the same error once claimed
+	}
+	return meta.Bytes()
 }
 
 // roomForOutputs returns a check of whether a task's output has room: a
@@ -261,10 +280,10 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err e
 
 // pickHint names the preferred worker of the next stage: power of two
 // choices among live peers with credit, same host first.
-func (a *Agent) pickHint(st jobs.Stage) string {
+func (a *Agent) pickHint(st jobs.Stage, model string) string {
 	var targets []routing.Target
 	for _, p := range a.member.Peers() {
-		if p.Alive && !p.Suspect && p.Record.HasRole(string(st)) {
+		if p.Alive && !p.Suspect && p.Record.HasRole(string(st)) && p.Meta.Serves(string(st), model, engine.DefaultModel) {
 			targets = append(targets, routing.Target{Node: p.Record.ID, Free: int(p.Meta.Free.For(string(st))), SameHost: a.sameHost(p)})
 		}
 	}
@@ -563,12 +582,16 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, 
 	spec := c.Task.Spec
 	switch c.Task.Stage {
 	case jobs.Encode:
-		p, ref, err := a.begin(c, a.engine.CondMeta())
+		meta, err := a.runner.CondMeta(spec)
+		if err != nil {
+			return out, nil, false, err
+		}
+		p, ref, err := a.begin(c, meta)
 		if err != nil {
 			return out, nil, false, fmt.Errorf("%w: publish: %v", errTransient, err)
 		}
 		defer p.Done() // on every path: the buffer is not written after this
-		if _, err := a.engine.EncodeInto(ctx, spec, p.Buf()); err != nil {
+		if err := a.runner.Encode(ctx, spec, p.Buf()); err != nil {
 			a.release(ref.ID)
 			return out, nil, false, err
 		}
@@ -576,7 +599,7 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, 
 			a.release(ref.ID)
 			return out, nil, false, err
 		}
-		hint := a.pickHint(jobs.Denoise)
+		hint := a.pickHint(jobs.Denoise, spec.ModelName())
 		if a.handoff(c.Task, hint, ref.Meta.Bytes()) == routing.HandoffStore {
 			return a.relayOutput(ctx, c, ref, hint, staged)
 		}
@@ -669,10 +692,13 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 		return out, nil, false, err
 	}
 	defer releaseCond()
-	meta := a.engine.LatentMeta(spec)
+	meta, err := a.runner.LatentMeta(spec)
+	if err != nil {
+		return out, nil, false, err
+	}
 	// Decided before the sampler runs: a relay copies the whole latent into
 	// the Store, so it hands off after the last step, never early.
-	hint := a.pickHint(jobs.Decode)
+	hint := a.pickHint(jobs.Decode, spec.ModelName())
 	relay := a.handoff(c.Task, hint, meta.Bytes()) == routing.HandoffStore
 	p, ref, err := a.begin(c, meta)
 	if err != nil {
@@ -685,7 +711,7 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 	report, stopProgress := a.progress(ctx, c)
 	defer stopProgress() // before the commit, which the caller makes
 	if relay {
-		if _, err := a.engine.DenoiseInto(ctx, spec, cond, p.Buf(), report, func(k int) {
+		if err := a.runner.Denoise(ctx, spec, cond, p.Buf(), report, func(k int) {
 			if err := p.ChunkReady(k); err != nil {
 				a.log.Error("chunk ready", zap.Int("chunk", k), zap.Error(err))
 			}
@@ -731,7 +757,7 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 			report(step, total)
 		}
 	}
-	_, err = a.engine.DenoiseInto(dctx, spec, cond, p.Buf(), progress, chunkDone)
+	err = a.runner.Denoise(dctx, spec, cond, p.Buf(), progress, chunkDone)
 	if commitErr == nil {
 		return out, published, false, err
 	}
@@ -839,7 +865,7 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 	if err != nil {
 		return nil, "", err
 	}
-	fd, err := a.engine.NewFrameDecoder(spec)
+	fd, err := a.runner.NewDecoder(spec)
 	if err != nil {
 		return nil, "", err
 	}
@@ -890,7 +916,7 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 
 // previewFrames publishes decoded frames [first, first+n) as previews. They
 // are advisory: a failure is logged, never fails the task.
-func (a *Agent) previewFrames(ctx context.Context, c *jobs.Claim, fd *engine.FrameDecoder, first, n int) {
+func (a *Agent) previewFrames(ctx context.Context, c *jobs.Claim, fd frameDecoder, first, n int) {
 	for f := first; f < first+n; f++ {
 		png, err := fd.FramePreview(f)
 		if err == nil {

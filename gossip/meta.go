@@ -22,6 +22,13 @@ const MetaMaxSize = memberlist.MetaMaxSize
 // the slack leaves room for new ones without a version bump.
 const MaxMetaRoles = 8
 
+// MaxMetaModels bounds the models list in a NodeMeta, and MaxModelLen each
+// name, so that a full list still fits memberlist's 512 bytes.
+const (
+	MaxMetaModels = 6
+	MaxModelLen   = 48
+)
+
 // maxMsgpackDepth bounds nesting in meta bytes. NodeMeta is a map of scalars
 // and one array of strings; unknown future keys get a little headroom.
 const maxMsgpackDepth = 4
@@ -70,6 +77,52 @@ type NodeMeta struct {
 	Load            float32      `msgpack:"l,omitempty"` // 0 idle .. 1 saturated (may exceed 1)
 	FreeBufferBytes uint64       `msgpack:"b,omitempty"` // free bytes in the transfer arena
 	StoreFree       uint64       `msgpack:"s,omitempty"` // the largest object its Store can take now
+	// Models lists the models the node's engine serves, with the stages of
+	// each; empty means the built-in model on every role (older agents).
+	Models []ModelStages `msgpack:"m,omitempty"`
+}
+
+// ModelStages is one model a node serves and on which stages.
+type ModelStages struct {
+	Name   string `msgpack:"n"`
+	Stages uint8  `msgpack:"s"` // bit 0 encode, 1 denoise, 2 decode
+}
+
+// stageBit maps a role to its bit in ModelStages.Stages.
+func stageBit(role string) uint8 {
+	switch role {
+	case RoleEncode:
+		return 1
+	case RoleDenoise:
+		return 2
+	case RoleDecode:
+		return 4
+	}
+	return 0
+}
+
+// NewModelStages builds the entry for model served on roles.
+func NewModelStages(model string, roles ...string) ModelStages {
+	m := ModelStages{Name: model}
+	for _, r := range roles {
+		m.Stages |= stageBit(r)
+	}
+	return m
+}
+
+// Serves reports whether the node serves role of model. A node that
+// gossips no models (an agent from before models) serves only
+// defaultModel, on all its roles.
+func (m NodeMeta) Serves(role, model, defaultModel string) bool {
+	if len(m.Models) == 0 {
+		return model == defaultModel
+	}
+	for _, ms := range m.Models {
+		if ms.Name == model {
+			return ms.Stages&stageBit(role) != 0
+		}
+	}
+	return false
 }
 
 // EncodeMeta encodes m for memberlist. A zero Version is written as
@@ -135,6 +188,14 @@ func DecodeMeta(b []byte) (NodeMeta, error) {
 }
 
 func (m NodeMeta) check() error {
+	if len(m.Models) > MaxMetaModels {
+		return fmt.Errorf("%w: %d models, at most %d", ErrInvalidMeta, len(m.Models), MaxMetaModels)
+	}
+	for _, ms := range m.Models {
+		if ms.Name == "" || len(ms.Name) > MaxModelLen {
+			return fmt.Errorf("%w: model name of %d bytes", ErrInvalidMeta, len(ms.Name))
+		}
+	}
 	if math.IsNaN(float64(m.Load)) || math.IsInf(float64(m.Load), 0) || m.Load < 0 {
 		return fmt.Errorf("%w: load %v", ErrInvalidMeta, m.Load)
 	}
@@ -143,6 +204,7 @@ func (m NodeMeta) check() error {
 
 func (m NodeMeta) clone() NodeMeta {
 	m.Roles = append([]string(nil), m.Roles...)
+	m.Models = append([]ModelStages(nil), m.Models...)
 	return m
 }
 

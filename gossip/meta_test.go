@@ -183,3 +183,33 @@ func TestStageCreditsByRole(t *testing.T) {
 		t.Error("For of a non-stage is not 0")
 	}
 }
+
+// A full models list (MaxMetaModels names of MaxModelLen bytes) fits in
+// memberlist's meta beside everything else, and survives a round trip.
+func TestMetaModels(t *testing.T) {
+	m := NodeMeta{Roles: []string{RoleEncode, RoleDenoise, RoleDecode}, Free: StageCredits{4, 1, 2}, Running: 3, Load: 0.5,
+		FreeBufferBytes: 1 << 40, StoreFree: 1 << 40}
+	for i := range MaxMetaModels {
+		name := strings.Repeat(string(rune('a'+i)), MaxModelLen)
+		m.Models = append(m.Models, NewModelStages(name, RoleEncode, RoleDecode))
+	}
+	b, err := EncodeMeta(m)
+	if err != nil {
+		t.Fatalf("a full models list does not fit: %v", err)
+	}
+	got, err := DecodeMeta(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	name := m.Models[2].Name
+	if !got.Serves(RoleEncode, name, "builtin") || got.Serves(RoleDenoise, name, "builtin") || got.Serves(RoleEncode, "builtin", "builtin") {
+		t.Errorf("served stages wrong after a round trip: %+v", got.Models)
+	}
+	if old := (NodeMeta{Version: 1}); !old.Serves(RoleDenoise, "builtin", "builtin") || old.Serves(RoleDenoise, "other", "builtin") {
+		t.Error("a node gossiping no models must serve the default model only")
+	}
+	m.Models = append(m.Models, NewModelStages("one-too-many", RoleDecode))
+	if _, err := EncodeMeta(m); err == nil {
+		t.Error("more than MaxMetaModels models encoded")
+	}
+}

@@ -10,11 +10,19 @@
 #   iptables           partition and blackhole faults in the network-namespace testbed
 #   etcd-server        an external etcd (Debian's 3.4) started with default flags, for
 #                      tests that must hold under etcd's default request limit and quota
+#   python3-numpy      the Python engine SDK (sdk/python) views arena tensors as numpy
+#   python3-msgpack    arrays and speaks the msgpack worker protocol; the engine tests
+#                      run its reference workers with Debian's /usr/bin/python3
+#   python3-torch      the PyTorch reference worker (a small real latent-diffusion
+#                      pipeline on CPU); its tests skip, saying why, without it
+#   python3-pip        `pip install sdk/python` of the SDK itself, and venv for
+#   python3-venv       installing it in isolation
 #
 # Run as root (CI does). Exits non-zero with a message when anything fails.
 set -euo pipefail
 
-PACKAGES=(libibverbs-dev ibverbs-providers iproute2 iptables etcd-server)
+PACKAGES=(libibverbs-dev ibverbs-providers iproute2 iptables etcd-server
+	python3-numpy python3-msgpack python3-torch python3-pip python3-venv)
 
 log() { printf 'install-deps: %s\n' "$*"; }
 die() { printf 'install-deps: error: %s\n' "$*" >&2; exit 1; }

@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"unsafe"
 
@@ -192,4 +193,53 @@ func (s *Service) Stats() Stats {
 		st.Arena = s.arena.Stats()
 	}
 	return st
+}
+
+// ArenaFd returns the arena's memfd and its size, for a local process (an
+// external engine) that maps the arena once and then reads and writes
+// payloads by offset. ok is false without an arena. The fd stays owned by
+// the service: pass it on (SCM_RIGHTS duplicates it), never close it.
+func (s *Service) ArenaFd() (fd int, size int64, ok bool) {
+	if s.arena == nil {
+		return -1, 0, false
+	}
+	return s.arena.Fd(), s.arena.Size(), true
+}
+
+// ArenaOffset is the offset of p's first byte in the arena; ok is false when
+// p does not lie entirely inside it (a heap buffer).
+func (s *Service) ArenaOffset(p []byte) (off int64, ok bool) {
+	off = s.arenaOffset(p)
+	return off, off >= 0
+}
+
+// Retain keeps the arena region holding p (any part of a live Buffer)
+// allocated until the returned function is called, even if its Buffer and
+// payloads are released meanwhile: someone outside the Go heap's sight (an
+// external engine writing through its own mapping) may still touch it. ok is
+// false when p is not inside a live arena buffer.
+func (s *Service) Retain(p []byte) (release func(), ok bool) {
+	off := s.arenaOffset(p)
+	if off < 0 {
+		return nil, false
+	}
+	end := off + int64(len(p))
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, b := range s.bufs {
+		if b.ab.Off > off || b.ab.Off+b.ab.Len < end {
+			continue
+		}
+		for {
+			n := b.refs.Load()
+			if n <= 0 {
+				return nil, false
+			}
+			if b.refs.CompareAndSwap(n, n+1) {
+				var once sync.Once
+				return func() { once.Do(b.unref) }, true
+			}
+		}
+	}
+	return nil, false
 }

@@ -93,6 +93,9 @@ func (d *FrameDecoder) FrameBytes() int { return d.frameBytes }
 // contiguous byte range of the frame-major latent. Decoding a frame twice is
 // harmless.
 func (d *FrameDecoder) DecodeFrames(ctx context.Context, firstFrame int, frames []byte) error {
+	if d.e == nil {
+		return fmt.Errorf("%w: a frame sink takes pixels (PutRGBA), not latents", ErrBadTensor)
+	}
 	if len(frames) == 0 || len(frames)%d.frameBytes != 0 {
 		return fmt.Errorf("%w: %d bytes is not a whole number of %d-byte frames", ErrBadTensor, len(frames), d.frameBytes)
 	}
@@ -116,25 +119,60 @@ func (d *FrameDecoder) DecodeFrames(ctx context.Context, firstFrame int, frames 
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		img := d.render(v[i*per : (i+1)*per])
-		var pimg *image.Paletted
-		if d.pal != nil {
-			pimg = image.NewPaletted(img.Rect, palette.Plan9)
-			draw.FloydSteinberg.Draw(pimg, img.Rect, img, image.Point{})
-		}
-		d.mu.Lock()
-		f := firstFrame + i
-		if pimg != nil {
-			d.pal[f] = pimg
-		} else {
-			d.rgb = img
-		}
-		if !d.have[f] {
-			d.have[f] = true
-			d.left--
-		}
-		d.mu.Unlock()
+		d.store(firstFrame+i, d.render(v[i*per:(i+1)*per]))
 	}
+	return nil
+}
+
+// store keeps frame f, rendered as img: as it is for a picture, dithered to
+// the GIF palette for a video.
+func (d *FrameDecoder) store(f int, img *image.RGBA) {
+	var pimg *image.Paletted
+	if d.pal != nil {
+		pimg = image.NewPaletted(img.Rect, palette.Plan9)
+		draw.FloydSteinberg.Draw(pimg, img.Rect, img, image.Point{})
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if pimg != nil {
+		d.pal[f] = pimg
+	} else {
+		d.rgb = img
+	}
+	if !d.have[f] {
+		d.have[f] = true
+		d.left--
+	}
+}
+
+// NewFrameSink prepares to assemble the file of s from frames rendered
+// elsewhere (an external engine's decoder) and handed in as RGBA pixels
+// with PutRGBA. Finish then encodes them exactly as a FrameDecoder of the
+// built-in engine would: same PNG settings, same palette and dithering for
+// GIF, so equal pixels give equal files.
+func NewFrameSink(s Spec, l Limits) (*FrameDecoder, error) {
+	if err := s.Validate(l); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrBadSpec, err)
+	}
+	d := &FrameDecoder{s: s, h: s.Height / vaeScale, w: s.Width / vaeScale, have: make([]bool, s.Frames), left: s.Frames}
+	if s.Frames > 1 {
+		d.pal = make([]*image.Paletted, s.Frames)
+	}
+	return d, nil
+}
+
+// PutRGBA stores frame f from its pixels: Height rows of Width RGBA pixels,
+// 4 bytes each (what image.RGBA holds). pix is copied.
+func (d *FrameDecoder) PutRGBA(f int, pix []byte) error {
+	if f < 0 || f >= d.s.Frames {
+		return fmt.Errorf("%w: frame %d outside [0,%d)", ErrBadTensor, f, d.s.Frames)
+	}
+	if want := 4 * d.s.Width * d.s.Height; len(pix) != want {
+		return fmt.Errorf("%w: frame of %d bytes, want %d (%dx%d RGBA)", ErrBadTensor, len(pix), want, d.s.Width, d.s.Height)
+	}
+	img := image.NewRGBA(image.Rect(0, 0, d.s.Width, d.s.Height))
+	copy(img.Pix, pix)
+	d.store(f, img)
 	return nil
 }
 

@@ -9,6 +9,10 @@ import (
 // determines the output bytes. Two runs of the same Spec produce identical
 // files, whichever agents ran which stage.
 type Spec struct {
+	// Model names the model that serves the request (OpenAI's "model");
+	// "" means DefaultModel, the built-in engine. Only agents whose engine
+	// serves the model claim its tasks.
+	Model          string  `json:"model,omitempty" msgpack:"model"`
 	Prompt         string  `json:"prompt" msgpack:"prompt"`
 	NegativePrompt string  `json:"negative_prompt,omitempty" msgpack:"negative_prompt"`
 	Seed           int64   `json:"seed" msgpack:"seed"`
@@ -17,6 +21,38 @@ type Spec struct {
 	Frames         int     `json:"frames" msgpack:"frames"` // 1 = image (PNG), >1 = video (GIF)
 	Steps          int     `json:"steps" msgpack:"steps"`
 	GuidanceScale  float64 `json:"guidance_scale" msgpack:"guidance_scale"`
+}
+
+// DefaultModel is the built-in engine's model name, what a Spec without a
+// model asks for.
+const DefaultModel = "latentmesh-reference"
+
+// MaxModelLen bounds a model name: it travels in gossip, where a node
+// advertises several within 512 bytes.
+const MaxModelLen = 48
+
+// ModelName is s.Model, or DefaultModel when it is empty.
+func (s Spec) ModelName() string {
+	if s.Model == "" {
+		return DefaultModel
+	}
+	return s.Model
+}
+
+// ValidModel reports whether name is a usable model name: 1 to MaxModelLen
+// bytes of letters, digits and . _ - / :
+func ValidModel(name string) error {
+	if name == "" || len(name) > MaxModelLen {
+		return fmt.Errorf("must be 1-%d bytes", MaxModelLen)
+	}
+	for _, c := range []byte(name) {
+		switch {
+		case c >= 'a' && c <= 'z', c >= 'A' && c <= 'Z', c >= '0' && c <= '9', c == '.', c == '_', c == '-', c == '/', c == ':':
+		default:
+			return fmt.Errorf("%q: only letters, digits and . _ - / : are allowed", name)
+		}
+	}
+	return nil
 }
 
 // Limits bound what one request may ask for, so a single request cannot
@@ -83,6 +119,11 @@ func (s Spec) WithDefaults() Spec {
 func (s Spec) Validate(l Limits) error {
 	bad := func(field, format string, a ...any) error {
 		return &FieldError{Field: field, Msg: fmt.Sprintf(format, a...)}
+	}
+	if s.Model != "" {
+		if err := ValidModel(s.Model); err != nil {
+			return &FieldError{Field: "model", Msg: err.Error()}
+		}
 	}
 	switch {
 	case s.Prompt == "":

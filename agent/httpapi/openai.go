@@ -22,7 +22,7 @@ type imagesRequest struct {
 	N              *int   `json:"n"`
 	Size           string `json:"size"`
 	ResponseFormat string `json:"response_format"`
-	Model          string `json:"model"` // accepted and ignored: the mesh serves one model
+	Model          string `json:"model"` // "" or "latentmesh-reference": the built-in engine
 	User           string `json:"user"`  // accepted and ignored
 
 	NegativePrompt    string   `json:"negative_prompt"`
@@ -73,6 +73,7 @@ func (q imagesRequest) specs(l engine.Limits, maxN int) ([]engine.Spec, JobReque
 		return nil, JobRequest{}, &engine.FieldError{Field: "response_format", Msg: "must be b64_json"}
 	}
 	req := JobRequest{
+		Model:          q.Model,
 		Prompt:         q.Prompt,
 		NegativePrompt: q.NegativePrompt,
 		Seed:           q.Seed,

@@ -22,6 +22,9 @@ import (
 // Job's spec. An explicit value is validated as given, so "steps": 0 is an
 // error rather than a request for the default.
 type JobRequest struct {
+	// Model names the model to run; "" is the built-in engine's
+	// (engine.DefaultModel). Agents advertise the models they serve.
+	Model          string   `json:"model,omitempty"`
 	Prompt         string   `json:"prompt"`
 	NegativePrompt string   `json:"negative_prompt,omitempty"`
 	Seed           *int64   `json:"seed,omitempty"`
@@ -40,6 +43,7 @@ type JobRequest struct {
 // are *engine.FieldError.
 func (r JobRequest) spec(l engine.Limits) (engine.Spec, jobs.Options, error) {
 	s := engine.DefaultSpec()
+	s.Model = r.Model
 	s.Prompt = r.Prompt
 	s.NegativePrompt = r.NegativePrompt
 	s.Seed = randomSeed()

@@ -53,6 +53,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		xferMode   = fs.String("transfer-mode", string(def.TransferMode), "how stage outputs move on: p2p (consumer pulls from the producer), store (relayed through the Store, the producer frees its buffer at once) or auto (p2p while a consumer has credit, else store)")
 		resultTTL  = fs.Duration("result-ttl", def.ResultTTL, "how long finished files stay in the Store")
 		retention  = fs.Duration("job-retention", def.Jobs.Retention, "how long finished job records stay in etcd (0: forever)")
+		engineSock = fs.String("engine-socket", "", "Unix socket `PATH` on which an external engine process registers and then runs this agent's stages (docs/engine-protocol.md); empty: the built-in engine")
 		logFormat  = fs.String("log-format", "json", "json or console")
 		verbose    = fs.Bool("v", false, "debug logs")
 		slots      = slotsFlag{}
@@ -88,6 +89,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		}
 		cfg.Gossip.KeyringFile = *gossipKeys
 	}
+	cfg.External.Socket = *engineSock
 	cfg.Transfer.Transport, cfg.Transfer.TCPCongestion = *transport, *congestion
 	if cfg.Transfer.Arena.Size, err = bench.ParseSize(*arenaSize); err != nil {
 		fmt.Fprintf(stderr, "latentmesh agent: --arena-size: %v\n", err)

@@ -24,6 +24,7 @@ commands:
   status     show an agent's view: node, peers and credits, queues, data plane
   store      the pooled Store: 'store stat' (by mode and tier), 'store ls [--job ID]'
   version    print the version
+  engine     'engine check': drive an external engine through the worker protocol, pass/fail per check
   bench      benchmark the data plane (transfer), chunked decode (overlap) and the Store (store)
   testbed    fault-injection runs on hosts in network namespaces ('testbed chaos', as root)
 
@@ -52,6 +53,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		"store":    runStore,
 		"version":  runVersion,
 		"bench":    runBench,
+		"engine":   runEngine,
 		"testbed":  runTestbed,
 	}
 	switch args[0] {

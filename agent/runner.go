@@ -1,0 +1,361 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/extengine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/transfer"
+)
+
+// stageRunner is what runs a stage's math for the worker: the built-in
+// engine in this process, or an external engine process on the engine
+// socket. The worker keeps everything else (claims, credits, transfers,
+// commits), whichever runs the math.
+type stageRunner interface {
+	// Serves reports whether stage st of model can run here now.
+	Serves(st jobs.Stage, model string) bool
+	// Slots is how many tasks of st may run at once (beside the agent's
+	// own credits); 0 while nothing serves st.
+	Slots(st jobs.Stage) int
+	// Models lists the models served, by stage, for gossip.
+	Models() map[string][]jobs.Stage
+	// Changed is closed the next time what the runner serves changes.
+	Changed() <-chan struct{}
+
+	CondMeta(s engine.Spec) (transfer.TensorMeta, error)
+	LatentMeta(s engine.Spec) (transfer.TensorMeta, error)
+	Encode(ctx context.Context, s engine.Spec, dst []byte) error
+	Denoise(ctx context.Context, s engine.Spec, cond engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error
+	NewDecoder(s engine.Spec) (frameDecoder, error)
+}
+
+// frameDecoder decodes a latent frame range by frame range and assembles the
+// file (engine.FrameDecoder is one).
+type frameDecoder interface {
+	FrameBytes() int
+	DecodeFrames(ctx context.Context, first int, frames []byte) error
+	FramePreview(f int) ([]byte, error)
+	Finish() ([]byte, string, error)
+}
+
+// builtinRunner is the built-in engine: model engine.DefaultModel, every
+// stage, always ready.
+type builtinRunner struct{ e *engine.Engine }
+
+func (b builtinRunner) Serves(_ jobs.Stage, model string) bool { return model == engine.DefaultModel }
+func (b builtinRunner) Slots(jobs.Stage) int                   { return math.MaxInt }
+func (b builtinRunner) Changed() <-chan struct{}               { return nil } // never changes
+func (b builtinRunner) Models() map[string][]jobs.Stage {
+	return map[string][]jobs.Stage{engine.DefaultModel: jobs.Stages()}
+}
+func (b builtinRunner) CondMeta(engine.Spec) (transfer.TensorMeta, error) { return b.e.CondMeta(), nil }
+func (b builtinRunner) LatentMeta(s engine.Spec) (transfer.TensorMeta, error) {
+	return b.e.LatentMeta(s), nil
+}
+func (b builtinRunner) Encode(ctx context.Context, s engine.Spec, dst []byte) error {
+	_, err := b.e.EncodeInto(ctx, s, dst)
+	return err
+}
+func (b builtinRunner) Denoise(ctx context.Context, s engine.Spec, cond engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error {
+	_, err := b.e.DenoiseInto(ctx, s, cond, dst, progress, chunkDone)
+	return err
+}
+func (b builtinRunner) NewDecoder(s engine.Spec) (frameDecoder, error) { return b.e.NewFrameDecoder(s) }
+
+// externalRunner runs stages on the engine registered on the engine socket.
+// Tensors go to the engine as arena offsets; one that landed on the heap
+// (the arena was full) is copied into an arena buffer first.
+type externalRunner struct {
+	srv    *extengine.Server
+	xfer   *transfer.Service
+	limits engine.Limits
+}
+
+func (x *externalRunner) Serves(st jobs.Stage, model string) bool {
+	return x.srv.Engine().Serves(string(st), model)
+}
+func (x *externalRunner) Slots(st jobs.Stage) int  { return x.srv.Engine().SlotsFor(string(st)) }
+func (x *externalRunner) Changed() <-chan struct{} { return x.srv.Changed() }
+func (x *externalRunner) Models() map[string][]jobs.Stage {
+	reg := x.srv.Engine()
+	if reg == nil {
+		return nil
+	}
+	out := map[string][]jobs.Stage{}
+	for _, m := range reg.Models {
+		for _, st := range m.Stages {
+			out[m.Name] = append(out[m.Name], jobs.Stage(st))
+		}
+	}
+	return out
+}
+
+// model is the registered model serving st of s, checked against its limits.
+func (x *externalRunner) model(st jobs.Stage, s engine.Spec) (extengine.Model, error) {
+	m, ok := x.srv.Engine().Model(string(st), s.ModelName())
+	if !ok {
+		return m, fmt.Errorf("%w: %s of model %q", extengine.ErrNoEngine, st, s.ModelName())
+	}
+	l := x.limits
+	if m.MaxSide > 0 {
+		l.MaxSide = min(l.MaxSide, int(m.MaxSide))
+	}
+	if m.MaxFrames > 0 {
+		l.MaxFrames = min(l.MaxFrames, int(m.MaxFrames))
+	}
+	if m.MaxSteps > 0 {
+		l.MaxSteps = min(l.MaxSteps, int(m.MaxSteps))
+	}
+	if err := s.Validate(l); err != nil {
+		return m, fmt.Errorf("%w: model %q: %w", engine.ErrBadSpec, m.Name, err)
+	}
+	if s.Width%int(m.Latent.Scale) != 0 || s.Height%int(m.Latent.Scale) != 0 {
+		return m, fmt.Errorf("%w: model %q needs sides that are multiples of %d", engine.ErrBadSpec, m.Name, m.Latent.Scale)
+	}
+	return m, nil
+}
+
+func (x *externalRunner) CondMeta(s engine.Spec) (transfer.TensorMeta, error) {
+	m, err := x.model(jobs.Encode, s)
+	if err != nil {
+		if m, err = x.model(jobs.Denoise, s); err != nil {
+			return transfer.TensorMeta{}, err
+		}
+	}
+	return transfer.TensorMeta{DType: transfer.DType(m.Cond.DType), Shape: append([]int64(nil), m.Cond.Shape...), NumChunks: 1}, nil
+}
+
+func (x *externalRunner) LatentMeta(s engine.Spec) (transfer.TensorMeta, error) {
+	m, err := x.model(jobs.Denoise, s)
+	if err != nil {
+		if m, err = x.model(jobs.Decode, s); err != nil {
+			return transfer.TensorMeta{}, err
+		}
+	}
+	return latentMeta(m, s), nil
+}
+
+func latentMeta(m extengine.Model, s engine.Spec) transfer.TensorMeta {
+	sc := int64(m.Latent.Scale)
+	return transfer.TensorMeta{
+		DType:     transfer.DType(m.Latent.DType),
+		Shape:     []int64{int64(s.Frames), int64(m.Latent.Channels), int64(s.Height) / sc, int64(s.Width) / sc},
+		NumChunks: max(s.Frames, 1),
+	}
+}
+
+// inArena returns t's bytes where the engine can see them: t itself, or a
+// copy in a fresh arena buffer (release it after the call).
+func (x *externalRunner) inArena(b []byte) ([]byte, func(), error) {
+	if _, ok := x.xfer.ArenaOffset(b); ok {
+		return b, func() {}, nil
+	}
+	buf, err := x.xfer.Alloc(int64(len(b)))
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w: arena buffer for the engine: %v", errTransient, err)
+	}
+	if _, ok := x.xfer.ArenaOffset(buf.Bytes()); !ok {
+		buf.Release()
+		return nil, nil, fmt.Errorf("%w: the arena has no room for the engine's tensor", errTransient)
+	}
+	copy(buf.Bytes(), b)
+	return buf.Bytes(), buf.Release, nil
+}
+
+// run sends one request, classifying the failure as the worker needs it:
+// an engine that went away is transient (another agent or a restarted
+// engine takes the task); a task the engine failed fails the job.
+func (x *externalRunner) run(ctx context.Context, r extengine.Request) error {
+	err := x.srv.Run(ctx, r)
+	switch {
+	case err == nil, ctx.Err() != nil:
+		return err
+	case errors.Is(err, extengine.ErrEngineLost), errors.Is(err, extengine.ErrNoEngine), errors.Is(err, extengine.ErrNotInArena):
+		return fmt.Errorf("%w: %v", errTransient, err)
+	}
+	return err
+}
+
+func (x *externalRunner) Encode(ctx context.Context, s engine.Spec, dst []byte) error {
+	meta, err := x.CondMeta(s)
+	if err != nil {
+		return err
+	}
+	out, done, err := x.outBuf(dst)
+	if err != nil {
+		return err
+	}
+	if err := x.run(ctx, extengine.Request{Stage: extengine.StageEncode, Model: s.ModelName(), Spec: s,
+		Output: extengine.Tensor{DType: string(meta.DType), Shape: meta.Shape, Data: out}}); err != nil {
+		done(false)
+		return err
+	}
+	done(true)
+	return nil
+}
+
+// outBuf is dst where the engine can write it; done(ok) copies a heap
+// destination's result back.
+func (x *externalRunner) outBuf(dst []byte) ([]byte, func(ok bool), error) {
+	out, rel, err := x.inArena(dst)
+	if err != nil {
+		return nil, nil, err
+	}
+	return out, func(ok bool) {
+		if ok && &out[0] != &dst[0] {
+			copy(dst, out)
+		}
+		rel()
+	}, nil
+}
+
+func (x *externalRunner) Denoise(ctx context.Context, s engine.Spec, cond engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error {
+	meta, err := x.LatentMeta(s)
+	if err != nil {
+		return err
+	}
+	in, relIn, err := x.inArena(cond.Data)
+	if err != nil {
+		return err
+	}
+	defer relIn()
+	out, done, err := x.outBuf(dst)
+	if err != nil {
+		return err
+	}
+	err = x.run(ctx, extengine.Request{Stage: extengine.StageDenoise, Model: s.ModelName(), Spec: s,
+		Inputs:   []extengine.Tensor{{DType: string(cond.Meta.DType), Shape: cond.Meta.Shape, Data: in}},
+		Output:   extengine.Tensor{DType: string(meta.DType), Shape: meta.Shape, Data: out},
+		Progress: progress})
+	done(err == nil)
+	if err != nil {
+		return err
+	}
+	// The protocol hands the latent over whole: every chunk is final now.
+	if chunkDone != nil {
+		for k := range meta.Chunks() {
+			chunkDone(k)
+		}
+	}
+	return nil
+}
+
+func (x *externalRunner) NewDecoder(s engine.Spec) (frameDecoder, error) {
+	m, err := x.model(jobs.Decode, s)
+	if err != nil {
+		return nil, err
+	}
+	sink, err := engine.NewFrameSink(s, x.limits)
+	if err != nil {
+		return nil, err
+	}
+	lm := latentMeta(m, s)
+	fb := lm.DType.ElemSize() * lm.Shape[1] * lm.Shape[2] * lm.Shape[3]
+	return &externalDecoder{x: x, s: s, m: m, sink: sink, frameBytes: int(fb)}, nil
+}
+
+// externalDecoder has the engine render frames to RGBA pixels in the arena
+// and assembles the file in Go (engine.NewFrameSink): PNG and GIF encoding
+// are the agent's, so equal pixels give byte-identical files whichever
+// engine decoded them.
+type externalDecoder struct {
+	x          *externalRunner
+	s          engine.Spec
+	m          extengine.Model
+	sink       *engine.FrameDecoder
+	frameBytes int
+}
+
+func (d *externalDecoder) FrameBytes() int                    { return d.frameBytes }
+func (d *externalDecoder) FramePreview(f int) ([]byte, error) { return d.sink.FramePreview(f) }
+func (d *externalDecoder) Finish() ([]byte, string, error)    { return d.sink.Finish() }
+
+func (d *externalDecoder) DecodeFrames(ctx context.Context, first int, frames []byte) error {
+	if len(frames) == 0 || len(frames)%d.frameBytes != 0 {
+		return fmt.Errorf("%w: %d bytes is not whole %d-byte frames", engine.ErrBadTensor, len(frames), d.frameBytes)
+	}
+	k := len(frames) / d.frameBytes
+	lm := latentMeta(d.m, d.s)
+	in, relIn, err := d.x.inArena(frames)
+	if err != nil {
+		return err
+	}
+	defer relIn()
+	pix := 4 * d.s.Width * d.s.Height
+	buf, err := d.x.xfer.Alloc(int64(k * pix))
+	if err != nil {
+		return fmt.Errorf("%w: arena buffer for decoded pixels: %v", errTransient, err)
+	}
+	defer buf.Release()
+	out, done, err := d.x.outBuf(buf.Bytes())
+	if err != nil {
+		return err
+	}
+	err = d.x.run(ctx, extengine.Request{Stage: extengine.StageDecode, Model: d.s.ModelName(), Spec: d.s,
+		Inputs:     []extengine.Tensor{{DType: string(lm.DType), Shape: []int64{int64(k), lm.Shape[1], lm.Shape[2], lm.Shape[3]}, Data: in}},
+		Output:     extengine.Tensor{DType: "uint8", Shape: []int64{int64(k), int64(d.s.Height), int64(d.s.Width), 4}, Data: out},
+		FirstFrame: first, Frames: k})
+	done(err == nil)
+	if err != nil {
+		return err
+	}
+	rgba := buf.Bytes()
+	for i := range k {
+		if err := d.sink.PutRGBA(first+i, rgba[i*pix:(i+1)*pix]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Engine is the external engine registered on this agent's engine socket,
+// or nil (none yet, or the agent runs the built-in engine).
+func (a *Agent) Engine() *extengine.Registration {
+	if a.ext == nil {
+		return nil
+	}
+	return a.ext.Engine()
+}
+
+// EngineChanged returns a channel closed the next time an external engine
+// registers or goes away (nil for the built-in engine, which never does).
+func (a *Agent) EngineChanged() <-chan struct{} { return a.runner.Changed() }
+
+// EngineSocket is the engine socket's path ("" without one).
+func (a *Agent) EngineSocket() string {
+	if a.ext == nil {
+		return ""
+	}
+	return a.ext.Addr()
+}
+
+// ModelServed reports whether, as this agent's gossip tells, live members
+// serve every stage of model (what a submission of it needs).
+func (a *Agent) ModelServed(model string) bool { return a.modelServed(model) }
+
+// untilClosed returns a context that ends with ctx or when ch is closed (a
+// nil ch never closes), and stop, which ends its watcher.
+func untilClosed(ctx context.Context, ch <-chan struct{}) (context.Context, func()) {
+	if ch == nil {
+		return ctx, func() {}
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		select {
+		case <-ch:
+			cancel()
+		case <-cctx.Done():
+		}
+	}()
+	return cctx, func() {
+		cancel()
+		<-done
+	}
+}

@@ -1,0 +1,9 @@
+"""latentmesh engine SDK: serve stages of a model to a latentmesh agent.
+
+See docs/engines.md and docs/engine-protocol.md in the latentmesh repository.
+"""
+from .protocol import PROTOCOL_VERSION, ProtocolError
+from .worker import BadInput, Cancelled, LatentLayout, Layout, Model, Spec, Task, Worker, socket_from_args
+
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "BadInput", "Cancelled", "LatentLayout", "Layout", "Model",
+           "Spec", "Task", "Worker", "socket_from_args"]

@@ -1,0 +1,438 @@
+package testbed
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"fmt"
+	"image/color"
+	"image/png"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/extengine"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+const torchModel = "latentmesh-tiny-torch"
+
+// torchWeights writes the tiny pipeline's seeded weights (a safetensors
+// file) and returns its path; it skips the test where torch is missing.
+func torchWeights(t *testing.T) string {
+	t.Helper()
+	if why := PythonWorkerMissing("torch"); why != "" {
+		t.Skip(why)
+	}
+	path := filepath.Join(t.TempDir(), "tiny.safetensors")
+	out, err := exec.Command(SystemPython, WorkerScript("torch_pipeline.py"), "--write-weights", path).CombinedOutput()
+	if err != nil {
+		t.Fatalf("write weights: %v\n%s", err, out)
+	}
+	return path
+}
+
+// torchMesh starts agents whose stages the torch worker serves, one worker
+// process per agent (each serving its agent's roles).
+func torchMesh(t *testing.T, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
+	t.Helper()
+	return torchMeshOut(t, ctx, weights, stepMS, ids, func(string) io.Writer { return workerLog{t} })
+}
+
+// torchMeshOut is torchMesh with each worker's output going to out(id).
+func torchMeshOut(t *testing.T, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage, out func(id string) io.Writer) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
+	t.Helper()
+	cfg := DefaultClusterConfig()
+	cfg.Topology = ""
+	cfg.Logger = testLogger(t)
+	cfg.Agent.TransferMode = jobs.P2P
+	c, err := StartCluster(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	dir := t.TempDir()
+	agents, workers := map[string]*agent.Agent{}, map[string]*Worker{}
+	for id, st := range ids {
+		ac := c.cfg.Agent
+		ac.NodeID, ac.Roles, ac.Logger = id, []jobs.Stage{st}, c.cfg.Logger
+		ac.External.Socket = filepath.Join(dir, id+".sock")
+		a, err := c.AddAgentConfig(ctx, ac)
+		if err != nil {
+			t.Fatal(err)
+		}
+		agents[id] = a
+		workers[id] = startEngineOut(t, ctx, a, out(id), WorkerScript("torch_pipeline.py"), "--weights", weights, "--stages", string(st), "--step-ms", fmt.Sprint(stepMS))
+	}
+	eventually(t, 30*time.Second, func() error {
+		for id, a := range agents {
+			if !a.ModelServed(torchModel) {
+				return fmt.Errorf("%s does not see every stage of %s served yet", id, torchModel)
+			}
+		}
+		return nil
+	})
+	return c, agents, workers
+}
+
+type imageReq struct {
+	Model  string `json:"model"`
+	Prompt string `json:"prompt"`
+	Size   string `json:"size"`
+	Seed   int64  `json:"seed"`
+	Steps  int    `json:"num_inference_steps"`
+}
+
+// generate posts one OpenAI images request and returns the PNG.
+func generate(ctx context.Context, addr string, q imageReq) ([]byte, string, error) {
+	body, _ := json.Marshal(q)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+addr+"/v1/images/generations", bytes.NewReader(body))
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil, "", err
+	}
+	defer resp.Body.Close()
+	var r httpapi.ImagesResponse
+	if resp.StatusCode != http.StatusOK {
+		var e bytes.Buffer
+		e.ReadFrom(resp.Body)
+		return nil, "", fmt.Errorf("status %d: %s", resp.StatusCode, e.String())
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&r); err != nil || len(r.Data) != 1 {
+		return nil, "", fmt.Errorf("response: %v (%d images)", err, len(r.Data))
+	}
+	png, err := base64.StdEncoding.DecodeString(r.Data[0].B64JSON)
+	return png, r.Data[0].Latentmesh.JobID, err
+}
+
+// rgba decodes a PNG into RGBA bytes, row by row.
+func rgba(t *testing.T, b []byte) []byte {
+	t.Helper()
+	img, err := png.Decode(bytes.NewReader(b))
+	if err != nil {
+		t.Fatalf("not a valid PNG: %v", err)
+	}
+	r := img.Bounds()
+	out := make([]byte, 0, 4*r.Dx()*r.Dy())
+	for y := r.Min.Y; y < r.Max.Y; y++ {
+		for x := r.Min.X; x < r.Max.X; x++ {
+			c := color.NRGBAModel.Convert(img.At(x, y))
+			cr, cg, cb, ca := c.RGBA()
+			out = append(out, byte(cr>>8), byte(cg>>8), byte(cb>>8), byte(ca>>8))
+		}
+	}
+	return out
+}
+
+// Criterion: a mesh of three agents whose stages the PyTorch worker
+// serves (one worker process per agent) completes 20 jobs through the
+// OpenAI images API; each output is a valid PNG, deterministic for its
+// seed, and pixel-for-pixel equal (max abs difference 0) to the same torch
+// pipeline run in one Python process without latentmesh.
+func TestTorchMeshMatchesSingleProcess(t *testing.T) {
+	weights := torchWeights(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	_, agents, _ := torchMesh(t, ctx, weights, 0, map[string]jobs.Stage{"encode-t": jobs.Encode, "denoise-t": jobs.Denoise, "decode-t": jobs.Decode})
+	entry := agents["encode-t"].HTTPAddr()
+
+	const jobsN, distinct = 20, 5 // seeds repeat, so determinism is checked across jobs
+	prompts := []string{"a red fox in a snowy forest", "a lighthouse at dusk", "ocean waves", "a bowl of fruit", "mountains"}
+	start := time.Now()
+	got := make([][]byte, jobsN)
+	for i := range jobsN {
+		q := imageReq{Model: torchModel, Prompt: prompts[i%distinct], Size: "64x64", Seed: int64(100 + i%distinct), Steps: 10}
+		png, _, err := generate(ctx, entry, q)
+		if err != nil {
+			t.Fatalf("job %d: %v", i, err)
+		}
+		got[i] = rgba(t, png)
+	}
+	t.Logf("%d jobs through the mesh in %v", jobsN, time.Since(start).Round(time.Millisecond))
+	for i := distinct; i < jobsN; i++ {
+		if !bytes.Equal(got[i], got[i%distinct]) {
+			t.Errorf("job %d and job %d (same spec and seed) differ", i, i%distinct)
+		}
+	}
+
+	// The same pipeline in one process, without latentmesh.
+	var specs []map[string]any
+	for i := range distinct {
+		specs = append(specs, map[string]any{"prompt": prompts[i], "seed": 100 + i, "width": 64, "height": 64, "steps": 10, "guidance_scale": 5.0})
+	}
+	js, _ := json.Marshal(specs)
+	ref := filepath.Join(t.TempDir(), "ref.rgba")
+	if out, err := exec.Command(SystemPython, WorkerScript("torch_pipeline.py"), "--weights", weights, "--reference", string(js), ref).CombinedOutput(); err != nil {
+		t.Fatalf("reference run: %v\n%s", err, out)
+	}
+	want, err := os.ReadFile(ref)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 64 * 64 * 4
+	if len(want) != distinct*n {
+		t.Fatalf("reference wrote %d bytes, want %d", len(want), distinct*n)
+	}
+	for i := range distinct {
+		maxDiff := 0
+		for k, b := range got[i] {
+			maxDiff = max(maxDiff, absDiff(b, want[i*n+k]))
+		}
+		if maxDiff != 0 {
+			t.Errorf("job %d (%q): max abs pixel difference %d from the single-process pipeline, want 0", i, prompts[i], maxDiff)
+		}
+	}
+	if varied := bytes.Count(got[0], got[0][:4]); varied == n/4 {
+		t.Error("the image is one flat colour: the pipeline drew nothing")
+	}
+}
+
+func absDiff(a, b byte) int {
+	if a > b {
+		return int(a - b)
+	}
+	return int(b - a)
+}
+
+// Criteria: `engine check` passes against both reference workers (the
+// torch worker stopping a 50-step denoise within one step of a cancel
+// after step 10), and fails, with a clear line, against a worker that
+// ignores cancellation.
+func TestEngineCheck(t *testing.T) {
+	weights := torchWeights(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	run := func(name string, command ...string) ([]extengine.CheckResult, bool, string) {
+		cfg := extengine.DefaultCheckConfig(filepath.Join(t.TempDir(), "check.sock"))
+		cfg.Command = command
+		cfg.Logger = testLogger(t)
+		var out bytes.Buffer
+		res, ok, err := extengine.Check(ctx, cfg, &out)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		t.Logf("%s:\n%s", name, out.String())
+		return res, ok, out.String()
+	}
+	find := func(res []extengine.CheckResult, name string) extengine.CheckResult {
+		for _, r := range res {
+			if r.Name == name {
+				return r
+			}
+		}
+		t.Fatalf("no %q check in %v", name, res)
+		return extengine.CheckResult{}
+	}
+
+	res, ok, _ := run("numpy decoder", SystemPython, WorkerScript("numpy_decoder.py"))
+	if !ok || !find(res, "crash restart").Pass || !find(res, "malformed input").Pass {
+		t.Errorf("numpy decoder fails the check: %v", res)
+	}
+
+	res, ok, _ = run("torch pipeline", SystemPython, WorkerScript("torch_pipeline.py"), "--weights", weights, "--step-ms", "20")
+	if !ok {
+		t.Errorf("torch worker fails the check: %v", res)
+	}
+	c := find(res, "cancel mid-denoise")
+	if !c.Pass || c.CancelStep != 10 || c.LastStep > c.CancelStep+1 {
+		t.Errorf("50-step torch denoise cancelled after step %d stopped at step %d; want step 10 and at most 11 (%s)", c.CancelStep, c.LastStep, c.Detail)
+	}
+
+	res, ok, out := run("broken worker", SystemPython, filepath.Join("testdata", "broken_worker.py"))
+	if ok {
+		t.Fatalf("the check passed a worker that ignores cancellation:\n%s", out)
+	}
+	if !strings.Contains(out, "FAIL  cancel mid-denoise: cancelled after step 10 of 50, but the engine went on to step 50 (it must stop within one step)") {
+		t.Errorf("the broken worker's failure line is missing or unclear:\n%s", out)
+	}
+	_ = res
+}
+
+// Criterion: kill -9 an engine mid-denoise: the task completes on another
+// agent's engine, the job succeeds once, and the dead engine's agent claims
+// nothing until a new engine registers.
+func TestEngineCrashFailsOver(t *testing.T) {
+	weights := torchWeights(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	// 100 ms per step: a 30-step denoise takes 3 s, time to kill it midway.
+	_, agents, workers := torchMesh(t, ctx, weights, 100, map[string]jobs.Stage{
+		"encode-t": jobs.Encode, "denoise-a": jobs.Denoise, "denoise-b": jobs.Denoise, "decode-t": jobs.Decode})
+	entry := agents["encode-t"]
+	spec := engine.Spec{Model: torchModel, Prompt: "a red fox", Seed: 11, Width: 64, Height: 64, Frames: 1, Steps: 30, GuidanceScale: 5}
+	submit := func() string {
+		j, err := entry.Submit(ctx, spec, jobs.Options{Class: routing.Standard})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return j.ID
+	}
+	finish := func(id string) (jobs.Job, []byte) {
+		j, err := entry.Wait(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if j.State != jobs.Succeeded {
+			t.Fatalf("job %s: %s %+v", id, j.State, j.Error)
+		}
+		data, _, err := entry.Result(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rgba(t, data) // a valid PNG
+		return j, data
+	}
+
+	id := submit()
+	var victim string
+	eventually(t, time.Minute, func() error {
+		j, err := entry.Get(ctx, id)
+		if err != nil {
+			return err
+		}
+		if p := j.Progress; p != nil && p.Stage == jobs.Denoise && p.Step >= 3 {
+			victim = p.Node
+			return nil
+		}
+		return fmt.Errorf("denoise not under way: %+v", j.Progress)
+	})
+	other := map[string]string{"denoise-a": "denoise-b", "denoise-b": "denoise-a"}[victim]
+	if other == "" {
+		t.Fatalf("denoise runs on %q", victim)
+	}
+	workers[victim].Kill()
+	t.Logf("killed %s's engine mid-denoise", victim)
+
+	j, first := finish(id)
+	if n := j.Stages[jobs.Denoise].Node; n != other {
+		t.Errorf("denoise committed by %s, want %s (the survivor)", n, other)
+	}
+	if a := j.Stages[jobs.Denoise].Attempt; a < 2 {
+		t.Errorf("denoise committed at attempt %d: the killed engine's claim was not counted", a)
+	}
+	if a := j.Stages[jobs.Decode].Attempt; a != 1 || j.Rewinds != 0 {
+		t.Errorf("decode attempt %d, rewinds %d: want the job to succeed once", a, j.Rewinds)
+	}
+	if agents[victim].Engine() != nil {
+		t.Errorf("%s still has an engine registered after the kill", victim)
+	}
+
+	// With no engine, the victim claims nothing: the next job goes to the
+	// survivor, and gives the same bytes (same spec and seed).
+	j2, second := finish(submit())
+	if n := j2.Stages[jobs.Denoise].Node; n != other {
+		t.Errorf("with %s's engine dead, denoise ran on %s", victim, n)
+	}
+	if !bytes.Equal(first, second) {
+		t.Error("the failed-over job and a clean run of the same spec differ")
+	}
+
+	// A new engine registers on the victim; with the survivor's engine
+	// gone, the victim takes the next job.
+	workers[victim] = startEngine(t, ctx, agents[victim], WorkerScript("torch_pipeline.py"), "--weights", weights, "--stages", "denoise", "--step-ms", "10")
+	workers[other].Kill()
+	j3, third := finish(submit())
+	if n := j3.Stages[jobs.Denoise].Node; n != victim {
+		t.Errorf("after its engine restarted, denoise ran on %s, want %s", n, victim)
+	}
+	if !bytes.Equal(first, third) {
+		t.Error("the restarted engine's output differs")
+	}
+}
+
+// lineTap passes a worker's output to the test log and hands lines that
+// contain match to a channel.
+type lineTap struct {
+	t     *testing.T
+	match string
+	lines chan string
+}
+
+func (w lineTap) Write(p []byte) (int, error) {
+	for _, l := range strings.Split(strings.TrimRight(string(p), "\n"), "\n") {
+		w.t.Logf("worker: %s", l)
+		if strings.Contains(l, w.match) {
+			select {
+			case w.lines <- l:
+			default:
+			}
+		}
+	}
+	return len(p), nil
+}
+
+// Criterion: cancel a 50-step torch job at step 10 through the API: the
+// engine stops at a step boundary. The exact "within one step" bound is
+// TestEngineCheck's (it sees every step the engine reports); through the
+// mesh the test sees the step via etcd progress, which lags the engine by
+// up to ProgressEvery (two 100 ms steps here), so this bounds the overrun
+// by that lag plus one step, and the stop by one step's time plus the
+// cancel's way through etcd and the socket.
+func TestCancelTorchJobMidDenoise(t *testing.T) {
+	weights := torchWeights(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	tap := lineTap{t: t, match: "cancelled after step", lines: make(chan string, 1)}
+	_, agents, _ := torchMeshOut(t, ctx, weights, 100, map[string]jobs.Stage{"encode-t": jobs.Encode, "denoise-t": jobs.Denoise, "decode-t": jobs.Decode},
+		func(id string) io.Writer {
+			if id == "denoise-t" {
+				return tap
+			}
+			return workerLog{t}
+		})
+	entry := agents["encode-t"]
+	spec := engine.Spec{Model: torchModel, Prompt: "a long job", Seed: 3, Width: 64, Height: 64, Frames: 1, Steps: 50, GuidanceScale: 5}
+	j, err := entry.Submit(ctx, spec, jobs.Options{Class: routing.Standard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := 0
+	eventually(t, time.Minute, func() error {
+		got, err := entry.Get(ctx, j.ID)
+		if err != nil {
+			return err
+		}
+		if p := got.Progress; p != nil && p.Stage == jobs.Denoise && p.Step >= 10 {
+			seen = p.Step
+			return nil
+		}
+		return fmt.Errorf("denoise at %+v", got.Progress)
+	})
+	start := time.Now()
+	if _, err := entry.Cancel(ctx, j.ID); err != nil {
+		t.Fatal(err)
+	}
+	var line string
+	select {
+	case line = <-tap.lines:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the engine never reported stopping the cancelled task")
+	}
+	took := time.Since(start)
+	var step, total int
+	if _, err := fmt.Sscanf(line[strings.Index(line, "after step"):], "after step %d of %d", &step, &total); err != nil {
+		t.Fatalf("cancel line %q: %v", line, err)
+	}
+	t.Logf("progress showed step %d; cancelled; the engine stopped after step %d of %d, %v after the cancel", seen, step, total, took.Round(time.Millisecond))
+	if total != 50 || step > seen+3 {
+		t.Errorf("engine stopped after step %d of %d; progress showed %d at the cancel: want a stop within one step of the cancel reaching it (<= %d)", step, total, seen, seen+3)
+	}
+	if took > 3*time.Second { // one 100 ms step, plus etcd and the socket, under a loaded CI machine
+		t.Errorf("the engine took %v to stop after the cancel; a step is 100 ms", took)
+	}
+	final, err := entry.Wait(ctx, j.ID)
+	if err != nil || final.State != jobs.Cancelled {
+		t.Errorf("job after cancel: %s, %v", final.State, err)
+	}
+}

@@ -27,6 +27,7 @@ commands:
   engine     'engine check': drive an external engine through the worker protocol, pass/fail per check
   bench      benchmark the data plane (transfer), chunked decode (overlap) and the Store (store)
   testbed    fault-injection runs on hosts in network namespaces ('testbed chaos', as root)
+  plan       size encode:denoise:decode pools for a model, GPU count and rate, and say why
 
 Run 'latentmesh <command> -h' for a command's flags.
 `
@@ -55,6 +56,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		"bench":    runBench,
 		"engine":   runEngine,
 		"testbed":  runTestbed,
+		"plan":     runPlan,
 	}
 	switch args[0] {
 	case "-h", "--help", "help":

@@ -51,6 +51,8 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"testbed", "storm"}, 2, `unknown command "storm"`},
 		{[]string{"testbed", "chaos", "--agents", "2"}, 2, "want at least 3"},
 		{[]string{"testbed", "chaos", "--duration", "soon"}, 2, "--duration"},
+		{[]string{"plan", "--model", "sd9", "--gpus", "8"}, 2, "flux.1-dev"},
+		{[]string{"plan", "--model", "flux.1-dev", "--gpus", "2"}, 2, "cannot give each of 3 stages"},
 	}
 	for _, tt := range tests {
 		code, _, stderr := runCmd(tt.args...)
@@ -72,6 +74,22 @@ func TestVersionAndHelp(t *testing.T) {
 	}
 	if code, _, errOut := runCmd("testbed", "chaos", "-h"); code != 0 || !strings.Contains(errOut, "--agents") && !strings.Contains(errOut, "-agents") {
 		t.Fatalf("testbed chaos -h: %d %q", code, errOut)
+	}
+}
+
+// plan sizes pools from the cost model and says why.
+func TestPlan(t *testing.T) {
+	code, out, errOut := runCmd("plan", "--model", "wan2.1-t2v-1.3b", "--gpus", "16", "--rate", "1")
+	if code != 0 || !strings.Contains(out, "E:D:V = 2:13:1") || !strings.Contains(out, "denoise sets the pace") {
+		t.Fatalf("plan: %d %q %q", code, out, errOut)
+	}
+	code, out, _ = runCmd("plan", "--model", "qwen-image", "--gpus", "8", "--rate", "5", "--json")
+	var p struct {
+		Pools    string  `json:"pools"`
+		Capacity float64 `json:"capacity"`
+	}
+	if code != 0 || json.Unmarshal([]byte(out), &p) != nil || p.Pools != "1:6:1" || p.Capacity <= 0 {
+		t.Fatalf("plan --json: %d %q", code, out)
 	}
 }
 

@@ -2,12 +2,13 @@ package gossip
 
 import (
 	"bytes"
-	"encoding/binary"
 	"fmt"
 	"math"
 
 	"github.com/hashicorp/memberlist"
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/latentmesh/latentmesh/gossip/msgpackcheck"
 )
 
 // MetaVersion is the NodeMeta encoding this package writes. Fields are only
@@ -167,8 +168,8 @@ func DecodeMeta(b []byte) (NodeMeta, error) {
 	if b[0]&0xf0 != 0x80 && b[0] != 0xde && b[0] != 0xdf {
 		return NodeMeta{}, fmt.Errorf("%w: not a msgpack map", ErrInvalidMeta)
 	}
-	if err := checkMsgpack(b); err != nil {
-		return NodeMeta{}, err
+	if err := (msgpackcheck.Limits{MaxLen: MetaMaxSize, MaxDepth: maxMsgpackDepth}).Check(b); err != nil {
+		return NodeMeta{}, fmt.Errorf("%w: %w", ErrInvalidMeta, err)
 	}
 	var m NodeMeta
 	dec := msgpack.NewDecoder(bytes.NewReader(b))
@@ -206,150 +207,4 @@ func (m NodeMeta) clone() NodeMeta {
 	m.Roles = append([]string(nil), m.Roles...)
 	m.Models = append([]ModelStages(nil), m.Models...)
 	return m
-}
-
-// checkMsgpack walks one msgpack value that must span all of b. Every string,
-// binary and extension length must fit in the remaining bytes, every array
-// or map count must be coverable by the remaining bytes (each element takes
-// at least one), and nesting is bounded. msgpack/v5 sizes allocations from
-// such headers, so this walk is what keeps DecodeMeta's memory bounded.
-func checkMsgpack(b []byte) error {
-	n, err := skipMsgpack(b, 0)
-	if err != nil {
-		return err
-	}
-	if n != len(b) {
-		return fmt.Errorf("%w: %d trailing bytes", ErrInvalidMeta, len(b)-n)
-	}
-	return nil
-}
-
-// skipMsgpack returns the length of the msgpack value at the start of b.
-func skipMsgpack(b []byte, depth int) (int, error) {
-	if len(b) == 0 {
-		return 0, fmt.Errorf("%w: truncated", ErrInvalidMeta)
-	}
-	c := b[0]
-	switch {
-	case c <= 0x7f || c >= 0xe0: // positive and negative fixint
-		return 1, nil
-	case c <= 0x8f: // fixmap
-		return skipItems(b, 1, 2*int(c&0x0f), depth)
-	case c <= 0x9f: // fixarray
-		return skipItems(b, 1, int(c&0x0f), depth)
-	case c <= 0xbf: // fixstr
-		return skipBytes(b, 1, int(c&0x1f))
-	}
-	switch c {
-	case 0xc0, 0xc2, 0xc3: // nil, false, true
-		return 1, nil
-	case 0xcc, 0xd0: // uint8, int8
-		return skipBytes(b, 1, 1)
-	case 0xcd, 0xd1: // uint16, int16
-		return skipBytes(b, 1, 2)
-	case 0xca, 0xce, 0xd2: // float32, uint32, int32
-		return skipBytes(b, 1, 4)
-	case 0xcb, 0xcf, 0xd3: // float64, uint64, int64
-		return skipBytes(b, 1, 8)
-	case 0xd4, 0xd5, 0xd6, 0xd7, 0xd8: // fixext 1, 2, 4, 8, 16: type byte + data
-		return skipBytes(b, 1, 1+(1<<(c-0xd4)))
-	case 0xc4, 0xd9: // bin8, str8
-		n, err := lenAt(b, 1)
-		return skipAfterLen(b, 2, n, err)
-	case 0xc5, 0xda: // bin16, str16
-		n, err := lenAt(b, 2)
-		return skipAfterLen(b, 3, n, err)
-	case 0xc6, 0xdb: // bin32, str32
-		n, err := lenAt(b, 4)
-		return skipAfterLen(b, 5, n, err)
-	case 0xc7: // ext8: len, type, data
-		n, err := lenAt(b, 1)
-		return skipAfterLen(b, 3, n, err)
-	case 0xc8: // ext16
-		n, err := lenAt(b, 2)
-		return skipAfterLen(b, 4, n, err)
-	case 0xc9: // ext32
-		n, err := lenAt(b, 4)
-		return skipAfterLen(b, 6, n, err)
-	case 0xdc: // array16
-		n, err := lenAt(b, 2)
-		if err != nil {
-			return 0, err
-		}
-		return skipItems(b, 3, n, depth)
-	case 0xdd: // array32
-		n, err := lenAt(b, 4)
-		if err != nil {
-			return 0, err
-		}
-		return skipItems(b, 5, n, depth)
-	case 0xde: // map16
-		n, err := lenAt(b, 2)
-		if err != nil {
-			return 0, err
-		}
-		return skipItems(b, 3, 2*n, depth)
-	case 0xdf: // map32
-		n, err := lenAt(b, 4)
-		if err != nil {
-			return 0, err
-		}
-		return skipItems(b, 5, 2*n, depth)
-	}
-	return 0, fmt.Errorf("%w: bad msgpack code 0x%02x", ErrInvalidMeta, c)
-}
-
-// lenAt reads a big-endian length of size bytes following the code byte.
-// Lengths are bounded by MetaMaxSize long before they could overflow int.
-func lenAt(b []byte, size int) (int, error) {
-	if len(b) < 1+size {
-		return 0, fmt.Errorf("%w: truncated length", ErrInvalidMeta)
-	}
-	var n uint64
-	switch size {
-	case 1:
-		n = uint64(b[1])
-	case 2:
-		n = uint64(binary.BigEndian.Uint16(b[1:]))
-	default:
-		n = uint64(binary.BigEndian.Uint32(b[1:]))
-	}
-	if n > MetaMaxSize {
-		return 0, fmt.Errorf("%w: length %d exceeds %d", ErrInvalidMeta, n, MetaMaxSize)
-	}
-	return int(n), nil
-}
-
-func skipAfterLen(b []byte, hdr, n int, err error) (int, error) {
-	if err != nil {
-		return 0, err
-	}
-	return skipBytes(b, hdr, n)
-}
-
-// skipBytes checks that hdr header bytes and n payload bytes are present.
-func skipBytes(b []byte, hdr, n int) (int, error) {
-	if hdr+n > len(b) {
-		return 0, fmt.Errorf("%w: %d bytes declared, %d present", ErrInvalidMeta, n, len(b)-hdr)
-	}
-	return hdr + n, nil
-}
-
-// skipItems walks count values after an hdr-byte container header.
-func skipItems(b []byte, hdr, count, depth int) (int, error) {
-	if depth >= maxMsgpackDepth {
-		return 0, fmt.Errorf("%w: nested deeper than %d", ErrInvalidMeta, maxMsgpackDepth)
-	}
-	if hdr > len(b) || count > len(b)-hdr {
-		return 0, fmt.Errorf("%w: %d elements declared in %d bytes", ErrInvalidMeta, count, len(b)-min(hdr, len(b)))
-	}
-	off := hdr
-	for range count {
-		n, err := skipMsgpack(b[off:], depth+1)
-		if err != nil {
-			return 0, err
-		}
-		off += n
-	}
-	return off, nil
 }

@@ -11,6 +11,7 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/gossip/msgpackcheck"
 )
 
 // ProtocolVersion is the version of the worker protocol this package speaks.
@@ -21,7 +22,7 @@ const ProtocolVersion = 1
 // msgpack/v5 sizes allocations from the headers it reads (and is reported
 // to ignore its own allocation limit), so the frame length and every
 // declared length and element count are checked against the bytes present
-// first (checkMsgpack).
+// first (gossip/msgpackcheck).
 const (
 	// MaxFrame bounds one frame's body; a preview image is the largest.
 	MaxFrame = 1 << 20
@@ -67,7 +68,7 @@ const (
 
 // Msg is every frame of the protocol: one fixed struct, whose fields in use
 // depend on T. Decoding into a fixed struct (never interface{}) is what lets
-// checkMsgpack bound it.
+// msgpackcheck bound it.
 type Msg struct {
 	V uint8  `msgpack:"v"`
 	T string `msgpack:"t"`
@@ -205,8 +206,8 @@ func DecodeMsg(b []byte) (*Msg, error) {
 	if len(b) == 0 || (b[0]&0xf0 != 0x80 && b[0] != 0xde && b[0] != 0xdf) {
 		return nil, fmt.Errorf("%w: not a msgpack map", ErrBadFrame)
 	}
-	if err := checkMsgpack(b); err != nil {
-		return nil, err
+	if err := (msgpackcheck.Limits{MaxLen: MaxFrame, MaxDepth: maxDepth}).Check(b); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrBadFrame, err)
 	}
 	var m Msg
 	if err := msgpack.Unmarshal(b, &m); err != nil {

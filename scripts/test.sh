@@ -37,6 +37,9 @@ go vet -tags rdma ./...
 step "go build -tags rdma"
 go build -tags rdma ./...
 
+step "python engine SDK (sdk/python/tests, Debian's /usr/bin/python3)"
+/usr/bin/python3 -m unittest discover -s sdk/python/tests
+
 step "go test -race (no cached results)"
 go test -race -count=1 -timeout 15m ./...
 

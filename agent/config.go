@@ -90,7 +90,7 @@ type Config struct {
 	// Sim, when set, replaces the built-in engine with simulated GPU time
 	// and model-sized payloads (bench serve); nil in production.
 	Sim *SimEngine
-	API      httpapi.Config
+	API httpapi.Config
 	// AdminServer bounds the admin endpoint's connections (timeouts, in-flight cap).
 	AdminServer httpapi.ServerConfig
 	Queue       routing.QueuePolicy

@@ -1,6 +1,8 @@
 package serve
 
 import (
+	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -58,15 +60,17 @@ type Payload struct {
 
 // ClassStats is one class's figures.
 type ClassStats struct {
-	Name      string      `json:"name"`
-	SLO       float64     `json:"slo_s"`
-	Submitted int         `json:"submitted"`
-	Finished  int         `json:"finished"`
-	Failed    int         `json:"failed"`
-	MetSLO    int         `json:"met_slo"`
-	Through   float64     `json:"throughput_per_min"`
-	Goodput   float64     `json:"goodput_per_min"`
-	Latency   Percentiles `json:"latency_s"`
+	Name      string  `json:"name"`
+	SLO       float64 `json:"slo_s"`
+	Submitted int     `json:"submitted"`
+	Finished  int     `json:"finished"`
+	Failed    int     `json:"failed"`
+	// Unfinished jobs were still running when the drain ran out.
+	Unfinished int         `json:"unfinished"`
+	MetSLO     int         `json:"met_slo"`
+	Through    float64     `json:"throughput_per_min"`
+	Goodput    float64     `json:"goodput_per_min"`
+	Latency    Percentiles `json:"latency_s"`
 }
 
 // Percentiles of a set of simulated seconds.
@@ -173,7 +177,11 @@ func (r *run) report(results []*result) *Report {
 		rec := JobRecord{ID: res.ID, Class: classOf(res), Submit: sim(res.Accepted.Sub(res.Submit)),
 			Stages: map[jobs.Stage]StageTimes{}, Nodes: map[jobs.Stage]string{}, tag: fmt.Sprintf("req-%06d", i), t0: res.Submit, t1: res.End}
 		if res.Err != nil {
-			cs.Failed++
+			if errors.Is(res.Err, context.DeadlineExceeded) {
+				cs.Unfinished++
+			} else {
+				cs.Failed++
+			}
 			rec.Error = res.Err.Error()
 			rep.Jobs = append(rep.Jobs, rec)
 			continue
@@ -237,6 +245,7 @@ func (r *run) report(results []*result) *Report {
 		tot.Submitted += cs.Submitted
 		tot.Finished += cs.Finished
 		tot.Failed += cs.Failed
+		tot.Unfinished += cs.Unfinished
 		tot.MetSLO += cs.MetSLO
 	}
 	tot.Latency = percentiles(all)
@@ -376,13 +385,13 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 	sort.Strings(pools)
 	fmt.Fprintf(w, "  resident weights per GPU: %s\n", strings.Join(pools, ", "))
 	fmt.Fprintf(w, "  makespan %.1f s\n\n", rep.Makespan)
-	fmt.Fprintf(w, "%-28s %6s %5s %5s %6s %9s %9s %7s %7s %7s\n", "class", "slo s", "jobs", "done", "in slo", "thru/min", "good/min", "p50 s", "p90 s", "p99 s")
+	fmt.Fprintf(w, "%-28s %6s %5s %5s %6s %6s %9s %9s %7s %7s %7s\n", "class", "slo s", "jobs", "done", "in slo", "undone", "thru/min", "good/min", "p50 s", "p90 s", "p99 s")
 	for _, c := range append(append([]ClassStats(nil), rep.Classes...), rep.All) {
 		slo := fmt.Sprintf("%.0f", c.SLO)
 		if c.Name == "all" {
 			slo = ""
 		}
-		fmt.Fprintf(w, "%-28s %6s %5d %5d %6d %9.2f %9.2f %7.1f %7.1f %7.1f\n", c.Name, slo, c.Submitted, c.Finished, c.MetSLO, c.Through, c.Goodput, c.Latency.P50, c.Latency.P90, c.Latency.P99)
+		fmt.Fprintf(w, "%-28s %6s %5d %5d %6d %6d %9.2f %9.2f %7.1f %7.1f %7.1f\n", c.Name, slo, c.Submitted, c.Finished, c.MetSLO, c.Unfinished+c.Failed, c.Through, c.Goodput, c.Latency.P50, c.Latency.P90, c.Latency.P99)
 	}
 	if rep.VideoTTFF.N > 0 {
 		fmt.Fprintf(w, "video time to first frame: p50 %.1f s, p90 %.1f s, p99 %.1f s\n", rep.VideoTTFF.P50, rep.VideoTTFF.P90, rep.VideoTTFF.P99)

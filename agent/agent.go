@@ -139,6 +139,11 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
 	a.runner = builtinRunner{a.engine}
+	if cfg.Sim != nil {
+		if a.runner, err = newSimRunner(a.id, *cfg.Sim); err != nil {
+			return nil, err
+		}
+	}
 	if cfg.External.Socket != "" {
 		ec := cfg.External
 		ec.Node, ec.Logger = a.id, a.log

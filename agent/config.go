@@ -87,7 +87,10 @@ type Config struct {
 	// agent's stages instead of the built-in engine, serving the models it
 	// registers; until one registers the agent claims nothing.
 	External extengine.Config
-	API      httpapi.Config
+	// Sim, when set, replaces the built-in engine with simulated GPU time
+	// and model-sized payloads (bench serve); nil in production.
+	Sim *SimEngine
+	API httpapi.Config
 	// AdminServer bounds the admin endpoint's connections (timeouts, in-flight cap).
 	AdminServer httpapi.ServerConfig
 	Queue       routing.QueuePolicy

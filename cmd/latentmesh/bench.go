@@ -11,7 +11,7 @@ import (
 	"github.com/latentmesh/latentmesh/testbed/bench"
 )
 
-const benchUsage = `usage: latentmesh bench <transfer|overlap|store> [flags]
+const benchUsage = `usage: latentmesh bench <transfer|overlap|store|serve> [flags]
 
   transfer   data-plane throughput against raw TCP (tcp) and memcpy (shm),
              producer and consumer in two processes
@@ -19,6 +19,9 @@ const benchUsage = `usage: latentmesh bench <transfer|overlap|store> [flags]
              then decode
   store      pooled Store put (R copies) and get against p2p pulls of the
              same size, on an in-process mesh of Store nodes and etcd
+  serve      an in-process mesh of simulated GPUs serving an open-loop
+             load of published models (testbed/costmodel), colocated or
+             disaggregated: throughput, goodput, latency, breakdown
 
 Run 'latentmesh bench <command> -h' for its flags.
 `
@@ -35,6 +38,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return runBenchOverlap(ctx, args[1:], stdout, stderr)
 	case "store":
 		return runBenchStore(ctx, args[1:], stdout, stderr)
+	case "serve":
+		return runBenchServe(ctx, args[1:], stdout, stderr)
 	case "producer":
 		return runBenchProducer(ctx, args[1:], stderr)
 	case "-h", "--help", "help":

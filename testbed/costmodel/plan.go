@@ -155,3 +155,12 @@ func (p Plan) Text() string {
 	}
 	return b.String()
 }
+
+// ParsePools reads the E:D:V form.
+func ParsePools(s string) (Pools, error) {
+	var p Pools
+	if _, err := fmt.Sscanf(s, "%d:%d:%d", &p.Encode, &p.Denoise, &p.Decode); err != nil || p.String() != s || p.Encode < 1 || p.Denoise < 1 || p.Decode < 1 {
+		return Pools{}, fmt.Errorf("costmodel: pools %q: want E:D:V, each at least 1", s)
+	}
+	return p, nil
+}

@@ -1,0 +1,257 @@
+package agent
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"hash/fnv"
+	"math"
+	"sort"
+	"time"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/transfer"
+)
+
+// SimEngine stands in for a GPU engine in `latentmesh bench serve`: each
+// stage spends a model's GPU time (from a cost model) on this agent's one
+// simulated GPU and writes payloads of the model's latent and conditioning
+// sizes. The agent is one GPU: every stage it runs, of every model, takes
+// turns on that GPU (a FIFO of one), so a colocated agent's encode, denoise
+// and decode never run side by side. A denoise takes the GPU step by step,
+// as time slicing between kernels of several streams would.
+//
+// The built-in engine's math is not run: at a real model's latent sizes it
+// would cost more CPU than the simulated GPU time it stands beside.
+type SimEngine struct {
+	// Models are the models served, by name, on every role of the agent.
+	Models map[string]SimModel
+	// Observe, when set, is told of each stretch of GPU time, from the
+	// task's goroutine: it must be quick and safe for concurrent use.
+	Observe func(GPUSpan)
+}
+
+// SimModel is one model's cost on one GPU and its tensors' shapes.
+type SimModel struct {
+	Encode time.Duration // one encode
+	Step   time.Duration // one denoise step (Spec.Steps of them)
+	Decode time.Duration // decoding the whole latent
+	// Cond is the encoder's output; Latent the denoiser's, frame-major
+	// with one chunk per latent frame for videos.
+	Cond, Latent transfer.TensorMeta
+	// ResultBytes is the size of the finished file.
+	ResultBytes int
+}
+
+// GPUSpan is a stretch of simulated GPU time: Queued when the stage asked
+// for the GPU, Start when it got it, End when it gave it back.
+type GPUSpan struct {
+	Node  string
+	Tag   string // the request's prompt: a benchmark names its jobs by it
+	Stage jobs.Stage
+	// Frame is the first latent frame a decode span covers (-1 otherwise).
+	Frame              int
+	Queued, Start, End time.Time
+}
+
+// gpu is one simulated accelerator: a FIFO lock held for the simulated time.
+type gpu struct {
+	node    string
+	turn    chan struct{} // a token; holding it is owning the GPU
+	observe func(GPUSpan)
+}
+
+// run holds the GPU for d on behalf of stage st of s. debt is time
+// overslept earlier in the same stage, taken off this sleep so timer
+// granularity does not stretch a 50-step denoise; it returns the new debt.
+func (g *gpu) run(ctx context.Context, s engine.Spec, st jobs.Stage, frame int, d, debt time.Duration) (time.Duration, error) {
+	queued := time.Now()
+	select {
+	case g.turn <- struct{}{}:
+	case <-ctx.Done():
+		return debt, ctx.Err()
+	}
+	start := time.Now()
+	want := d - debt
+	err := spend(ctx, want)
+	end := time.Now()
+	<-g.turn
+	if g.observe != nil {
+		g.observe(GPUSpan{Node: g.node, Tag: s.Prompt, Stage: st, Frame: frame, Queued: queued, Start: start, End: end})
+	}
+	return max(0, end.Sub(start)-want), err
+}
+
+// spend sleeps d, returning early with ctx's error.
+func spend(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// simRunner is the stageRunner of a SimEngine.
+type simRunner struct {
+	cfg SimEngine
+	gpu *gpu
+}
+
+func newSimRunner(node string, cfg SimEngine) (*simRunner, error) {
+	for name, m := range cfg.Models {
+		if err := engine.ValidModel(name); err != nil {
+			return nil, fmt.Errorf("agent: sim model %q: %w", name, err)
+		}
+		if m.Encode < 0 || m.Step < 0 || m.Decode < 0 || m.ResultBytes <= 0 {
+			return nil, fmt.Errorf("agent: sim model %q: negative cost or no result size", name)
+		}
+		if err := m.Cond.Validate(math.MaxInt64); err != nil {
+			return nil, fmt.Errorf("agent: sim model %q cond: %w", name, err)
+		}
+		if err := m.Latent.Validate(math.MaxInt64); err != nil || len(m.Latent.Shape) != 4 || m.Latent.NumChunks != int(m.Latent.Shape[0]) {
+			return nil, fmt.Errorf("agent: sim model %q latent %+v: want [frames, c, h, w] with a chunk per frame (%v)", name, m.Latent, err)
+		}
+	}
+	return &simRunner{cfg: cfg, gpu: &gpu{node: node, turn: make(chan struct{}, 1), observe: cfg.Observe}}, nil
+}
+
+func (r *simRunner) model(s engine.Spec) (SimModel, error) {
+	m, ok := r.cfg.Models[s.ModelName()]
+	if !ok {
+		return m, fmt.Errorf("%w: model %q is not simulated here", engine.ErrBadSpec, s.ModelName())
+	}
+	return m, nil
+}
+
+func (r *simRunner) Serves(_ jobs.Stage, model string) bool { _, ok := r.cfg.Models[model]; return ok }
+func (r *simRunner) Slots(jobs.Stage) int                   { return math.MaxInt } // the GPU lock serialises
+func (r *simRunner) Changed() <-chan struct{}               { return nil }
+func (r *simRunner) Models() map[string][]jobs.Stage {
+	out := map[string][]jobs.Stage{}
+	names := make([]string, 0, len(r.cfg.Models))
+	for n := range r.cfg.Models {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	for _, n := range names {
+		out[n] = jobs.Stages()
+	}
+	return out
+}
+
+func (r *simRunner) CondMeta(s engine.Spec) (transfer.TensorMeta, error) {
+	m, err := r.model(s)
+	return m.Cond, err
+}
+
+func (r *simRunner) LatentMeta(s engine.Spec) (transfer.TensorMeta, error) {
+	m, err := r.model(s)
+	return m.Latent, err
+}
+
+func (r *simRunner) Encode(ctx context.Context, s engine.Spec, dst []byte) error {
+	m, err := r.model(s)
+	if err != nil {
+		return err
+	}
+	if _, err := r.gpu.run(ctx, s, jobs.Encode, -1, m.Encode, 0); err != nil {
+		return err
+	}
+	fill(dst, s, 1)
+	return nil
+}
+
+func (r *simRunner) Denoise(ctx context.Context, s engine.Spec, _ engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error {
+	m, err := r.model(s)
+	if err != nil {
+		return err
+	}
+	var debt time.Duration
+	for step := 1; step <= s.Steps; step++ {
+		if debt, err = r.gpu.run(ctx, s, jobs.Denoise, -1, m.Step, debt); err != nil {
+			return err
+		}
+		if progress != nil {
+			progress(step, s.Steps)
+		}
+	}
+	// Every frame of a video latent is final only after the last step.
+	fill(dst, s, 2)
+	if chunkDone != nil {
+		for k := range m.Latent.Chunks() {
+			chunkDone(k)
+		}
+	}
+	return nil
+}
+
+func (r *simRunner) NewDecoder(s engine.Spec) (frameDecoder, error) {
+	m, err := r.model(s)
+	if err != nil {
+		return nil, err
+	}
+	frames := int(m.Latent.Shape[0])
+	return &simDecoder{r: r, s: s, m: m, frames: frames, frameBytes: int(m.Latent.Bytes()) / frames}, nil
+}
+
+// simDecoder spends the model's decode time in proportion to the latent
+// frames it is given.
+type simDecoder struct {
+	r          *simRunner
+	s          engine.Spec
+	m          SimModel
+	frames     int
+	frameBytes int
+	debt       time.Duration
+}
+
+func (d *simDecoder) FrameBytes() int { return d.frameBytes }
+
+func (d *simDecoder) DecodeFrames(ctx context.Context, first int, frames []byte) error {
+	if len(frames) == 0 || len(frames)%d.frameBytes != 0 {
+		return fmt.Errorf("%w: %d bytes is not whole %d-byte frames", engine.ErrBadTensor, len(frames), d.frameBytes)
+	}
+	k := len(frames) / d.frameBytes
+	var err error
+	d.debt, err = d.r.gpu.run(ctx, d.s, jobs.Decode, first, d.m.Decode*time.Duration(k)/time.Duration(d.frames), d.debt)
+	return err
+}
+
+// FramePreview is a small stand-in for a frame's PNG.
+func (d *simDecoder) FramePreview(f int) ([]byte, error) {
+	b := make([]byte, 1024)
+	fill(b, d.s, uint64(100+f))
+	return b, nil
+}
+
+func (d *simDecoder) Finish() ([]byte, string, error) {
+	b := make([]byte, d.m.ResultBytes)
+	fill(b, d.s, 3)
+	return b, "application/octet-stream", nil
+}
+
+// fill writes bytes that depend only on the request and the stage: the
+// payloads are real memory moved between agents, and equal requests give
+// equal bytes.
+func fill(b []byte, s engine.Spec, salt uint64) {
+	h := fnv.New64a()
+	fmt.Fprintf(h, "%s/%d/%d", s.Prompt, s.Seed, salt)
+	x := h.Sum64() | 1
+	i := 0
+	for ; i+8 <= len(b); i += 8 {
+		x ^= x << 13
+		x ^= x >> 7
+		x ^= x << 17
+		binary.LittleEndian.PutUint64(b[i:], x)
+	}
+	for ; i < len(b); i++ {
+		b[i] = byte(x >> (8 * (i % 8)))
+	}
+}

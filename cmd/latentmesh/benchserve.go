@@ -1,0 +1,109 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/latentmesh/latentmesh/testbed"
+	"github.com/latentmesh/latentmesh/testbed/costmodel"
+	"github.com/latentmesh/latentmesh/testbed/serve"
+)
+
+func runBenchServe(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	models, err := costmodel.Load()
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh bench serve: %v\n", err)
+		return 1
+	}
+	cfg := serve.DefaultConfig()
+	fs := newFlagSet("bench serve", "[flags]", stderr)
+	topology := fs.String("topology", string(cfg.Topology), "colocated (every GPU runs every stage) or disaggregated (a pool per stage)")
+	fs.IntVar(&cfg.GPUs, "gpus", cfg.GPUs, "simulated GPUs, one agent each")
+	pools := fs.String("pools", "", "disaggregated pools `E:D:V` (default: planned from the mix's stage times, as 'latentmesh plan')")
+	mix := fs.String("mix", "wan2.1-t2v-1.3b:standard", "load mix: comma-separated `model[:class[:weight[:slo]]]`; models: "+strings.Join(models.Names(), ", "))
+	rate := fs.Float64("rate", 0, "arrivals a second, simulated time (0: --load of what the GPUs can do)")
+	load := fs.Float64("load", 0.9, "with --rate 0: offered load as a share of the GPUs' capacity (GPUs / mean GPU time per job)")
+	duration := fs.Duration("duration", 5*time.Minute, "arrival window, simulated time")
+	trace := fs.String("trace", "", "JSON-lines `file` of arrivals ({\"t\":s,\"model\":m,\"class\":c}) instead of --rate")
+	writeTrace := fs.String("write-trace", "", "write the arrivals offered to `file`, for a rerun with --trace")
+	seed := fs.Int64("seed", 1, "seed of the Poisson arrivals")
+	fs.Float64Var(&cfg.Compression, "compression", cfg.Compression, "time compression: simulated GPU times are divided by it, reported times multiplied back")
+	fs.Float64Var(&cfg.ByteScale, "byte-scale", cfg.ByteScale, "divide payload sizes by this (1: the models' real sizes)")
+	fs.Float64Var(&cfg.Tiling, "tiling", cfg.Tiling, "colocated VAE tiling slowdown of video decode (1.0 or 1.3 in issue 10)")
+	fs.Float64Var(&cfg.GPUMemGB, "gpu-mem", cfg.GPUMemGB, "GB of one GPU's memory")
+	fs.DurationVar(&cfg.Drain, "drain", cfg.Drain, "simulated time to wait for jobs after the last arrival")
+	asJSON := fs.Bool("json", false, "print the report as JSON")
+	plot := fs.String("plot", "", "write a PNG `file`: latency CDF per class and a Gantt chart of sample jobs")
+	sample := fs.Int("jobs", 8, "sample jobs whose breakdown is printed")
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	fail := func(code int, err error) int {
+		fmt.Fprintf(stderr, "latentmesh bench serve: %v\n", err)
+		return code
+	}
+	if cfg.Topology, err = testbed.ParseTopology(*topology); err != nil {
+		return fail(2, err)
+	}
+	if *pools != "" {
+		if cfg.Pools, err = costmodel.ParsePools(*pools); err != nil {
+			return fail(2, err)
+		}
+	}
+	if cfg.Mix, err = serve.ParseMix(*mix, models); err != nil {
+		return fail(2, err)
+	}
+	if *trace != "" {
+		f, err := os.Open(*trace)
+		if err != nil {
+			return fail(2, err)
+		}
+		cfg.Arrivals, err = serve.ReadTrace(f)
+		f.Close()
+		if err != nil {
+			return fail(2, err)
+		}
+	} else {
+		r := *rate
+		if r <= 0 {
+			r = *load * float64(cfg.GPUs) / serve.MixModel(models, cfg.Mix).Total().Seconds()
+		}
+		cfg.Arrivals = serve.Poisson(cfg.Mix, r, *duration, *seed)
+		fmt.Fprintf(stderr, "offering %.3f jobs/s for %s (simulated): %d arrivals\n", r, *duration, len(cfg.Arrivals))
+	}
+	if *writeTrace != "" {
+		f, err := os.Create(*writeTrace)
+		if err != nil {
+			return fail(1, err)
+		}
+		err = serve.WriteTrace(f, cfg.Arrivals)
+		if cerr := f.Close(); err == nil {
+			err = cerr
+		}
+		if err != nil {
+			return fail(1, err)
+		}
+	}
+	rep, err := serve.Run(ctx, cfg)
+	if err != nil {
+		return fail(1, err)
+	}
+	if *plot != "" {
+		if err := rep.WritePlot(*plot, 20); err != nil {
+			return fail(1, err)
+		}
+	}
+	if *asJSON {
+		err = writeJSON(stdout, rep)
+	} else {
+		rep.Text(stdout, *sample)
+	}
+	if err != nil {
+		return fail(1, err)
+	}
+	return 0
+}

@@ -1,0 +1,459 @@
+package serve
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/testbed"
+)
+
+// Report is a run's outcome. Times are simulated seconds: wall time
+// multiplied by the compression.
+type Report struct {
+	Topology    testbed.Topology `json:"topology"`
+	GPUs        int              `json:"gpus"`
+	Pools       string           `json:"pools,omitempty"`
+	Compression float64          `json:"compression"`
+	ByteScale   float64          `json:"byte_scale"`
+	Tiling      float64          `json:"tiling"`
+	Agents      []Agent          `json:"agents"`
+	Payloads    []Payload        `json:"payloads"`
+	// Makespan is first submission to last completion.
+	Makespan float64      `json:"makespan_s"`
+	Classes  []ClassStats `json:"classes"`
+	All      ClassStats   `json:"all"`
+	// VideoTTFF is submission to the first decoded video frame.
+	VideoTTFF Percentiles `json:"video_ttff_s"`
+	// PeakWaiting is the most stage inputs (conditioning for denoise,
+	// latents for decode) produced but not yet started on, at once.
+	PeakWaiting map[jobs.Stage]int `json:"peak_waiting"`
+	// GPUBusy is the share of each pool's GPU time spent running stages.
+	GPUBusy map[string]float64 `json:"gpu_busy"`
+	// GPUOverlaps counts spans that overlapped another on the same GPU:
+	// always 0 unless the GPU model is broken.
+	GPUOverlaps    int              `json:"gpu_overlaps"`
+	ClaimTries     int64            `json:"claim_txns"`
+	ClaimConflicts int64            `json:"claim_conflicts"`
+	EtcdOps        map[string]int64 `json:"etcd_ops"`
+	EtcdOpsPerJob  float64          `json:"etcd_ops_per_job"`
+	// Breakdown is, per class, the median of each part of a job's time.
+	Breakdown []Breakdown `json:"breakdown"`
+	Jobs      []JobRecord `json:"jobs"`
+
+	spans []agent.GPUSpan
+}
+
+// Payload is what one model's stages hand on, as simulated.
+type Payload struct {
+	Model       string `json:"model"`
+	CondBytes   int64  `json:"cond_bytes"`
+	LatentBytes int64  `json:"latent_bytes"`
+}
+
+// ClassStats is one class's figures.
+type ClassStats struct {
+	Name      string  `json:"name"`
+	SLO       float64 `json:"slo_s"`
+	Submitted int     `json:"submitted"`
+	Finished  int     `json:"finished"`
+	Failed    int     `json:"failed"`
+	// Unfinished jobs were still running when the drain ran out.
+	Unfinished int         `json:"unfinished"`
+	MetSLO     int         `json:"met_slo"`
+	Through    float64     `json:"throughput_per_min"`
+	Goodput    float64     `json:"goodput_per_min"`
+	Latency    Percentiles `json:"latency_s"`
+}
+
+// Percentiles of a set of simulated seconds.
+type Percentiles struct {
+	N   int     `json:"n"`
+	P50 float64 `json:"p50"`
+	P90 float64 `json:"p90"`
+	P99 float64 `json:"p99"`
+}
+
+func percentiles(xs []float64) Percentiles {
+	if len(xs) == 0 {
+		return Percentiles{}
+	}
+	s := append([]float64(nil), xs...)
+	sort.Float64s(s)
+	q := func(p float64) float64 { return s[min(len(s)-1, int(math.Ceil(p*float64(len(s))))-1)] }
+	return Percentiles{N: len(s), P50: q(0.5), P90: q(0.9), P99: q(0.99)}
+}
+
+// StageTimes is where one stage of a job spent its time, from the job
+// record (claim and commit times) and the GPU spans.
+type StageTimes struct {
+	Queue     float64 `json:"queue_s"`      // ready (previous commit) to claimed
+	ClaimPull float64 `json:"claim_pull_s"` // claimed to asking for the GPU: claim, progress key, pull
+	GPUWait   float64 `json:"gpu_wait_s"`   // waiting for this GPU's other work
+	Run       float64 `json:"run_s"`        // GPU time
+	Commit    float64 `json:"commit_s"`     // last GPU span to the commit (decode: storing the file)
+}
+
+// JobRecord is one job's breakdown.
+type JobRecord struct {
+	ID      string                    `json:"id"`
+	Class   string                    `json:"class"`
+	Submit  float64                   `json:"submit_s"` // the submit call
+	Stages  map[jobs.Stage]StageTimes `json:"stages"`
+	Notify  float64                   `json:"notify_s"` // commit of decode to the client's wait returning
+	Latency float64                   `json:"latency_s"`
+	TTFF    float64                   `json:"ttff_s,omitempty"`
+	Nodes   map[jobs.Stage]string     `json:"nodes"`
+	Error   string                    `json:"error,omitempty"`
+
+	tag    string    // the request's prompt, naming its GPU spans
+	t0, t1 time.Time // submitted, and the client's wait returned
+}
+
+// Breakdown is a class's median StageTimes and submit/notify.
+type Breakdown struct {
+	Class  string                    `json:"class"`
+	Submit float64                   `json:"submit_s"`
+	Stages map[jobs.Stage]StageTimes `json:"stages"`
+	Notify float64                   `json:"notify_s"`
+}
+
+func (r *run) report(results []*result) *Report {
+	f := r.cfg.Compression
+	sim := func(d time.Duration) float64 { return d.Seconds() * f }
+	spans := r.spans.all()
+	rep := &Report{Topology: r.cfg.Topology, GPUs: r.cfg.GPUs, Compression: f, ByteScale: r.cfg.ByteScale, Tiling: r.cfg.Tiling,
+		Agents: r.agents, PeakWaiting: map[jobs.Stage]int{}, GPUBusy: map[string]float64{}, spans: spans}
+	if r.cfg.Topology == testbed.Disaggregated {
+		rep.Pools = r.cfg.Pools.String()
+	}
+	for _, c := range r.cfg.Mix {
+		m, _ := r.models.Model(c.Model)
+		sm, _ := simModel(m, r.cfg, false)
+		dup := false
+		for _, p := range rep.Payloads {
+			dup = dup || p.Model == c.Model
+		}
+		if !dup {
+			rep.Payloads = append(rep.Payloads, Payload{Model: c.Model, CondBytes: sm.Cond.Bytes(), LatentBytes: sm.Latent.Bytes()})
+		}
+	}
+
+	// GPU spans by request tag and stage.
+	type key struct {
+		tag string
+		st  jobs.Stage
+	}
+	byJob := map[key][]agent.GPUSpan{}
+	for _, s := range spans {
+		byJob[key{s.Tag, s.Stage}] = append(byJob[key{s.Tag, s.Stage}], s)
+	}
+
+	var first, last time.Time
+	lat := map[string][]float64{}
+	var all []float64
+	var ttff []float64
+	stats := map[string]*ClassStats{}
+	var order []string
+	for _, c := range r.cfg.Mix {
+		stats[c.Name()] = &ClassStats{Name: c.Name(), SLO: c.SLO.Seconds()}
+		order = append(order, c.Name())
+	}
+	type interval struct{ from, to time.Time }
+	waiting := map[jobs.Stage][]interval{}
+	for i, res := range results {
+		cs := stats[classOf(res)]
+		cs.Submitted++
+		if first.IsZero() || res.Submit.Before(first) {
+			first = res.Submit
+		}
+		rec := JobRecord{ID: res.ID, Class: classOf(res), Submit: sim(res.Accepted.Sub(res.Submit)),
+			Stages: map[jobs.Stage]StageTimes{}, Nodes: map[jobs.Stage]string{}, tag: fmt.Sprintf("req-%06d", i), t0: res.Submit, t1: res.End}
+		if res.Err != nil {
+			if errors.Is(res.Err, context.DeadlineExceeded) {
+				cs.Unfinished++
+			} else {
+				cs.Failed++
+			}
+			rec.Error = res.Err.Error()
+			rep.Jobs = append(rep.Jobs, rec)
+			continue
+		}
+		cs.Finished++
+		if res.End.After(last) {
+			last = res.End
+		}
+		rec.Latency = sim(res.End.Sub(res.Submit))
+		if rec.Latency <= res.Class.SLO.Seconds() {
+			cs.MetSLO++
+		}
+		lat[cs.Name] = append(lat[cs.Name], rec.Latency)
+		all = append(all, rec.Latency)
+		tag := rec.tag
+		ready := res.Job.CreatedAt
+		var prevEnd time.Time
+		for _, st := range jobs.Stages() {
+			sr := res.Job.Stages[st]
+			sp := byJob[key{tag, st}]
+			if sr == nil || len(sp) == 0 {
+				continue
+			}
+			sort.Slice(sp, func(a, b int) bool { return sp[a].Start.Before(sp[b].Start) })
+			t := StageTimes{Queue: sim(sr.StartedAt.Sub(ready)), ClaimPull: sim(sp[0].Queued.Sub(sr.StartedAt))}
+			for _, s := range sp {
+				t.GPUWait += sim(s.Start.Sub(s.Queued))
+				t.Run += sim(s.End.Sub(s.Start))
+				if st == jobs.Decode && s.Frame == 0 && res.Job.Spec.Frames > 1 {
+					rec.TTFF = sim(s.End.Sub(res.Submit))
+					ttff = append(ttff, rec.TTFF)
+				}
+			}
+			end := sp[len(sp)-1].End
+			t.Commit = sim(sr.FinishedAt.Sub(end))
+			rec.Stages[st], rec.Nodes[st] = t, sr.Node
+			if st != jobs.Encode && !prevEnd.IsZero() {
+				waiting[st] = append(waiting[st], interval{prevEnd, sp[0].Start})
+			}
+			prevEnd, ready = end, sr.FinishedAt
+		}
+		rec.Notify = sim(res.End.Sub(ready))
+		rep.Jobs = append(rep.Jobs, rec)
+	}
+	if !last.IsZero() {
+		rep.Makespan = sim(last.Sub(first))
+	}
+	perMin := func(n int) float64 {
+		if rep.Makespan <= 0 {
+			return 0
+		}
+		return float64(n) / rep.Makespan * 60
+	}
+	var tot ClassStats
+	tot.Name = "all"
+	for _, name := range order {
+		cs := stats[name]
+		cs.Latency = percentiles(lat[name])
+		cs.Through, cs.Goodput = perMin(cs.Finished), perMin(cs.MetSLO)
+		rep.Classes = append(rep.Classes, *cs)
+		tot.Submitted += cs.Submitted
+		tot.Finished += cs.Finished
+		tot.Failed += cs.Failed
+		tot.Unfinished += cs.Unfinished
+		tot.MetSLO += cs.MetSLO
+	}
+	tot.Latency = percentiles(all)
+	tot.Through, tot.Goodput = perMin(tot.Finished), perMin(tot.MetSLO)
+	rep.All = tot
+	rep.VideoTTFF = percentiles(ttff)
+
+	for st, ivs := range waiting {
+		type ev struct {
+			t time.Time
+			d int
+		}
+		var evs []ev
+		for _, iv := range ivs {
+			evs = append(evs, ev{iv.from, 1}, ev{iv.to, -1})
+		}
+		sort.Slice(evs, func(a, b int) bool {
+			if evs[a].t.Equal(evs[b].t) {
+				return evs[a].d < evs[b].d
+			}
+			return evs[a].t.Before(evs[b].t)
+		})
+		n, peak := 0, 0
+		for _, e := range evs {
+			n += e.d
+			peak = max(peak, n)
+		}
+		rep.PeakWaiting[st] = peak
+	}
+
+	// The GPU model's own accounting: no two spans overlap on one GPU.
+	byNode := map[string][]agent.GPUSpan{}
+	for _, s := range spans {
+		byNode[s.Node] = append(byNode[s.Node], s)
+	}
+	busy := map[string]time.Duration{}
+	gpus := map[string]int{}
+	for _, a := range r.agents {
+		gpus[poolOf(a)]++
+	}
+	for node, sp := range byNode {
+		sort.Slice(sp, func(a, b int) bool { return sp[a].Start.Before(sp[b].Start) })
+		for k := 1; k < len(sp); k++ {
+			if sp[k].Start.Before(sp[k-1].End) {
+				rep.GPUOverlaps++
+			}
+		}
+		pool := "all"
+		for _, a := range r.agents {
+			if a.Node == node {
+				pool = poolOf(a)
+			}
+		}
+		for _, s := range sp {
+			busy[pool] += s.End.Sub(s.Start)
+		}
+	}
+	if !last.IsZero() {
+		for pool, b := range busy {
+			rep.GPUBusy[pool] = b.Seconds() / (last.Sub(first).Seconds() * float64(gpus[pool]))
+		}
+	}
+
+	ops := r.ops.snapshot()
+	rep.EtcdOps = ops
+	var n int64
+	for _, v := range ops {
+		n += v
+	}
+	if tot.Submitted > 0 {
+		rep.EtcdOpsPerJob = float64(n) / float64(tot.Submitted)
+	}
+	rep.ClaimTries, rep.ClaimConflicts = r.ops.claims.Load(), r.ops.conflicts.Load()
+
+	for _, name := range order {
+		b := Breakdown{Class: name, Stages: map[jobs.Stage]StageTimes{}}
+		var sub, not []float64
+		parts := map[jobs.Stage]map[string][]float64{}
+		for _, j := range rep.Jobs {
+			if j.Class != name || j.Error != "" {
+				continue
+			}
+			sub, not = append(sub, j.Submit), append(not, j.Notify)
+			for st, t := range j.Stages {
+				if parts[st] == nil {
+					parts[st] = map[string][]float64{}
+				}
+				p := parts[st]
+				p["q"], p["c"], p["w"], p["r"], p["m"] = append(p["q"], t.Queue), append(p["c"], t.ClaimPull), append(p["w"], t.GPUWait), append(p["r"], t.Run), append(p["m"], t.Commit)
+			}
+		}
+		b.Submit, b.Notify = percentiles(sub).P50, percentiles(not).P50
+		for st, p := range parts {
+			b.Stages[st] = StageTimes{Queue: percentiles(p["q"]).P50, ClaimPull: percentiles(p["c"]).P50, GPUWait: percentiles(p["w"]).P50,
+				Run: percentiles(p["r"]).P50, Commit: percentiles(p["m"]).P50}
+		}
+		rep.Breakdown = append(rep.Breakdown, b)
+	}
+	return rep
+}
+
+func poolOf(a Agent) string {
+	if len(a.Roles) == 3 {
+		return "all"
+	}
+	return string(a.Roles[0])
+}
+
+// Text writes the report for a person.
+func (rep *Report) Text(w io.Writer, sampleJobs int) {
+	fmt.Fprintf(w, "bench serve: %s, %d simulated GPUs", rep.Topology, rep.GPUs)
+	if rep.Pools != "" {
+		fmt.Fprintf(w, ", pools E:D:V %s", rep.Pools)
+	}
+	fmt.Fprintf(w, "; time compressed %gx (reported times are simulated: wall x %g)", rep.Compression, rep.Compression)
+	if rep.Topology == testbed.Colocated {
+		fmt.Fprintf(w, "; colocated video decode tiling x%.2f", rep.Tiling)
+	}
+	fmt.Fprintln(w)
+	for _, p := range rep.Payloads {
+		fmt.Fprintf(w, "  payloads %-16s cond %s, latent %s", p.Model, size(p.CondBytes), size(p.LatentBytes))
+		if rep.ByteScale > 1 {
+			fmt.Fprintf(w, " (real sizes / %g)", rep.ByteScale)
+		} else {
+			fmt.Fprint(w, " (the model's real sizes)")
+		}
+		fmt.Fprintln(w)
+	}
+	weights := map[string]float64{}
+	for _, a := range rep.Agents {
+		weights[poolOf(a)] = a.WeightsGB
+	}
+	var pools []string
+	for p, gb := range weights {
+		pools = append(pools, fmt.Sprintf("%s %.1f GB", p, gb))
+	}
+	sort.Strings(pools)
+	fmt.Fprintf(w, "  resident weights per GPU: %s\n", strings.Join(pools, ", "))
+	fmt.Fprintf(w, "  makespan %.1f s\n\n", rep.Makespan)
+	fmt.Fprintf(w, "%-28s %6s %5s %5s %6s %6s %9s %9s %7s %7s %7s\n", "class", "slo s", "jobs", "done", "in slo", "undone", "thru/min", "good/min", "p50 s", "p90 s", "p99 s")
+	for _, c := range append(append([]ClassStats(nil), rep.Classes...), rep.All) {
+		slo := fmt.Sprintf("%.0f", c.SLO)
+		if c.Name == "all" {
+			slo = ""
+		}
+		fmt.Fprintf(w, "%-28s %6s %5d %5d %6d %6d %9.2f %9.2f %7.1f %7.1f %7.1f\n", c.Name, slo, c.Submitted, c.Finished, c.MetSLO, c.Unfinished+c.Failed, c.Through, c.Goodput, c.Latency.P50, c.Latency.P90, c.Latency.P99)
+	}
+	if rep.VideoTTFF.N > 0 {
+		fmt.Fprintf(w, "video time to first frame: p50 %.1f s, p90 %.1f s, p99 %.1f s\n", rep.VideoTTFF.P50, rep.VideoTTFF.P90, rep.VideoTTFF.P99)
+	}
+	fmt.Fprintf(w, "peak inputs waiting: denoise %d, decode %d\n", rep.PeakWaiting[jobs.Denoise], rep.PeakWaiting[jobs.Decode])
+	var busy []string
+	for p, b := range rep.GPUBusy {
+		busy = append(busy, fmt.Sprintf("%s %.0f%%", p, 100*b))
+	}
+	sort.Strings(busy)
+	fmt.Fprintf(w, "GPU busy: %s; overlapping spans on one GPU: %d\n", strings.Join(busy, ", "), rep.GPUOverlaps)
+	fmt.Fprintf(w, "claims: %d transactions, %d conflicts; etcd requests per job %.1f (%s)\n\n", rep.ClaimTries, rep.ClaimConflicts, rep.EtcdOpsPerJob, opsText(rep.EtcdOps))
+
+	fmt.Fprintf(w, "per-job breakdown, class medians, simulated s (queue / claim+pull / gpu wait / run / commit per stage)\n")
+	for _, b := range rep.Breakdown {
+		fmt.Fprintf(w, "  %-26s submit %.3f  %s  notify %.3f\n", b.Class, b.Submit, stagesText(b.Stages), b.Notify)
+	}
+	if sampleJobs > 0 {
+		fmt.Fprintf(w, "sample jobs:\n")
+		step := max(1, len(rep.Jobs)/sampleJobs)
+		for k := 0; k < len(rep.Jobs) && k/step < sampleJobs; k += step {
+			j := rep.Jobs[k]
+			if j.Error != "" {
+				fmt.Fprintf(w, "  %-20s %-26s error: %s\n", j.ID, j.Class, j.Error)
+				continue
+			}
+			fmt.Fprintf(w, "  %-20s %-26s total %.2f  submit %.3f  %s  notify %.3f\n", j.ID, j.Class, j.Latency, j.Submit, stagesText(j.Stages), j.Notify)
+		}
+	}
+}
+
+func stagesText(m map[jobs.Stage]StageTimes) string {
+	var parts []string
+	for _, st := range jobs.Stages() {
+		t, ok := m[st]
+		if !ok {
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%s %.3f/%.3f/%.3f/%.3f/%.3f", st, t.Queue, t.ClaimPull, t.GPUWait, t.Run, t.Commit))
+	}
+	return strings.Join(parts, "  ")
+}
+
+func opsText(ops map[string]int64) string {
+	var keys []string
+	for k := range ops {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var parts []string
+	for _, k := range keys {
+		parts = append(parts, fmt.Sprintf("%s %d", k, ops[k]))
+	}
+	return strings.Join(parts, ", ")
+}
+
+func size(n int64) string {
+	switch {
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1f MiB", float64(n)/(1<<20))
+	case n >= 1<<10:
+		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
+	}
+	return fmt.Sprintf("%d B", n)
+}

@@ -69,14 +69,14 @@ type EtcdCosts struct {
 // that do not measure again.
 func DefaultEtcdCosts() EtcdCosts {
 	return EtcdCosts{
-		WriteLatency:   1500 * time.Microsecond,
-		ReadLatency:    300 * time.Microsecond,
-		WatchDelay:     500 * time.Microsecond,
-		WriteCap:       8000,
-		ReadCap:        20000,
-		WatchCreateCap: 20000,
-		EventCap:       200000,
-		Source:         "defaults (measured on the development machine)",
+		WriteLatency:   800 * time.Microsecond,
+		ReadLatency:    460 * time.Microsecond,
+		WatchDelay:     1000 * time.Microsecond,
+		WriteCap:       960,
+		ReadCap:        610,
+		WatchCreateCap: 1830,
+		EventCap:       25700,
+		Source:         "defaults, measured on the development machine (2 shared cores)",
 	}
 }
 
@@ -118,6 +118,12 @@ type Config struct {
 	ProgressEvery time.Duration
 	// PendingLimit bounds one queue scan (jobs.Config).
 	PendingLimit int
+	// ScanCountsClaimed: claimed (running) tasks count against
+	// PendingLimit, as jobs.Store.Pending reads them today (claims are
+	// filtered after the limited range read), so a stage never sees more
+	// than PendingLimit tasks, running or not. false models a scan that
+	// skips them.
+	ScanCountsClaimed bool
 	// DispatchCost is the central dispatcher's time per decision (an
 	// assignment or a completion); it handles one at a time.
 	DispatchCost time.Duration

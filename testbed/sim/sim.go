@@ -417,7 +417,7 @@ func (s *sim) wake(st *stage) {
 		}
 	}
 	st.blocked = false
-	s.cands, s.tasks = st.q.scan(s.cfg.PendingLimit, true, s.epoch, st.names, s.cands, s.tasks)
+	s.cands, s.tasks = st.q.scan(s.cfg.PendingLimit, s.cfg.ScanCountsClaimed, s.epoch, st.names, s.cands, s.tasks)
 	if len(s.cands) == 0 {
 		s.etcd.watch(now, 2*w)
 		return

@@ -59,21 +59,15 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	sizes = append(sizes, *gpus)
 	start := time.Now()
+	var table, sweep []sim.Config
 	for _, n := range sizes {
 		for _, m := range sim.Modes() {
 			cfg := base
 			cfg.GPUs, cfg.Mode = n, m
-			r, err := sim.Run(cfg)
-			if err != nil {
-				fmt.Fprintf(stderr, "latentmesh sim: %v\n", err)
-				return 2
-			}
-			fmt.Fprintf(stderr, "  %d GPUs %s: %.1f s\n", n, m, r.WallSeconds)
-			rep.Runs = append(rep.Runs, r)
+			table = append(table, cfg)
 		}
 	}
 	if *sweepDur > 0 {
-		var central []sim.Result
 		for _, n := range []int{10, 30, 100, 300, 1000, 3000, 10000, 30000} {
 			if n > 3**gpus {
 				break
@@ -81,22 +75,32 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			for _, m := range []sim.Mode{sim.Mesh, sim.Central} {
 				cfg := base
 				cfg.GPUs, cfg.Mode, cfg.Duration = n, m, *sweepDur
-				r, err := sim.Run(cfg)
-				if err != nil {
-					fmt.Fprintf(stderr, "latentmesh sim: %v\n", err)
-					return 2
-				}
-				if m == sim.Central {
-					central = append(central, r)
-				} else {
-					rep.Sweep = append(rep.Sweep, r)
-				}
+				sweep = append(sweep, cfg)
 			}
 		}
-		rep.SaturatesAt = sim.Saturation(rep.Sweep)
-		rep.CentralSaturatesAt = sim.Saturation(central)
-		rep.Sweep = slices.Concat(rep.Sweep, central)
 	}
+	results, err := sim.RunAll(ctx, slices.Concat(table, sweep), func(r sim.Result) {
+		fmt.Fprintf(stderr, "  %d GPUs %s for %v: %.1f s\n", r.GPUs, r.Mode, r.Duration, r.WallSeconds)
+	})
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh sim: %v\n", err)
+		if ctx.Err() != nil {
+			return 1
+		}
+		return 2
+	}
+	rep.Runs = results[:len(table)]
+	var central []sim.Result
+	for _, r := range results[len(table):] {
+		if r.Mode == sim.Central.String() {
+			central = append(central, r)
+		} else {
+			rep.Sweep = append(rep.Sweep, r)
+		}
+	}
+	rep.SaturatesAt = sim.Saturation(rep.Sweep)
+	rep.CentralSaturatesAt = sim.Saturation(central)
+	rep.Sweep = slices.Concat(rep.Sweep, central)
 	fmt.Fprintf(stderr, "simulated in %.1f s\n", time.Since(start).Seconds())
 	if *asJSON {
 		enc := json.NewEncoder(stdout)

@@ -1,10 +1,14 @@
 package sim
 
 import (
+	"context"
 	"fmt"
 	"io"
 	"math"
+	"runtime"
+	"sort"
 	"strings"
+	"sync"
 	"text/tabwriter"
 	"time"
 )
@@ -80,4 +84,55 @@ func table(w io.Writer, runs []Result) {
 			r.GPUs, r.Pools, r.Mode, r.JobsPerSec, r.DispatchOverheadMs, r.ConflictsPerJob, r.EtcdOpsPerJob, r.EtcdOpsPerSec, r.EtcdEventsPerSec, load, r.Utilisation, r.QueueP50Ms, r.QueueP99Ms, r.Unfinished, r.WallSeconds)
 	}
 	tw.Flush()
+}
+
+// RunAll runs configurations in parallel, one per core (each run is
+// single-threaded and deterministic), and returns their results in order.
+// done, when not nil, is called as each finishes, from one goroutine at a
+// time.
+func RunAll(ctx context.Context, cfgs []Config, done func(Result)) ([]Result, error) {
+	out := make([]Result, len(cfgs))
+	errs := make([]error, len(cfgs))
+	next := make(chan int)
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for range min(runtime.GOMAXPROCS(0), len(cfgs)) {
+		wg.Go(func() {
+			for i := range next {
+				out[i], errs[i] = Run(cfgs[i])
+				if errs[i] == nil && done != nil {
+					mu.Lock()
+					done(out[i])
+					mu.Unlock()
+				}
+			}
+		})
+	}
+	// Longest first, so the biggest run does not start last.
+	order := make([]int, len(cfgs))
+	for i := range order {
+		order[i] = i
+	}
+	sort.SliceStable(order, func(a, b int) bool {
+		return cfgs[order[a]].GPUs*int(cfgs[order[a]].Duration/time.Second) > cfgs[order[b]].GPUs*int(cfgs[order[b]].Duration/time.Second)
+	})
+feed:
+	for _, i := range order {
+		select {
+		case next <- i:
+		case <-ctx.Done():
+			break feed
+		}
+	}
+	close(next)
+	wg.Wait()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	for _, err := range errs {
+		if err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
 }

@@ -28,6 +28,7 @@ commands:
   bench      benchmark the data plane (transfer), chunked decode (overlap) and the Store (store)
   testbed    fault-injection runs on hosts in network namespaces ('testbed chaos', as root)
   plan       size encode:denoise:decode pools for a model, GPU count and rate, and say why
+  sim        simulate the control plane at 1,000-10,000 GPUs (mesh vs a central dispatcher): etcd load, conflicts, delays
 
 Run 'latentmesh <command> -h' for a command's flags.
 `
@@ -57,6 +58,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		"engine":   runEngine,
 		"testbed":  runTestbed,
 		"plan":     runPlan,
+		"sim":      runSim,
 	}
 	switch args[0] {
 	case "-h", "--help", "help":

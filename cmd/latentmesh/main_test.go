@@ -53,6 +53,8 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"testbed", "chaos", "--duration", "soon"}, 2, "--duration"},
 		{[]string{"plan", "--model", "sd9", "--gpus", "8"}, 2, "flux.1-dev"},
 		{[]string{"plan", "--model", "flux.1-dev", "--gpus", "2"}, 2, "cannot give each of 3 stages"},
+		{[]string{"sim", "--model", "sd9"}, 2, "flux.1-dev"},
+		{[]string{"sim", "--gpus", "2"}, 2, "at least one per stage"},
 	}
 	for _, tt := range tests {
 		code, _, stderr := runCmd(tt.args...)
@@ -90,6 +92,30 @@ func TestPlan(t *testing.T) {
 	}
 	if code != 0 || json.Unmarshal([]byte(out), &p) != nil || p.Pools != "1:6:1" || p.Capacity <= 0 {
 		t.Fatalf("plan --json: %d %q", code, out)
+	}
+}
+
+// sim runs the table and the sweep and reports where etcd saturates.
+func TestSim(t *testing.T) {
+	code, out, errOut := runCmd("sim", "--gpus", "30", "--duration", "30s", "--sweep-duration", "10s", "--json")
+	var rep struct {
+		Runs []struct {
+			Mode      string  `json:"mode"`
+			Completed int     `json:"completed"`
+			Util      float64 `json:"gpu_utilisation"`
+		} `json:"runs"`
+		Sweep []json.RawMessage `json:"sweep"`
+	}
+	if code != 0 || json.Unmarshal([]byte(out), &rep) != nil || len(rep.Runs) != 3 || len(rep.Sweep) == 0 {
+		t.Fatalf("sim --json: %d %q %q", code, out, errOut)
+	}
+	for _, r := range rep.Runs {
+		if r.Completed == 0 || r.Util <= 0 || r.Util > 1 {
+			t.Fatalf("sim run %+v", r)
+		}
+	}
+	if code, out, _ := runCmd("sim", "--gpus", "30", "--duration", "30s", "--sweep-duration", "0"); code != 0 || !strings.Contains(out, "mesh-nohints") || !strings.Contains(out, "etcd saturates") {
+		t.Fatalf("sim: %d %q", code, out)
 	}
 }
 

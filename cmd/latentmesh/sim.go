@@ -1,0 +1,116 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/latentmesh/latentmesh/testbed/costmodel"
+	"github.com/latentmesh/latentmesh/testbed/sim"
+)
+
+func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	def := sim.DefaultConfig()
+	models, err := costmodel.Load()
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh sim: %v\n", err)
+		return 1
+	}
+	fs := newFlagSet("sim", "[--gpus N] [--duration D] [--model M] [--measure-etcd] [--json]", stderr)
+	gpus := fs.Int("gpus", 10000, "largest cluster size; the table also runs 100 and 1,000 GPUs below it")
+	duration := fs.Duration("duration", time.Hour, "simulated time jobs arrive for, per run of the table (then every job drains)")
+	sweepDur := fs.Duration("sweep-duration", 2*time.Minute, "simulated time per size of the etcd-load sweep (0: no sweep)")
+	model := fs.String("model", def.Model, "model whose stage costs the GPUs spend: "+strings.Join(models.Names(), ", "))
+	load := fs.Float64("load", def.Load, "arrival rate as a share of the pools' capacity")
+	seed := fs.Uint64("seed", def.Seed, "random seed; a seed gives the same run")
+	measure := fs.Bool("measure-etcd", false, "measure etcd on this machine first (embedded etcd, about 10 s) instead of the recorded figures")
+	skipClaimed := fs.Bool("scan-skips-claimed", false, "model a queue scan that skips running tasks (today claimed tasks count against the 256-key scan)")
+	gossip := fs.Duration("gossip-delay", def.GossipDelay, "age of gossiped free credits")
+	dispatch := fs.Duration("dispatch-cost", def.DispatchCost, "central dispatcher's time per decision")
+	asJSON := fs.Bool("json", false, "print the report as JSON")
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	if _, err := models.Model(*model); err != nil {
+		fmt.Fprintf(stderr, "latentmesh sim: --model: %v\n", err)
+		return 2
+	}
+	base := def
+	base.Model, base.Load, base.Seed, base.Duration = *model, *load, *seed, *duration
+	base.GossipDelay, base.DispatchCost = *gossip, *dispatch
+	base.ScanCountsClaimed = !*skipClaimed
+	if *measure {
+		fmt.Fprintln(stderr, "measuring the embedded etcd...")
+		if base.Etcd, err = sim.MeasureEtcd(ctx, sim.DefaultMeasureConfig()); err != nil {
+			fmt.Fprintf(stderr, "latentmesh sim: measure etcd: %v\n", err)
+			return 1
+		}
+	}
+	rep := sim.Report{Etcd: base.Etcd}
+	var sizes []int
+	for _, n := range []int{100, 1000} {
+		if n < *gpus {
+			sizes = append(sizes, n)
+		}
+	}
+	sizes = append(sizes, *gpus)
+	start := time.Now()
+	var table, sweep []sim.Config
+	for _, n := range sizes {
+		for _, m := range sim.Modes() {
+			cfg := base
+			cfg.GPUs, cfg.Mode = n, m
+			table = append(table, cfg)
+		}
+	}
+	if *sweepDur > 0 {
+		for _, n := range []int{10, 30, 100, 300, 1000, 3000, 10000, 30000} {
+			if n > 3**gpus {
+				break
+			}
+			for _, m := range []sim.Mode{sim.Mesh, sim.Central} {
+				cfg := base
+				cfg.GPUs, cfg.Mode, cfg.Duration = n, m, *sweepDur
+				sweep = append(sweep, cfg)
+			}
+		}
+	}
+	results, err := sim.RunAll(ctx, slices.Concat(table, sweep), func(r sim.Result) {
+		fmt.Fprintf(stderr, "  %d GPUs %s for %v: %.1f s\n", r.GPUs, r.Mode, r.Duration, r.WallSeconds)
+	})
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh sim: %v\n", err)
+		if ctx.Err() != nil {
+			return 1
+		}
+		return 2
+	}
+	rep.Runs = results[:len(table)]
+	var central []sim.Result
+	for _, r := range results[len(table):] {
+		if r.Mode == sim.Central.String() {
+			central = append(central, r)
+		} else {
+			rep.Sweep = append(rep.Sweep, r)
+		}
+	}
+	rep.SaturatesAt = sim.Saturation(rep.Sweep)
+	rep.CentralSaturatesAt = sim.Saturation(central)
+	rep.Sweep = slices.Concat(rep.Sweep, central)
+	fmt.Fprintf(stderr, "simulated in %.1f s\n", time.Since(start).Seconds())
+	if *asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rep); err != nil {
+			fmt.Fprintf(stderr, "latentmesh sim: %v\n", err)
+			return 1
+		}
+		return 0
+	}
+	rep.Text(stdout)
+	return 0
+}

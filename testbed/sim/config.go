@@ -1,0 +1,181 @@
+// Package sim is `latentmesh sim`: a discrete-event simulation of the mesh's
+// control plane at cluster sizes the testbed cannot reach (1,000 and 10,000
+// GPUs), against a central-dispatcher baseline. It runs the same routing
+// code as the agent (routing.QueuePolicy.Order, routing.Admission.Admit,
+// routing.PickHint) on modelled etcd latency and capacity, gossip delay and
+// transfer bandwidth, with stage costs from testbed/costmodel, and counts
+// the etcd operations a job costs as agent/worker.go and agent/jobs issue
+// them. MeasureEtcd measures the etcd figures on this machine (embedded
+// etcd), so the model's capacity is not a guess. Only cmd/latentmesh uses it.
+package sim
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// Mode is the control plane being simulated.
+type Mode int
+
+// Modes.
+const (
+	// Mesh: agents pull from per-stage queues in etcd with fenced claims;
+	// producers hint the next stage's worker (routing.PickHint) and others
+	// leave a hinted task to it for the steal grace.
+	Mesh Mode = iota
+	// MeshNoHints: the same without hints, so every idle worker woken by a
+	// task races for it (the claim-conflict worst case).
+	MeshNoHints
+	// Central: one dispatcher assigns tasks to free GPUs; no claims.
+	Central
+)
+
+func (m Mode) String() string {
+	switch m {
+	case Mesh:
+		return "mesh"
+	case MeshNoHints:
+		return "mesh-nohints"
+	case Central:
+		return "central"
+	}
+	return fmt.Sprintf("mode(%d)", int(m))
+}
+
+// Modes lists every mode, in the order reports show them.
+func Modes() []Mode { return []Mode{Mesh, MeshNoHints, Central} }
+
+// EtcdCosts is the etcd model: latencies of an idle etcd and the rates at
+// which it saturates, per kind of operation.
+type EtcdCosts struct {
+	WriteLatency time.Duration `json:"write_latency"` // one write txn through raft, idle etcd
+	ReadLatency  time.Duration `json:"read_latency"`  // one linearizable read txn, idle etcd
+	WatchDelay   time.Duration `json:"watch_delay"`   // a put until a watcher receives it
+	// The rates one etcd sustains, each measured alone; the model's load is
+	// the sum of each kind's ops/s over its rate (1 = saturated).
+	WriteCap       float64 `json:"write_txns_per_s"`
+	ReadCap        float64 `json:"read_txns_per_s"`
+	WatchCreateCap float64 `json:"watch_creates_per_s"`
+	EventCap       float64 `json:"watch_events_per_s"`
+	// Source says where the figures come from.
+	Source string `json:"source"`
+}
+
+// DefaultEtcdCosts are figures measured on the development machine
+// (2 shared cores, embedded etcd, `latentmesh sim --measure-etcd`), for runs
+// that do not measure again.
+func DefaultEtcdCosts() EtcdCosts {
+	return EtcdCosts{
+		WriteLatency:   800 * time.Microsecond,
+		ReadLatency:    460 * time.Microsecond,
+		WatchDelay:     1000 * time.Microsecond,
+		WriteCap:       960,
+		ReadCap:        610,
+		WatchCreateCap: 1830,
+		EventCap:       25700,
+		Source:         "defaults, measured on the development machine (2 shared cores)",
+	}
+}
+
+func (e EtcdCosts) check() error {
+	if e.WriteLatency <= 0 || e.ReadLatency <= 0 || e.WatchDelay <= 0 {
+		return errors.New("sim: etcd latencies must be positive")
+	}
+	if !(e.WriteCap > 0 && e.ReadCap > 0 && e.WatchCreateCap > 0 && e.EventCap > 0) {
+		return errors.New("sim: etcd capacities must be positive")
+	}
+	return nil
+}
+
+// Config is one simulated run.
+type Config struct {
+	Mode  Mode
+	Model string // a costmodel model
+	GPUs  int    // split into encode:denoise:decode pools by costmodel.PlanPools
+	// Duration is how long jobs arrive; the run then drains every job.
+	Duration time.Duration
+	// Load is the arrival rate as a fraction of the pools' capacity.
+	Load float64
+	Seed uint64
+	// ClassMix is the share of interactive, standard and batch jobs.
+	ClassMix [3]float64
+
+	Queue     routing.QueuePolicy
+	Admission routing.Admission
+	Etcd      EtcdCosts
+
+	// GossipDelay is how old a peer's free credits are when another agent
+	// reads them (memberlist meta spreads in a few gossip rounds).
+	GossipDelay time.Duration
+	// NetDelay is one way between any two nodes.
+	NetDelay time.Duration
+	// Bandwidth is one pull's rate, bytes/s.
+	Bandwidth float64
+	// ProgressEvery throttles denoise progress writes (agent.Config).
+	ProgressEvery time.Duration
+	// PendingLimit bounds one queue scan (jobs.Config).
+	PendingLimit int
+	// ScanCountsClaimed: claimed (running) tasks count against
+	// PendingLimit, as jobs.Store.Pending reads them today (claims are
+	// filtered after the limited range read), so a stage never sees more
+	// than PendingLimit tasks, running or not. false models a scan that
+	// skips them.
+	ScanCountsClaimed bool
+	// DispatchCost is the central dispatcher's time per decision (an
+	// assignment or a completion); it handles one at a time.
+	DispatchCost time.Duration
+	// CheckJobs keeps a per-job record to check that every job completes
+	// exactly once (tests; costs memory at 10,000 GPUs).
+	CheckJobs bool
+}
+
+// DefaultConfig is FLUX.1-dev (the shortest stages of the shipped models,
+// so the most control-plane work per GPU-second) at 80% of capacity for one
+// hour on the mesh.
+func DefaultConfig() Config {
+	return Config{
+		Mode:          Mesh,
+		Model:         "flux.1-dev",
+		GPUs:          1000,
+		Duration:      time.Hour,
+		Load:          0.8,                       // busy but not saturated: queues stay short
+		Seed:          1,                         // runs are deterministic per seed
+		ClassMix:      [3]float64{0.3, 0.5, 0.2}, // mostly people waiting, some batch
+		Queue:         routing.DefaultQueuePolicy(),
+		Admission:     routing.DefaultAdmission(),
+		Etcd:          DefaultEtcdCosts(),
+		GossipDelay:   500 * time.Millisecond, // memberlist: 200 ms rounds, a few to spread
+		NetDelay:      100 * time.Microsecond, // one datacentre
+		Bandwidth:     12.5e9,                 // 100 Gbit/s per pull
+		ProgressEvery: 200 * time.Millisecond, // agent.DefaultConfig
+		PendingLimit:  256,                    // jobs.DefaultConfig
+		DispatchCost:  50 * time.Microsecond,  // an in-memory decision plus its log line
+		CheckJobs:     false,
+	}
+}
+
+func (c Config) check() error {
+	if c.GPUs < 3 {
+		return fmt.Errorf("sim: %d GPUs: need at least one per stage", c.GPUs)
+	}
+	if c.Duration <= 0 || !(c.Load > 0) {
+		return errors.New("sim: duration and load must be positive")
+	}
+	if c.Bandwidth <= 0 || c.ProgressEvery <= 0 || c.PendingLimit <= 0 || c.DispatchCost <= 0 || c.GossipDelay < 0 || c.NetDelay < 0 {
+		return errors.New("sim: bandwidth, progress interval, pending limit and dispatch cost must be positive")
+	}
+	sum := 0.0
+	for _, f := range c.ClassMix {
+		if f < 0 {
+			return errors.New("sim: class shares must not be negative")
+		}
+		sum += f
+	}
+	if !(sum > 0) {
+		return errors.New("sim: class mix is empty")
+	}
+	return c.Etcd.check()
+}

@@ -1,0 +1,79 @@
+package sim
+
+import (
+	"container/heap"
+	"time"
+)
+
+type evKind uint8
+
+const (
+	evArrive    evKind = iota // a job arrives at an agent's API (or the dispatcher)
+	evEnqueue                 // its first task is in the queue (mesh: the submit txn landed)
+	evWake                    // mesh: a stage's waiting workers wake from their watch
+	evClaimed                 // mesh: a worker's claim landed / central: a GPU got its assignment
+	evDone                    // a stage's compute finished; the commit (or report) starts
+	evCommitted               // mesh: the commit landed / central: the dispatcher took the report
+	evDispatch                // central: the dispatcher assigns queued tasks to free GPUs
+	evTick                    // each simulated second: per-agent background etcd traffic
+)
+
+// event is one scheduled happening. seq breaks ties in scheduling order, so
+// a run is deterministic.
+type event struct {
+	at     time.Duration
+	seq    uint64
+	kind   evKind
+	stage  int8
+	worker int32
+	task   *task
+}
+
+// eventQueue is a min-heap on (at, seq).
+type eventQueue []event
+
+func (q eventQueue) Len() int { return len(q) }
+func (q eventQueue) Less(i, j int) bool {
+	if q[i].at != q[j].at {
+		return q[i].at < q[j].at
+	}
+	return q[i].seq < q[j].seq
+}
+func (q eventQueue) Swap(i, j int) { q[i], q[j] = q[j], q[i] }
+func (q *eventQueue) Push(x any)   { *q = append(*q, x.(event)) }
+func (q *eventQueue) Pop() any {
+	old := *q
+	n := len(old)
+	e := old[n-1]
+	old[n-1] = event{}
+	*q = old[:n-1]
+	return e
+}
+
+// clock owns simulated time and the event queue.
+type clock struct {
+	now    time.Duration
+	seq    uint64
+	events eventQueue
+	count  uint64 // events handled
+}
+
+func (c *clock) at(t time.Duration, e event) {
+	if t < c.now {
+		t = c.now
+	}
+	e.at = t
+	c.seq++
+	e.seq = c.seq
+	heap.Push(&c.events, e)
+}
+
+func (c *clock) next() (event, bool) {
+	if len(c.events) == 0 {
+		return event{}, false
+	}
+	e := heap.Pop(&c.events).(event)
+	c.now = e.at
+	c.count++
+	return e, true
+}

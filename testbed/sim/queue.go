@@ -1,0 +1,163 @@
+package sim
+
+import (
+	"math"
+	"strconv"
+	"time"
+
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// job is one simulated generation.
+type job struct {
+	id        int
+	class     routing.Class
+	arrive    time.Duration
+	queueing  time.Duration // summed over stages: task available until claimed
+	overhead  time.Duration // summed over stages: the control plane's part of it
+	completed int
+}
+
+// task is one stage of a job in a queue.
+type task struct {
+	job      *job
+	stage    int
+	enq      time.Duration // in the queue (visible to workers) from here
+	avail    time.Duration // could have run from here: the previous stage's compute ended
+	hint     int32         // worker index in the stage, -1 = none
+	claimed  bool          // claimed (mesh) or assigned (central)
+	gone     bool          // committed: its key is deleted
+	reported bool          // central: the dispatcher has taken in its report
+}
+
+// stageQueue is a stage's task keys in etcd's key order: class, then
+// enqueue time. Enqueue times rise within a class (no retries are
+// modelled), so one FIFO per class is that order. A task leaves it when its
+// key is deleted (commit); claimed tasks stay, as their keys do in etcd.
+type stageQueue struct {
+	byClass [3][]*task
+	head    [3]int
+	queued  int // unclaimed tasks
+}
+
+func (q *stageQueue) push(t *task) {
+	c := t.job.class
+	q.byClass[c] = append(q.byClass[c], t)
+	q.queued++
+}
+
+// compact drops deleted (or, with dropClaimed, claimed) tasks at the head.
+func (q *stageQueue) compact(c int, dropClaimed bool) {
+	s, h := q.byClass[c], q.head[c]
+	for h < len(s) && (s[h].gone || (dropClaimed && s[h].claimed)) {
+		s[h] = nil
+		h++
+	}
+	if h > 1024 && h > len(s)/2 {
+		n := copy(s, s[h:])
+		clear(s[n:])
+		s, h = s[:n], 0
+	}
+	q.byClass[c], q.head[c] = s, h
+}
+
+// scan is what one read of the queue returns: the first limit keys in key
+// order, of which the unclaimed become candidates. With claimedCount the
+// claimed tasks count against the limit, as jobs.Store.Pending reads them
+// (the claims are filtered after the limited range read).
+func (q *stageQueue) scan(limit int, claimedCount bool, epoch time.Time, names []string, cands []routing.Candidate, tasks []*task) ([]routing.Candidate, []*task) {
+	cands, tasks = cands[:0], tasks[:0]
+	keys := 0
+	for c := range q.byClass {
+		q.compact(c, !claimedCount)
+		for _, t := range q.byClass[c][q.head[c]:] {
+			if keys >= limit {
+				return cands, tasks
+			}
+			if t.gone || (t.claimed && !claimedCount) {
+				continue
+			}
+			keys++
+			if t.claimed {
+				continue
+			}
+			hint := ""
+			if t.hint >= 0 {
+				hint = names[t.hint]
+			}
+			cands = append(cands, routing.Candidate{ID: indexID(len(tasks)), Class: t.job.class, Enqueued: epoch.Add(t.enq), Hint: hint})
+			tasks = append(tasks, t)
+		}
+	}
+	return cands, tasks
+}
+
+var indexIDs = func() []string {
+	s := make([]string, 4096)
+	for i := range s {
+		s[i] = strconv.Itoa(i)
+	}
+	return s
+}()
+
+func indexID(i int) string {
+	if i < len(indexIDs) {
+		return indexIDs[i]
+	}
+	return strconv.Itoa(i)
+}
+
+func idIndex(id string) int {
+	n, err := strconv.Atoi(id)
+	if err != nil {
+		panic("sim: candidate id " + id) // only indexID makes them
+	}
+	return n
+}
+
+// histogram keeps durations in buckets 1% wide, so percentiles of millions
+// of jobs take little memory and no sort.
+type histogram struct {
+	counts map[int]uint64
+	n      uint64
+}
+
+const histBase = 1.01
+
+func bucketOf(d time.Duration) int {
+	if d < time.Microsecond {
+		return -1
+	}
+	return int(math.Log(float64(d)/float64(time.Microsecond)) / math.Log(histBase))
+}
+
+func (h *histogram) add(d time.Duration) {
+	if h.counts == nil {
+		h.counts = map[int]uint64{}
+	}
+	h.counts[bucketOf(d)]++
+	h.n++
+}
+
+// quantile is the upper edge of the bucket holding quantile q.
+func (h *histogram) quantile(q float64) time.Duration {
+	if h.n == 0 {
+		return 0
+	}
+	lo, hi := math.MaxInt, math.MinInt
+	for b := range h.counts {
+		lo, hi = min(lo, b), max(hi, b)
+	}
+	want := uint64(math.Ceil(q * float64(h.n)))
+	var seen uint64
+	for b := lo; b <= hi; b++ {
+		seen += h.counts[b]
+		if seen >= want {
+			if b < 0 {
+				return 0
+			}
+			return time.Duration(float64(time.Microsecond) * math.Pow(histBase, float64(b+1)))
+		}
+	}
+	return time.Duration(float64(time.Microsecond) * math.Pow(histBase, float64(hi+1)))
+}

@@ -3,6 +3,7 @@ package testbed
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"os/exec"
@@ -155,10 +156,7 @@ func runBackpressure(t *testing.T, jobsN int, off bool) (peak int64, credits, sl
 		ids = append(ids, j.ID)
 	}
 	for _, id := range ids {
-		j, err := entry.Wait(ctx, id)
-		if err != nil || j.State != jobs.Succeeded {
-			t.Fatalf("job %s: %+v %v", id, j, err)
-		}
+		waitSucceeded(t, ctx, entry, id)
 	}
 	peak = w.stop(t, cl.Client)
 	slack = cl.cfg.Agent.Admission.Slack
@@ -182,6 +180,24 @@ func TestBackpressureManyProducers(t *testing.T) {
 	t.Logf("no backpressure: peak %d over 8 jobs, %d over 16 jobs", short, long)
 	if long <= short || long <= int64(credits+slack) {
 		t.Fatalf("without backpressure the peak should grow with the run: %d over 8 jobs, %d over 16", short, long)
+	}
+}
+
+// waitSucceeded waits for job id to succeed, riding out moments when a
+// loaded test machine keeps etcd from answering the agent's alarm poll
+// (the agent then refuses requests at once with ErrUnavailable).
+func waitSucceeded(t *testing.T, ctx context.Context, a *agent.Agent, id string) jobs.Job {
+	t.Helper()
+	for {
+		j, err := a.Wait(ctx, id)
+		if errors.Is(err, jobs.ErrUnavailable) && ctx.Err() == nil {
+			time.Sleep(200 * time.Millisecond)
+			continue
+		}
+		if err != nil || j.State != jobs.Succeeded {
+			t.Fatalf("job %s: %+v %v", id, j, err)
+		}
+		return j
 	}
 }
 
@@ -212,13 +228,7 @@ func runClassMix(t *testing.T, sched routing.Scheduler) (interactive []time.Dura
 		}
 		return j.ID
 	}
-	wait := func(id string) jobs.Job {
-		j, err := entry.Wait(ctx, id)
-		if err != nil || j.State != jobs.Succeeded {
-			t.Fatalf("job %s: %+v %v", id, j, err)
-		}
-		return j
-	}
+	wait := func(id string) jobs.Job { return waitSucceeded(t, ctx, entry, id) }
 	unloaded = latency(wait(run(0, routing.Interactive)))
 	var batch, inter []string
 	for i := range 8 {
@@ -279,10 +289,7 @@ func TestDeadlineOrdersWithinClass(t *testing.T) {
 	addAgent(t, cl, den)
 	var done []jobs.Job
 	for _, id := range ids {
-		j, err := entry.Wait(ctx, id)
-		if err != nil || j.State != jobs.Succeeded {
-			t.Fatalf("job %s: %+v %v", id, j, err)
-		}
+		j := waitSucceeded(t, ctx, entry, id)
 		if j.Deadline.IsZero() {
 			t.Fatalf("job %s lost its deadline", id)
 		}
@@ -328,14 +335,8 @@ func TestPreemptBatchForInteractive(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ij, err := entry.Wait(ctx, i.ID)
-	if err != nil || ij.State != jobs.Succeeded {
-		t.Fatalf("interactive job: %+v %v", ij, err)
-	}
-	bj, err := entry.Wait(ctx, b.ID)
-	if err != nil || bj.State != jobs.Succeeded {
-		t.Fatalf("batch job: %+v %v", bj, err)
-	}
+	ij := waitSucceeded(t, ctx, entry, i.ID)
+	bj := waitSucceeded(t, ctx, entry, b.ID)
 	if !ij.UpdatedAt.Before(bj.UpdatedAt) {
 		t.Fatal("the batch job finished before the interactive one")
 	}

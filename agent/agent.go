@@ -76,12 +76,25 @@ type Agent struct {
 	ctx    context.Context // cancelled by Close: the stop signal of every goroutine
 	cancel context.CancelFunc
 	wg     sync.WaitGroup
+	// pullCtx ends when the agent stops pulling work (Drain, or Close):
+	// the claim loops wait on it.
+	pullCtx  context.Context
+	stopPull context.CancelFunc
+	workers  sync.WaitGroup // the claim loops, waited for by Drain
+	// running is the tasks executing here, for preemption and drain.
+	running runningTasks
+	// drainOnce starts one drain; drained is closed when it is done.
+	drainOnce sync.Once
+	draining  atomic.Bool
+	drained   chan struct{}
+	drainErr  error // set before drained closes
 
 	// handoffsMu guards handoffs: the peer-to-peer stage outputs this node
 	// holds, which it gives a ticket for only to the holder of the claim
 	// on the task reading them (authorizePayload).
 	handoffsMu sync.Mutex
 	handoffs   map[string]bool
+	released   chan struct{} // closed and replaced at every release
 
 	// inflightMu guards inflight: payloads published by tasks still running,
 	// which have no record yet (see resyncHeld).
@@ -111,6 +124,10 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	}
 	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
+	a.pullCtx, a.stopPull = context.WithCancel(a.ctx)
+	a.running.init()
+	a.drained = make(chan struct{})
+	a.released = make(chan struct{})
 	defer func() {
 		if err != nil {
 			a.Close()
@@ -193,6 +210,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		PeerID:    a.host.ID().String(),
 		DataAddr:  a.xfer.DataAddr(),
 		Roles:     stagesToRoles(cfg.Roles),
+		Slots:     slotsByRole(cfg.Roles, cfg.Slots),
 		Host:      a.xfer.HostID(), // the same identity the data plane uses for shm
 		Version:   Version,
 		StartedAt: time.Now().UTC(),
@@ -267,6 +285,15 @@ func loadIdentity(path string) (crypto.PrivKey, error) {
 	return k, nil
 }
 
+// slotsByRole is the record's Slots: each role's credits.
+func slotsByRole(roles []jobs.Stage, slots map[jobs.Stage]int) map[string]int {
+	out := make(map[string]int, len(roles))
+	for _, st := range roles {
+		out[string(st)] = slots[st]
+	}
+	return out
+}
+
 func stagesToRoles(st []jobs.Stage) []string {
 	out := make([]string, len(st))
 	for i, s := range st {
@@ -285,7 +312,10 @@ func (a *Agent) Start(ctx context.Context) error {
 	a.wg.Go(func() { a.alarms.Run(a.ctx) })
 	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.release, a.resyncHeld) })
 	for _, st := range a.cfg.Roles {
-		a.wg.Go(func() { a.worker(st) })
+		a.workers.Go(func() { a.worker(st) })
+		if st == jobs.Denoise && a.cfg.Queue.PreemptAfter > 0 && a.cfg.Queue.Scheduler != routing.FIFO {
+			a.workers.Go(func() { a.preemptLoop(st) })
+		}
 	}
 	a.wg.Go(a.reportLoop)
 	a.wg.Go(a.gossipEngine)
@@ -303,6 +333,18 @@ func (a *Agent) Start(ctx context.Context) error {
 			Status: func(ctx context.Context) (any, error) { return a.Status(ctx) },
 			Store: func(ctx context.Context, job string, objects bool) (any, error) {
 				return a.StoreStatus(ctx, job, objects)
+			},
+			Drain: func(ctx context.Context, wait bool) error {
+				a.wg.Go(func() { a.Drain(a.ctx) })
+				if !wait {
+					return nil
+				}
+				select {
+				case <-a.drained:
+					return a.drainErr
+				case <-ctx.Done():
+					return ctx.Err()
+				}
 			},
 			Metrics: a.metrics.Handler(),
 			Token:   a.cfg.AdminToken,
@@ -336,6 +378,9 @@ func (a *Agent) serve(srv *http.Server, ln net.Listener, name string) {
 // the alarm poll (no etcd call here: a probe must be cheap and fast), and
 // etcd able to take writes (no NOSPACE alarm).
 func (a *Agent) ready() error {
+	if a.draining.Load() {
+		return errors.New("draining: not taking work")
+	}
 	if a.member.Lease() == 0 {
 		return errors.New("not registered in etcd (no lease)")
 	}
@@ -376,6 +421,7 @@ func (a *Agent) Store() *jobs.Store { return a.store }
 func (a *Agent) Close() error {
 	a.closeOnce.Do(func() {
 		a.cancel()
+		a.workers.Wait()
 		shutdownCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		var errs []error

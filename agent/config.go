@@ -93,8 +93,15 @@ type Config struct {
 	API httpapi.Config
 	// AdminServer bounds the admin endpoint's connections (timeouts, in-flight cap).
 	AdminServer httpapi.ServerConfig
-	Queue       routing.QueuePolicy
-	Admission   routing.Admission
+	// Queue orders each stage's queue (priority or fifo, aging, deadlines)
+	// and decides preemption (Queue.PreemptAfter; denoise only).
+	Queue routing.QueuePolicy
+	// Admission is the backpressure chain (Admission.Off: none).
+	Admission routing.Admission
+	// DrainTimeout bounds how long Drain (SIGTERM, `latentmesh drain`)
+	// lets running tasks finish and held outputs be consumed; past it the
+	// tasks still running are requeued.
+	DrainTimeout time.Duration
 
 	Logger *zap.Logger
 }
@@ -136,6 +143,7 @@ func DefaultConfig() Config {
 		AdminServer:      httpapi.DefaultAdminServerConfig(),
 		Queue:            routing.DefaultQueuePolicy(),
 		Admission:        routing.DefaultAdmission(),
+		DrainTimeout:     30 * time.Second, // most stages finish; a long video is requeued
 		Logger:           zap.NewNop(),
 	}
 }
@@ -186,6 +194,9 @@ func (c Config) validate() (Config, error) {
 	}
 	if c.ResultTTL <= 0 || c.PreviewTTL <= 0 || c.AlarmEvery <= 0 || c.EtcdTimeout <= 0 {
 		return c, errors.New("agent: ResultTTL, PreviewTTL, AlarmEvery and EtcdTimeout must be positive")
+	}
+	if c.DrainTimeout < 0 || c.Queue.PreemptAfter < 0 || c.Admission.Slack < 0 {
+		return c, errors.New("agent: DrainTimeout, Queue.PreemptAfter and Admission.Slack must not be negative")
 	}
 	switch {
 	case c.StoreMemory == StoreMemoryAuto:

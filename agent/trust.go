@@ -72,7 +72,16 @@ func (a *Agent) release(id string) {
 	a.xfer.Release(id)
 	a.handoffsMu.Lock()
 	delete(a.handoffs, id)
+	close(a.released)
+	a.released = make(chan struct{})
 	a.handoffsMu.Unlock()
+}
+
+// releasedSignal is closed at the next release (a drain waits on it).
+func (a *Agent) releasedSignal() <-chan struct{} {
+	a.handoffsMu.Lock()
+	defer a.handoffsMu.Unlock()
+	return a.released
 }
 
 // withClaim marks ctx so that pulls made with it show c's claim to the

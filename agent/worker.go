@@ -41,7 +41,7 @@ var (
 // free before the claim is still free after it.
 func (a *Agent) worker(st jobs.Stage) {
 	credits := a.credits[st]
-	for a.ctx.Err() == nil {
+	for a.pullCtx.Err() == nil {
 		freed := credits.Freed() // before Free, so a release in between is not missed
 		engineChanged := a.runner.Changed()
 		if credits.Free() == 0 || credits.InUse() >= a.runner.Slots(st) {
@@ -50,14 +50,14 @@ func (a *Agent) worker(st jobs.Stage) {
 			select {
 			case <-freed:
 			case <-engineChanged:
-			case <-a.ctx.Done():
+			case <-a.pullCtx.Done():
 			}
 			continue
 		}
 		c, err := a.claimNext(st)
 		if err != nil {
-			if a.ctx.Err() != nil {
-				return
+			if a.pullCtx.Err() != nil {
+				return // draining or closing; a claim made meanwhile is returned, not lost
 			}
 			a.log.Warn("claim failed", zap.String("stage", string(st)), zap.Error(err))
 			a.sleep(a.cfg.RetryBackoff)
@@ -91,15 +91,16 @@ func (a *Agent) sleep(d time.Duration) {
 }
 
 // claimNext blocks until this node holds a claim on a task of stage st.
+// It gives up when the agent stops pulling (a.pullCtx: drain or close).
 func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 	for {
-		if err := a.ctx.Err(); err != nil {
+		if err := a.pullCtx.Err(); err != nil {
 			return nil, err
 		}
 		if a.alarms.NoSpace() != nil {
 			// etcd refuses every claim while its database is full: wait for
 			// the operator (the alarm watcher logs it; /readyz says it).
-			a.sleep(a.cfg.AlarmEvery)
+			a.sleepCtx(a.pullCtx, a.cfg.AlarmEvery)
 			continue
 		}
 		engineChanged := a.runner.Changed() // before the scan reads what the runner serves
@@ -108,7 +109,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		if lease == 0 { // re-registering after a lost lease
 			select {
 			case <-changed:
-			case <-a.ctx.Done():
+			case <-a.pullCtx.Done():
 			}
 			continue
 		}
@@ -119,10 +120,10 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		if !ok {
 			// Downstream is full: wait for its queue to move. Credits arrive by
 			// gossip, which etcd cannot watch, so look again within a second.
-			a.store.WaitChange(a.ctx, down, rev, time.Now().Add(time.Second))
+			a.store.WaitChange(a.pullCtx, down, rev, time.Now().Add(time.Second))
 			continue
 		}
-		pend, rev, err := a.store.Pending(a.ctx, st)
+		pend, rev, err := a.store.Pending(a.pullCtx, st)
 		if err != nil {
 			return nil, err
 		}
@@ -139,7 +140,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 				continue
 			}
 			byID[t.ID] = t
-			cands = append(cands, routing.Candidate{ID: t.ID, Class: t.Class, Enqueued: t.EnqueuedAt, Hint: t.Hint})
+			cands = append(cands, candidate(t))
 		}
 		ordered, retry := a.cfg.Queue.Order(cands, a.id, now)
 		wake = earliest(wake, retry)
@@ -176,7 +177,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		}
 		// An engine registering (or going) changes which tasks are ours:
 		// look again then too, not only when etcd's queue moves.
-		wctx, stop := untilClosed(a.ctx, engineChanged)
+		wctx, stop := untilClosed(a.pullCtx, engineChanged)
 		a.store.WaitChange(wctx, st, rev, wake)
 		stop()
 	}
@@ -247,25 +248,44 @@ func earliest(a, b time.Time) time.Time {
 	return a
 }
 
-// admit applies the backpressure chain: start a task only while the next
-// stage can take what it will produce.
+// admit applies the backpressure chain (routing.Admission): start a task
+// only while this node's share of the next stage's budget has room. The
+// budget is the next stage's total credits (the slots its live agents
+// register) plus the slack; this node's quota is its share among the live
+// agents of this stage, and it counts against it its running tasks of st
+// and the next stage's tasks, queued or running, fed by its outputs. The
+// quotas of all producers add up to the budget, so the projected backlog
+// downstream stays within it however many producers there are.
 func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err error) {
 	down, last := st.Next()
-	if last {
+	if last || a.cfg.Admission.Off {
 		return true, "", 0, nil
 	}
-	queued, _, rev, err := a.store.Depth(a.ctx, down)
+	_, fed, rev, err := a.store.Backlog(a.pullCtx, down, a.id)
 	if err != nil {
 		return false, down, 0, err
 	}
-	free := 0
+	credits := 0
+	var producers []string
 	for _, p := range a.member.Peers() {
-		if p.Alive && p.Record.HasRole(string(down)) {
-			free += int(p.Meta.Free.For(string(down)))
+		if !p.Alive {
+			continue
+		}
+		if p.Record.HasRole(string(down)) {
+			n, ok := p.Record.Slots[string(down)]
+			if !ok { // an agent that predates Slots: its free credits
+				n = int(p.Meta.Free.For(string(down)))
+			}
+			credits += n
+		}
+		if p.Record.HasRole(string(st)) {
+			producers = append(producers, p.Record.ID)
 		}
 	}
+	adm := a.cfg.Admission
+	quota := adm.Quota(adm.Budget(credits), producers, a.id)
 	inFlight := a.credits[st].InUse() // running tasks of this stage; this claim has no credit yet
-	ok = a.cfg.Admission.Admit(int(queued), free, inFlight)
+	ok = adm.Admit(fed+inFlight, quota)
 	// An agent that relays every output through the Store (store mode)
 	// parks them there, not in its arena or a consumer's: the Store's room
 	// bounds them (fits checks it per task), so it runs ahead of a slow or
@@ -299,6 +319,9 @@ func (a *Agent) execute(c *jobs.Claim) {
 	var handedOff atomic.Bool // set once an early handoff committed the stage
 	ctx, stop := a.watchCancel(c, &handedOff)
 	defer stop()
+	// Until it is recorded, preemption and drain may stop it (with a cause
+	// that makes it a requeue).
+	defer a.running.remove(c.Task.ID)
 	start := time.Now()
 	var staged []*cache.Staged // Store objects the task staged; their records come with its commit
 	out, published, committed, err := a.run(ctx, c, &handedOff, &staged)
@@ -379,8 +402,14 @@ func (a *Agent) execute(c *jobs.Claim) {
 		release()
 		return
 	}
+	tries := c.Task.Attempt - c.Task.Requeues // requeues are no failures
 	var record func() error
-	switch {
+	switch cause := context.Cause(ctx); {
+	case ctx.Err() != nil && (errors.Is(cause, errPreempted) || errors.Is(cause, errDrained)):
+		// Preempted or drained: back to the queue at once, to start over
+		// on its next claim.
+		log.Info("task requeued", zap.NamedError("why", cause))
+		record = func() error { return a.store.Requeue(a.ctx, c) }
 	case ctx.Err() != nil:
 		// Cancelled job or lost lease: give the claim up if it is still ours.
 		record = func() error { return a.store.Drop(a.ctx, c) }
@@ -388,8 +417,8 @@ func (a *Agent) execute(c *jobs.Claim) {
 		log.Warn("input lost; restarting job from encode", zap.Error(err))
 		reason := err.Error()
 		record = func() error { return a.store.Rewind(a.ctx, c, reason) }
-	case errors.Is(err, errTransient) && c.Task.Attempt < a.cfg.TransientRetries:
-		backoff := a.cfg.RetryBackoff << (c.Task.Attempt - 1)
+	case errors.Is(err, errTransient) && tries < a.cfg.TransientRetries:
+		backoff := a.cfg.RetryBackoff << (max(tries, 1) - 1)
 		log.Warn("task failed; will retry", zap.Duration("backoff", backoff), zap.Error(err))
 		record = func() error { return a.store.Abandon(a.ctx, c, backoff) }
 	default:
@@ -540,7 +569,9 @@ func (a *Agent) releaseUncommitted(published []string, recordErr error) {
 // lived on the old one and another worker may already hold the task). It
 // also ends when the agent stops. stop ends the watch.
 func (a *Agent) watchCancel(c *jobs.Claim, handedOff *atomic.Bool) (ctx context.Context, stop func()) {
-	ctx, cancel := context.WithCancel(a.ctx)
+	ctx, cancelCause := context.WithCancelCause(a.ctx)
+	cancel := func() { cancelCause(nil) }
+	a.running.add(&runningTask{claim: c, stop: cancelCause, handedOff: handedOff})
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		if j, err := a.store.Wait(ctx, c.Task.JobID); err == nil && j.State == jobs.Cancelled {

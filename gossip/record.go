@@ -20,17 +20,20 @@ const maxIDLen = 128
 // <prefix>/nodes/<ID> on the node's lease so operators can read it with
 // etcdctl. It changes only when the node (re-)registers.
 type NodeRecord struct {
-	ID         string    `json:"id"`
-	PeerID     string    `json:"peer_id,omitempty"`     // libp2p peer id
-	P2PAddrs   []string  `json:"p2p_addrs,omitempty"`   // libp2p multiaddrs
-	DataAddr   string    `json:"data_addr,omitempty"`   // raw TCP data plane, host:port
-	GossipAddr string    `json:"gossip_addr,omitempty"` // memberlist, host:port; filled in by Start
-	HTTPAddr   string    `json:"http_addr,omitempty"`
-	AdminAddr  string    `json:"admin_addr,omitempty"`
-	Roles      []string  `json:"roles,omitempty"` // subset of RoleEncode, RoleDenoise, RoleDecode
-	Host       string    `json:"host,omitempty"`  // host identity (hostname/boot id): equal means same host
-	Version    string    `json:"version,omitempty"`
-	StartedAt  time.Time `json:"started_at"`
+	ID         string   `json:"id"`
+	PeerID     string   `json:"peer_id,omitempty"`     // libp2p peer id
+	P2PAddrs   []string `json:"p2p_addrs,omitempty"`   // libp2p multiaddrs
+	DataAddr   string   `json:"data_addr,omitempty"`   // raw TCP data plane, host:port
+	GossipAddr string   `json:"gossip_addr,omitempty"` // memberlist, host:port; filled in by Start
+	HTTPAddr   string   `json:"http_addr,omitempty"`
+	AdminAddr  string   `json:"admin_addr,omitempty"`
+	Roles      []string `json:"roles,omitempty"` // subset of RoleEncode, RoleDenoise, RoleDecode
+	// Slots is each role's total credits (tasks run at once): the
+	// downstream budget of admission is their sum over a stage's agents.
+	Slots     map[string]int `json:"slots,omitempty"`
+	Host      string         `json:"host,omitempty"` // host identity (hostname/boot id): equal means same host
+	Version   string         `json:"version,omitempty"`
+	StartedAt time.Time      `json:"started_at"`
 }
 
 // HasRole reports whether the record lists role.
@@ -46,6 +49,13 @@ func (r NodeRecord) HasRole(role string) bool {
 func (r NodeRecord) clone() NodeRecord {
 	r.P2PAddrs = append([]string(nil), r.P2PAddrs...)
 	r.Roles = append([]string(nil), r.Roles...)
+	if r.Slots != nil {
+		slots := make(map[string]int, len(r.Slots))
+		for k, v := range r.Slots {
+			slots[k] = v
+		}
+		r.Slots = slots
+	}
 	return r
 }
 

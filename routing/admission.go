@@ -5,21 +5,70 @@ import "math/rand/v2"
 // Admission is the backpressure chain: a stage takes new work only while the
 // stage after it can absorb what it will produce, so memory never fills with
 // payloads waiting for a slow stage.
+//
+// The bound holds for the whole upstream pool, not per agent: the
+// downstream budget (the downstream stage's total credits plus Slack) is
+// split into per-producer quotas (Quota), and each upstream agent counts
+// only what it put there itself (its tasks running plus the downstream
+// tasks, queued or running, whose input it produced). The quotas add up to
+// the budget, so however many producers there are, the projected
+// downstream backlog stays within it; agents that decided alone on the
+// gossiped free credits each saw the same room and together overshot it.
 type Admission struct {
 	// Slack is how many outputs may wait downstream beyond the downstream
-	// stage's total free credits (keeps a pipeline bubble from idling it).
+	// stage's total credits (keeps a pipeline bubble from idling it).
 	Slack int
+	// Off admits everything: no backpressure (a baseline to measure it
+	// against; the downstream backlog then grows with the run).
+	Off bool
 }
 
-// DefaultAdmission allows one waiting output beyond free downstream credits.
+// DefaultAdmission allows one waiting output beyond downstream credits.
 func DefaultAdmission() Admission { return Admission{Slack: 1} }
 
-// Admit reports whether a worker may start one more task whose output goes to
-// a downstream stage with downstreamQueued tasks already waiting and
-// downstreamFree free credits (summed from gossip), with inFlight tasks of
-// this stage already running that will also land downstream.
-func (a Admission) Admit(downstreamQueued, downstreamFree, inFlight int) bool {
-	return downstreamQueued+inFlight < downstreamFree+a.Slack
+// Budget is the most outputs of a stage that may be in flight upstream or
+// waiting or running downstream, with downstreamCredits the total credits
+// (slots) of the live downstream agents.
+func (a Admission) Budget(downstreamCredits int) int {
+	return max(0, downstreamCredits) + max(0, a.Slack)
+}
+
+// Quota is producer self's share of budget among producers (the live
+// upstream agents of the stage, self included): an equal split, the
+// remainder going to the first producers by id, so every producer that
+// reads the same membership computes quotas that add up to budget exactly.
+// A producer not in the list (not yet seen by itself) gets the share of a
+// last one.
+func (a Admission) Quota(budget int, producers []string, self string) int {
+	n := len(producers)
+	rank := 0
+	found := false
+	for _, p := range producers {
+		switch {
+		case p == self:
+			found = true
+		case p < self:
+			rank++
+		}
+	}
+	if !found {
+		n++
+	}
+	if n == 0 {
+		return budget
+	}
+	q := budget / n
+	if rank < budget%n {
+		q++
+	}
+	return q
+}
+
+// Admit reports whether a producer may start one more task, with mine its
+// outputs already counted (tasks running here plus downstream tasks fed by
+// it) and quota its share (Quota).
+func (a Admission) Admit(mine, quota int) bool {
+	return a.Off || mine < quota
 }
 
 // Target is a possible consumer for a payload.

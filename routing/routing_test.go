@@ -1,6 +1,7 @@
 package routing
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -65,6 +66,23 @@ func TestQueueOrder(t *testing.T) {
 			want: []string{"theirs"},
 		},
 		{
+			name: "earliest deadline first within a class",
+			cands: []Candidate{
+				{ID: "none", Class: Standard, Enqueued: now.Add(-3 * time.Second)},
+				{ID: "late", Class: Standard, Enqueued: now.Add(-2 * time.Second), Deadline: now.Add(10 * time.Second)},
+				{ID: "soon", Class: Standard, Enqueued: now, Deadline: now.Add(time.Second)},
+			},
+			want: []string{"soon", "late", "none"},
+		},
+		{
+			name: "deadline does not jump a class",
+			cands: []Candidate{
+				{ID: "batch-urgent", Class: Batch, Enqueued: now, Deadline: now.Add(time.Millisecond)},
+				{ID: "int", Class: Interactive, Enqueued: now},
+			},
+			want: []string{"int", "batch-urgent"},
+		},
+		{
 			name: "own hint first among equals",
 			cands: []Candidate{
 				{ID: "plain", Class: Standard, Enqueued: now.Add(-time.Second)},
@@ -95,23 +113,67 @@ func equal(a, b []string) bool {
 	return true
 }
 
+// The per-producer quotas add up to the budget whatever the number of
+// producers, so the pool as a whole never overshoots it.
+func TestAdmissionQuotasSumToBudget(t *testing.T) {
+	a := Admission{Slack: 1}
+	for credits := 0; credits <= 9; credits++ {
+		for n := 1; n <= 6; n++ {
+			var producers []string
+			for i := range n {
+				producers = append(producers, fmt.Sprintf("den-%d", i))
+			}
+			budget := a.Budget(credits)
+			sum := 0
+			for _, p := range producers {
+				q := a.Quota(budget, producers, p)
+				if q < budget/n || q > budget/n+1 {
+					t.Fatalf("credits=%d n=%d: quota of %s = %d, not an even share of %d", credits, n, p, q, budget)
+				}
+				sum += q
+			}
+			if sum != budget {
+				t.Fatalf("credits=%d n=%d: quotas add up to %d, want budget %d", credits, n, sum, budget)
+			}
+		}
+	}
+	// A producer that has not seen itself in the membership yet counts itself.
+	if q := a.Quota(4, []string{"a", "b", "c"}, "d"); q != 1 {
+		t.Fatalf("unseen producer quota = %d, want 1", q)
+	}
+}
+
 func TestAdmit(t *testing.T) {
 	a := Admission{Slack: 1}
-	tests := []struct {
-		queued, free, inflight int
-		want                   bool
-	}{
-		{0, 0, 0, true},  // an empty pipeline can always start one
-		{1, 0, 0, false}, // nobody to decode and one already waiting
-		{0, 0, 1, false}, // one in flight will fill the slack
-		{2, 2, 0, true},
-		{2, 2, 1, false},
-		{0, 4, 3, true},
+	// One producer, two downstream credits: the old chain's bound.
+	q := a.Quota(a.Budget(2), []string{"me"}, "me")
+	if q != 3 {
+		t.Fatalf("quota = %d, want credits+slack = 3", q)
 	}
-	for _, tt := range tests {
-		if got := a.Admit(tt.queued, tt.free, tt.inflight); got != tt.want {
-			t.Errorf("Admit(%d,%d,%d) = %v, want %v", tt.queued, tt.free, tt.inflight, got, tt.want)
+	for mine := 0; mine < q; mine++ {
+		if !a.Admit(mine, q) {
+			t.Fatalf("Admit(%d, %d) refused below the quota", mine, q)
 		}
+	}
+	if a.Admit(q, q) {
+		t.Fatal("admitted at the quota")
+	}
+	// Four producers share the same budget: each stops at its share.
+	producers := []string{"d1", "d2", "d3", "d4"}
+	total := 0
+	for _, p := range producers {
+		qp := a.Quota(a.Budget(2), producers, p)
+		mine := 0
+		for a.Admit(mine, qp) {
+			mine++
+		}
+		total += mine
+	}
+	if total != 3 {
+		t.Fatalf("four producers admitted %d in all, want the budget 3", total)
+	}
+	if !(Admission{Off: true}).Admit(100, 0) {
+		t.Fatal("Off refused")
 	}
 }
 
@@ -205,5 +267,97 @@ func TestChooseHandoff(t *testing.T) {
 		if got := ChooseHandoff(c.mode, c.ready, c.room); got != c.want {
 			t.Errorf("ChooseHandoff(%q, ready=%v, room=%v) = %v, want %v", c.mode, c.ready, c.room, got, c.want)
 		}
+	}
+}
+
+func TestFIFOIgnoresClassAndDeadline(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := DefaultQueuePolicy()
+	p.Scheduler = FIFO
+	got, _ := p.Order([]Candidate{
+		{ID: "int", Class: Interactive, Enqueued: now, Deadline: now.Add(time.Millisecond)},
+		{ID: "batch", Class: Batch, Enqueued: now.Add(-2 * time.Second)},
+		{ID: "std", Class: Standard, Enqueued: now.Add(-time.Second)},
+	}, "me", now)
+	if g := ids(got); !equal(g, []string{"batch", "std", "int"}) {
+		t.Fatalf("fifo order = %v", g)
+	}
+	if v, _ := p.Preempt([]Candidate{{ID: "int", Class: Interactive, Enqueued: now.Add(-time.Hour)}},
+		[]Candidate{{ID: "b", Class: Batch, Enqueued: now}}, "me", now); v != "" {
+		t.Fatalf("fifo preempted %q", v)
+	}
+	for _, s := range []string{"fifo", "priority", ""} {
+		if _, err := ParseScheduler(s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := ParseScheduler("edf"); err == nil {
+		t.Fatal("unknown scheduler accepted")
+	}
+}
+
+// A stream of fresh interactive work, arriving twice as fast as it is
+// served so that the interactive backlog only grows, does not starve a
+// batch task: once it has waited two aging steps it ranks with
+// interactive work, and no interactive task that arrived after that is
+// served before it.
+func TestAgingWithoutStarvation(t *testing.T) {
+	p := QueuePolicy{AgingStep: 10 * time.Second}
+	start := time.Unix(0, 0)
+	queue := []Candidate{{ID: "batch", Class: Batch, Enqueued: start}}
+	tick := time.Second
+	lifted := start.Add(2 * p.AgingStep)
+	for i := 0; i < 1000; i++ {
+		now := start.Add(time.Duration(i) * tick)
+		queue = append(queue,
+			Candidate{ID: fmt.Sprintf("int-%d-a", i), Class: Interactive, Enqueued: now},
+			Candidate{ID: fmt.Sprintf("int-%d-b", i), Class: Interactive, Enqueued: now})
+		ordered, _ := p.Order(queue, "me", now)
+		served := ordered[0]
+		if served.ID == "batch" {
+			t.Logf("batch served after %v of a growing interactive backlog", now.Sub(start))
+			return
+		}
+		if served.Enqueued.After(lifted) {
+			t.Fatalf("at %v: %s, enqueued after the batch task was lifted, served before it", now.Sub(start), served.ID)
+		}
+		for j, c := range queue {
+			if c.ID == served.ID {
+				queue = append(queue[:j], queue[j+1:]...)
+				break
+			}
+		}
+	}
+	t.Fatal("batch task starved")
+}
+
+func TestPreempt(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := QueuePolicy{AgingStep: 30 * time.Second, PreemptAfter: 2 * time.Second}
+	batchOld := Candidate{ID: "b-old", Class: Batch, Enqueued: now.Add(-20 * time.Second)}
+	batchNew := Candidate{ID: "b-new", Class: Batch, Enqueued: now.Add(-time.Second)}
+	fresh := Candidate{ID: "int-fresh", Class: Interactive, Enqueued: now.Add(-500 * time.Millisecond)}
+	stale := Candidate{ID: "int-stale", Class: Interactive, Enqueued: now.Add(-3 * time.Second)}
+	std := Candidate{ID: "std", Class: Standard, Enqueued: now.Add(-time.Hour)}
+
+	if v, wake := p.Preempt([]Candidate{fresh}, []Candidate{batchOld, batchNew}, "me", now); v != "" || !wake.Equal(fresh.Enqueued.Add(2*time.Second)) {
+		t.Fatalf("fresh interactive: victim %q wake %v", v, wake)
+	}
+	if v, _ := p.Preempt([]Candidate{stale, fresh}, []Candidate{batchOld, batchNew}, "me", now); v != "b-new" {
+		t.Fatalf("victim = %q, want the least aged batch task b-new", v)
+	}
+	if v, _ := p.Preempt([]Candidate{stale}, []Candidate{batchOld, {ID: "s", Class: Standard, Enqueued: now}}, "me", now); v != "" {
+		t.Fatalf("a slot runs standard work, yet %q was preempted", v)
+	}
+	if v, _ := p.Preempt([]Candidate{std}, []Candidate{batchNew}, "me", now); v != "" {
+		t.Fatalf("only interactive work preempts; got %q", v)
+	}
+	// A batch task aged up to interactive keeps its slot.
+	aged := Candidate{ID: "aged", Class: Batch, Enqueued: now.Add(-2 * time.Minute)}
+	if v, _ := p.Preempt([]Candidate{stale}, []Candidate{aged}, "me", now); v != "" {
+		t.Fatalf("aged batch preempted: %q", v)
+	}
+	if v, _ := (QueuePolicy{}).Preempt([]Candidate{stale}, []Candidate{batchNew}, "me", now); v != "" {
+		t.Fatal("PreemptAfter 0 preempted")
 	}
 }

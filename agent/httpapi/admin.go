@@ -21,7 +21,12 @@ type AdminConfig struct {
 	// Store serves /v1/admin/store[?job=ID][&objects=true]: the Store's
 	// summary (a job's objects only, with job), with the records listed
 	// when objects is true.
-	Store   func(ctx context.Context, job string, objects bool) (any, error)
+	Store func(ctx context.Context, job string, objects bool) (any, error)
+	// Drain serves POST /v1/admin/drain[?wait=true]: the agent stops
+	// taking work and leaves once its running tasks are done or requeued.
+	// With wait it returns when the drain has finished (the process then
+	// exits), else at once (202).
+	Drain   func(ctx context.Context, wait bool) error
 	Metrics http.Handler // /metrics, e.g. Metrics.Handler()
 	Token   string       // when set, every path but /livez needs "Authorization: Bearer <Token>"
 	// Tokens' admin tokens are accepted too (and alone turn the check on).
@@ -74,6 +79,20 @@ func NewAdminHandler(cfg AdminConfig) http.Handler {
 			}
 			objects, _ := strconv.ParseBool(q.Get("objects"))
 			statusHandler(log, func(ctx context.Context) (any, error) { return cfg.Store(ctx, job, objects) }).ServeHTTP(w, r)
+		})))
+	}
+	if cfg.Drain != nil {
+		handle("POST /v1/admin/drain", auth(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			wait, _ := strconv.ParseBool(r.URL.Query().Get("wait"))
+			if err := cfg.Drain(r.Context(), wait); err != nil {
+				writeError(w, apiErr(http.StatusServiceUnavailable, typeServer, CodeUnavailable, "drain: %v", err))
+				return
+			}
+			if !wait {
+				writeJSON(w, http.StatusAccepted, map[string]string{"state": "draining"})
+				return
+			}
+			writeJSON(w, http.StatusOK, map[string]string{"state": "drained"})
 		})))
 	}
 	handle("/debug/pprof/", auth(http.HandlerFunc(pprof.Index)))

@@ -25,6 +25,7 @@ type Metrics struct {
 	freeCredits   *prometheus.GaugeVec
 	httpRequests  *prometheus.CounterVec
 	jobsRefused   prometheus.Counter
+	preempted     prometheus.Counter
 }
 
 // NewMetrics registers the series on reg (a fresh registry when nil).
@@ -64,8 +65,12 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 			Name: "latentmesh_jobs_refused_total",
 			Help: "Submissions refused with 503 because the mesh could not take them (Store full, etcd NOSPACE).",
 		}),
+		preempted: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "latentmesh_tasks_preempted_total",
+			Help: "Batch tasks this agent requeued for waiting interactive work.",
+		}),
 	}
-	for _, c := range []prometheus.Collector{m.jobsSubmitted, m.jobsFinished, m.stageSeconds, m.queueDepth, m.freeCredits, m.httpRequests, m.jobsRefused} {
+	for _, c := range []prometheus.Collector{m.jobsSubmitted, m.jobsFinished, m.stageSeconds, m.queueDepth, m.freeCredits, m.httpRequests, m.jobsRefused, m.preempted} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("httpapi: registering metrics: %w", err)
 		}
@@ -78,6 +83,9 @@ func (m *Metrics) JobSubmitted(c routing.Class) { m.jobsSubmitted.WithLabelValue
 
 // JobRefused counts one submission refused for lack of room.
 func (m *Metrics) JobRefused() { m.jobsRefused.Inc() }
+
+// Preempted counts one task requeued for more urgent work.
+func (m *Metrics) Preempted() { m.preempted.Inc() }
 
 // JobFinished counts one job reaching state s.
 func (m *Metrics) JobFinished(s jobs.State) { m.jobsFinished.WithLabelValues(string(s)).Inc() }

@@ -32,6 +32,7 @@ type imagesRequest struct {
 	Priority          string   `json:"priority"`
 	TransferMode      string   `json:"transfer_mode"`
 	Frames            *int     `json:"frames"`
+	DeadlineMS        *int64   `json:"deadline_ms"` // see JobRequest.DeadlineMS
 }
 
 // ImagesResponse is the body of a successful POST /v1/images/generations.
@@ -82,6 +83,7 @@ func (q imagesRequest) specs(l engine.Limits, maxN int) ([]engine.Spec, JobReque
 		GuidanceScale:  q.GuidanceScale,
 		Priority:       q.Priority,
 		TransferMode:   q.TransferMode,
+		DeadlineMS:     q.DeadlineMS,
 	}
 	if q.Size != "" {
 		w, h, err := parseSize(q.Size)

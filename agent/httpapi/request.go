@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
@@ -37,7 +38,14 @@ type JobRequest struct {
 	// TransferMode overrides how this job's payloads move between stages:
 	// p2p, store or auto ("" keeps the agents' default).
 	TransferMode string `json:"transfer_mode,omitempty"`
+	// DeadlineMS is when the caller wants the result, in milliseconds from
+	// submission: within its priority class the earliest deadline is served
+	// first. A missed deadline does not cancel the job.
+	DeadlineMS *int64 `json:"deadline_ms,omitempty"`
 }
+
+// MaxDeadline bounds deadline_ms: a day, longer than any job should queue.
+const MaxDeadline = 24 * time.Hour
 
 // spec turns r into a validated engine spec and scheduling options. Errors
 // are *engine.FieldError.
@@ -61,10 +69,18 @@ func (r JobRequest) spec(l engine.Limits) (engine.Spec, jobs.Options, error) {
 	if err != nil {
 		return engine.Spec{}, jobs.Options{}, &engine.FieldError{Field: "transfer_mode", Msg: fmt.Sprintf("%q: must be p2p, store or auto", r.TransferMode)}
 	}
+	opts := jobs.Options{Class: class, Transfer: mode}
+	if r.DeadlineMS != nil {
+		ms := *r.DeadlineMS
+		if ms < 1 || ms > MaxDeadline.Milliseconds() {
+			return engine.Spec{}, jobs.Options{}, &engine.FieldError{Field: "deadline_ms", Msg: fmt.Sprintf("must be in [1,%d]", MaxDeadline.Milliseconds())}
+		}
+		opts.Deadline = time.Now().Add(time.Duration(ms) * time.Millisecond).UTC()
+	}
 	if err := s.Validate(l); err != nil {
 		return engine.Spec{}, jobs.Options{}, err
 	}
-	return s, jobs.Options{Class: class, Transfer: mode}, nil
+	return s, opts, nil
 }
 
 func setIf[T any](dst *T, v *T) {

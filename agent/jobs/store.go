@@ -60,12 +60,16 @@ type Task struct {
 	Stage      Stage         `json:"stage"`
 	Class      routing.Class `json:"class"`
 	Transfer   TransferMode  `json:"transfer_mode,omitempty"`
-	Spec       engine.Spec   `json:"spec"` // carried so a worker need not read the job
+	Deadline   time.Time     `json:"deadline,omitzero"` // the job's, for earliest deadline first
+	Spec       engine.Spec   `json:"spec"`              // carried so a worker need not read the job
 	Inputs     []Input       `json:"inputs,omitempty"`
 	Hint       string        `json:"hint,omitempty"` // preferred worker node
 	EnqueuedAt time.Time     `json:"enqueued_at"`
 	NotBefore  time.Time     `json:"not_before,omitempty"` // backoff after a failed attempt
 	Attempt    int           `json:"attempt"`              // claims taken so far
+	// Requeues counts claims given back without a failure (preempted,
+	// drained): they do not use up the task's transient retries.
+	Requeues int `json:"requeues,omitempty"`
 
 	Key string `json:"-"` // etcd key, set on read
 	Rev int64  `json:"-"` // ModRevision seen, set on read
@@ -240,11 +244,11 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 		return Job{}, err
 	}
 	now := s.cfg.Now()
-	t := Task{ID: newID(), JobID: newID(), Stage: Encode, Class: class, Transfer: opt.Transfer, Spec: spec, EnqueuedAt: now}
+	t := Task{ID: newID(), JobID: newID(), Stage: Encode, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, Spec: spec, EnqueuedAt: now}
 	t.Key = s.taskKey(&t)
 	rec := record{
 		Job: Job{
-			ID: t.JobID, Spec: spec, Class: class, Transfer: opt.Transfer, State: Queued, Stage: Encode,
+			ID: t.JobID, Spec: spec, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, State: Queued, Stage: Encode,
 			Stages: map[Stage]*StageRecord{}, CreatedAt: now, UpdatedAt: now, Owner: opt.Owner,
 		},
 		TaskKey: t.Key,
@@ -505,6 +509,29 @@ func (s *Store) Pending(ctx context.Context, stage Stage) ([]Task, int64, error)
 	return out, resp.Header.Revision, nil
 }
 
+// Backlog counts a stage's tasks, queued or running: all of them, and those
+// whose input node produced (the producer's share, for admission quotas),
+// at etcd revision rev (for WaitChange). It reads every task of the
+// stage, which admission keeps to a few per downstream credit.
+func (s *Store) Backlog(ctx context.Context, stage Stage, node string) (total, mine int, rev int64, err error) {
+	resp, err := s.cli.Get(ctx, s.taskPrefix(stage), clientv3.WithPrefix())
+	if err != nil {
+		return 0, 0, 0, fmt.Errorf("jobs: backlog %s: %w", stage, err)
+	}
+	for _, kv := range resp.Kvs {
+		total++
+		var t struct {
+			Inputs []struct {
+				Node string `json:"node"`
+			} `json:"inputs"`
+		}
+		if json.Unmarshal(kv.Value, &t) == nil && len(t.Inputs) > 0 && t.Inputs[0].Node == node {
+			mine++
+		}
+	}
+	return total, mine, resp.Header.Revision, nil
+}
+
 // Depth counts a stage's tasks, queued (unclaimed) and running (claimed), at
 // etcd revision rev (for WaitChange).
 func (s *Store) Depth(ctx context.Context, stage Stage) (queued, running, rev int64, err error) {
@@ -761,7 +788,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 			return ops, nil
 		}
 		t := Task{
-			ID: newID(), JobID: rec.ID, Stage: next, Class: rec.Class, Transfer: rec.Transfer, Spec: rec.Spec,
+			ID: newID(), JobID: rec.ID, Stage: next, Class: rec.Class, Transfer: rec.Transfer, Deadline: rec.Deadline, Spec: rec.Spec,
 			Inputs: out.Payloads, Hint: out.Hint, EnqueuedAt: now,
 		}
 		t.Key = s.taskKey(&t)
@@ -797,7 +824,7 @@ func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
 			return ops, nil
 		}
 		rec.Rewinds++
-		t := Task{ID: newID(), JobID: rec.ID, Stage: Encode, Class: rec.Class, Transfer: rec.Transfer, Spec: rec.Spec, EnqueuedAt: s.cfg.Now()}
+		t := Task{ID: newID(), JobID: rec.ID, Stage: Encode, Class: rec.Class, Transfer: rec.Transfer, Deadline: rec.Deadline, Spec: rec.Spec, EnqueuedAt: s.cfg.Now()}
 		t.Key = s.taskKey(&t)
 		rec.Stage, rec.TaskKey = Encode, t.Key
 		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil
@@ -809,6 +836,25 @@ func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
 func (s *Store) Abandon(ctx context.Context, c *Claim, backoff time.Duration) error {
 	t := c.Task
 	t.NotBefore = s.cfg.Now().Add(backoff)
+	return s.giveBack(ctx, c, t)
+}
+
+// Requeue gives a running task back to the queue at once, without a
+// failure: it was preempted for more urgent work, or its agent is
+// draining. The stage starts over on its next claim (there are no step
+// checkpoints); the task keeps its key, so its place in the queue (enqueue
+// time, and so its aging) is kept, and the give-back does not count
+// against its transient retries. Fenced like Abandon: ErrFenced when the
+// claim is no longer ours, so a task is never both requeued and committed.
+func (s *Store) Requeue(ctx context.Context, c *Claim) error {
+	t := c.Task
+	t.Requeues++
+	t.NotBefore = time.Time{}
+	return s.giveBack(ctx, c, t)
+}
+
+// giveBack writes t back unclaimed in place of c's task.
+func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
 	// The task must be the one we claimed: a Cancel that deleted it must not
 	// be undone by writing it back.
 	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.Task.Rev))

@@ -727,3 +727,43 @@ func TestReclaimAfterLostLease(t *testing.T) {
 		})
 	}
 }
+
+// A requeue gives a running task back at once, in its place in the queue,
+// with the job's deadline, counted as a requeue and not a failure; it is
+// fenced, so a requeued claim can no longer commit. Backlog counts the
+// next stage's tasks by producer.
+func TestRequeueKeepsPlaceAndFences(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	deadline := time.Now().Add(time.Minute).UTC().Truncate(time.Millisecond)
+	if _, err := s.Submit(ctx, spec(), Options{Class: routing.Batch, Deadline: deadline}); err != nil {
+		t.Fatal(err)
+	}
+	den := claimAt(t, s, lease, Denoise)
+	if !den.Task.Deadline.Equal(deadline) {
+		t.Fatalf("denoise task deadline %v, want the job's %v", den.Task.Deadline, deadline)
+	}
+	if total, mine, _, err := s.Backlog(ctx, Denoise, "encode"); err != nil || total != 1 || mine != 1 {
+		t.Fatalf("backlog of denoise fed by encode: %d/%d %v, want 1/1", mine, total, err)
+	}
+	if _, mine, _, _ := s.Backlog(ctx, Denoise, "other"); mine != 0 {
+		t.Fatalf("backlog fed by another node: %d", mine)
+	}
+	if err := s.Requeue(ctx, den); err != nil {
+		t.Fatal(err)
+	}
+	pend, _, err := s.Pending(ctx, Denoise)
+	if err != nil || len(pend) != 1 {
+		t.Fatalf("pending after requeue: %+v %v", pend, err)
+	}
+	if p := pend[0]; p.Key != den.Task.Key || p.Requeues != 1 || !p.NotBefore.IsZero() || !p.EnqueuedAt.Equal(den.Task.EnqueuedAt) {
+		t.Fatalf("requeued task %+v: want the same key and enqueue time, one requeue, no backoff", p)
+	}
+	if err := s.Commit(ctx, den, Output{Payloads: payload("late", "denoise")}); !errors.Is(err, ErrFenced) {
+		t.Fatalf("commit of a requeued claim: %v, want ErrFenced", err)
+	}
+	if err := s.Requeue(ctx, den); !errors.Is(err, ErrFenced) {
+		t.Fatalf("second requeue: %v, want ErrFenced", err)
+	}
+}

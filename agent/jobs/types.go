@@ -85,6 +85,10 @@ type Options struct {
 	// Owner identifies who submitted the job (the client API stores a
 	// hash of the caller's token, never the token); "" for none.
 	Owner string
+	// Deadline is when the caller wants the result (zero: none). Within a
+	// class, queues serve the earliest deadline first; a missed deadline
+	// does not cancel the job.
+	Deadline time.Time
 }
 
 // Job is the durable record of one generation request, stored as JSON at
@@ -94,6 +98,7 @@ type Job struct {
 	Spec     engine.Spec            `json:"spec"`
 	Class    routing.Class          `json:"class"`
 	Transfer TransferMode           `json:"transfer_mode,omitempty"`
+	Deadline time.Time              `json:"deadline,omitzero"` // Options.Deadline
 	State    State                  `json:"state"`
 	Stage    Stage                  `json:"stage,omitempty"` // the stage queued or running now
 	Stages   map[Stage]*StageRecord `json:"stages,omitempty"`

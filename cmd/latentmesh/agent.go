@@ -15,6 +15,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/gossip"
+	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/bench"
 )
@@ -54,6 +55,11 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		resultTTL  = fs.Duration("result-ttl", def.ResultTTL, "how long finished files stay in the Store")
 		retention  = fs.Duration("job-retention", def.Jobs.Retention, "how long finished job records stay in etcd (0: forever)")
 		engineSock = fs.String("engine-socket", "", "Unix socket `PATH` on which an external engine process registers and then runs this agent's stages (docs/engine-protocol.md); empty: the built-in engine")
+		scheduler  = fs.String("scheduler", def.Queue.Scheduler.String(), "queue order: priority (class with aging, then earliest deadline_ms, then age) or fifo (enqueue time only: a baseline)")
+		preempt    = fs.Duration("preempt-after", def.Queue.PreemptAfter, "an interactive task waiting this long while every denoise slot runs batch work requeues one batch task (0: never)")
+		noBackpr   = fs.Bool("no-backpressure", false, "start tasks whatever the next stage's backlog (a baseline: waiting latents then grow with the run)")
+		slack      = fs.Int("backpressure-slack", def.Admission.Slack, "outputs that may wait for the next stage beyond its total credits, for the whole upstream pool")
+		drainWait  = fs.Duration("drain-timeout", def.DrainTimeout, "on SIGTERM or 'latentmesh drain': how long running tasks may finish (and held outputs be consumed) before the rest are requeued")
 		logFormat  = fs.String("log-format", "json", "json or console")
 		verbose    = fs.Bool("v", false, "debug logs")
 		slots      = slotsFlag{}
@@ -117,6 +123,16 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	}
 	cfg.API.RatePerToken, cfg.API.RateBurst = *apiRate, max(1, int(2**apiRate))
 	cost.apply(&cfg.Engine)
+	if cfg.Queue.Scheduler, err = routing.ParseScheduler(*scheduler); err != nil {
+		fmt.Fprintf(stderr, "latentmesh agent: --scheduler: %v\n", err)
+		return 2
+	}
+	if *preempt < 0 || *slack < 0 || *drainWait < 0 {
+		fmt.Fprintf(stderr, "latentmesh agent: --preempt-after, --backpressure-slack and --drain-timeout must not be negative\n")
+		return 2
+	}
+	cfg.Queue.PreemptAfter, cfg.DrainTimeout = *preempt, *drainWait
+	cfg.Admission.Slack, cfg.Admission.Off = *slack, *noBackpr
 	cfg.Logger = log
 
 	ecc := testbed.EtcdClientConfig{
@@ -156,8 +172,18 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		a.Close()
 		return 1
 	}
-	<-ctx.Done()
+	select {
+	case <-ctx.Done(): // SIGTERM or SIGINT: drain, then leave
+	case <-a.Drained(): // drained through the admin endpoint
+	}
 	log.Info("shutting down")
+	// The drain's own deadline is DrainTimeout; requeuing what still runs
+	// then takes an etcd write per task.
+	dctx, cancelDrain := context.WithTimeout(context.Background(), cfg.DrainTimeout+cfg.EtcdTimeout)
+	if err := a.Drain(dctx); err != nil {
+		log.Warn("drain", zap.Error(err))
+	}
+	cancelDrain()
 	if err := a.Close(); err != nil {
 		log.Warn("close", zap.Error(err))
 	}

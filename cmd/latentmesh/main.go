@@ -22,6 +22,7 @@ commands:
   agent      run one agent daemon against an etcd cluster
   generate   ask a running agent for one image or video, with a progress bar
   status     show an agent's view: node, peers and credits, queues, data plane
+  drain      take an agent out of service: stop pulling, finish or requeue its tasks, leave, exit 0
   store      the pooled Store: 'store stat' (by mode and tier), 'store ls [--job ID]'
   version    print the version
   engine     'engine check': drive an external engine through the worker protocol, pass/fail per check
@@ -52,6 +53,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		"agent":    runAgent,
 		"generate": runGenerate,
 		"status":   runStatus,
+		"drain":    runDrain,
 		"store":    runStore,
 		"version":  runVersion,
 		"bench":    runBench,

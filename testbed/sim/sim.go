@@ -409,7 +409,11 @@ func (s *sim) wake(st *stage) {
 	s.etcd.read(now, w*scanReads)
 	if st.i < 2 {
 		down := s.st[st.i+1]
-		if !s.cfg.Admission.Admit(down.q.queued, s.gossipFree(down), 0) {
+		// routing's per-producer quotas add up to the downstream budget
+		// (its credits plus slack); the pool as a whole admits while its
+		// backlog (running here, queued downstream) is under that budget.
+		budget := s.cfg.Admission.Budget(len(down.workers))
+		if !s.cfg.Admission.Admit(down.q.queued+len(st.workers)-st.free, budget) {
 			// WaitChange on the next stage, for at most a second.
 			st.blocked = true
 			s.etcd.watch(now, 2*w)

@@ -1,0 +1,248 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// Why a running task's context was cancelled when it is to be given back
+// to the queue (jobs.Store.Requeue) rather than retried or dropped.
+var (
+	errPreempted = errors.New("agent: preempted for interactive work")
+	errDrained   = errors.New("agent: requeued by a drain")
+)
+
+// runningTasks is the tasks executing on this agent, with the means to
+// stop one so that it is requeued. changed is closed and replaced on every
+// change, so the preemption loop sleeps instead of polling.
+type runningTasks struct {
+	mu      sync.Mutex // guards the fields below
+	tasks   map[string]*runningTask
+	changed chan struct{}
+}
+
+type runningTask struct {
+	claim     *jobs.Claim
+	stop      context.CancelCauseFunc
+	handedOff *atomic.Bool // committed early: its consumer needs the tail, never stop it for a preemption
+}
+
+func (r *runningTasks) init() {
+	r.tasks = map[string]*runningTask{}
+	r.changed = make(chan struct{})
+}
+
+func (r *runningTasks) notifyLocked() {
+	close(r.changed)
+	r.changed = make(chan struct{})
+}
+
+func (r *runningTasks) add(t *runningTask) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.tasks[t.claim.Task.ID] = t
+	r.notifyLocked()
+}
+
+func (r *runningTasks) remove(id string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.tasks, id)
+	r.notifyLocked()
+}
+
+// snapshot lists the running tasks of stage st ("" for all) and the
+// channel closed at the next change.
+func (r *runningTasks) snapshot(st jobs.Stage) ([]*runningTask, <-chan struct{}) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]*runningTask, 0, len(r.tasks))
+	for _, t := range r.tasks {
+		if st == "" || t.claim.Task.Stage == st {
+			out = append(out, t)
+		}
+	}
+	return out, r.changed
+}
+
+// stop cancels task id with cause; false when it is no longer running.
+func (r *runningTasks) stop(id string, cause error) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	t, ok := r.tasks[id]
+	if ok {
+		t.stop(cause)
+	}
+	return ok
+}
+
+func candidate(t jobs.Task) routing.Candidate {
+	return routing.Candidate{ID: t.ID, Class: t.Class, Enqueued: t.EnqueuedAt, Deadline: t.Deadline, Hint: t.Hint}
+}
+
+// preemptLoop watches stage st while every slot is busy with batch work:
+// when the queue policy says a waiting interactive task has waited long
+// enough (routing.QueuePolicy.Preempt), it stops one batch task, which
+// its worker requeues (jobs.Store.Requeue: fenced by the claim, so the
+// task is never lost nor committed twice) and runs again later from its
+// first step. The freed credit then goes to the best task in the queue,
+// the interactive one. It sleeps on task starts and ends, the queue's
+// etcd watch, and the time the next interactive task comes due.
+func (a *Agent) preemptLoop(st jobs.Stage) {
+	credits := a.credits[st]
+	for a.pullCtx.Err() == nil {
+		tasks, changed := a.running.snapshot(st)
+		busy := credits.Free() == 0 || credits.InUse() >= a.runner.Slots(st)
+		var running []routing.Candidate
+		for _, t := range tasks {
+			if t.claim.Task.Class != routing.Batch || t.handedOff.Load() {
+				running = nil
+				break
+			}
+			running = append(running, candidate(t.claim.Task))
+		}
+		if !busy || len(running) == 0 || len(running) < len(tasks) {
+			select {
+			case <-changed:
+			case <-a.pullCtx.Done():
+			}
+			continue
+		}
+		pend, rev, err := a.store.Pending(a.pullCtx, st)
+		if err != nil {
+			if a.pullCtx.Err() == nil {
+				a.log.Debug("preemption: reading the queue", zap.Error(err))
+				a.sleep(a.cfg.RetryBackoff)
+			}
+			continue
+		}
+		now := time.Now()
+		var waiting []routing.Candidate
+		for _, t := range pend {
+			if t.Class == routing.Interactive && !t.NotBefore.After(now) && a.runner.Serves(st, t.Spec.ModelName()) {
+				waiting = append(waiting, candidate(t))
+			}
+		}
+		victim, wake := a.cfg.Queue.Preempt(waiting, running, a.id, now)
+		if victim != "" && a.running.stop(victim, errPreempted) {
+			a.log.Info("preempting a batch task for waiting interactive work", zap.String("stage", string(st)), zap.String("task", victim))
+			a.metrics.Preempted()
+			select { // until the victim is gone (requeued)
+			case <-changed:
+			case <-a.pullCtx.Done():
+			}
+			continue
+		}
+		// Wake when a task starts or ends, the queue moves, or the next
+		// interactive task comes due.
+		wctx, stop := untilClosed(a.pullCtx, changed)
+		a.store.WaitChange(wctx, st, rev, wake)
+		stop()
+	}
+}
+
+// Drain takes this agent out of service without losing work: it stops
+// pulling tasks, turns /readyz to 503, lets running tasks finish within
+// DrainTimeout and requeues those still running after it (fenced:
+// jobs.Store.Requeue; another agent runs them again), then waits, within
+// the same deadline, for the outputs it holds peer to peer to be consumed
+// so that no job has to start over. The caller then closes the agent,
+// which deregisters it. Drain returns when done or ctx ends; a second call
+// waits for the first. Drained is closed when it is done.
+func (a *Agent) Drain(ctx context.Context) error {
+	a.drainOnce.Do(func() {
+		a.drainErr = a.drain(ctx)
+		close(a.drained)
+	})
+	select {
+	case <-a.drained:
+		return a.drainErr
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Drained is closed once a drain has finished (Drain).
+func (a *Agent) Drained() <-chan struct{} { return a.drained }
+
+func (a *Agent) drain(ctx context.Context) error {
+	a.draining.Store(true)
+	a.log.Info("draining: no new tasks", zap.Duration("timeout", a.cfg.DrainTimeout))
+	a.stopPull()
+	a.workers.Wait() // no claim is made after this
+	a.publishMeta()
+	deadline := time.Now().Add(a.cfg.DrainTimeout)
+	dctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	if !a.waitRunning(dctx) {
+		tasks, _ := a.running.snapshot("")
+		a.log.Info("drain deadline: requeuing running tasks", zap.Int("tasks", len(tasks)))
+		for _, t := range tasks {
+			a.running.stop(t.claim.Task.ID, errDrained)
+		}
+		// Requeuing is one fenced etcd write per task; the caller's
+		// context bounds it.
+		if !a.waitRunning(ctx) {
+			return ctx.Err()
+		}
+	}
+	// Outputs handed on peer to peer live here until their consumer
+	// commits: leaving now would make their jobs start over.
+	for {
+		released := a.releasedSignal() // before the read, so a release in between is not missed
+		held, err := a.store.Recorded(dctx, a.id)
+		if err == nil && len(held) == 0 {
+			break
+		}
+		if err != nil && dctx.Err() == nil {
+			a.log.Warn("drain: reading held outputs", zap.Error(err))
+			a.sleepCtx(dctx, a.cfg.RetryBackoff)
+			continue
+		}
+		if dctx.Err() == nil {
+			select { // releases arrive by the payloads watch (WatchReleases)
+			case <-released:
+				continue
+			case <-dctx.Done():
+			}
+		}
+		a.log.Warn("drain deadline: leaving with outputs not yet consumed; their jobs start over", zap.Int("outputs", len(held)))
+		break
+	}
+	a.log.Info("drained")
+	return nil
+}
+
+// waitRunning waits until no task runs here; false when ctx ended first.
+func (a *Agent) waitRunning(ctx context.Context) bool {
+	for {
+		tasks, changed := a.running.snapshot("")
+		if len(tasks) == 0 {
+			return true
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return false
+		case <-a.ctx.Done():
+			return false
+		}
+	}
+}
+
+func (a *Agent) sleepCtx(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
+}

@@ -1,0 +1,453 @@
+package testbed
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"os/exec"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// schedAgent is a one-role agent of cl with slots and a simulated cost.
+func schedAgent(cl *Cluster, id string, st jobs.Stage, slots int, edit func(*agent.Config)) agent.Config {
+	ac := cl.cfg.Agent
+	ac.NodeID, ac.Roles, ac.Logger = id, []jobs.Stage{st}, cl.cfg.Logger
+	ac.Slots = map[jobs.Stage]int{st: slots}
+	ac.TransferMode = jobs.P2P // a latent waiting for decode is then a payload its producer holds
+	if edit != nil {
+		edit(&ac)
+	}
+	return ac
+}
+
+// backlogWatch follows, from etcd's history, the latents waiting for
+// decode: decode tasks (queued or running; each one's input is held by its
+// producer until the decode commits) plus denoise tasks running (their
+// outputs are being written). Every change is an etcd revision, and a
+// denoise commit moves a latent from one to the other in one transaction,
+// so the peak is exact, not sampled.
+type backlogWatch struct {
+	peak, now atomic.Int64
+	seen      atomic.Int64 // the last revision applied
+	cancel    context.CancelFunc
+	done      chan struct{}
+}
+
+func watchBacklog(t *testing.T, cli *clientv3.Client) *backlogWatch {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	resp, err := cli.Get(ctx, "/latentmesh/default/tasks/decode/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil || resp.Count != 0 {
+		t.Fatalf("decode queue before the run: %v %v", resp, err)
+	}
+	w := &backlogWatch{cancel: cancel, done: make(chan struct{})}
+	w.seen.Store(resp.Header.Revision)
+	ch := cli.Watch(ctx, "/latentmesh/default/", clientv3.WithPrefix(), clientv3.WithRev(resp.Header.Revision+1), clientv3.WithProgressNotify())
+	go func() {
+		defer close(w.done)
+		keys := map[string]bool{}
+		for wr := range ch {
+			evs := wr.Events
+			for i, ev := range evs {
+				k := string(ev.Kv.Key)
+				if !strings.HasPrefix(k, "/latentmesh/default/tasks/decode/") && !strings.HasPrefix(k, "/latentmesh/default/claims/denoise/") {
+					continue
+				}
+				if ev.Type == clientv3.EventTypeDelete {
+					delete(keys, k)
+				} else {
+					keys[k] = true
+				}
+				if i == len(evs)-1 || evs[i+1].Kv.ModRevision != ev.Kv.ModRevision {
+					n := int64(len(keys))
+					w.now.Store(n)
+					if n > w.peak.Load() {
+						w.peak.Store(n)
+					}
+				}
+			}
+			w.seen.Store(wr.Header.Revision)
+		}
+	}()
+	return w
+}
+
+// stop waits until the watch has applied everything up to now, then ends it.
+func (w *backlogWatch) stop(t *testing.T, cli *clientv3.Client) int64 {
+	t.Helper()
+	resp, err := cli.Get(context.Background(), "/latentmesh/default/nodes/", clientv3.WithCountOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, func() error {
+		cli.RequestProgress(context.Background())
+		if s := w.seen.Load(); s < resp.Header.Revision {
+			return fmt.Errorf("watch at revision %d, want %d", s, resp.Header.Revision)
+		}
+		return nil
+	})
+	w.cancel()
+	<-w.done
+	return w.peak.Load()
+}
+
+// runBackpressure runs jobs through 4 denoise agents (one slot each) into
+// a decode pool 4x slower than them (one agent, two slots), and returns the
+// peak of latents waiting for decode.
+func runBackpressure(t *testing.T, jobsN int, off bool) (peak int64, credits, slack int) {
+	cl := startCluster(t, "", func(c *ClusterConfig) {
+		c.Agent.Admission.Off = off
+		c.Agent.Engine.StepCost = 20 * time.Millisecond // 4 steps: 80 ms a denoise
+	})
+	const steps, decodeSlots = 4, 2
+	addAgent(t, cl, schedAgent(cl, "enc", jobs.Encode, 4, nil))
+	for i := range 4 {
+		addAgent(t, cl, schedAgent(cl, fmt.Sprintf("den-%d", i), jobs.Denoise, 1, nil))
+	}
+	// Pool rates: denoise 4 slots / 80 ms; decode 2 slots / 160 ms = a quarter.
+	addAgent(t, cl, schedAgent(cl, "dec", jobs.Decode, decodeSlots, func(ac *agent.Config) {
+		ac.Engine.DecodeCost = 160 * time.Millisecond
+	}))
+	entry := cl.Agents[0]
+	// Every agent sees every other in gossip before the run.
+	eventually(t, 10*time.Second, func() error {
+		for _, a := range cl.Agents {
+			st, err := a.Status(context.Background())
+			if err != nil {
+				return err
+			}
+			alive := 0
+			for _, p := range st.Peers {
+				if p.Alive {
+					alive++
+				}
+			}
+			if alive != len(cl.Agents) {
+				return fmt.Errorf("%s sees %d of %d alive", a.ID(), alive, len(cl.Agents))
+			}
+		}
+		return nil
+	})
+	w := watchBacklog(t, cl.Client)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var ids []string
+	for i := range jobsN {
+		spec := engine.Spec{Prompt: "a paper boat", Seed: int64(i), Width: 64, Height: 64, Steps: steps}.WithDefaults()
+		j, err := entry.Submit(ctx, spec, jobs.Options{Class: routing.Standard})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, j.ID)
+	}
+	for _, id := range ids {
+		waitSucceeded(t, ctx, entry, id)
+	}
+	peak = w.stop(t, cl.Client)
+	slack = cl.cfg.Agent.Admission.Slack
+	cl.Close() // before the next run: one mesh at a time on the test machine
+	return peak, decodeSlots, slack
+}
+
+// Four denoise agents feed a decode pool four times slower than them. With
+// backpressure the latents waiting for decode (decode queue + denoise
+// outputs in flight) never pass the decode pool's credits plus the slack,
+// however many denoise agents share that budget; without it they pile up
+// with the length of the run.
+func TestBackpressureManyProducers(t *testing.T) {
+	peak, credits, slack := runBackpressure(t, 16, false)
+	t.Logf("backpressure: peak %d latents waiting for decode over 16 jobs; bound credits %d + slack %d", peak, credits, slack)
+	if peak > int64(credits+slack) {
+		t.Fatalf("peak %d latents waiting for decode, want at most credits+slack = %d", peak, credits+slack)
+	}
+	short, _, _ := runBackpressure(t, 8, true)
+	long, _, _ := runBackpressure(t, 16, true)
+	t.Logf("no backpressure: peak %d over 8 jobs, %d over 16 jobs", short, long)
+	if long <= short || long <= int64(credits+slack) {
+		t.Fatalf("without backpressure the peak should grow with the run: %d over 8 jobs, %d over 16", short, long)
+	}
+}
+
+// waitSucceeded waits for job id to succeed, riding out moments when a
+// loaded test machine keeps etcd from answering the agent's alarm poll
+// (the agent then refuses requests at once with ErrUnavailable).
+func waitSucceeded(t *testing.T, ctx context.Context, a *agent.Agent, id string) jobs.Job {
+	t.Helper()
+	for {
+		j, err := a.Wait(ctx, id)
+		if errors.Is(err, jobs.ErrUnavailable) && ctx.Err() == nil {
+			time.Sleep(200 * time.Millisecond)
+			continue
+		}
+		if err != nil || j.State != jobs.Succeeded {
+			t.Fatalf("job %s: %+v %v", id, j, err)
+		}
+		return j
+	}
+}
+
+// latency is how long a finished job took, from submission to its last commit.
+func latency(j jobs.Job) time.Duration { return j.UpdatedAt.Sub(j.CreatedAt) }
+
+// runClassMix submits a backlog of batch jobs, then interactive ones, to a
+// mesh with one denoise slot, and returns the interactive latencies.
+func runClassMix(t *testing.T, sched routing.Scheduler) (interactive []time.Duration, unloaded time.Duration) {
+	cl := startCluster(t, "", func(c *ClusterConfig) {
+		c.Agent.Queue.Scheduler = sched
+		c.Agent.Queue.PreemptAfter = 0 // ordering alone; TestPreemptBatchForInteractive covers preemption
+		c.Agent.Engine.StepCost = 20 * time.Millisecond
+	})
+	addAgent(t, cl, schedAgent(cl, "enc", jobs.Encode, 4, nil))
+	addAgent(t, cl, schedAgent(cl, "den", jobs.Denoise, 1, nil))
+	addAgent(t, cl, schedAgent(cl, "dec", jobs.Decode, 2, nil))
+	entry := cl.Agents[0]
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	spec := func(i int) engine.Spec {
+		return engine.Spec{Prompt: "a tin robot", Seed: int64(i), Width: 64, Height: 64, Steps: 4}.WithDefaults()
+	}
+	run := func(i int, class routing.Class) string {
+		j, err := entry.Submit(ctx, spec(i), jobs.Options{Class: class})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return j.ID
+	}
+	wait := func(id string) jobs.Job { return waitSucceeded(t, ctx, entry, id) }
+	unloaded = latency(wait(run(0, routing.Interactive)))
+	var batch, inter []string
+	for i := range 8 {
+		batch = append(batch, run(100+i, routing.Batch))
+	}
+	for i := range 3 {
+		inter = append(inter, run(200+i, routing.Interactive))
+	}
+	for _, id := range inter {
+		interactive = append(interactive, latency(wait(id)))
+	}
+	for _, id := range batch {
+		wait(id)
+	}
+	return interactive, unloaded
+}
+
+// Under a backlog of batch jobs, class ordering with earliest deadline
+// first serves interactive jobs ahead of the backlog; fifo serves them
+// behind it.
+func TestInteractiveBeatsFIFOUnderBatchBacklog(t *testing.T) {
+	prio, unloadedP := runClassMix(t, routing.Priority)
+	fifo, unloadedF := runClassMix(t, routing.FIFO)
+	pmax, fmax := slices.Max(prio), slices.Max(fifo)
+	t.Logf("interactive latency under an 8-job batch backlog: priority %v (max %v, unloaded %v), fifo %v (max %v, unloaded %v)",
+		prio, pmax, unloadedP, fifo, fmax, unloadedF)
+	if pmax >= fmax {
+		t.Fatalf("priority's worst interactive latency %v is not below fifo's %v", pmax, fmax)
+	}
+}
+
+// Earliest deadline first within a class, end to end: with the denoise
+// slot busy, a later job with a nearer deadline overtakes earlier ones.
+func TestDeadlineOrdersWithinClass(t *testing.T) {
+	cl := startCluster(t, "", func(c *ClusterConfig) {
+		c.Agent.Engine.StepCost = 20 * time.Millisecond
+		c.Agent.Admission.Slack = 3 // all three encoded before any denoise agent is there
+	})
+	addAgent(t, cl, schedAgent(cl, "enc", jobs.Encode, 4, nil))
+	den := schedAgent(cl, "den", jobs.Denoise, 1, nil)
+	addAgent(t, cl, schedAgent(cl, "dec", jobs.Decode, 2, nil))
+	entry := cl.Agents[0]
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var ids []string
+	now := time.Now()
+	for i, d := range []time.Duration{time.Hour, 50 * time.Minute, time.Minute} {
+		spec := engine.Spec{Prompt: "a clock tower", Seed: int64(i), Width: 64, Height: 64, Steps: 4}.WithDefaults()
+		j, err := entry.Submit(ctx, spec, jobs.Options{Class: routing.Standard, Deadline: now.Add(d)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, j.ID)
+	}
+	for _, id := range ids { // all three encoded and waiting for denoise
+		waitStage(t, entry, id, jobs.Denoise)
+	}
+	addAgent(t, cl, den)
+	var done []jobs.Job
+	for _, id := range ids {
+		j := waitSucceeded(t, ctx, entry, id)
+		if j.Deadline.IsZero() {
+			t.Fatalf("job %s lost its deadline", id)
+		}
+		done = append(done, j)
+	}
+	order := func(j jobs.Job) time.Time { return j.Stages[jobs.Denoise].StartedAt }
+	if !(order(done[2]).Before(order(done[1])) && order(done[1]).Before(order(done[0]))) {
+		t.Fatalf("denoise starts %v, %v, %v: want the nearest deadline first", order(done[0]), order(done[1]), order(done[2]))
+	}
+}
+
+// An interactive job kept waiting while the only denoise slot runs a batch
+// job preempts it: the batch task is requeued (fenced), the interactive job
+// finishes first, and the batch job then finishes too, once, with the same
+// file as an uninterrupted run.
+func TestPreemptBatchForInteractive(t *testing.T) {
+	cl := startCluster(t, "", func(c *ClusterConfig) {
+		c.Agent.Queue.PreemptAfter = 300 * time.Millisecond
+		c.Agent.Engine.StepCost = 250 * time.Millisecond // 8 steps: 2 s of batch denoise
+	})
+	addAgent(t, cl, schedAgent(cl, "enc", jobs.Encode, 4, nil))
+	// It lends no Store memory, so what it holds is its own stage outputs
+	// (not copies of results).
+	den := addAgent(t, cl, schedAgent(cl, "den", jobs.Denoise, 1, func(ac *agent.Config) { ac.StoreMemory = 0 }))
+	addAgent(t, cl, schedAgent(cl, "dec", jobs.Decode, 2, nil))
+	entry := cl.Agents[0]
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	batchSpec := engine.Spec{Prompt: "a long scroll", Seed: 7, Width: 64, Height: 64, Steps: 8}.WithDefaults()
+	b, err := entry.Submit(ctx, batchSpec, jobs.Options{Class: routing.Batch})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, func() error {
+		j, err := entry.Get(ctx, b.ID)
+		if err != nil {
+			return err
+		}
+		if j.Progress == nil || j.Progress.Stage != jobs.Denoise || j.Progress.Step < 1 {
+			return fmt.Errorf("batch job not denoising yet: %+v", j.Progress)
+		}
+		return nil
+	})
+	i, err := entry.Submit(ctx, engine.Spec{Prompt: "a quick sketch", Seed: 8, Width: 64, Height: 64, Steps: 2}.WithDefaults(), jobs.Options{Class: routing.Interactive})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ij := waitSucceeded(t, ctx, entry, i.ID)
+	bj := waitSucceeded(t, ctx, entry, b.ID)
+	if !ij.UpdatedAt.Before(bj.UpdatedAt) {
+		t.Fatal("the batch job finished before the interactive one")
+	}
+	if a := bj.Stages[jobs.Denoise].Attempt; a != 2 {
+		t.Fatalf("batch denoise committed on attempt %d, want 2 (preempted once)", a)
+	}
+	t.Logf("interactive latency %v while a batch job held the slot; batch job %v (denoise attempt 2)", latency(ij), latency(bj))
+	data, _, err := entry.Result(ctx, b.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(data, referenceOutput(t, batchSpec)) {
+		t.Fatal("the preempted batch job's file differs from an uninterrupted run")
+	}
+	// Both latents (the preempted attempt's and the committed one) are
+	// freed: the first at the requeue, the second once its decode commits
+	// (the release arrives by watch).
+	eventually(t, 10*time.Second, func() error {
+		st, err := den.Status(ctx)
+		if err != nil {
+			return err
+		}
+		if st.Data.HeldPayloads != 0 {
+			return fmt.Errorf("denoise agent holds %d payloads after both jobs", st.Data.HeldPayloads)
+		}
+		return nil
+	})
+}
+
+// Drain a denoise agent mid-job, by SIGTERM and by `latentmesh drain`: it
+// stops pulling, /readyz turns 503, its running task is requeued once the
+// drain timeout passes, the job finishes on the other denoise agent, and
+// the drained agent deregisters and exits 0.
+func TestDrainDenoiseAgentMidJob(t *testing.T) {
+	for _, how := range []string{"sigterm", "cli"} {
+		t.Run(how, func(t *testing.T) {
+			m := startMesh(t)
+			_, enc := m.agent("enc-d", "encode")
+			m.agent("dec-d", "decode")
+			slow, rec := m.agent("den-slow", "denoise", "--sim-cost", "step=5s", "--drain-timeout", "2s")
+
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			c := &httpapi.Client{BaseURL: "http://" + enc.HTTPAddr}
+			w, h, steps := 64, 64, 4
+			job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "a harbour at dusk", Width: &w, Height: &h, Steps: &steps})
+			if err != nil {
+				t.Fatal(err)
+			}
+			waitProgress(t, ctx, c, job.ID, func(p *jobs.Progress) bool { return p.Stage == jobs.Denoise && p.Node == "den-slow" })
+			m.agent("den-fast", "denoise")
+
+			switch how {
+			case "sigterm":
+				if err := slow.signal(syscall.SIGTERM); err != nil {
+					t.Fatal(err)
+				}
+			case "cli":
+				out, err := exec.Command(binary, "drain", "--admin", "http://"+rec.AdminAddr, "--wait=false").CombinedOutput()
+				if err != nil {
+					t.Fatalf("latentmesh drain: %v\n%s", err, out)
+				}
+			}
+			// Not ready while it drains (the 5 s step outlasts the 2 s drain timeout).
+			eventually(t, 10*time.Second, func() error {
+				resp, err := http.Get("http://" + rec.AdminAddr + "/readyz")
+				if err != nil {
+					if slow.exited() {
+						return nil // already gone
+					}
+					return err
+				}
+				resp.Body.Close()
+				if resp.StatusCode != http.StatusServiceUnavailable {
+					return fmt.Errorf("/readyz %d while draining", resp.StatusCode)
+				}
+				return nil
+			})
+			select {
+			case <-slow.done:
+			case <-time.After(30 * time.Second):
+				t.Fatalf("drained agent did not exit; output:\n%s", slow.Output())
+			}
+			if slow.err != nil {
+				t.Fatalf("drained agent exited with %v; output:\n%s", slow.err, slow.Output())
+			}
+			if resp, err := m.cli.Get(ctx, "/latentmesh/default/nodes/den-slow"); err != nil || len(resp.Kvs) != 0 {
+				t.Fatalf("drained agent still registered: %v %v", resp, err)
+			}
+			var done jobs.Job
+			eventually(t, 60*time.Second, func() error {
+				if done, err = c.Get(ctx, job.ID); err != nil {
+					return err
+				}
+				if !done.State.Terminal() {
+					return fmt.Errorf("job %s still %s", job.ID, done.State)
+				}
+				return nil
+			})
+			if done.State != jobs.Succeeded {
+				t.Fatalf("job ended %s: %+v", done.State, done.Error)
+			}
+			if d := done.Stages[jobs.Denoise]; d.Node != "den-fast" || d.Attempt != 2 {
+				t.Fatalf("denoise stage = %+v, want committed by den-fast on attempt 2", d)
+			}
+			m.checkResultOnce(ctx, done)
+			if !strings.Contains(slow.Output(), "task requeued") {
+				t.Fatalf("drained agent did not requeue its task; output:\n%s", slow.Output())
+			}
+		})
+	}
+}

@@ -71,11 +71,6 @@ type worker struct {
 	freeAt    time.Duration // its last compute ended
 }
 
-type freePoint struct {
-	at   time.Duration
-	free int
-}
-
 type stage struct {
 	i       int
 	compute time.Duration
@@ -87,8 +82,6 @@ type stage struct {
 	wakeAt  time.Duration // mesh: the pending wake, -1 when none
 	blocked bool          // mesh: waiters watch the next stage (admission refused)
 	free    int
-	hist    []freePoint // free over time, for the gossiped view
-	histPos int
 }
 
 type sim struct {
@@ -171,7 +164,6 @@ func newSim(cfg Config) (*sim, error) {
 		for w := range st.workers {
 			s.addWaiting(st, int32(w))
 		}
-		st.hist = []freePoint{{0, st.free}}
 		s.st[i] = st
 	}
 	for k := time.Duration(0); k < cfg.Duration; k += time.Second {
@@ -332,29 +324,7 @@ func (s *sim) removeWaiting(st *stage, w int32) {
 	st.workers[w].waitPos = -1
 }
 
-func (s *sim) setFree(st *stage, delta int) {
-	st.free += delta
-	now := s.clk.now
-	if n := len(st.hist); n > 0 && st.hist[n-1].at == now {
-		st.hist[n-1].free = st.free
-		return
-	}
-	st.hist = append(st.hist, freePoint{now, st.free})
-}
-
-// gossipFree is st's free credits as another agent sees them: as they were
-// GossipDelay ago.
-func (s *sim) gossipFree(st *stage) int {
-	t := s.clk.now - s.cfg.GossipDelay
-	for st.histPos+1 < len(st.hist) && st.hist[st.histPos+1].at <= t {
-		st.histPos++
-	}
-	if st.histPos > 4096 && st.histPos > len(st.hist)/2 {
-		n := copy(st.hist, st.hist[st.histPos:])
-		st.hist, st.histPos = st.hist[:n], 0
-	}
-	return st.hist[st.histPos].free
-}
+func (s *sim) setFree(st *stage, delta int) { st.free += delta }
 
 // freeInGossip reports whether worker w looked free GossipDelay ago.
 func (s *sim) freeInGossip(w *worker) bool {

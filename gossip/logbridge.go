@@ -100,8 +100,10 @@ func (b *logBridge) Write(p []byte) (int, error) {
 		return len(p), nil
 	}
 	if reason, from, refused := refusal(msg); refused {
+		// A copy: memberlist's logger reuses p for its next line, and a
+		// core may keep fields after Write returns (zap's observer does).
 		b.log.Warn("gossip message refused", zap.String("from", from), zap.String("reason", reason),
-			zap.ByteString("memberlist", msg))
+			zap.String("memberlist", string(msg)))
 	} else if ce := b.log.Check(level, string(msg)); ce != nil {
 		ce.Write()
 	}

@@ -301,8 +301,9 @@ func (a *Agent) execute(c *jobs.Claim) {
 	defer stop()
 	start := time.Now()
 	var staged []*cache.Staged // Store objects the task staged; their records come with its commit
-	out, published, committed, err := a.run(ctx, c, &handedOff, &staged)
-	out.Work = time.Since(start)
+	var pulled pullTime
+	out, published, committed, err := a.run(withPullTime(ctx, &pulled), c, &handedOff, &staged)
+	out.Work, out.Pull = time.Since(start), time.Duration(pulled.Load())
 
 	release := func() {
 		for _, id := range published {
@@ -821,6 +822,7 @@ func input(ins []jobs.Input) (jobs.Input, transfer.Ref, error) {
 // pull fetches a task's input payload from its producer into a buffer of
 // this agent's arena; call release when done with the tensor.
 func (a *Agent) pull(ctx context.Context, ins []jobs.Input) (t engine.Tensor, release func(), err error) {
+	defer addPullTime(ctx, time.Now())
 	in, refs, err := a.inputRefs(ctx, ins)
 	if err != nil {
 		return engine.Tensor{}, nil, err
@@ -860,6 +862,7 @@ func (a *Agent) buffer(n int64) ([]byte, func()) {
 // flight; each decoded video frame is published as a preview for clients
 // streaming the job.
 func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, error) {
+	start := time.Now()
 	spec := c.Task.Spec
 	in, refs, err := a.inputRefs(ctx, c.Task.Inputs)
 	if err != nil {
@@ -896,6 +899,9 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 	}
 	var decodeErr error
 	for ch := range pull.Chunks() {
+		if ch.Index == 0 {
+			addPullTime(ctx, start) // to the first chunk: decoding overlaps the rest
+		}
 		if decodeErr == nil {
 			first := ch.Index * framesPerChunk
 			if decodeErr = fd.DecodeFrames(ctx, first, ch.Data); decodeErr != nil {
@@ -996,5 +1002,22 @@ func (a *Agent) progress(ctx context.Context, c *jobs.Claim) (report func(step, 
 	return report, func() {
 		cancel()
 		wg.Wait()
+	}
+}
+
+// pullTime sums the time a task spent pulling its inputs, for its stage
+// record (jobs.StageRecord.PullMillis).
+type pullTime = atomic.Int64
+
+type pullTimeKey struct{}
+
+func withPullTime(ctx context.Context, p *pullTime) context.Context {
+	return context.WithValue(ctx, pullTimeKey{}, p)
+}
+
+// addPullTime adds the time since start to ctx's pull time, if it has one.
+func addPullTime(ctx context.Context, start time.Time) {
+	if p, ok := ctx.Value(pullTimeKey{}).(*pullTime); ok {
+		p.Add(int64(time.Since(start)))
 	}
 }

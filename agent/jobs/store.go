@@ -78,6 +78,7 @@ type Claim struct {
 	Lease     clientv3.LeaseID
 	Rev       int64 // the claim key's CreateRevision: the fencing token
 	StartedAt time.Time
+	ClaimedAt time.Time // when the claim transaction answered
 }
 
 // claimRecord is what a claim key holds, for operators and status pages.
@@ -111,8 +112,9 @@ type Output struct {
 	// Store objects the stage staged (a *cache.Staged), so they become
 	// visible exactly when the stage commits.
 	Records []StagedRecord
-	// Work is how long the stage's work took on the worker.
-	Work time.Duration
+	// Work is how long the stage's work took on the worker; Pull is the
+	// part of it spent pulling the input.
+	Work, Pull time.Duration
 }
 
 // StagedRecord is a record a commit writes in its transaction. A record
@@ -262,6 +264,8 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 	s.log.Debug("submitted", zap.String("job", t.JobID), zap.Stringer("class", class))
 	return rec.Job, nil
 }
+
+func millis(d time.Duration) float64 { return float64(max(d, 0).Microseconds()) / 1000 }
 
 func mustJSON(v any) string {
 	b, err := json.Marshal(v)
@@ -541,18 +545,25 @@ func (s *Store) WaitChange(ctx context.Context, stage Stage, rev int64, deadline
 }
 
 // TryClaim claims t for node on lease. It fails with ErrTaken when another
-// worker got there first or the task changed since it was read.
+// worker got there first or the task changed since it was read. It is one
+// transaction whatever the queue's length: the claim key (the fencing
+// token), the task rewritten with its attempt counted (so a stale view's
+// next try fails on its ModRevision), and the job's progress key (who runs
+// it), both on the worker's lease.
 func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv3.LeaseID) (*Claim, error) {
 	now := s.cfg.Now()
 	ck := s.claimKey(&t)
 	cr := claimRecord{Task: t.ID, Job: t.JobID, Node: node, StartedAt: now}
 	claimed := t
 	claimed.Attempt++
+	p := Progress{Stage: t.Stage, Node: node}
 	resp, err := s.cli.Txn(ctx).
 		If(clientv3.Compare(clientv3.ModRevision(t.Key), "=", t.Rev),
 			clientv3.Compare(clientv3.CreateRevision(ck), "=", 0)).
 		Then(clientv3.OpPut(ck, mustJSON(cr), clientv3.WithLease(lease)),
-			clientv3.OpPut(t.Key, mustJSON(claimed))).
+			clientv3.OpPut(t.Key, mustJSON(claimed)),
+			// Progress is advisory and lives on the worker's lease.
+			clientv3.OpPut(s.progressKey(t.JobID), mustJSON(p), clientv3.WithLease(lease))).
 		Commit()
 	if err != nil {
 		// The transaction may have committed even though we got an error:
@@ -569,12 +580,7 @@ func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv
 		return nil, ErrTaken
 	}
 	claimed.Rev = resp.Header.Revision
-	p := Progress{Stage: t.Stage, Node: node}
-	// Progress is advisory and lives on the worker's lease; losing it is harmless.
-	if _, err := s.cli.Put(ctx, s.progressKey(t.JobID), mustJSON(p), clientv3.WithLease(lease)); err != nil {
-		s.log.Debug("progress", zap.Error(err))
-	}
-	return &Claim{Task: claimed, Node: node, Lease: lease, Rev: resp.Header.Revision, StartedAt: now}, nil
+	return &Claim{Task: claimed, Node: node, Lease: lease, Rev: resp.Header.Revision, StartedAt: now, ClaimedAt: s.cfg.Now()}, nil
 }
 
 // Reclaim claims c's task again, for c's node under lease: the node's
@@ -751,7 +757,9 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 		}
 		rec.Stages[c.Task.Stage] = &StageRecord{
 			Node: c.Node, Attempt: c.Task.Attempt, StartedAt: c.StartedAt, FinishedAt: now,
-			Millis: float64(out.Work.Microseconds()) / 1000,
+			Millis:      millis(out.Work),
+			ClaimMillis: millis(c.ClaimedAt.Sub(c.StartedAt)),
+			PullMillis:  millis(out.Pull),
 		}
 		ops := s.releaseOps(c.Task.Inputs)
 		if last {

@@ -8,10 +8,11 @@ import (
 	"os"
 	"strings"
 
+	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/bench"
 )
 
-const benchUsage = `usage: latentmesh bench <transfer|overlap|store> [flags]
+const benchUsage = `usage: latentmesh bench <transfer|overlap|store|api> [flags]
 
   transfer   data-plane throughput against raw TCP (tcp) and memcpy (shm),
              producer and consumer in two processes
@@ -19,6 +20,9 @@ const benchUsage = `usage: latentmesh bench <transfer|overlap|store> [flags]
              then decode
   store      pooled Store put (R copies) and get against p2p pulls of the
              same size, on an in-process mesh of Store nodes and etcd
+  api        tiny jobs through the client HTTP API: client latency, what
+             the control plane adds to the stages, jobs/s, a per-job
+             breakdown (an in-process dev mesh, or --server)
 
 Run 'latentmesh bench <command> -h' for its flags.
 `
@@ -35,6 +39,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return runBenchOverlap(ctx, args[1:], stdout, stderr)
 	case "store":
 		return runBenchStore(ctx, args[1:], stdout, stderr)
+	case "api":
+		return runBenchAPI(ctx, args[1:], stdout, stderr)
 	case "producer":
 		return runBenchProducer(ctx, args[1:], stderr)
 	case "-h", "--help", "help":
@@ -174,6 +180,24 @@ func runBenchStore(ctx context.Context, args []string, stdout, stderr io.Writer)
 	cfg.Sizes, cfg.Transports, cfg.Progress = sizes, transports, stderr
 	rep, err := bench.RunStore(ctx, cfg)
 	return report("store", rep, err, *asJSON, stdout, stderr)
+}
+
+func runBenchAPI(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	cfg := testbed.DefaultAPIBenchConfig()
+	fs := newFlagSet("bench api", "[flags]", stderr)
+	fs.StringVar(&cfg.Server, "server", "", "client API `URL` to load; empty: start an in-process 3-agent dev mesh with embedded etcd")
+	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "concurrent clients, each with one job at a time")
+	fs.IntVar(&cfg.Jobs, "jobs", cfg.Jobs, "jobs in all, after one warm-up job")
+	fs.IntVar(&cfg.Steps, "steps", cfg.Steps, "denoise steps per job")
+	size := frameSize{cfg.Width, cfg.Height}
+	fs.Var(&size, "size", "image size `WxH` in pixels (multiples of 8)")
+	asJSON := fs.Bool("json", false, "print machine-readable results")
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	cfg.Width, cfg.Height = size.w, size.h
+	rep, err := testbed.RunAPIBench(ctx, cfg)
+	return report("api", rep, err, *asJSON, stdout, stderr)
 }
 
 // runBenchProducer is the hidden producer child of the benchmarks: it serves

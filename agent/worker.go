@@ -112,20 +112,23 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			}
 			continue
 		}
-		ok, down, rev, err := a.admit(st)
-		if err != nil {
-			return nil, err
+		q := a.queues[st]
+		queueChanged := q.Changed() // before the view is read, so a change in between is not missed
+		if !q.Synced() {
+			select { // the view's first read is on its way
+			case <-queueChanged:
+			case <-a.ctx.Done():
+			}
+			continue
 		}
+		ok, down := a.admit(st)
 		if !ok {
 			// Downstream is full: wait for its queue to move. Credits arrive by
 			// gossip, which etcd cannot watch, so look again within a second.
-			a.store.WaitChange(a.ctx, down, rev, time.Now().Add(time.Second))
+			a.waitView(a.queues[down].Changed(), nil, time.Now().Add(time.Second))
 			continue
 		}
-		pend, rev, err := a.store.Pending(a.ctx, st)
-		if err != nil {
-			return nil, err
-		}
+		pend := q.Pending()
 		now := time.Now()
 		var wake time.Time
 		byID := make(map[string]jobs.Task, len(pend))
@@ -150,6 +153,9 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			if !fits(t) {
 				continue // memory backpressure: its output has nowhere to go yet
 			}
+			if q.Claimed(t.ID) {
+				continue // claimed since the scan (another worker won the race): skip the refused claim
+			}
 			tried++
 			claim, err := a.store.TryClaim(a.ctx, t, a.id, lease)
 			if err == nil {
@@ -165,7 +171,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			}
 		}
 		if tried > 0 {
-			continue // others won every race: the queue moved, read it again
+			continue // others won every race: the queue moved, scan it again
 		}
 		if len(ordered) > 0 {
 			// Tasks wait but none fits: say so in gossip (no free credit)
@@ -176,9 +182,24 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		}
 		// An engine registering (or going) changes which tasks are ours:
 		// look again then too, not only when etcd's queue moves.
-		wctx, stop := untilClosed(a.ctx, engineChanged)
-		a.store.WaitChange(wctx, st, rev, wake)
-		stop()
+		a.waitView(queueChanged, engineChanged, wake)
+	}
+}
+
+// waitView sleeps until a queue view changes, other is closed (nil: never),
+// the deadline passes (zero: none), or the agent stops.
+func (a *Agent) waitView(changed, other <-chan struct{}, deadline time.Time) {
+	var timeout <-chan time.Time
+	if !deadline.IsZero() {
+		t := time.NewTimer(time.Until(deadline))
+		defer t.Stop()
+		timeout = t.C
+	}
+	select {
+	case <-changed:
+	case <-other:
+	case <-timeout:
+	case <-a.ctx.Done():
 	}
 }
 
@@ -248,16 +269,14 @@ func earliest(a, b time.Time) time.Time {
 }
 
 // admit applies the backpressure chain: start a task only while the next
-// stage can take what it will produce.
-func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err error) {
+// stage can take what it will produce. The next stage's queue comes from
+// its watch-fed view: no etcd read.
+func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	down, last := st.Next()
 	if last {
-		return true, "", 0, nil
+		return true, ""
 	}
-	queued, _, rev, err := a.store.Depth(a.ctx, down)
-	if err != nil {
-		return false, down, 0, err
-	}
+	queued, _ := a.queues[down].Depth()
 	free := 0
 	for _, p := range a.member.Peers() {
 		if p.Alive && p.Record.HasRole(string(down)) {
@@ -265,7 +284,7 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err e
 		}
 	}
 	inFlight := a.credits[st].InUse() // running tasks of this stage; this claim has no credit yet
-	ok = a.cfg.Admission.Admit(int(queued), free, inFlight)
+	ok = a.cfg.Admission.Admit(queued, free, inFlight)
 	// An agent that relays every output through the Store (store mode)
 	// parks them there, not in its arena or a consumer's: the Store's room
 	// bounds them (fits checks it per task), so it runs ahead of a slow or
@@ -275,7 +294,7 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err e
 		_, largest := a.storeRoom()
 		ok = largest > 0
 	}
-	return ok, down, rev, nil
+	return ok, down
 }
 
 // pickHint names the preferred worker of the next stage: power of two

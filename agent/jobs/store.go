@@ -140,21 +140,22 @@ type Config struct {
 	Retention time.Duration
 	// MaxRewinds bounds restarts from encode after lost payloads.
 	MaxRewinds int
-	// PendingLimit bounds how many queued tasks one scan reads.
-	PendingLimit int64
-	Logger       *zap.Logger
-	Now          func() time.Time
+	// QueuePage bounds one response of a queue read (Pending, a Queue
+	// view's load): the queue is read in pages of this many tasks.
+	QueuePage int64
+	Logger    *zap.Logger
+	Now       func() time.Time
 }
 
 // DefaultConfig uses the default mesh prefix.
 func DefaultConfig() Config {
 	return Config{
-		Prefix:       "/latentmesh/default",
-		Retention:    7 * 24 * time.Hour, // a week to fetch a result's record; etcd stays bounded
-		MaxRewinds:   3,                  // a payload lost three times means something is broken
-		PendingLimit: 256,                // enough candidates for ordering; bounded read
-		Logger:       zap.NewNop(),
-		Now:          time.Now,
+		Prefix:     "/latentmesh/default",
+		Retention:  7 * 24 * time.Hour, // a week to fetch a result's record; etcd stays bounded
+		MaxRewinds: 3,                  // a payload lost three times means something is broken
+		QueuePage:  1000,               // ~1 MiB responses; a view loads once, then follows a watch
+		Logger:     zap.NewNop(),
+		Now:        time.Now,
 	}
 }
 
@@ -174,8 +175,8 @@ func NewStore(cli *clientv3.Client, cfg Config) (*Store, error) {
 	if !strings.HasPrefix(cfg.Prefix, "/") || strings.HasSuffix(cfg.Prefix, "/") {
 		return nil, fmt.Errorf("jobs: prefix %q must start and not end with /", cfg.Prefix)
 	}
-	if cfg.Retention < 0 || cfg.PendingLimit <= 0 || cfg.MaxRewinds < 0 {
-		return nil, errors.New("jobs: PendingLimit must be positive and Retention not negative (start from DefaultConfig)")
+	if cfg.Retention < 0 || cfg.QueuePage <= 0 || cfg.MaxRewinds < 0 {
+		return nil, errors.New("jobs: QueuePage must be positive and Retention not negative (start from DefaultConfig)")
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
@@ -336,28 +337,65 @@ func (s *Store) Get(ctx context.Context, id string) (Job, error) {
 	return job, nil
 }
 
-// Wait blocks until the job is in a terminal state or ctx is done.
+// Wait blocks until the job is in a terminal state or ctx is done. It opens
+// one watch of the record, waits until etcd has created it, then reads the
+// record, and follows the watch, reading the records its events carry. The
+// order matters: a watch asked to start at a revision etcd has already
+// passed (the read's, once a stage committed since) is served by etcd's
+// unsynced-watcher loop, up to 100 ms later, which was most of a tiny job's
+// latency; a watch from now never is, and the read after it misses
+// nothing. A broken or compacted watch starts over.
 func (s *Store) Wait(ctx context.Context, id string) (Job, error) {
+	if !validID(id) {
+		return Job{}, ErrNotFound
+	}
 	for {
-		rec, _, at, err := s.readRecord(ctx, id)
-		if err != nil {
+		wctx, cancel := context.WithCancel(ctx)
+		job, done, err := s.waitOnce(wctx, id)
+		cancel()
+		if done || err != nil {
+			return job, err
+		}
+		if err := ctx.Err(); err != nil {
 			return Job{}, err
 		}
-		if rec.State.Terminal() {
-			return rec.Job, nil
-		}
-		// Watch from the read's revision (not the record's, which may long
-		// be compacted away); any event, or a broken watch, means read again.
-		wctx, cancel := context.WithCancel(ctx)
-		wch := s.cli.Watch(wctx, s.jobKey(id), clientv3.WithRev(at+1))
-		select {
-		case <-ctx.Done():
-			cancel()
-			return Job{}, ctx.Err()
-		case <-wch:
-		}
-		cancel()
 	}
+}
+
+// waitOnce is one watch of Wait: done when the job is terminal; neither
+// done nor an error when the watch ended first.
+func (s *Store) waitOnce(ctx context.Context, id string) (job Job, done bool, err error) {
+	wch := s.cli.Watch(ctx, s.jobKey(id), clientv3.WithCreatedNotify())
+	select {
+	case wr, ok := <-wch:
+		if !ok || wr.Canceled || wr.Err() != nil {
+			return Job{}, false, ctx.Err()
+		}
+	case <-ctx.Done():
+		return Job{}, false, ctx.Err()
+	}
+	rec, _, err := s.getRecord(ctx, id)
+	if err != nil {
+		return Job{}, false, err
+	}
+	if rec.State.Terminal() {
+		return rec.Job, true, nil
+	}
+	for wr := range wch {
+		if wr.Canceled || wr.Err() != nil {
+			return Job{}, false, nil
+		}
+		for _, ev := range wr.Events {
+			if ev.Type == clientv3.EventTypeDelete {
+				return Job{}, false, nil // deleted: the next read says what became of it
+			}
+			var rec record
+			if json.Unmarshal(ev.Kv.Value, &rec) == nil && rec.State.Terminal() {
+				return rec.Job, true, nil
+			}
+		}
+	}
+	return Job{}, false, ctx.Err()
 }
 
 // Cancel stops a job: its queued task and unconsumed inputs are deleted, and a
@@ -478,39 +516,26 @@ func (s *Store) renewLeases(ctx context.Context, lease clientv3.LeaseID, records
 	return nil
 }
 
-// Pending returns the unclaimed tasks of a stage (at most PendingLimit, in key
-// order) and the etcd revision they were read at, for WaitChange.
+// Pending reads the unclaimed tasks of a stage, every one of them, and the
+// etcd revision they were read at. Workers do not call it: they scan a
+// Queue view.
 func (s *Store) Pending(ctx context.Context, stage Stage) ([]Task, int64, error) {
-	resp, err := s.cli.Txn(ctx).Then(
-		clientv3.OpGet(s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithLimit(s.cfg.PendingLimit),
-			clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)),
-		clientv3.OpGet(s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-	).Commit()
+	tasks, claimed, rev, err := s.readQueue(ctx, stage)
 	if err != nil {
-		return nil, 0, fmt.Errorf("jobs: pending %s: %w", stage, err)
+		return nil, 0, err
 	}
-	claimed := map[string]bool{}
-	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
-		claimed[strings.TrimPrefix(string(kv.Key), s.claimPrefix(stage))] = true
-	}
-	var out []Task
-	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
-		var t Task
-		if err := json.Unmarshal(kv.Value, &t); err != nil {
-			s.log.Warn("skipping undecodable task", zap.ByteString("key", kv.Key), zap.Error(err))
-			continue
+	out := tasks[:0]
+	for _, t := range tasks {
+		if !claimed[t.ID] {
+			out = append(out, t)
 		}
-		if claimed[t.ID] {
-			continue
-		}
-		t.Key, t.Rev = string(kv.Key), kv.ModRevision
-		out = append(out, t)
 	}
-	return out, resp.Header.Revision, nil
+	return out, rev, nil
 }
 
 // Depth counts a stage's tasks, queued (unclaimed) and running (claimed), at
-// etcd revision rev (for WaitChange).
+// etcd revision rev: two range counts, for a status page asking about a
+// stage this agent has no Queue view of.
 func (s *Store) Depth(ctx context.Context, stage Stage) (queued, running, rev int64, err error) {
 	resp, err := s.cli.Txn(ctx).Then(
 		clientv3.OpGet(s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithCountOnly()),
@@ -522,26 +547,6 @@ func (s *Store) Depth(ctx context.Context, stage Stage) (queued, running, rev in
 	total := resp.Responses[0].GetResponseRange().Count
 	running = resp.Responses[1].GetResponseRange().Count
 	return total - running, running, resp.Header.Revision, nil
-}
-
-// WaitChange blocks until a task or claim of the stage changes after rev, the
-// deadline passes (zero = none), or ctx is done. Workers call it instead of
-// polling when they find nothing to do.
-func (s *Store) WaitChange(ctx context.Context, stage Stage, rev int64, deadline time.Time) error {
-	wctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	if !deadline.IsZero() {
-		wctx, cancel = context.WithDeadline(wctx, deadline)
-		defer cancel()
-	}
-	tasks := s.cli.Watch(wctx, s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-	claims := s.cli.Watch(wctx, s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithFilterPut())
-	select {
-	case <-tasks:
-	case <-claims:
-	case <-wctx.Done():
-	}
-	return ctx.Err()
 }
 
 // TryClaim claims t for node on lease. It fails with ErrTaken when another

@@ -299,34 +299,6 @@ func TestRewindThenFail(t *testing.T) {
 	}
 }
 
-func TestWaitChangeWakesOnNewTask(t *testing.T) {
-	s, _ := newStore(t)
-	ctx := context.Background()
-	_, rev, err := s.Pending(ctx, Encode)
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- s.WaitChange(ctx, Encode, rev, time.Now().Add(time.Minute)) }()
-	if _, err := s.Submit(ctx, spec(), Options{Class: routing.Standard}); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("WaitChange did not wake on a new task")
-	}
-	// With nothing happening it returns at the deadline.
-	_, rev, _ = s.Pending(ctx, Decode)
-	start := time.Now()
-	if err := s.WaitChange(ctx, Decode, rev, start.Add(50*time.Millisecond)); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func TestBadIDs(t *testing.T) {
 	s, _ := newStore(t)
 	for _, id := range []string{"", "../jobs", "a/b", "x y", string(make([]byte, 65))} {

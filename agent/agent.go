@@ -62,10 +62,10 @@ type Agent struct {
 	// queues are watch-fed views of the queues of this agent's stages and
 	// of the stages after them (admission reads those): workers scan them,
 	// and gauges and status read them, without ranging over etcd.
-	queues  map[jobs.Stage]*jobs.Queue
-	cstore  *cache.Store       // this node's part of the pooled Store
-	alarms  *jobs.AlarmWatcher // etcd's NOSPACE alarm
-	engine  *engine.Engine
+	queues map[jobs.Stage]*jobs.Queue
+	cstore *cache.Store       // this node's part of the pooled Store
+	alarms *jobs.AlarmWatcher // etcd's NOSPACE alarm
+	engine *engine.Engine
 	// runner runs the stages' math: the built-in engine, or the external
 	// engine registered on ext (the engine socket; nil without one).
 	runner  stageRunner

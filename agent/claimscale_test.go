@@ -332,3 +332,57 @@ func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool)
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestIdleAgentEtcdLoad: an idle agent of every role asks etcd for nothing
+// but its alarm poll (its queue gauges come from its watch-fed views).
+func TestIdleAgentEtcdLoad(t *testing.T) {
+	ctx := context.Background()
+	srv, err := etcdembed.Start(ctx, etcdembed.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+	cli, err := clientv3.New(clientv3.Config{Endpoints: srv.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	var ops etcdCounter
+	ops.count(cli)
+	cfg := DefaultLocalConfig()
+	cfg.NodeID = "idle"
+	def := DefaultConfig()
+	cfg.AlarmEvery = def.AlarmEvery                   // the default's polls, not the test config's
+	cfg.Store.MaintainEvery = def.Store.MaintainEvery // the Store's safety-net pass reads its records
+	const idle = 10 * time.Second
+	cfg.HTTPListen, cfg.AdminListen = "", ""
+	cfg.Logger = zaptest.NewLogger(t)
+	a, err := New(cfg, cli)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	if err := a.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, 30*time.Second, "queue views loaded", func() bool {
+		for _, q := range a.queues {
+			if !q.Synced() {
+				return false
+			}
+		}
+		return true
+	})
+	time.Sleep(2 * time.Second) // start-up reads and writes done
+	start := ops.snap()
+	time.Sleep(idle)
+	d := ops.snap().minus(start)
+	perSec := float64(d.requests()) / idle.Seconds()
+	t.Logf("idle agent (all roles): %.2f etcd requests/s (%d reads, %d writes, %d txns, %d watches opened in %v)", perSec, d.reads, d.writes, d.txns, d.watches, idle)
+	// Nothing per stage: what remains are the safety-net passes of the
+	// Store (objects/) and the membership (nodes/), one read each per
+	// MaintainEvery, and the alarm poll (a Maintenance call, not counted).
+	if limit := 5 / cfg.Store.MaintainEvery.Seconds(); perSec > limit {
+		t.Errorf("idle agent sends %.2f requests/s to etcd, want <= %.2f", perSec, limit)
+	}
+}

@@ -79,6 +79,13 @@ type Claim struct {
 	Rev       int64 // the claim key's CreateRevision: the fencing token
 	StartedAt time.Time
 	ClaimedAt time.Time // when the claim transaction answered
+
+	// job is the job record as the claim read it, and jobRev its
+	// ModRevision: the first commit attempt writes on it without reading
+	// the record again (a stale copy fails the commit's comparison, whose
+	// answer carries the fresh record). nil: read it.
+	job    []byte
+	jobRev int64
 }
 
 // claimRecord is what a claim key holds, for operators and status pages.
@@ -568,7 +575,9 @@ func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv
 		Then(clientv3.OpPut(ck, mustJSON(cr), clientv3.WithLease(lease)),
 			clientv3.OpPut(t.Key, mustJSON(claimed)),
 			// Progress is advisory and lives on the worker's lease.
-			clientv3.OpPut(s.progressKey(t.JobID), mustJSON(p), clientv3.WithLease(lease))).
+			clientv3.OpPut(s.progressKey(t.JobID), mustJSON(p), clientv3.WithLease(lease)),
+			// The job record, for the commit (Claim.job).
+			clientv3.OpGet(s.jobKey(t.JobID))).
 		Commit()
 	if err != nil {
 		// The transaction may have committed even though we got an error:
@@ -585,7 +594,11 @@ func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv
 		return nil, ErrTaken
 	}
 	claimed.Rev = resp.Header.Revision
-	return &Claim{Task: claimed, Node: node, Lease: lease, Rev: resp.Header.Revision, StartedAt: now, ClaimedAt: s.cfg.Now()}, nil
+	c := &Claim{Task: claimed, Node: node, Lease: lease, Rev: resp.Header.Revision, StartedAt: now, ClaimedAt: s.cfg.Now()}
+	if kvs := resp.Responses[3].GetResponseRange().GetKvs(); len(kvs) == 1 {
+		c.job, c.jobRev = kvs[0].Value, kvs[0].ModRevision
+	}
+	return c, nil
 }
 
 // Reclaim claims c's task again, for c's node under lease: the node's
@@ -667,14 +680,23 @@ func (s *Store) finishOps(c *Claim) []clientv3.Op {
 // (after dropping the claim) when the job was cancelled meanwhile.
 func (s *Store) update(ctx context.Context, c *Claim, what string, records []StagedRecord, mutate func(*record) ([]clientv3.Op, error)) error {
 	renewals := 0
+	known, knownRev := c.job, c.jobRev // the record as last seen, if any
 	for {
-		rec, rev, err := s.getRecord(ctx, c.Task.JobID)
-		if errors.Is(err, ErrNotFound) {
-			return s.dropFinished(ctx, c)
+		var rec record
+		var rev int64
+		if known == nil || json.Unmarshal(known, &rec) != nil {
+			var err error
+			rec, rev, err = s.getRecord(ctx, c.Task.JobID)
+			if errors.Is(err, ErrNotFound) {
+				return s.dropFinished(ctx, c)
+			}
+			if err != nil {
+				return err
+			}
+		} else {
+			rev = knownRev
 		}
-		if err != nil {
-			return err
-		}
+		known = nil
 		if rec.State.Terminal() {
 			return s.dropFinished(ctx, c)
 		}
@@ -693,7 +715,8 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			ops = append(ops, r.Op())
 		}
 		cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(s.jobKey(rec.ID)), "=", rev))
-		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(clientv3.OpGet(s.claimKey(&c.Task))).Commit()
+		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).
+			Else(clientv3.OpGet(s.claimKey(&c.Task)), clientv3.OpGet(s.jobKey(rec.ID))).Commit()
 		if cache.LeaseGone(err) && renewals < leaseRenewals {
 			// The error does not say whose lease is gone: renew them all.
 			renewals++
@@ -712,7 +735,11 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 		if len(kvs) == 0 || kvs[0].CreateRevision != c.Rev || kvs[0].Lease != int64(c.Lease) {
 			return ErrFenced
 		}
-		// Claim intact: only the job record moved. Read it again.
+		// Claim intact: only the job record moved (or the claim's copy was
+		// stale). Go again on the record the answer carries.
+		if jk := resp.Responses[1].GetResponseRange().Kvs; len(jk) == 1 {
+			known, knownRev = jk[0].Value, jk[0].ModRevision
+		}
 	}
 }
 

@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/httpapi"
@@ -59,6 +60,43 @@ type APIBenchReport struct {
 	// written: the read of the job record), notify (the last commit to the
 	// client's answer: commit transaction, watch, HTTP).
 	Breakdown map[string]Quantiles `json:"breakdown_ms"`
+	// Etcd is what a job cost etcd, per job, counted on the in-process
+	// mesh's client (nil with Server set): every agent's requests, the
+	// client API's included, during the measured jobs.
+	Etcd *APIBenchEtcd `json:"etcd_per_job,omitempty"`
+}
+
+// APIBenchEtcd is what one job cost etcd, on average.
+type APIBenchEtcd struct {
+	Requests float64 `json:"requests"` // txns + reads + writes + watches
+	Txns     float64 `json:"txns"`
+	Reads    float64 `json:"reads"`
+	Writes   float64 `json:"writes"` // plain puts and deletes
+	Watches  float64 `json:"watches"`
+	KeysRead float64 `json:"keys_read"`
+	// RaftProposals is what the embedded etcd committed through raft
+	// (etcd_server_proposals_committed_total): its writes, lease grants
+	// and revocations.
+	RaftProposals float64 `json:"raft_proposals"`
+}
+
+// raftProposals reads the embedded etcd's count of committed raft
+// proposals from this process's Prometheus registry (0 without one).
+func raftProposals() float64 {
+	mfs, err := prometheus.DefaultGatherer.Gather()
+	if err != nil {
+		return 0
+	}
+	for _, mf := range mfs {
+		if mf.GetName() == "etcd_server_proposals_committed_total" && len(mf.GetMetric()) > 0 {
+			m := mf.GetMetric()[0]
+			if m.GetGauge() != nil {
+				return m.GetGauge().GetValue()
+			}
+			return m.GetCounter().GetValue()
+		}
+	}
+	return 0
 }
 
 // Quantiles are a P50 and a P90 in milliseconds.
@@ -88,14 +126,22 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 		cfg.Logger = zap.NewNop()
 	}
 	server := cfg.Server
+	var ops *EtcdOps // the in-process mesh's etcd requests
 	if server == "" {
 		cc := DefaultClusterConfig()
 		cc.Logger = cfg.Logger
+		cc.Topology = "" // agents added below, once their client is counted
 		cl, err := StartCluster(ctx, cc)
 		if err != nil {
 			return APIBenchReport{}, err
 		}
 		defer cl.Close()
+		ops = CountEtcdOps(cl.Client)
+		for _, st := range jobs.Stages() {
+			if _, err := cl.AddAgent(ctx, string(st)+"-1", st); err != nil {
+				return APIBenchReport{}, err
+			}
+		}
 		server = "http://" + cl.Agents[0].HTTPAddr()
 	}
 	hc := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: cfg.Clients + 1}}
@@ -118,6 +164,11 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 		wg      sync.WaitGroup
 	)
 	left.Store(int64(cfg.Jobs))
+	var before EtcdOpCounts
+	if ops != nil {
+		before = ops.Snap()
+	}
+	proposals := raftProposals()
 	start := time.Now()
 	for range cfg.Clients {
 		wg.Go(func() {
@@ -135,6 +186,7 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
+	proposals = raftProposals() - proposals
 	close(errs)
 	if err := <-errs; err != nil {
 		return APIBenchReport{}, err
@@ -152,6 +204,14 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 		}
 	}
 	rep.Latency, rep.Stages, rep.Overhead = quantiles(lat), quantiles(stages), quantiles(over)
+	if ops != nil {
+		d, n := ops.Snap().Minus(before), float64(len(samples))
+		rep.Etcd = &APIBenchEtcd{
+			Requests: float64(d.Requests()) / n, Txns: float64(d.Txns) / n, Reads: float64(d.Reads) / n,
+			Writes: float64(d.Writes) / n, Watches: float64(d.Watches) / n, KeysRead: float64(d.KeysRead) / n,
+			RaftProposals: proposals / n,
+		}
+	}
 	for k, v := range parts {
 		rep.Breakdown[k] = quantiles(v)
 	}
@@ -209,6 +269,10 @@ func (rep APIBenchReport) WriteTable(w io.Writer) error {
 	row("overhead", rep.Overhead)
 	for _, k := range []string{"submit", "queue", "claim", "pull", "run", "commit", "notify"} {
 		row(" "+k, rep.Breakdown[k])
+	}
+	if e := rep.Etcd; e != nil {
+		fmt.Fprintf(w, "etcd per job: %.1f requests (%.1f txns, %.1f reads, %.1f writes, %.1f watches opened), %.1f keys read, %.1f raft proposals\n",
+			e.Requests, e.Txns, e.Reads, e.Writes, e.Watches, e.KeysRead, e.RaftProposals)
 	}
 	return nil
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"slices"
 	"sync"
@@ -30,7 +31,12 @@ type APIBenchConfig struct {
 	// Width, Height and Steps make the job: tiny, so that the stages' time
 	// is small next to the control plane's.
 	Width, Height, Steps int
-	Logger               *zap.Logger
+	// DenoiseSlots, when positive, replaces the in-process denoise agent's
+	// slots (one by default: one job owns the GPU). More slots show what
+	// the control plane sustains when the one-slot denoise chain, a
+	// claim, pull, run and commit in series, is not the limit.
+	DenoiseSlots int
+	Logger       *zap.Logger
 }
 
 // DefaultAPIBenchConfig is one client, 200 jobs of 64x64 in two steps.
@@ -131,6 +137,10 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 		cc := DefaultClusterConfig()
 		cc.Logger = cfg.Logger
 		cc.Topology = "" // agents added below, once their client is counted
+		if cfg.DenoiseSlots > 0 {
+			cc.Agent.Slots = maps.Clone(cc.Agent.Slots)
+			cc.Agent.Slots[jobs.Denoise] = cfg.DenoiseSlots
+		}
 		cl, err := StartCluster(ctx, cc)
 		if err != nil {
 			return APIBenchReport{}, err

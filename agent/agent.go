@@ -59,9 +59,13 @@ type Agent struct {
 	// built member (nil: nobody is admitted yet).
 	members atomic.Pointer[gossip.Membership]
 	store   *jobs.Store
-	cstore  *cache.Store       // this node's part of the pooled Store
-	alarms  *jobs.AlarmWatcher // etcd's NOSPACE alarm
-	engine  *engine.Engine
+	// queues are watch-fed views of the queues of this agent's stages and
+	// of the stages after them (admission reads those): workers scan them,
+	// and gauges and status read them, without ranging over etcd.
+	queues map[jobs.Stage]*jobs.Queue
+	cstore *cache.Store       // this node's part of the pooled Store
+	alarms *jobs.AlarmWatcher // etcd's NOSPACE alarm
+	engine *engine.Engine
 	// runner runs the stages' math: the built-in engine, or the external
 	// engine registered on ext (the engine socket; nil without one).
 	runner  stageRunner
@@ -172,7 +176,19 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	jc := cfg.Jobs
 	jc.Logger = a.log
 	if a.store, err = jobs.NewStore(cli, jc); err != nil {
-		return nil, err
+		return nil, fmt.Errorf("agent: %w", err)
+	}
+	a.queues = map[jobs.Stage]*jobs.Queue{}
+	for _, st := range cfg.Roles {
+		follow := []jobs.Stage{st}
+		if down, last := st.Next(); !last {
+			follow = append(follow, down)
+		}
+		for _, f := range follow {
+			if a.queues[f] == nil {
+				a.queues[f] = a.store.NewQueue(f)
+			}
+		}
 	}
 	reg := prometheus.NewRegistry()
 	if a.metrics, err = httpapi.NewMetrics(reg); err != nil {
@@ -311,6 +327,9 @@ func (a *Agent) Start(ctx context.Context) error {
 	a.cstore.Start()
 	a.wg.Go(func() { a.alarms.Run(a.ctx) })
 	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.release, a.resyncHeld) })
+	for _, q := range a.queues {
+		a.wg.Go(func() { q.Run(a.ctx) })
+	}
 	for _, st := range a.cfg.Roles {
 		a.workers.Go(func() { a.worker(st) })
 		if st == jobs.Denoise && a.cfg.Queue.PreemptAfter > 0 && a.cfg.Queue.Scheduler != routing.FIFO {
@@ -668,14 +687,17 @@ func (a *Agent) forgetDeparted() {
 }
 
 // reportLoop refreshes queue-depth and credit gauges, at once and then
-// every two seconds.
+// every two seconds. Depths come from the queue views, so an idle agent
+// sends etcd nothing for them; a stage this agent has no view of has no
+// gauge here (an agent of that stage reports it).
 func (a *Agent) reportLoop() {
 	t := time.NewTicker(2 * time.Second)
 	defer t.Stop()
 	for {
-		for _, st := range jobs.Stages() {
-			if q, _, _, err := a.store.Depth(a.ctx, st); err == nil {
-				a.metrics.SetQueueDepth(st, int(q))
+		for st, q := range a.queues {
+			if q.Synced() {
+				queued, _ := q.Depth()
+				a.metrics.SetQueueDepth(st, queued)
 			}
 		}
 		for st, c := range a.credits {
@@ -761,7 +783,12 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 		})
 	}
 	for _, s := range jobs.Stages() {
-		q, r, _, err := a.store.Depth(ctx, s)
+		if v := a.queues[s]; v != nil && v.Synced() {
+			q, r := v.Depth()
+			st.Queues[s] = QueueInfo{Queued: int64(q), Running: int64(r)}
+			continue
+		}
+		q, r, _, err := a.store.Depth(ctx, s) // on demand: a stage this agent does not follow
 		if err != nil {
 			return Status{}, err
 		}

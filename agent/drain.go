@@ -95,7 +95,7 @@ func candidate(t jobs.Task) routing.Candidate {
 // task is never lost nor committed twice) and runs again later from its
 // first step. The freed credit then goes to the best task in the queue,
 // the interactive one. It sleeps on task starts and ends, the queue's
-// etcd watch, and the time the next interactive task comes due.
+// watch-fed view, and the time the next interactive task comes due.
 func (a *Agent) preemptLoop(st jobs.Stage) {
 	credits := a.credits[st]
 	for a.pullCtx.Err() == nil {
@@ -116,14 +116,9 @@ func (a *Agent) preemptLoop(st jobs.Stage) {
 			}
 			continue
 		}
-		pend, rev, err := a.store.Pending(a.pullCtx, st)
-		if err != nil {
-			if a.pullCtx.Err() == nil {
-				a.log.Debug("preemption: reading the queue", zap.Error(err))
-				a.sleep(a.cfg.RetryBackoff)
-			}
-			continue
-		}
+		q := a.queues[st]
+		queueChanged := q.Changed() // before the view is read
+		pend := q.Pending()
 		now := time.Now()
 		var waiting []routing.Candidate
 		for _, t := range pend {
@@ -143,9 +138,7 @@ func (a *Agent) preemptLoop(st jobs.Stage) {
 		}
 		// Wake when a task starts or ends, the queue moves, or the next
 		// interactive task comes due.
-		wctx, stop := untilClosed(a.pullCtx, changed)
-		a.store.WaitChange(wctx, st, rev, wake)
-		stop()
+		a.waitView(queueChanged, changed, wake)
 	}
 }
 

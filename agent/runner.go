@@ -337,25 +337,3 @@ func (a *Agent) EngineSocket() string {
 // ModelServed reports whether, as this agent's gossip tells, live members
 // serve every stage of model (what a submission of it needs).
 func (a *Agent) ModelServed(model string) bool { return a.modelServed(model) }
-
-// untilClosed returns a context that ends with ctx or when ch is closed (a
-// nil ch never closes), and stop, which ends its watcher.
-func untilClosed(ctx context.Context, ch <-chan struct{}) (context.Context, func()) {
-	if ch == nil {
-		return ctx, func() {}
-	}
-	cctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		select {
-		case <-ch:
-			cancel()
-		case <-cctx.Done():
-		}
-	}()
-	return cctx, func() {
-		cancel()
-		<-done
-	}
-}

@@ -113,20 +113,23 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			}
 			continue
 		}
-		ok, down, rev, err := a.admit(st)
-		if err != nil {
-			return nil, err
+		q := a.queues[st]
+		queueChanged := q.Changed() // before the view is read, so a change in between is not missed
+		if !q.Synced() {
+			select { // the view's first read is on its way
+			case <-queueChanged:
+			case <-a.pullCtx.Done():
+			}
+			continue
 		}
+		ok, down := a.admit(st)
 		if !ok {
 			// Downstream is full: wait for its queue to move. Credits arrive by
 			// gossip, which etcd cannot watch, so look again within a second.
-			a.store.WaitChange(a.pullCtx, down, rev, time.Now().Add(time.Second))
+			a.waitView(a.queues[down].Changed(), nil, time.Now().Add(time.Second))
 			continue
 		}
-		pend, rev, err := a.store.Pending(a.pullCtx, st)
-		if err != nil {
-			return nil, err
-		}
+		pend := q.Pending()
 		now := time.Now()
 		var wake time.Time
 		byID := make(map[string]jobs.Task, len(pend))
@@ -151,6 +154,9 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			if !fits(t) {
 				continue // memory backpressure: its output has nowhere to go yet
 			}
+			if q.Claimed(t.ID) {
+				continue // claimed since the scan (another worker won the race): skip the refused claim
+			}
 			tried++
 			claim, err := a.store.TryClaim(a.ctx, t, a.id, lease)
 			if err == nil {
@@ -166,7 +172,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			}
 		}
 		if tried > 0 {
-			continue // others won every race: the queue moved, read it again
+			continue // others won every race: the queue moved, scan it again
 		}
 		if len(ordered) > 0 {
 			// Tasks wait but none fits: say so in gossip (no free credit)
@@ -177,9 +183,24 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		}
 		// An engine registering (or going) changes which tasks are ours:
 		// look again then too, not only when etcd's queue moves.
-		wctx, stop := untilClosed(a.pullCtx, engineChanged)
-		a.store.WaitChange(wctx, st, rev, wake)
-		stop()
+		a.waitView(queueChanged, engineChanged, wake)
+	}
+}
+
+// waitView sleeps until a queue view changes, other is closed (nil: never),
+// the deadline passes (zero: none), or the agent stops.
+func (a *Agent) waitView(changed, other <-chan struct{}, deadline time.Time) {
+	var timeout <-chan time.Time
+	if !deadline.IsZero() {
+		t := time.NewTimer(time.Until(deadline))
+		defer t.Stop()
+		timeout = t.C
+	}
+	select {
+	case <-changed:
+	case <-other:
+	case <-timeout:
+	case <-a.pullCtx.Done():
 	}
 }
 
@@ -255,16 +276,14 @@ func earliest(a, b time.Time) time.Time {
 // agents of this stage, and it counts against it its running tasks of st
 // and the next stage's tasks, queued or running, fed by its outputs. The
 // quotas of all producers add up to the budget, so the projected backlog
-// downstream stays within it however many producers there are.
-func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err error) {
+// downstream stays within it however many producers there are. The next
+// stage's tasks come from its watch-fed view: no etcd read.
+func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	down, last := st.Next()
 	if last || a.cfg.Admission.Off {
-		return true, "", 0, nil
+		return true, ""
 	}
-	_, fed, rev, err := a.store.Backlog(a.pullCtx, down, a.id)
-	if err != nil {
-		return false, down, 0, err
-	}
+	fed := a.queues[down].FedBy(a.id)
 	credits := 0
 	var producers []string
 	for _, p := range a.member.Peers() {
@@ -295,7 +314,7 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage, rev int64, err e
 		_, largest := a.storeRoom()
 		ok = largest > 0
 	}
-	return ok, down, rev, nil
+	return ok, down
 }
 
 // pickHint names the preferred worker of the next stage: power of two
@@ -324,8 +343,9 @@ func (a *Agent) execute(c *jobs.Claim) {
 	defer a.running.remove(c.Task.ID)
 	start := time.Now()
 	var staged []*cache.Staged // Store objects the task staged; their records come with its commit
-	out, published, committed, err := a.run(ctx, c, &handedOff, &staged)
-	out.Work = time.Since(start)
+	var pulled pullTime
+	out, published, committed, err := a.run(withPullTime(ctx, &pulled), c, &handedOff, &staged)
+	out.Work, out.Pull = time.Since(start), time.Duration(pulled.Load())
 
 	release := func() {
 		for _, id := range published {
@@ -852,6 +872,7 @@ func input(ins []jobs.Input) (jobs.Input, transfer.Ref, error) {
 // pull fetches a task's input payload from its producer into a buffer of
 // this agent's arena; call release when done with the tensor.
 func (a *Agent) pull(ctx context.Context, ins []jobs.Input) (t engine.Tensor, release func(), err error) {
+	defer addPullTime(ctx, time.Now())
 	in, refs, err := a.inputRefs(ctx, ins)
 	if err != nil {
 		return engine.Tensor{}, nil, err
@@ -891,6 +912,7 @@ func (a *Agent) buffer(n int64) ([]byte, func()) {
 // flight; each decoded video frame is published as a preview for clients
 // streaming the job.
 func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, error) {
+	start := time.Now()
 	spec := c.Task.Spec
 	in, refs, err := a.inputRefs(ctx, c.Task.Inputs)
 	if err != nil {
@@ -927,6 +949,9 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 	}
 	var decodeErr error
 	for ch := range pull.Chunks() {
+		if ch.Index == 0 {
+			addPullTime(ctx, start) // to the first chunk: decoding overlaps the rest
+		}
 		if decodeErr == nil {
 			first := ch.Index * framesPerChunk
 			if decodeErr = fd.DecodeFrames(ctx, first, ch.Data); decodeErr != nil {
@@ -1027,5 +1052,22 @@ func (a *Agent) progress(ctx context.Context, c *jobs.Claim) (report func(step, 
 	return report, func() {
 		cancel()
 		wg.Wait()
+	}
+}
+
+// pullTime sums the time a task spent pulling its inputs, for its stage
+// record (jobs.StageRecord.PullMillis).
+type pullTime = atomic.Int64
+
+type pullTimeKey struct{}
+
+func withPullTime(ctx context.Context, p *pullTime) context.Context {
+	return context.WithValue(ctx, pullTimeKey{}, p)
+}
+
+// addPullTime adds the time since start to ctx's pull time, if it has one.
+func addPullTime(ctx context.Context, start time.Time) {
+	if p, ok := ctx.Value(pullTimeKey{}).(*pullTime); ok {
+		p.Add(int64(time.Since(start)))
 	}
 }

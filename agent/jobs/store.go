@@ -82,6 +82,14 @@ type Claim struct {
 	Lease     clientv3.LeaseID
 	Rev       int64 // the claim key's CreateRevision: the fencing token
 	StartedAt time.Time
+	ClaimedAt time.Time // when the claim transaction answered
+
+	// job is the job record as the claim read it, and jobRev its
+	// ModRevision: the first commit attempt writes on it without reading
+	// the record again (a stale copy fails the commit's comparison, whose
+	// answer carries the fresh record). nil: read it.
+	job    []byte
+	jobRev int64
 }
 
 // claimRecord is what a claim key holds, for operators and status pages.
@@ -115,8 +123,9 @@ type Output struct {
 	// Store objects the stage staged (a *cache.Staged), so they become
 	// visible exactly when the stage commits.
 	Records []StagedRecord
-	// Work is how long the stage's work took on the worker.
-	Work time.Duration
+	// Work is how long the stage's work took on the worker; Pull is the
+	// part of it spent pulling the input.
+	Work, Pull time.Duration
 }
 
 // StagedRecord is a record a commit writes in its transaction. A record
@@ -142,21 +151,22 @@ type Config struct {
 	Retention time.Duration
 	// MaxRewinds bounds restarts from encode after lost payloads.
 	MaxRewinds int
-	// PendingLimit bounds how many queued tasks one scan reads.
-	PendingLimit int64
-	Logger       *zap.Logger
-	Now          func() time.Time
+	// QueuePage bounds one response of a queue read (Pending, a Queue
+	// view's load): the queue is read in pages of this many tasks.
+	QueuePage int64
+	Logger    *zap.Logger
+	Now       func() time.Time
 }
 
 // DefaultConfig uses the default mesh prefix.
 func DefaultConfig() Config {
 	return Config{
-		Prefix:       "/latentmesh/default",
-		Retention:    7 * 24 * time.Hour, // a week to fetch a result's record; etcd stays bounded
-		MaxRewinds:   3,                  // a payload lost three times means something is broken
-		PendingLimit: 256,                // enough candidates for ordering; bounded read
-		Logger:       zap.NewNop(),
-		Now:          time.Now,
+		Prefix:     "/latentmesh/default",
+		Retention:  7 * 24 * time.Hour, // a week to fetch a result's record; etcd stays bounded
+		MaxRewinds: 3,                  // a payload lost three times means something is broken
+		QueuePage:  1000,               // ~1 MiB responses; a view loads once, then follows a watch
+		Logger:     zap.NewNop(),
+		Now:        time.Now,
 	}
 }
 
@@ -176,8 +186,8 @@ func NewStore(cli *clientv3.Client, cfg Config) (*Store, error) {
 	if !strings.HasPrefix(cfg.Prefix, "/") || strings.HasSuffix(cfg.Prefix, "/") {
 		return nil, fmt.Errorf("jobs: prefix %q must start and not end with /", cfg.Prefix)
 	}
-	if cfg.Retention < 0 || cfg.PendingLimit <= 0 || cfg.MaxRewinds < 0 {
-		return nil, errors.New("jobs: PendingLimit must be positive and Retention not negative (start from DefaultConfig)")
+	if cfg.Retention < 0 || cfg.QueuePage <= 0 || cfg.MaxRewinds < 0 {
+		return nil, errors.New("jobs: QueuePage must be positive and Retention not negative (start from DefaultConfig)")
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
@@ -267,6 +277,8 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 	return rec.Job, nil
 }
 
+func millis(d time.Duration) float64 { return float64(max(d, 0).Microseconds()) / 1000 }
+
 func mustJSON(v any) string {
 	b, err := json.Marshal(v)
 	if err != nil {
@@ -336,28 +348,65 @@ func (s *Store) Get(ctx context.Context, id string) (Job, error) {
 	return job, nil
 }
 
-// Wait blocks until the job is in a terminal state or ctx is done.
+// Wait blocks until the job is in a terminal state or ctx is done. It opens
+// one watch of the record, waits until etcd has created it, then reads the
+// record, and follows the watch, reading the records its events carry. The
+// order matters: a watch asked to start at a revision etcd has already
+// passed (the read's, once a stage committed since) is served by etcd's
+// unsynced-watcher loop, up to 100 ms later, which was most of a tiny job's
+// latency; a watch from now never is, and the read after it misses
+// nothing. A broken or compacted watch starts over.
 func (s *Store) Wait(ctx context.Context, id string) (Job, error) {
+	if !validID(id) {
+		return Job{}, ErrNotFound
+	}
 	for {
-		rec, _, at, err := s.readRecord(ctx, id)
-		if err != nil {
+		wctx, cancel := context.WithCancel(ctx)
+		job, done, err := s.waitOnce(wctx, id)
+		cancel()
+		if done || err != nil {
+			return job, err
+		}
+		if err := ctx.Err(); err != nil {
 			return Job{}, err
 		}
-		if rec.State.Terminal() {
-			return rec.Job, nil
-		}
-		// Watch from the read's revision (not the record's, which may long
-		// be compacted away); any event, or a broken watch, means read again.
-		wctx, cancel := context.WithCancel(ctx)
-		wch := s.cli.Watch(wctx, s.jobKey(id), clientv3.WithRev(at+1))
-		select {
-		case <-ctx.Done():
-			cancel()
-			return Job{}, ctx.Err()
-		case <-wch:
-		}
-		cancel()
 	}
+}
+
+// waitOnce is one watch of Wait: done when the job is terminal; neither
+// done nor an error when the watch ended first.
+func (s *Store) waitOnce(ctx context.Context, id string) (job Job, done bool, err error) {
+	wch := s.cli.Watch(ctx, s.jobKey(id), clientv3.WithCreatedNotify())
+	select {
+	case wr, ok := <-wch:
+		if !ok || wr.Canceled || wr.Err() != nil {
+			return Job{}, false, ctx.Err()
+		}
+	case <-ctx.Done():
+		return Job{}, false, ctx.Err()
+	}
+	rec, _, err := s.getRecord(ctx, id)
+	if err != nil {
+		return Job{}, false, err
+	}
+	if rec.State.Terminal() {
+		return rec.Job, true, nil
+	}
+	for wr := range wch {
+		if wr.Canceled || wr.Err() != nil {
+			return Job{}, false, nil
+		}
+		for _, ev := range wr.Events {
+			if ev.Type == clientv3.EventTypeDelete {
+				return Job{}, false, nil // deleted: the next read says what became of it
+			}
+			var rec record
+			if json.Unmarshal(ev.Kv.Value, &rec) == nil && rec.State.Terminal() {
+				return rec.Job, true, nil
+			}
+		}
+	}
+	return Job{}, false, ctx.Err()
 }
 
 // Cancel stops a job: its queued task and unconsumed inputs are deleted, and a
@@ -478,62 +527,26 @@ func (s *Store) renewLeases(ctx context.Context, lease clientv3.LeaseID, records
 	return nil
 }
 
-// Pending returns the unclaimed tasks of a stage (at most PendingLimit, in key
-// order) and the etcd revision they were read at, for WaitChange.
+// Pending reads the unclaimed tasks of a stage, every one of them, and the
+// etcd revision they were read at. Workers do not call it: they scan a
+// Queue view.
 func (s *Store) Pending(ctx context.Context, stage Stage) ([]Task, int64, error) {
-	resp, err := s.cli.Txn(ctx).Then(
-		clientv3.OpGet(s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithLimit(s.cfg.PendingLimit),
-			clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)),
-		clientv3.OpGet(s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithKeysOnly()),
-	).Commit()
+	tasks, claimed, rev, err := s.readQueue(ctx, stage)
 	if err != nil {
-		return nil, 0, fmt.Errorf("jobs: pending %s: %w", stage, err)
+		return nil, 0, err
 	}
-	claimed := map[string]bool{}
-	for _, kv := range resp.Responses[1].GetResponseRange().Kvs {
-		claimed[strings.TrimPrefix(string(kv.Key), s.claimPrefix(stage))] = true
-	}
-	var out []Task
-	for _, kv := range resp.Responses[0].GetResponseRange().Kvs {
-		var t Task
-		if err := json.Unmarshal(kv.Value, &t); err != nil {
-			s.log.Warn("skipping undecodable task", zap.ByteString("key", kv.Key), zap.Error(err))
-			continue
-		}
-		if claimed[t.ID] {
-			continue
-		}
-		t.Key, t.Rev = string(kv.Key), kv.ModRevision
-		out = append(out, t)
-	}
-	return out, resp.Header.Revision, nil
-}
-
-// Backlog counts a stage's tasks, queued or running: all of them, and those
-// whose input node produced (the producer's share, for admission quotas),
-// at etcd revision rev (for WaitChange). It reads every task of the
-// stage, which admission keeps to a few per downstream credit.
-func (s *Store) Backlog(ctx context.Context, stage Stage, node string) (total, mine int, rev int64, err error) {
-	resp, err := s.cli.Get(ctx, s.taskPrefix(stage), clientv3.WithPrefix())
-	if err != nil {
-		return 0, 0, 0, fmt.Errorf("jobs: backlog %s: %w", stage, err)
-	}
-	for _, kv := range resp.Kvs {
-		total++
-		var t struct {
-			Inputs []struct {
-				Node string `json:"node"`
-			} `json:"inputs"`
-		}
-		if json.Unmarshal(kv.Value, &t) == nil && len(t.Inputs) > 0 && t.Inputs[0].Node == node {
-			mine++
+	out := tasks[:0]
+	for _, t := range tasks {
+		if !claimed[t.ID] {
+			out = append(out, t)
 		}
 	}
-	return total, mine, resp.Header.Revision, nil
+	return out, rev, nil
 }
 
 // Depth counts a stage's tasks, queued (unclaimed) and running (claimed), at
-// etcd revision rev (for WaitChange).
+// etcd revision rev: two range counts, for a status page asking about a
+// stage this agent has no Queue view of.
 func (s *Store) Depth(ctx context.Context, stage Stage) (queued, running, rev int64, err error) {
 	resp, err := s.cli.Txn(ctx).Then(
 		clientv3.OpGet(s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithCountOnly()),
@@ -547,39 +560,28 @@ func (s *Store) Depth(ctx context.Context, stage Stage) (queued, running, rev in
 	return total - running, running, resp.Header.Revision, nil
 }
 
-// WaitChange blocks until a task or claim of the stage changes after rev, the
-// deadline passes (zero = none), or ctx is done. Workers call it instead of
-// polling when they find nothing to do.
-func (s *Store) WaitChange(ctx context.Context, stage Stage, rev int64, deadline time.Time) error {
-	wctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	if !deadline.IsZero() {
-		wctx, cancel = context.WithDeadline(wctx, deadline)
-		defer cancel()
-	}
-	tasks := s.cli.Watch(wctx, s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithRev(rev+1))
-	claims := s.cli.Watch(wctx, s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithRev(rev+1), clientv3.WithFilterPut())
-	select {
-	case <-tasks:
-	case <-claims:
-	case <-wctx.Done():
-	}
-	return ctx.Err()
-}
-
 // TryClaim claims t for node on lease. It fails with ErrTaken when another
-// worker got there first or the task changed since it was read.
+// worker got there first or the task changed since it was read. It is one
+// transaction whatever the queue's length: the claim key (the fencing
+// token), the task rewritten with its attempt counted (so a stale view's
+// next try fails on its ModRevision), and the job's progress key (who runs
+// it), both on the worker's lease.
 func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv3.LeaseID) (*Claim, error) {
 	now := s.cfg.Now()
 	ck := s.claimKey(&t)
 	cr := claimRecord{Task: t.ID, Job: t.JobID, Node: node, StartedAt: now}
 	claimed := t
 	claimed.Attempt++
+	p := Progress{Stage: t.Stage, Node: node}
 	resp, err := s.cli.Txn(ctx).
 		If(clientv3.Compare(clientv3.ModRevision(t.Key), "=", t.Rev),
 			clientv3.Compare(clientv3.CreateRevision(ck), "=", 0)).
 		Then(clientv3.OpPut(ck, mustJSON(cr), clientv3.WithLease(lease)),
-			clientv3.OpPut(t.Key, mustJSON(claimed))).
+			clientv3.OpPut(t.Key, mustJSON(claimed)),
+			// Progress is advisory and lives on the worker's lease.
+			clientv3.OpPut(s.progressKey(t.JobID), mustJSON(p), clientv3.WithLease(lease)),
+			// The job record, for the commit (Claim.job).
+			clientv3.OpGet(s.jobKey(t.JobID))).
 		Commit()
 	if err != nil {
 		// The transaction may have committed even though we got an error:
@@ -596,12 +598,11 @@ func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv
 		return nil, ErrTaken
 	}
 	claimed.Rev = resp.Header.Revision
-	p := Progress{Stage: t.Stage, Node: node}
-	// Progress is advisory and lives on the worker's lease; losing it is harmless.
-	if _, err := s.cli.Put(ctx, s.progressKey(t.JobID), mustJSON(p), clientv3.WithLease(lease)); err != nil {
-		s.log.Debug("progress", zap.Error(err))
+	c := &Claim{Task: claimed, Node: node, Lease: lease, Rev: resp.Header.Revision, StartedAt: now, ClaimedAt: s.cfg.Now()}
+	if kvs := resp.Responses[3].GetResponseRange().GetKvs(); len(kvs) == 1 {
+		c.job, c.jobRev = kvs[0].Value, kvs[0].ModRevision
 	}
-	return &Claim{Task: claimed, Node: node, Lease: lease, Rev: resp.Header.Revision, StartedAt: now}, nil
+	return c, nil
 }
 
 // Reclaim claims c's task again, for c's node under lease: the node's
@@ -683,14 +684,23 @@ func (s *Store) finishOps(c *Claim) []clientv3.Op {
 // (after dropping the claim) when the job was cancelled meanwhile.
 func (s *Store) update(ctx context.Context, c *Claim, what string, records []StagedRecord, mutate func(*record) ([]clientv3.Op, error)) error {
 	renewals := 0
+	known, knownRev := c.job, c.jobRev // the record as last seen, if any
 	for {
-		rec, rev, err := s.getRecord(ctx, c.Task.JobID)
-		if errors.Is(err, ErrNotFound) {
-			return s.dropFinished(ctx, c)
+		var rec record
+		var rev int64
+		if known == nil || json.Unmarshal(known, &rec) != nil {
+			var err error
+			rec, rev, err = s.getRecord(ctx, c.Task.JobID)
+			if errors.Is(err, ErrNotFound) {
+				return s.dropFinished(ctx, c)
+			}
+			if err != nil {
+				return err
+			}
+		} else {
+			rev = knownRev
 		}
-		if err != nil {
-			return err
-		}
+		known = nil
 		if rec.State.Terminal() {
 			return s.dropFinished(ctx, c)
 		}
@@ -709,7 +719,8 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			ops = append(ops, r.Op())
 		}
 		cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(s.jobKey(rec.ID)), "=", rev))
-		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(clientv3.OpGet(s.claimKey(&c.Task))).Commit()
+		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).
+			Else(clientv3.OpGet(s.claimKey(&c.Task)), clientv3.OpGet(s.jobKey(rec.ID))).Commit()
 		if cache.LeaseGone(err) && renewals < leaseRenewals {
 			// The error does not say whose lease is gone: renew them all.
 			renewals++
@@ -728,7 +739,11 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 		if len(kvs) == 0 || kvs[0].CreateRevision != c.Rev || kvs[0].Lease != int64(c.Lease) {
 			return ErrFenced
 		}
-		// Claim intact: only the job record moved. Read it again.
+		// Claim intact: only the job record moved (or the claim's copy was
+		// stale). Go again on the record the answer carries.
+		if jk := resp.Responses[1].GetResponseRange().Kvs; len(jk) == 1 {
+			known, knownRev = jk[0].Value, jk[0].ModRevision
+		}
 	}
 }
 
@@ -778,7 +793,9 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 		}
 		rec.Stages[c.Task.Stage] = &StageRecord{
 			Node: c.Node, Attempt: c.Task.Attempt, StartedAt: c.StartedAt, FinishedAt: now,
-			Millis: float64(out.Work.Microseconds()) / 1000,
+			Millis:      millis(out.Work),
+			ClaimMillis: millis(c.ClaimedAt.Sub(c.StartedAt)),
+			PullMillis:  millis(out.Pull),
 		}
 		ops := s.releaseOps(c.Task.Inputs)
 		if last {

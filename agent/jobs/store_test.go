@@ -299,34 +299,6 @@ func TestRewindThenFail(t *testing.T) {
 	}
 }
 
-func TestWaitChangeWakesOnNewTask(t *testing.T) {
-	s, _ := newStore(t)
-	ctx := context.Background()
-	_, rev, err := s.Pending(ctx, Encode)
-	if err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- s.WaitChange(ctx, Encode, rev, time.Now().Add(time.Minute)) }()
-	if _, err := s.Submit(ctx, spec(), Options{Class: routing.Standard}); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatal(err)
-		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("WaitChange did not wake on a new task")
-	}
-	// With nothing happening it returns at the deadline.
-	_, rev, _ = s.Pending(ctx, Decode)
-	start := time.Now()
-	if err := s.WaitChange(ctx, Decode, rev, start.Add(50*time.Millisecond)); err != nil {
-		t.Fatal(err)
-	}
-}
-
 func TestBadIDs(t *testing.T) {
 	s, _ := newStore(t)
 	for _, id := range []string{"", "../jobs", "a/b", "x y", string(make([]byte, 65))} {
@@ -730,8 +702,8 @@ func TestReclaimAfterLostLease(t *testing.T) {
 
 // A requeue gives a running task back at once, in its place in the queue,
 // with the job's deadline, counted as a requeue and not a failure; it is
-// fenced, so a requeued claim can no longer commit. Backlog counts the
-// next stage's tasks by producer.
+// fenced, so a requeued claim can no longer commit. A queue view counts
+// the stage's tasks by producer (FedBy, for admission quotas).
 func TestRequeueKeepsPlaceAndFences(t *testing.T) {
 	s, cli := newStore(t)
 	ctx := context.Background()
@@ -744,11 +716,10 @@ func TestRequeueKeepsPlaceAndFences(t *testing.T) {
 	if !den.Task.Deadline.Equal(deadline) {
 		t.Fatalf("denoise task deadline %v, want the job's %v", den.Task.Deadline, deadline)
 	}
-	if total, mine, _, err := s.Backlog(ctx, Denoise, "encode"); err != nil || total != 1 || mine != 1 {
-		t.Fatalf("backlog of denoise fed by encode: %d/%d %v, want 1/1", mine, total, err)
-	}
-	if _, mine, _, _ := s.Backlog(ctx, Denoise, "other"); mine != 0 {
-		t.Fatalf("backlog fed by another node: %d", mine)
+	q := runQueue(t, s, Denoise)
+	within(t, "the claimed task in the view", func() bool { return q.FedBy("encode") == 1 })
+	if n := q.FedBy("other"); n != 0 {
+		t.Fatalf("backlog fed by another node: %d", n)
 	}
 	if err := s.Requeue(ctx, den); err != nil {
 		t.Fatal(err)

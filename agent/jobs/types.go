@@ -120,6 +120,12 @@ type StageRecord struct {
 	StartedAt  time.Time `json:"started_at"`
 	FinishedAt time.Time `json:"finished_at"`
 	Millis     float64   `json:"ms"`
+	// ClaimMillis is how long the claim transaction took (StartedAt is
+	// when it was sent); PullMillis how much of Millis went to pulling
+	// the input (to its first chunk, for a decode). They make a job's
+	// control-plane overhead visible (latentmesh bench api).
+	ClaimMillis float64 `json:"claim_ms,omitempty"`
+	PullMillis  float64 `json:"pull_ms,omitempty"`
 }
 
 // Progress is the running stage's fine-grained progress (denoise steps).

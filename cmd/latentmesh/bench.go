@@ -8,10 +8,11 @@ import (
 	"os"
 	"strings"
 
+	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/bench"
 )
 
-const benchUsage = `usage: latentmesh bench <transfer|overlap|store|serve> [flags]
+const benchUsage = `usage: latentmesh bench <transfer|overlap|store|serve|api> [flags]
 
   transfer   data-plane throughput against raw TCP (tcp) and memcpy (shm),
              producer and consumer in two processes
@@ -22,6 +23,9 @@ const benchUsage = `usage: latentmesh bench <transfer|overlap|store|serve> [flag
   serve      an in-process mesh of simulated GPUs serving an open-loop
              load of published models (testbed/costmodel), colocated or
              disaggregated: throughput, goodput, latency, breakdown
+  api        tiny jobs through the client HTTP API: client latency, what
+             the control plane adds to the stages, jobs/s, a per-job
+             breakdown (an in-process dev mesh, or --server)
 
 Run 'latentmesh bench <command> -h' for its flags.
 `
@@ -40,6 +44,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return runBenchStore(ctx, args[1:], stdout, stderr)
 	case "serve":
 		return runBenchServe(ctx, args[1:], stdout, stderr)
+	case "api":
+		return runBenchAPI(ctx, args[1:], stdout, stderr)
 	case "producer":
 		return runBenchProducer(ctx, args[1:], stderr)
 	case "-h", "--help", "help":
@@ -179,6 +185,25 @@ func runBenchStore(ctx context.Context, args []string, stdout, stderr io.Writer)
 	cfg.Sizes, cfg.Transports, cfg.Progress = sizes, transports, stderr
 	rep, err := bench.RunStore(ctx, cfg)
 	return report("store", rep, err, *asJSON, stdout, stderr)
+}
+
+func runBenchAPI(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	cfg := testbed.DefaultAPIBenchConfig()
+	fs := newFlagSet("bench api", "[flags]", stderr)
+	fs.StringVar(&cfg.Server, "server", "", "client API `URL` to load; empty: start an in-process 3-agent dev mesh with embedded etcd")
+	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "concurrent clients, each with one job at a time")
+	fs.IntVar(&cfg.Jobs, "jobs", cfg.Jobs, "jobs in all, after one warm-up job")
+	fs.IntVar(&cfg.Steps, "steps", cfg.Steps, "denoise steps per job")
+	fs.IntVar(&cfg.DenoiseSlots, "denoise-slots", 0, "denoise slots of the in-process mesh's denoise agent (0: the default, 1)")
+	size := frameSize{cfg.Width, cfg.Height}
+	fs.Var(&size, "size", "image size `WxH` in pixels (multiples of 8)")
+	asJSON := fs.Bool("json", false, "print machine-readable results")
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	cfg.Width, cfg.Height = size.w, size.h
+	rep, err := testbed.RunAPIBench(ctx, cfg)
+	return report("api", rep, err, *asJSON, stdout, stderr)
 }
 
 // runBenchProducer is the hidden producer child of the benchmarks: it serves

@@ -1,0 +1,307 @@
+package jobs
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+)
+
+// Queue is a watch-fed view of one stage's queue: every task of the stage
+// and which of them are claimed. It reads the queue once (in pages), then
+// follows two watches (the stage's tasks and its claims) from that read's
+// revision, so a worker scans memory instead of ranging over etcd, and an
+// idle agent sends etcd nothing. A watch that breaks resumes after the last
+// revision seen; one answered with a compaction (etcd compacted the gap, or
+// etcdguard saw etcd replaced) reads the queue again.
+//
+// The view may lag etcd by a watch event: a claim made from it carries the
+// task's ModRevision as seen, so a stale view costs a refused claim
+// (ErrTaken), never a double one. Run owns the view's goroutine; the other
+// methods may be called from any goroutine.
+type Queue struct {
+	s     *Store
+	stage Stage
+
+	// mu guards the fields below.
+	mu      sync.Mutex
+	tasks   map[string]Task // by task id
+	claimed map[string]bool // task ids with a claim key
+	synced  bool            // the view has been read at least once
+	changed chan struct{}   // closed (and replaced) on every change
+	loads   int             // full reads of the queue, for tests and status
+}
+
+// NewQueue returns an empty view of stage's queue; Run fills and follows it.
+func (s *Store) NewQueue(stage Stage) *Queue {
+	return &Queue{s: s, stage: stage, tasks: map[string]Task{}, claimed: map[string]bool{}, changed: make(chan struct{})}
+}
+
+// Stage is the stage the view follows.
+func (q *Queue) Stage() Stage { return q.stage }
+
+// Changed returns a channel closed at the view's next change. Take it before
+// reading the view, so that a change in between is not missed.
+func (q *Queue) Changed() <-chan struct{} {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.changed
+}
+
+// Synced reports whether the view has read the queue at least once.
+func (q *Queue) Synced() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.synced
+}
+
+// Pending returns the unclaimed tasks, in no particular order (routing
+// orders them).
+func (q *Queue) Pending() []Task {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	out := make([]Task, 0, len(q.tasks)-min(len(q.tasks), len(q.claimed)))
+	for id, t := range q.tasks {
+		if !q.claimed[id] {
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
+// FedBy counts the tasks, queued or running, whose input node produced:
+// the producer's share of this stage's backlog, which admission quotas
+// bound (routing.Admission).
+func (q *Queue) FedBy(node string) int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n := 0
+	for _, t := range q.tasks {
+		if len(t.Inputs) > 0 && t.Inputs[0].Node == node {
+			n++
+		}
+	}
+	return n
+}
+
+// Claimed reports whether the view has seen a claim on task id.
+func (q *Queue) Claimed(id string) bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.claimed[id]
+}
+
+// Depth counts the tasks queued (unclaimed) and running (claimed).
+func (q *Queue) Depth() (queued, running int) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for id := range q.tasks {
+		if q.claimed[id] {
+			running++
+		}
+	}
+	return len(q.tasks) - running, running
+}
+
+// Loads counts the view's full reads of the queue (one at start, one per
+// compaction or replaced etcd).
+func (q *Queue) Loads() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.loads
+}
+
+func (q *Queue) notifyLocked() {
+	close(q.changed)
+	q.changed = make(chan struct{})
+}
+
+// Run reads the queue and follows it until ctx is done.
+func (q *Queue) Run(ctx context.Context) {
+	log := q.s.log.With(zap.String("queue", string(q.stage)))
+	backoff := 50 * time.Millisecond
+	for ctx.Err() == nil {
+		rev, err := q.load(ctx)
+		if err != nil {
+			if ctx.Err() == nil {
+				log.Warn("queue read failed; retrying", zap.Duration("backoff", backoff), zap.Error(err))
+			}
+			sleepCtx(ctx, backoff)
+			backoff = min(2*backoff, 2*time.Second)
+			continue
+		}
+		backoff = 50 * time.Millisecond
+		q.follow(ctx, rev, log)
+	}
+}
+
+// follow applies watch events from rev+1 until ctx ends or the history it
+// needs is gone (compacted, or etcd replaced): then the caller reads the
+// queue again.
+func (q *Queue) follow(ctx context.Context, rev int64, log *zap.Logger) {
+	next := rev + 1
+	for ctx.Err() == nil {
+		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		tasks := q.s.cli.Watch(wctx, q.s.taskPrefix(q.stage), clientv3.WithPrefix(), clientv3.WithRev(next))
+		claims := q.s.cli.Watch(wctx, q.s.claimPrefix(q.stage), clientv3.WithPrefix(), clientv3.WithRev(next), clientv3.WithKeysOnly())
+		// Both watches start at next; each resumes from the lowest revision
+		// either has not finished (events are applied by key, so one seen
+		// twice does no harm).
+		tnext, cnext := next, next
+		resync := false
+	events:
+		for {
+			var wr clientv3.WatchResponse
+			var ok, isTask bool
+			select {
+			case wr, ok = <-tasks:
+				isTask = true
+			case wr, ok = <-claims:
+			case <-ctx.Done():
+			}
+			switch {
+			case !ok:
+				break events // closed: leader lost, or ctx done
+			case wr.CompactRevision > 0:
+				log.Info("queue watch compacted; reading the queue again", zap.Int64("compacted", wr.CompactRevision))
+				resync = true
+				break events
+			case wr.Canceled || wr.Err() != nil:
+				break events
+			}
+			q.apply(wr.Events, isTask)
+			if wr.Header.Revision > 0 {
+				if isTask {
+					tnext = max(tnext, wr.Header.Revision+1)
+				} else {
+					cnext = max(cnext, wr.Header.Revision+1)
+				}
+			}
+		}
+		cancel()
+		if resync {
+			return
+		}
+		next = min(tnext, cnext)
+		sleepCtx(ctx, 200*time.Millisecond) // a broken watch (leader loss): resume shortly
+	}
+}
+
+// apply updates the view with watch events.
+func (q *Queue) apply(evs []*clientv3.Event, tasks bool) {
+	if len(evs) == 0 {
+		return
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for _, ev := range evs {
+		if !tasks {
+			id := strings.TrimPrefix(string(ev.Kv.Key), q.s.claimPrefix(q.stage))
+			if ev.Type == clientv3.EventTypeDelete {
+				delete(q.claimed, id)
+			} else {
+				q.claimed[id] = true
+			}
+			continue
+		}
+		if ev.Type == clientv3.EventTypeDelete {
+			q.deleteKeyLocked(string(ev.Kv.Key))
+			continue
+		}
+		if t, ok := q.decode(ev.Kv.Key, ev.Kv.Value, ev.Kv.ModRevision); ok {
+			if old, ok := q.tasks[t.ID]; !ok || old.Rev < t.Rev {
+				q.tasks[t.ID] = t
+			}
+		}
+	}
+	q.notifyLocked()
+}
+
+// deleteKeyLocked drops the task stored at key (a task's id is the key's
+// suffix after its enqueue time).
+func (q *Queue) deleteKeyLocked(key string) {
+	if i := strings.LastIndexByte(key, '-'); i >= 0 {
+		if t, ok := q.tasks[key[i+1:]]; ok && t.Key == key {
+			delete(q.tasks, t.ID)
+		}
+	}
+}
+
+func (q *Queue) decode(key, val []byte, rev int64) (Task, bool) {
+	var t Task
+	if err := json.Unmarshal(val, &t); err != nil || t.ID == "" {
+		q.s.log.Warn("skipping undecodable task", zap.ByteString("key", key), zap.Error(err))
+		return Task{}, false
+	}
+	t.Key, t.Rev = string(key), rev
+	return t, true
+}
+
+// load reads the whole queue at one revision and replaces the view with it.
+func (q *Queue) load(ctx context.Context) (int64, error) {
+	tasks, claimed, rev, err := q.s.readQueue(ctx, q.stage)
+	if err != nil {
+		return 0, err
+	}
+	byID := make(map[string]Task, len(tasks))
+	for _, t := range tasks {
+		byID[t.ID] = t
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.tasks, q.claimed, q.synced = byID, claimed, true
+	q.loads++
+	q.notifyLocked()
+	return rev, nil
+}
+
+// readQueue reads every task of stage and the ids of the claimed ones, all
+// at one revision, in pages of Config.QueuePage tasks.
+func (s *Store) readQueue(ctx context.Context, stage Stage) (tasks []Task, claimed map[string]bool, rev int64, err error) {
+	prefix := s.taskPrefix(stage)
+	end := clientv3.GetPrefixRangeEnd(prefix)
+	cresp, err := s.cli.Get(ctx, s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	if err != nil {
+		return nil, nil, 0, fmt.Errorf("jobs: read %s claims: %w", stage, err)
+	}
+	rev = cresp.Header.Revision
+	claimed = make(map[string]bool, len(cresp.Kvs))
+	for _, kv := range cresp.Kvs {
+		claimed[strings.TrimPrefix(string(kv.Key), s.claimPrefix(stage))] = true
+	}
+	from := prefix
+	for {
+		resp, err := s.cli.Get(ctx, from, clientv3.WithRange(end), clientv3.WithRev(rev),
+			clientv3.WithLimit(s.cfg.QueuePage), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend))
+		if err != nil {
+			return nil, nil, 0, fmt.Errorf("jobs: read %s queue: %w", stage, err)
+		}
+		for _, kv := range resp.Kvs {
+			var t Task
+			if err := json.Unmarshal(kv.Value, &t); err != nil || t.ID == "" {
+				s.log.Warn("skipping undecodable task", zap.ByteString("key", kv.Key), zap.Error(err))
+				continue
+			}
+			t.Key, t.Rev = string(kv.Key), kv.ModRevision
+			tasks = append(tasks, t)
+		}
+		if !resp.More || len(resp.Kvs) == 0 {
+			return tasks, claimed, rev, nil
+		}
+		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
+}

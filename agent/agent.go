@@ -49,6 +49,10 @@ type Agent struct {
 	cli *clientv3.Client
 	// guard notices an etcd replaced under the client (etcdguard).
 	guard *etcdguard.Guard
+	// fed is, per stage, this agent's last commit that created a task
+	// there (admission waits for the stage's view to show it).
+	fedMu sync.Mutex
+	fed   map[jobs.Stage]fedMark
 
 	id     string
 	host   host.Host
@@ -126,7 +130,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.validate(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, handoffs: map[string]bool{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, fed: map[jobs.Stage]fedMark{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.pullCtx, a.stopPull = context.WithCancel(a.ctx)
 	a.running.init()
@@ -686,27 +690,28 @@ func (a *Agent) forgetDeparted() {
 	}
 }
 
-// reportLoop refreshes queue-depth and credit gauges, at once and then
-// every two seconds. Depths come from the queue views, so an idle agent
-// sends etcd nothing for them; a stage this agent has no view of has no
-// gauge here (an agent of that stage reports it).
+// reportLoop refreshes queue-depth and credit gauges: as soon as each
+// queue view has its first read, then every two seconds. Depths come from
+// the views, so an idle agent sends etcd nothing for them; a stage this
+// agent has no view of has no gauge here (an agent of that stage reports
+// it).
 func (a *Agent) reportLoop() {
-	t := time.NewTicker(2 * time.Second)
-	defer t.Stop()
 	for {
+		every := 2 * time.Second
 		for st, q := range a.queues {
-			if q.Synced() {
-				queued, _ := q.Depth()
-				a.metrics.SetQueueDepth(st, queued)
+			if !q.Synced() {
+				every = 50 * time.Millisecond // report a view as soon as its first read lands
+				continue
 			}
+			queued, _ := q.Depth()
+			a.metrics.SetQueueDepth(st, queued)
 		}
 		for st, c := range a.credits {
 			a.metrics.SetFreeCredits(st, c.Free())
 		}
-		select {
-		case <-a.ctx.Done():
+		a.sleep(every)
+		if a.ctx.Err() != nil {
 			return
-		case <-t.C:
 		}
 	}
 }

@@ -269,6 +269,44 @@ func earliest(a, b time.Time) time.Time {
 	return a
 }
 
+// fedMark is the revision of this agent's last commit that created a task
+// of a stage, and when it was made.
+type fedMark struct {
+	rev int64
+	at  time.Time
+}
+
+// fedLag bounds how long admission waits for a stage's view to show this
+// agent's last output: the watch delivers it within milliseconds, and a
+// mark the view can never reach (etcd replaced meanwhile) must not stop
+// admission for good.
+const fedLag = 2 * time.Second
+
+// committedOutput notes that c's commit created the next stage's task.
+func (a *Agent) committedOutput(c *jobs.Claim) {
+	down, last := c.Task.Stage.Next()
+	if last || c.CommitRev == 0 {
+		return
+	}
+	a.fedMu.Lock()
+	defer a.fedMu.Unlock()
+	if m := a.fed[down]; c.CommitRev > m.rev {
+		a.fed[down] = fedMark{rev: c.CommitRev, at: time.Now()}
+	}
+}
+
+// viewHasOutputs reports whether the view of stage down holds every task
+// this agent's commits created there (or the last one is older than
+// fedLag). Admission counts this agent's share from the view, and a
+// producer that claimed again before its last output showed up would
+// count one too few: four producers overshot a budget of 3 with 6.
+func (a *Agent) viewHasOutputs(down jobs.Stage, q *jobs.Queue) bool {
+	a.fedMu.Lock()
+	m := a.fed[down]
+	a.fedMu.Unlock()
+	return m.rev <= q.Seen() || time.Since(m.at) > fedLag
+}
+
 // admit applies the backpressure chain (routing.Admission): start a task
 // only while this node's share of the next stage's budget has room. The
 // budget is the next stage's total credits (the slots its live agents
@@ -283,7 +321,11 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	if last || a.cfg.Admission.Off {
 		return true, ""
 	}
-	fed := a.queues[down].FedBy(a.id)
+	q := a.queues[down]
+	if !a.viewHasOutputs(down, q) {
+		return false, down // our last output is not in the view yet: count it first
+	}
+	fed := q.FedBy(a.id)
 	credits := 0
 	var producers []string
 	for _, p := range a.member.Peers() {
@@ -498,6 +540,9 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log 
 		actx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 		err = a.store.Commit(actx, c, out)
 		cancel()
+		if err == nil {
+			a.committedOutput(c)
+		}
 		if err == nil || a.ctx.Err() != nil {
 			return uncertain, err
 		}

@@ -11,9 +11,10 @@ import "math/rand/v2"
 // split into per-producer quotas (Quota), and each upstream agent counts
 // only what it put there itself (its tasks running plus the downstream
 // tasks, queued or running, whose input it produced). The quotas add up to
-// the budget, so however many producers there are, the projected
-// downstream backlog stays within it; agents that decided alone on the
-// gossiped free credits each saw the same room and together overshot it.
+// the budget (or one per producer, where there are more producers than
+// budget), so however many producers there are, the projected downstream
+// backlog stays within it; agents that decided alone on the gossiped free
+// credits each saw the same room and together overshot it.
 type Admission struct {
 	// Slack is how many outputs may wait downstream beyond the downstream
 	// stage's total credits (keeps a pipeline bubble from idling it).
@@ -39,6 +40,12 @@ func (a Admission) Budget(downstreamCredits int) int {
 // reads the same membership computes quotas that add up to budget exactly.
 // A producer not in the list (not yet seen by itself) gets the share of a
 // last one.
+//
+// Every producer gets at least one while the budget is not 0: a pool of
+// more producers than the budget (13 denoise GPUs before one decode GPU
+// with 2 slots) would otherwise leave most of them idle for good. The
+// backlog bound is then one per producer, max(budget, producers); size
+// Slack to the pool where that matters.
 func (a Admission) Quota(budget int, producers []string, self string) int {
 	n := len(producers)
 	rank := 0
@@ -60,6 +67,9 @@ func (a Admission) Quota(budget int, producers []string, self string) int {
 	q := budget / n
 	if rank < budget%n {
 		q++
+	}
+	if budget > 0 {
+		q = max(q, 1)
 	}
 	return q
 }

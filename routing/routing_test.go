@@ -127,13 +127,13 @@ func TestAdmissionQuotasSumToBudget(t *testing.T) {
 			sum := 0
 			for _, p := range producers {
 				q := a.Quota(budget, producers, p)
-				if q < budget/n || q > budget/n+1 {
-					t.Fatalf("credits=%d n=%d: quota of %s = %d, not an even share of %d", credits, n, p, q, budget)
+				if q < max(budget/n, 1) || q > max(budget/n+1, 1) {
+					t.Fatalf("credits=%d n=%d: quota of %s = %d, not an even share of %d (at least 1)", credits, n, p, q, budget)
 				}
 				sum += q
 			}
-			if sum != budget {
-				t.Fatalf("credits=%d n=%d: quotas add up to %d, want budget %d", credits, n, sum, budget)
+			if want := max(budget, n); sum != want {
+				t.Fatalf("credits=%d n=%d: quotas add up to %d, want max(budget %d, producers %d)", credits, n, sum, budget, n)
 			}
 		}
 	}
@@ -169,8 +169,21 @@ func TestAdmit(t *testing.T) {
 		}
 		total += mine
 	}
-	if total != 3 {
-		t.Fatalf("four producers admitted %d in all, want the budget 3", total)
+	if total != 4 {
+		t.Fatalf("four producers admitted %d in all, want one each (budget 3 < 4 producers)", total)
+	}
+	// None starves: 13 producers before a budget of 3 each get one.
+	var pool []string
+	for i := range 13 {
+		pool = append(pool, fmt.Sprintf("den-%02d", i))
+	}
+	for _, p := range pool {
+		if q := a.Quota(a.Budget(2), pool, p); q != 1 {
+			t.Fatalf("%s: quota %d in a pool of 13 before a budget of 3, want 1", p, q)
+		}
+	}
+	if q := a.Quota(0, pool, pool[0]); q != 0 {
+		t.Fatalf("no downstream: quota %d, want 0", q)
 	}
 	if !(Admission{Off: true}).Admit(100, 0) {
 		t.Fatal("Off refused")

@@ -112,6 +112,10 @@ func (w *backlogWatch) stop(t *testing.T, cli *clientv3.Client) int64 {
 func runBackpressure(t *testing.T, jobsN int, off bool) (peak int64, credits, slack int) {
 	cl := startCluster(t, "", func(c *ClusterConfig) {
 		c.Agent.Admission.Off = off
+		// Budget = decode credits 2 + slack 2 = 4, one per denoise agent:
+		// every producer has a share (with fewer, the bound is one per
+		// producer, routing.Admission.Quota).
+		c.Agent.Admission.Slack = 2
 		c.Agent.Engine.StepCost = 20 * time.Millisecond // 4 steps: 80 ms a denoise
 	})
 	const steps, decodeSlots = 4, 2

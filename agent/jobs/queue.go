@@ -33,6 +33,7 @@ type Queue struct {
 	tasks   map[string]Task // by task id
 	claimed map[string]bool // task ids with a claim key
 	synced  bool            // the view has been read at least once
+	seen    int64           // the view holds every task change up to this etcd revision
 	changed chan struct{}   // closed (and replaced) on every change
 	loads   int             // full reads of the queue, for tests and status
 }
@@ -87,6 +88,27 @@ func (q *Queue) FedBy(node string) int {
 		}
 	}
 	return n
+}
+
+// Seen is the etcd revision up to which the view holds every change to the
+// stage's tasks: a task written at a revision at or below it is in the
+// view. After a compaction or replaced etcd it starts again from the new
+// read's revision.
+func (q *Queue) Seen() int64 {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.seen
+}
+
+// sawTasks records that the tasks watch delivered everything up to rev,
+// and tells waiters.
+func (q *Queue) sawTasks(rev int64) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if rev > q.seen {
+		q.seen = rev
+		q.notifyLocked()
+	}
 }
 
 // Claimed reports whether the view has seen a claim on task id.
@@ -177,6 +199,7 @@ func (q *Queue) follow(ctx context.Context, rev int64, log *zap.Logger) {
 			q.apply(wr.Events, isTask)
 			if wr.Header.Revision > 0 {
 				if isTask {
+					q.sawTasks(wr.Header.Revision)
 					tnext = max(tnext, wr.Header.Revision+1)
 				} else {
 					cnext = max(cnext, wr.Header.Revision+1)
@@ -255,6 +278,7 @@ func (q *Queue) load(ctx context.Context) (int64, error) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	q.tasks, q.claimed, q.synced = byID, claimed, true
+	q.seen = rev // a new read (after a compaction or a replaced etcd) starts over
 	q.loads++
 	q.notifyLocked()
 	return rev, nil

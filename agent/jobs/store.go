@@ -83,6 +83,9 @@ type Claim struct {
 	Rev       int64 // the claim key's CreateRevision: the fencing token
 	StartedAt time.Time
 	ClaimedAt time.Time // when the claim transaction answered
+	// CommitRev is the etcd revision of the claim's successful commit (or
+	// fail, or rewind): the next stage's task exists from there on.
+	CommitRev int64
 
 	// job is the job record as the claim read it, and jobRev its
 	// ModRevision: the first commit attempt writes on it without reading
@@ -733,6 +736,7 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, err)
 		}
 		if resp.Succeeded {
+			c.CommitRev = resp.Header.Revision
 			return nil
 		}
 		kvs := resp.Responses[0].GetResponseRange().Kvs

@@ -28,7 +28,6 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	load := fs.Float64("load", def.Load, "arrival rate as a share of the pools' capacity")
 	seed := fs.Uint64("seed", def.Seed, "random seed; a seed gives the same run")
 	measure := fs.Bool("measure-etcd", false, "measure etcd on this machine first (embedded etcd, about 10 s) instead of the recorded figures")
-	skipClaimed := fs.Bool("scan-skips-claimed", false, "model a queue scan that skips running tasks (today claimed tasks count against the 256-key scan)")
 	gossip := fs.Duration("gossip-delay", def.GossipDelay, "age of gossiped free credits")
 	dispatch := fs.Duration("dispatch-cost", def.DispatchCost, "central dispatcher's time per decision")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
@@ -42,7 +41,6 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	base := def
 	base.Model, base.Load, base.Seed, base.Duration = *model, *load, *seed, *duration
 	base.GossipDelay, base.DispatchCost = *gossip, *dispatch
-	base.ScanCountsClaimed = !*skipClaimed
 	if *measure {
 		fmt.Fprintln(stderr, "measuring the embedded etcd...")
 		if base.Etcd, err = sim.MeasureEtcd(ctx, sim.DefaultMeasureConfig()); err != nil {

@@ -116,14 +116,14 @@ type Config struct {
 	Bandwidth float64
 	// ProgressEvery throttles denoise progress writes (agent.Config).
 	ProgressEvery time.Duration
-	// PendingLimit bounds one queue scan (jobs.Config).
-	PendingLimit int
-	// ScanCountsClaimed: claimed (running) tasks count against
-	// PendingLimit, as jobs.Store.Pending reads them today (claims are
-	// filtered after the limited range read), so a stage never sees more
-	// than PendingLimit tasks, running or not. false models a scan that
-	// skips them.
-	ScanCountsClaimed bool
+	// ScanPerClass bounds the unclaimed tasks a scan hands to
+	// routing.QueuePolicy.Order, per class. The agent orders its whole
+	// queue view (jobs.Queue); Order ranks by class, then age within a
+	// class, so its first choices are among each class's oldest tasks and
+	// this bound changes no choice a herd smaller than it makes (a scan by
+	// w waking workers takes the oldest min(ScanPerClass, w) of each class).
+	// It keeps a scan of a long backlog cheap for the simulator.
+	ScanPerClass int
 	// DispatchCost is the central dispatcher's time per decision (an
 	// assignment or a completion); it handles one at a time.
 	DispatchCost time.Duration
@@ -151,7 +151,7 @@ func DefaultConfig() Config {
 		NetDelay:      100 * time.Microsecond, // one datacentre
 		Bandwidth:     12.5e9,                 // 100 Gbit/s per pull
 		ProgressEvery: 200 * time.Millisecond, // agent.DefaultConfig
-		PendingLimit:  256,                    // jobs.DefaultConfig
+		ScanPerClass:  256,                    // more than any herd below 30,000 GPUs races for
 		DispatchCost:  50 * time.Microsecond,  // an in-memory decision plus its log line
 		CheckJobs:     false,
 	}
@@ -164,8 +164,8 @@ func (c Config) check() error {
 	if c.Duration <= 0 || !(c.Load > 0) {
 		return errors.New("sim: duration and load must be positive")
 	}
-	if c.Bandwidth <= 0 || c.ProgressEvery <= 0 || c.PendingLimit <= 0 || c.DispatchCost <= 0 || c.GossipDelay < 0 || c.NetDelay < 0 {
-		return errors.New("sim: bandwidth, progress interval, pending limit and dispatch cost must be positive")
+	if c.Bandwidth <= 0 || c.ProgressEvery <= 0 || c.ScanPerClass <= 0 || c.DispatchCost <= 0 || c.GossipDelay < 0 || c.NetDelay < 0 {
+		return errors.New("sim: bandwidth, progress interval, scan bound and dispatch cost must be positive")
 	}
 	sum := 0.0
 	for _, f := range c.ClassMix {

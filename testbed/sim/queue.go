@@ -33,7 +33,8 @@ type task struct {
 // stageQueue is a stage's task keys in etcd's key order: class, then
 // enqueue time. Enqueue times rise within a class (no retries are
 // modelled), so one FIFO per class is that order. A task leaves it when its
-// key is deleted (commit); claimed tasks stay, as their keys do in etcd.
+// key is deleted (commit); a claimed task's key stays in etcd, but no view
+// offers it again, so it leaves the FIFO's head too.
 type stageQueue struct {
 	byClass [3][]*task
 	head    [3]int
@@ -46,10 +47,10 @@ func (q *stageQueue) push(t *task) {
 	q.queued++
 }
 
-// compact drops deleted (or, with dropClaimed, claimed) tasks at the head.
-func (q *stageQueue) compact(c int, dropClaimed bool) {
+// compact drops claimed or deleted tasks at the head.
+func (q *stageQueue) compact(c int) {
 	s, h := q.byClass[c], q.head[c]
-	for h < len(s) && (s[h].gone || (dropClaimed && s[h].claimed)) {
+	for h < len(s) && (s[h].gone || s[h].claimed) {
 		s[h] = nil
 		h++
 	}
@@ -61,36 +62,45 @@ func (q *stageQueue) compact(c int, dropClaimed bool) {
 	q.byClass[c], q.head[c] = s, h
 }
 
-// scan is what one read of the queue returns: the first limit keys in key
-// order, of which the unclaimed become candidates. With claimedCount the
-// claimed tasks count against the limit, as jobs.Store.Pending reads them
-// (the claims are filtered after the limited range read).
-func (q *stageQueue) scan(limit int, claimedCount bool, epoch time.Time, names []string, cands []routing.Candidate, tasks []*task) ([]routing.Candidate, []*task) {
+// scan is what a worker's queue view (jobs.Queue.Pending) offers: the
+// unclaimed tasks, here the oldest perClass of each class
+// (Config.ScanPerClass) and the newest tailPerClass, where a task hinted
+// to a worker now waking sits (its producer enqueued it just now), so the
+// hinted worker still finds it first (routing: own hinted work first
+// among equals).
+func (q *stageQueue) scan(perClass int, epoch time.Time, names []string, cands []routing.Candidate, tasks []*task) ([]routing.Candidate, []*task) {
 	cands, tasks = cands[:0], tasks[:0]
-	keys := 0
+	add := func(t *task) {
+		hint := ""
+		if t.hint >= 0 {
+			hint = names[t.hint]
+		}
+		cands = append(cands, routing.Candidate{ID: indexID(len(tasks)), Class: t.job.class, Enqueued: epoch.Add(t.enq), Hint: hint})
+		tasks = append(tasks, t)
+	}
 	for c := range q.byClass {
-		q.compact(c, !claimedCount)
-		for _, t := range q.byClass[c][q.head[c]:] {
-			if keys >= limit {
-				return cands, tasks
+		q.compact(c)
+		s := q.byClass[c]
+		i, n := q.head[c], 0
+		for ; i < len(s) && n < perClass; i++ {
+			if t := s[i]; !t.gone && !t.claimed {
+				add(t)
+				n++
 			}
-			if t.gone || (t.claimed && !claimedCount) {
-				continue
+		}
+		n = 0
+		for j := len(s) - 1; j >= i && n < tailPerClass; j-- {
+			if t := s[j]; !t.gone && !t.claimed {
+				add(t)
+				n++
 			}
-			keys++
-			if t.claimed {
-				continue
-			}
-			hint := ""
-			if t.hint >= 0 {
-				hint = names[t.hint]
-			}
-			cands = append(cands, routing.Candidate{ID: indexID(len(tasks)), Class: t.job.class, Enqueued: epoch.Add(t.enq), Hint: hint})
-			tasks = append(tasks, t)
 		}
 	}
 	return cands, tasks
 }
+
+// tailPerClass is how many of each class's newest tasks a scan adds.
+const tailPerClass = 8
 
 var indexIDs = func() []string {
 	s := make([]string, 4096)

@@ -10,9 +10,11 @@ import (
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
 )
 
-// Per-agent background etcd traffic that does not depend on jobs.
+// Per-agent background etcd traffic that does not depend on jobs
+// (docs/benchmarks.md, "Idle etcd load": 0.2 requests/s, two reads each 10 s).
 const (
-	maintainEvery  = 10 * time.Second     // cache.DefaultConfig: each Store reads every object record
+	safetyNetEvery = 10 * time.Second     // cache.DefaultConfig.MaintainEvery and the membership's pass
+	safetyNetReads = 2                    // the Store's read of the object records, the membership's of the members
 	keepAliveEvery = 10 * time.Second / 3 // gossip: lease TTL 10 s, renewed about every third
 )
 
@@ -148,7 +150,7 @@ func newSim(cfg Config) (*sim, error) {
 		etcd:  newEtcdModel(cfg.Etcd),
 		epoch: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC),
 		rate:  cfg.Load * plan.Capacity,
-		taken: make([]bool, 0, cfg.PendingLimit),
+		taken: make([]bool, 0, 3*cfg.ScanPerClass),
 	}
 	if cfg.CheckJobs {
 		s.seen = map[int]int{}
@@ -222,10 +224,11 @@ func (s *sim) handle(e event) {
 	switch e.kind {
 	case evTick:
 		if !s.central() {
-			// Every agent reads every object record each maintainEvery and
-			// renews its lease each keepAliveEvery.
+			// Every agent's safety-net reads (the Store's and the
+			// membership's, each safetyNetEvery) and its lease renewals
+			// (each keepAliveEvery). Its queue views cost nothing idle.
 			n := s.cfg.GPUs
-			s.etcd.read(now, int(float64(n)*time.Second.Seconds()/maintainEvery.Seconds()+0.5))
+			s.etcd.read(now, int(float64(n*safetyNetReads)*time.Second.Seconds()/safetyNetEvery.Seconds()+0.5))
 			s.etcd.read(now, int(float64(n)*time.Second.Seconds()/keepAliveEvery.Seconds()+0.5))
 		}
 	case evArrive:
@@ -265,9 +268,10 @@ func (s *sim) arrive() {
 		return
 	}
 	// Submit: job record and encode task in one txn; the client long-polls
-	// the job with a watch (httpapi wait).
+	// the job (httpapi wait, Store.Wait: a watch, then a read).
 	s.etcd.write(now, 1)
 	s.etcd.watch(now, 1)
+	s.etcd.read(now, 1)
 	s.clk.at(now+s.etcd.writeLat(now), event{kind: evEnqueue, task: t})
 }
 
@@ -283,18 +287,25 @@ func (s *sim) enqueue(t *task) {
 	s.stageEvent(st, 1)
 }
 
-// stageEvent is a change of st's task or claim keys (n events per watcher):
-// it reaches every worker asleep on st's queue, and the previous stage's
-// workers asleep on it for admission, and wakes them.
+// stageEvent is a change of st's task or claim keys (n events per
+// follower: a claim or a commit changes both, one event on each of a view's
+// two watches). It reaches every agent whose queue view follows st, idle or
+// busy: st's workers and the previous stage's agents, whose admission reads
+// st's view (jobs.Queue). It wakes st's idle workers, and the previous
+// stage's when admission held them back; waking costs etcd nothing, they
+// scan their views in memory.
 func (s *sim) stageEvent(st *stage, n int) {
 	now := s.clk.now
-	if !st.blocked && len(st.waiting) > 0 {
-		s.etcd.event(now, n*len(st.waiting))
+	followers := len(st.workers)
+	if st.i > 0 {
+		followers += len(s.st[st.i-1].workers)
+	}
+	s.etcd.event(now, n*followers)
+	if len(st.waiting) > 0 {
 		s.requestWake(st, now+s.etcd.watchLat(now))
 	}
 	if st.i > 0 {
 		if up := s.st[st.i-1]; up.blocked && len(up.waiting) > 0 {
-			s.etcd.event(now, len(up.waiting))
 			s.requestWake(up, now+s.etcd.watchLat(now))
 		}
 	}
@@ -359,10 +370,12 @@ func (s *sim) pickHint(st *stage) int32 {
 	return -1
 }
 
-// wake is a stage's waiting workers waking at once (a watch event reaches
-// them all): each reads admission's Depth and the queue (Pending), orders
-// it with routing.QueuePolicy, and claims its first choice; losers of a
-// race try their next choice, as claimNext does. Every non-hinted worker
+// wake is a stage's waiting workers waking at once (their views changed):
+// each checks admission on the next stage's view, orders its own view's
+// unclaimed tasks with routing.QueuePolicy, and claims its first choice;
+// losers of a race (ErrTaken: the views lag etcd by a watch delivery) try
+// their next choice, as claimNext does. None of it reads etcd: only the
+// claims (one txn each, won or lost) reach it. Every non-hinted worker
 // orders the same queue the same way, so Order is called once for them and
 // once per waiting worker that a task is hinted to.
 func (s *sim) wake(st *stage) {
@@ -372,11 +385,6 @@ func (s *sim) wake(st *stage) {
 	if w == 0 {
 		return
 	}
-	scanReads := 1 // Pending
-	if st.i < 2 {
-		scanReads = 2 // Depth of the next stage, for admission
-	}
-	s.etcd.read(now, w*scanReads)
 	if st.i < 2 {
 		down := s.st[st.i+1]
 		// routing's per-producer quotas add up to the downstream budget
@@ -384,17 +392,17 @@ func (s *sim) wake(st *stage) {
 		// backlog (running here, queued downstream) is under that budget.
 		budget := s.cfg.Admission.Budget(len(down.workers))
 		if !s.cfg.Admission.Admit(down.q.queued+len(st.workers)-st.free, budget) {
-			// WaitChange on the next stage, for at most a second.
+			// Wait for the next stage's view to move, at most a second.
 			st.blocked = true
-			s.etcd.watch(now, 2*w)
 			s.requestWake(st, now+time.Second)
 			return
 		}
 	}
 	st.blocked = false
-	s.cands, s.tasks = st.q.scan(s.cfg.PendingLimit, s.cfg.ScanCountsClaimed, s.epoch, st.names, s.cands, s.tasks)
+	// w workers claim at most w tasks, Order's first w choices: among the
+	// oldest w of each class.
+	s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, w), s.epoch, st.names, s.cands, s.tasks)
 	if len(s.cands) == 0 {
-		s.etcd.watch(now, 2*w)
 		return
 	}
 	tnow := s.epoch.Add(now)
@@ -403,7 +411,7 @@ func (s *sim) wake(st *stage) {
 	for range s.tasks {
 		s.taken = append(s.taken, false)
 	}
-	base := now + time.Duration(scanReads)*s.etcd.readLat(now)
+	base := now
 	wlat := s.etcd.writeLat(now)
 	// Workers a task is hinted to take their own first choice. Their
 	// order differs from the common one only by their own hinted tasks, so
@@ -457,10 +465,7 @@ func (s *sim) wake(st *stage) {
 		s.claim(st, winner, s.tasks[i], base+time.Duration(k)*wlat)
 		g--
 	}
-	if k > 0 && g > 0 {
-		s.etcd.read(now, g*scanReads) // lost every race: read the queue again
-	}
-	s.etcd.watch(now, 2*g) // WaitChange: a watch on tasks, one on claims
+	// Workers that lost every race wait on their views again: no etcd op.
 	if !retry.IsZero() {
 		s.requestWake(st, retry.Sub(s.epoch))
 	}
@@ -485,12 +490,12 @@ func (s *sim) start(st *stage, w int32, t *task) {
 	t.job.overhead += now - ready
 	setup := time.Duration(0)
 	if !s.central() {
-		// The claim txn rewrote the task key: an event for the stage's
-		// waiters. Then a progress put, the job read and cancel watch
-		// (watchCancel), and for a pulled input the producer's ticket
-		// check (ClaimHolder, one read).
-		s.stageEvent(st, 1)
-		s.etcd.write(now, 1)
+		// The claim txn put the claim key and rewrote the task key (the
+		// progress key and the job record's read are in it too): an event
+		// on each of the views' two watches. Then the cancel watch
+		// (watchCancel: Store.Wait, a watch, then a read), and for a
+		// pulled input the producer's ticket check (ClaimHolder, one read).
+		s.stageEvent(st, 2)
 		s.etcd.read(now, 1)
 		s.etcd.watch(now, 1)
 		if st.inBytes > 0 {
@@ -521,9 +526,8 @@ func (s *sim) done(st *stage, w int32, t *task) {
 		s.progressWrites += n
 		s.etcd.write(now, n)
 	}
-	// Commit: read the job record, then the fenced txn.
-	s.etcd.read(now, 1)
-	lat := s.etcd.readLat(now) + s.etcd.writeLat(now)
+	// Commit: the fenced txn, on the job record the claim read.
+	lat := s.etcd.writeLat(now)
 	s.clk.at(now+lat, event{kind: evCommitted, stage: int8(st.i), worker: w, task: t})
 }
 
@@ -557,7 +561,7 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		s.etcd.write(now, 1)
 		// The job record changed: the client's and the worker's watches.
 		s.etcd.event(now, 2)
-		// Deleted task and claim reach the stage's waiters.
+		// Deleted task and claim reach the stage's view followers.
 		s.stageEvent(st, 2)
 		if st.i > 0 {
 			// The consumed input's payload record is deleted: every agent
@@ -622,7 +626,7 @@ func (s *sim) dispatch() {
 		if len(st.waiting) == 0 || st.q.queued == 0 {
 			continue
 		}
-		s.cands, s.tasks = st.q.scan(s.cfg.PendingLimit, false, s.epoch, st.names, s.cands, s.tasks)
+		s.cands, s.tasks = st.q.scan(s.cfg.ScanPerClass, s.epoch, st.names, s.cands, s.tasks)
 		ordered, _ := s.cfg.Queue.Order(s.cands, "", s.epoch.Add(now))
 		for _, c := range ordered {
 			if len(st.waiting) == 0 {

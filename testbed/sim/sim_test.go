@@ -68,3 +68,32 @@ func runSim(t *testing.T, cfg Config) (*sim, Result) {
 	}
 	return s, s.run()
 }
+
+// The mesh's etcd ops per job are the new claim loop's (docs/benchmarks.md,
+// "What a job costs etcd"): waking workers reads nothing and opens no watch,
+// so the only watches are the client's long poll and a cancel watch per
+// stage, and every write is the submit, a claim per stage, a claim per
+// conflict, the denoise progress and a commit per stage.
+func TestMeshEtcdOpsPerJob(t *testing.T) {
+	for _, m := range []Mode{Mesh, MeshNoHints} {
+		t.Run(m.String(), func(t *testing.T) {
+			s, r := runSim(t, smallConfig(m))
+			jobs := uint64(r.Completed)
+			if s.etcd.watches != 4*jobs {
+				t.Fatalf("%d watches for %d jobs, want 4 per job", s.etcd.watches, jobs)
+			}
+			want := jobs*(1+3+3+uint64(s.progressWritesPerDenoise())) + r.Conflicts
+			if s.etcd.writes != want {
+				t.Fatalf("%d writes, want %d (%d jobs, %d conflicts)", s.etcd.writes, want, jobs, r.Conflicts)
+			}
+			// Per job: the long poll's read, a cancel watch's read per
+			// stage, a ticket check per pulled input; the rest is the
+			// agents' background.
+			background := s.etcd.reads - 6*jobs
+			perAgentPerSec := float64(background) / float64(r.GPUs) / r.Duration.Seconds()
+			if perAgentPerSec < 0.45 || perAgentPerSec > 0.55 {
+				t.Fatalf("background reads %.3f per agent per second, want 0.5 (0.2 safety net, 0.3 keepalive)", perAgentPerSec)
+			}
+		})
+	}
+}

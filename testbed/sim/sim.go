@@ -388,10 +388,15 @@ func (s *sim) wake(st *stage) {
 	if st.i < 2 {
 		down := s.st[st.i+1]
 		// routing's per-producer quotas add up to the downstream budget
-		// (its credits plus slack); the pool as a whole admits while its
-		// backlog (running here, queued downstream) is under that budget.
+		// (its credits plus slack), or to one per producer where there are
+		// more producers; the pool as a whole admits while its backlog
+		// (running here, queued downstream) is under their sum.
 		budget := s.cfg.Admission.Budget(len(down.workers))
-		if !s.cfg.Admission.Admit(down.q.queued+len(st.workers)-st.free, budget) {
+		sum := 0
+		if budget > 0 {
+			sum = max(budget, len(st.workers))
+		}
+		if !s.cfg.Admission.Admit(down.q.queued+len(st.workers)-st.free, sum) {
 			// Wait for the next stage's view to move, at most a second.
 			st.blocked = true
 			s.requestWake(st, now+time.Second)

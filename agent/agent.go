@@ -12,6 +12,7 @@ import (
 	"crypto/rand"
 	"errors"
 	"fmt"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -322,6 +323,24 @@ func stagesToRoles(st []jobs.Stage) []string {
 	return out
 }
 
+// modelSteps is the default step count the engines serving model
+// registered (gossiped with the models each agent serves), or 0: a request
+// that names no steps gets it.
+func (a *Agent) modelSteps(model string) int {
+	if model == "" || model == engine.DefaultModel {
+		return 0
+	}
+	if n := a.runner.DefaultSteps(model); n > 0 {
+		return n
+	}
+	for _, p := range a.member.Peers() {
+		if n := p.Meta.DefaultSteps(model); p.Alive && n > 0 {
+			return n
+		}
+	}
+	return 0
+}
+
 // Start joins the mesh, starts the stage workers and serves HTTP.
 func (a *Agent) Start(ctx context.Context) error {
 	a.member.UpdateMeta(a.meta())
@@ -386,6 +405,7 @@ func (a *Agent) Start(ctx context.Context) error {
 
 func (a *Agent) apiConfig() httpapi.Config {
 	c := a.cfg.API
+	c.ModelSteps = a.modelSteps
 	c.Logger = a.log
 	c.Metrics = a.metrics
 	return c
@@ -596,7 +616,9 @@ func (a *Agent) meta() gossip.NodeMeta {
 			}
 		}
 		if len(roles) > 0 && len(m.Models) < gossip.MaxMetaModels {
-			m.Models = append(m.Models, gossip.NewModelStages(model, roles...))
+			ms := gossip.NewModelStages(model, roles...)
+			ms.DefaultSteps = uint16(min(a.runner.DefaultSteps(model), math.MaxUint16))
+			m.Models = append(m.Models, ms)
 		}
 	}
 	if a.ext != nil && len(m.Models) == 0 {

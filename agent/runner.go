@@ -24,6 +24,8 @@ type stageRunner interface {
 	Slots(st jobs.Stage) int
 	// Models lists the models served, by stage, for gossip.
 	Models() map[string][]jobs.Stage
+	// DefaultSteps is model's registered default step count, or 0.
+	DefaultSteps(model string) int
 	// Changed is closed the next time what the runner serves changes.
 	Changed() <-chan struct{}
 
@@ -53,6 +55,9 @@ func (b builtinRunner) Changed() <-chan struct{}               { return nil } //
 func (b builtinRunner) Models() map[string][]jobs.Stage {
 	return map[string][]jobs.Stage{engine.DefaultModel: jobs.Stages()}
 }
+
+// DefaultSteps is 0: the built-in model's default is engine.DefaultSpec's.
+func (b builtinRunner) DefaultSteps(string) int                           { return 0 }
 func (b builtinRunner) CondMeta(engine.Spec) (transfer.TensorMeta, error) { return b.e.CondMeta(), nil }
 func (b builtinRunner) LatentMeta(s engine.Spec) (transfer.TensorMeta, error) {
 	return b.e.LatentMeta(s), nil
@@ -93,6 +98,19 @@ func (x *externalRunner) Models() map[string][]jobs.Stage {
 		}
 	}
 	return out
+}
+
+func (x *externalRunner) DefaultSteps(model string) int {
+	reg := x.srv.Engine()
+	if reg == nil {
+		return 0
+	}
+	for _, m := range reg.Models {
+		if m.Name == model {
+			return int(m.DefaultSteps)
+		}
+	}
+	return 0
 }
 
 // model is the registered model serving st of s, checked against its limits.

@@ -133,6 +133,10 @@ func (r *simRunner) model(s engine.Spec) (SimModel, error) {
 func (r *simRunner) Serves(_ jobs.Stage, model string) bool { _, ok := r.cfg.Models[model]; return ok }
 func (r *simRunner) Slots(jobs.Stage) int                   { return math.MaxInt } // the GPU lock serialises
 func (r *simRunner) Changed() <-chan struct{}               { return nil }
+
+// DefaultSteps is 0: bench serve names the steps of every job it submits.
+func (r *simRunner) DefaultSteps(string) int { return 0 }
+
 func (r *simRunner) Models() map[string][]jobs.Stage {
 	out := map[string][]jobs.Stage{}
 	names := make([]string, 0, len(r.cfg.Models))

@@ -87,6 +87,9 @@ type NodeMeta struct {
 type ModelStages struct {
 	Name   string `msgpack:"n"`
 	Stages uint8  `msgpack:"s"` // bit 0 encode, 1 denoise, 2 decode
+	// DefaultSteps is the model's usual denoise step count as its engine
+	// registered it (0: none): a request that names no steps gets it.
+	DefaultSteps uint16 `msgpack:"d,omitempty"`
 }
 
 // stageBit maps a role to its bit in ModelStages.Stages.
@@ -124,6 +127,17 @@ func (m NodeMeta) Serves(role, model, defaultModel string) bool {
 		}
 	}
 	return false
+}
+
+// DefaultSteps is the default step count the node's engine registered for
+// model, or 0.
+func (m NodeMeta) DefaultSteps(model string) int {
+	for _, ms := range m.Models {
+		if ms.Name == model {
+			return int(ms.DefaultSteps)
+		}
+	}
+	return 0
 }
 
 // EncodeMeta encodes m for memberlist. A zero Version is written as

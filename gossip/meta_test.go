@@ -191,7 +191,9 @@ func TestMetaModels(t *testing.T) {
 		FreeBufferBytes: 1 << 40, StoreFree: 1 << 40}
 	for i := range MaxMetaModels {
 		name := strings.Repeat(string(rune('a'+i)), MaxModelLen)
-		m.Models = append(m.Models, NewModelStages(name, RoleEncode, RoleDecode))
+		ms := NewModelStages(name, RoleEncode, RoleDecode)
+		ms.DefaultSteps = 1<<16 - 1 // the widest encoding
+		m.Models = append(m.Models, ms)
 	}
 	b, err := EncodeMeta(m)
 	if err != nil {
@@ -200,6 +202,12 @@ func TestMetaModels(t *testing.T) {
 	got, err := DecodeMeta(b)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if n := got.DefaultSteps(m.Models[1].Name); n != 1<<16-1 {
+		t.Errorf("default steps after a round trip: %d", n)
+	}
+	if n := got.DefaultSteps("nosuch"); n != 0 {
+		t.Errorf("default steps of a model not served: %d", n)
 	}
 	name := m.Models[2].Name
 	if !got.Serves(RoleEncode, name, "builtin") || got.Serves(RoleDenoise, name, "builtin") || got.Serves(RoleEncode, "builtin", "builtin") {

@@ -90,7 +90,7 @@ type imageReq struct {
 	Prompt string `json:"prompt"`
 	Size   string `json:"size"`
 	Seed   int64  `json:"seed"`
-	Steps  int    `json:"num_inference_steps"`
+	Steps  int    `json:"num_inference_steps,omitempty"` // 0: the model's registered default
 }
 
 // generate posts one OpenAI images request and returns the PNG.
@@ -160,6 +160,17 @@ func TestTorchMeshMatchesSingleProcess(t *testing.T) {
 		got[i] = rgba(t, png)
 	}
 	t.Logf("%d jobs through the mesh in %v", jobsN, time.Since(start).Round(time.Millisecond))
+
+	// A request without steps gets the model's default as the engine
+	// registered it (12), not the built-in model's (20).
+	_, id, err := generate(ctx, entry, imageReq{Model: torchModel, Prompt: "a default", Size: "64x64", Seed: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	job, err := (&httpapi.Client{BaseURL: "http://" + entry}).Get(ctx, id)
+	if err != nil || job.Spec.Steps != 12 {
+		t.Fatalf("job without steps ran %d steps (%v), want the model's default 12", job.Spec.Steps, err)
+	}
 	for i := distinct; i < jobsN; i++ {
 		if !bytes.Equal(got[i], got[i%distinct]) {
 			t.Errorf("job %d and job %d (same spec and seed) differ", i, i%distinct)

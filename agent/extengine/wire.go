@@ -117,8 +117,9 @@ type Region struct {
 type Model struct {
 	Name   string   `msgpack:"name"`
 	Stages []string `msgpack:"stages"`
-	// DefaultSteps is the model's usual denoise step count (informational:
-	// gossip and clients may show it).
+	// DefaultSteps is the model's usual denoise step count: gossiped with
+	// the models served, it is what a request naming the model and no
+	// steps gets.
 	DefaultSteps int32 `msgpack:"default_steps,omitempty"`
 	// Limits the model accepts; 0 keeps the agent's limit. The agent
 	// refuses a task beyond them before sending it.

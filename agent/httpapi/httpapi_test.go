@@ -903,3 +903,45 @@ func ExampleClient_Generate() {
 	fmt.Println(job.ID, job.State, job.Spec.Seed, job.Spec.Steps, len(data) > 0)
 	// Output: job-1 succeeded 7 8 true
 }
+
+// A request that names a model and no steps gets the model's registered
+// default; named steps, or the built-in model, keep theirs.
+func TestModelDefaultSteps(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.ModelSteps = func(model string) int {
+		if model == "toy" {
+			return 7
+		}
+		return 0
+	}
+	f := newFakeJobs(false)
+	h := NewHandler(cfg, f)
+	for _, tc := range []struct {
+		body string
+		want int
+	}{
+		{`{"prompt":"a","model":"toy"}`, 7},
+		{`{"prompt":"a","model":"toy","steps":3}`, 3},
+		{`{"prompt":"a"}`, engine.DefaultSpec().Steps},
+		{`{"prompt":"a","model":"other"}`, engine.DefaultSpec().Steps},
+	} {
+		w := do(h, "POST", "/v1/jobs", "application/json", tc.body)
+		var j jobs.Job
+		if w.Code != http.StatusAccepted || json.Unmarshal(w.Body.Bytes(), &j) != nil {
+			t.Fatalf("%s: %d %s", tc.body, w.Code, w.Body)
+		}
+		if j.Spec.Steps != tc.want {
+			t.Errorf("%s: %d steps, want %d", tc.body, j.Spec.Steps, tc.want)
+		}
+	}
+	// The OpenAI API applies it too (a fake that finishes jobs at once,
+	// since the images API waits for them).
+	auto := newFakeJobs(true)
+	decodeImages(t, do(NewHandler(cfg, auto), "POST", "/v1/images/generations", "application/json", `{"prompt":"a","model":"toy"}`))
+	auto.mu.Lock()
+	last := auto.jobs["job-1"]
+	auto.mu.Unlock()
+	if last == nil || last.Spec.Model != "toy" || last.Spec.Steps != 7 {
+		t.Fatalf("images API submitted %+v", last)
+	}
+}

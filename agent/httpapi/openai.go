@@ -58,7 +58,7 @@ type ImageInfo struct {
 
 // specs validates q and returns one spec per requested image, with seeds
 // seed, seed+1, ...
-func (q imagesRequest) specs(l engine.Limits, maxN int) ([]engine.Spec, JobRequest, error) {
+func (q imagesRequest) specs(l engine.Limits, maxN int, modelSteps func(string) int) ([]engine.Spec, JobRequest, error) {
 	n := 1
 	if q.N != nil {
 		n = *q.N
@@ -92,7 +92,7 @@ func (q imagesRequest) specs(l engine.Limits, maxN int) ([]engine.Spec, JobReque
 		}
 		req.Width, req.Height = &w, &h
 	}
-	spec, _, err := req.spec(l)
+	spec, _, err := req.spec(l, modelSteps)
 	if err != nil {
 		var fe *engine.FieldError
 		if errors.As(err, &fe) {
@@ -122,7 +122,7 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
-	specs, req, err := q.specs(s.cfg.Limits, s.cfg.MaxN)
+	specs, req, err := q.specs(s.cfg.Limits, s.cfg.MaxN, s.cfg.ModelSteps)
 	if errors.Is(err, errURLFormat) {
 		e := apiErr(http.StatusBadRequest, typeInvalidRequest, CodeUnsupportedFormat, "%s", err.Error())
 		e.Param = "response_format"
@@ -133,7 +133,7 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fieldError(err))
 		return
 	}
-	_, opts, _ := req.spec(s.cfg.Limits) // validated by specs
+	_, opts, _ := req.spec(s.cfg.Limits, s.cfg.ModelSteps) // validated by specs
 	opts.Owner = owner(r)
 
 	s.holdOpen(w, s.cfg.SyncTimeout)

@@ -49,12 +49,17 @@ const MaxDeadline = 24 * time.Hour
 
 // spec turns r into a validated engine spec and scheduling options. Errors
 // are *engine.FieldError.
-func (r JobRequest) spec(l engine.Limits) (engine.Spec, jobs.Options, error) {
+func (r JobRequest) spec(l engine.Limits, modelSteps func(string) int) (engine.Spec, jobs.Options, error) {
 	s := engine.DefaultSpec()
 	s.Model = r.Model
 	s.Prompt = r.Prompt
 	s.NegativePrompt = r.NegativePrompt
 	s.Seed = randomSeed()
+	if r.Steps == nil && r.Model != "" && modelSteps != nil {
+		if n := modelSteps(r.Model); n > 0 {
+			s.Steps = n // the model's own default, as its engine registered it
+		}
+	}
 	setIf(&s.Seed, r.Seed)
 	setIf(&s.Width, r.Width)
 	setIf(&s.Height, r.Height)

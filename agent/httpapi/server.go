@@ -42,7 +42,11 @@ type Jobs interface {
 
 // Config configures the client API handler.
 type Config struct {
-	Limits       engine.Limits // what one job may ask for
+	Limits engine.Limits // what one job may ask for
+	// ModelSteps, if set, is a model's default step count (0: none), for a
+	// request that names a model and no steps; otherwise the built-in
+	// default applies.
+	ModelSteps   func(model string) int
 	MaxN         int           // images per /v1/images/generations request
 	MaxBodyBytes int64         // request bodies larger than this get 413
 	SyncTimeout  time.Duration // how long /v1/images/generations waits for its jobs
@@ -244,7 +248,7 @@ func (s *server) createJob(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
-	spec, opts, err := req.spec(s.cfg.Limits)
+	spec, opts, err := req.spec(s.cfg.Limits, s.cfg.ModelSteps)
 	if err != nil {
 		writeError(w, fieldError(err))
 		return

@@ -235,7 +235,7 @@ def write_weights(path: str) -> None:
 
 def model_decl(stages) -> Model:
     return Model(name=MODEL, stages=stages, cond=Layout("float32", [2, TOKENS, DIM]),
-                 latent=LatentLayout("float32", CHANNELS, SCALE), default_steps=20, max_side=256, max_frames=4,
+                 latent=LatentLayout("float32", CHANNELS, SCALE), default_steps=12, max_side=256, max_frames=4,
                  max_steps=200)
 
 

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -48,6 +49,29 @@ func getJSON(t *testing.T, url string, v any) (int, string, time.Duration) {
 // a fast 503 naming etcd, turns /readyz to 503, and costs no finished work:
 // the denoise that ends during the outage keeps its output and commits when
 // etcd is back, instead of running again.
+// pauseEtcd freezes etcd (SIGSTOP) until the returned resume is called,
+// or the test ends; resume returns how long it was paused.
+func pauseEtcd(t *testing.T, etcd *EtcdProcess) (resume func() time.Duration) {
+	t.Helper()
+	if err := etcd.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	paused := time.Now()
+	var once sync.Once
+	var took time.Duration
+	resume = func() time.Duration {
+		once.Do(func() {
+			if err := etcd.Resume(); err != nil {
+				t.Error(err)
+			}
+			took = time.Since(paused)
+		})
+		return took
+	}
+	t.Cleanup(func() { resume() })
+	return resume
+}
+
 func TestEtcdOutageOnHTTPPath(t *testing.T) {
 	if _, err := EtcdBinaryAvailable(); err != nil {
 		if os.Geteuid() != 0 {
@@ -89,16 +113,8 @@ func TestEtcdOutageOnHTTPPath(t *testing.T) {
 		}
 		return nil
 	})
-	if err := etcd.Pause(); err != nil {
-		t.Fatal(err)
-	}
+	resume := pauseEtcd(t, etcd)
 	paused := time.Now()
-	resumed := false
-	defer func() {
-		if !resumed {
-			etcd.Resume()
-		}
-	}()
 
 	// A submission is refused with 503 and Retry-After, within one
 	// EtcdTimeout (at once, once the alarm poll has noticed).
@@ -149,11 +165,7 @@ func TestEtcdOutageOnHTTPPath(t *testing.T) {
 		return nil
 	})
 	time.Sleep(time.Second) // a few failed attempts
-	if err := etcd.Resume(); err != nil {
-		t.Fatal(err)
-	}
-	resumed = true
-	t.Logf("etcd paused for %v", time.Since(paused).Round(time.Millisecond))
+	t.Logf("etcd paused for %v", resume().Round(time.Millisecond))
 
 	var done jobs.Job
 	eventually(t, time.Minute, func() error {
@@ -233,16 +245,7 @@ func TestEarlyHandoffCommitSurvivesEtcdOutage(t *testing.T) {
 		}
 		return nil
 	})
-	if err := etcd.Pause(); err != nil {
-		t.Fatal(err)
-	}
-	paused := time.Now()
-	resumed := false
-	defer func() {
-		if !resumed {
-			etcd.Resume()
-		}
-	}()
+	resume := pauseEtcd(t, etcd)
 	// The early commit fails, and is retried, with etcd silent.
 	earlyRetries := func() int {
 		return logs.FilterMessage("commit failed; keeping the output and retrying").FilterField(zap.Bool("early", true)).Len()
@@ -253,11 +256,7 @@ func TestEarlyHandoffCommitSurvivesEtcdOutage(t *testing.T) {
 		}
 		return nil
 	})
-	if err := etcd.Resume(); err != nil {
-		t.Fatal(err)
-	}
-	resumed = true
-	t.Logf("etcd paused for %v; %d early commit attempts failed meanwhile", time.Since(paused).Round(time.Millisecond), earlyRetries())
+	t.Logf("etcd paused for %v; %d early commit attempts failed meanwhile", resume().Round(time.Millisecond), earlyRetries())
 
 	var done jobs.Job
 	eventually(t, time.Minute, func() error {
@@ -335,15 +334,7 @@ func TestClaimLostWithOutputFinished(t *testing.T) {
 		t.Fatalf("denoise-1's record: %v %v", node, err)
 	}
 	lease := clientv3.LeaseID(node.Kvs[0].Lease)
-	if err := etcd.Pause(); err != nil {
-		t.Fatal(err)
-	}
-	resumed := false
-	defer func() {
-		if !resumed {
-			etcd.Resume()
-		}
-	}()
+	resume := pauseEtcd(t, etcd)
 	// The denoise finishes and its commit fails, then waits 5 s to retry.
 	eventually(t, 30*time.Second, func() error {
 		if n := logs.FilterMessage("commit failed; keeping the output and retrying").FilterField(zap.Duration("backoff", 5*time.Second)).Len(); n == 0 {
@@ -351,10 +342,7 @@ func TestClaimLostWithOutputFinished(t *testing.T) {
 		}
 		return nil
 	})
-	if err := etcd.Resume(); err != nil {
-		t.Fatal(err)
-	}
-	resumed = true
+	resume()
 	// Within that backoff the lease goes, as a thawed etcd would expire it
 	// (it may already have).
 	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)

@@ -74,28 +74,13 @@ func (g *gpu) run(ctx context.Context, s engine.Spec, st jobs.Stage, frame int, 
 	}
 	start := time.Now()
 	want := d - debt
-	err := spend(ctx, want)
+	err := engine.Spend(ctx, want)
 	end := time.Now()
 	<-g.turn
 	if g.observe != nil {
 		g.observe(GPUSpan{Node: g.node, Tag: s.Prompt, Stage: st, Frame: frame, Queued: queued, Start: start, End: end})
 	}
 	return max(0, end.Sub(start)-want), err
-}
-
-// spend sleeps d, returning early with ctx's error.
-func spend(ctx context.Context, d time.Duration) error {
-	if d <= 0 {
-		return ctx.Err()
-	}
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-		return ctx.Err()
-	case <-t.C:
-		return nil
-	}
 }
 
 // simRunner is the stageRunner of a SimEngine.

@@ -111,7 +111,7 @@ func (d *FrameDecoder) DecodeFrames(ctx context.Context, firstFrame int, frames 
 		return err
 	}
 	cost := d.e.cfg.DecodeCost * time.Duration(k) / time.Duration(d.s.Frames)
-	if err := spend(ctx, cost); err != nil {
+	if err := Spend(ctx, cost); err != nil {
 		return err
 	}
 	per := len(v) / k

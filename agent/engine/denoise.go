@@ -149,7 +149,7 @@ func (e *Engine) DenoiseInto(ctx context.Context, s Spec, cond Tensor, dst []byt
 					}
 				}
 			}
-			if err := spend(ctx, frameShare(e.cfg.StepCost, f, nf)); err != nil {
+			if err := Spend(ctx, frameShare(e.cfg.StepCost, f, nf)); err != nil {
 				return transfer.TensorMeta{}, err
 			}
 			if last {

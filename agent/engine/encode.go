@@ -90,7 +90,7 @@ func (e *Engine) EncodeInto(ctx context.Context, s Spec, dst []byte) (transfer.T
 	if n := meta.Bytes(); int64(len(dst)) != n {
 		return transfer.TensorMeta{}, fmt.Errorf("%w: encode into %d bytes, cond needs %d", ErrBadTensor, len(dst), n)
 	}
-	if err := spend(ctx, e.cfg.EncodeCost); err != nil {
+	if err := Spend(ctx, e.cfg.EncodeCost); err != nil {
 		return transfer.TensorMeta{}, err
 	}
 	half := len(dst) / 2

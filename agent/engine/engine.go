@@ -153,8 +153,9 @@ func (e *Engine) checkSpec(s Spec) error {
 	return nil
 }
 
-// spend sleeps for the simulated cost d, returning early with ctx's error.
-func spend(ctx context.Context, d time.Duration) error {
+// Spend sleeps for the simulated cost d, returning early with ctx's error.
+// The agent's simulated GPUs (bench serve) spend their time through it too.
+func Spend(ctx context.Context, d time.Duration) error {
 	if err := ctx.Err(); err != nil || d <= 0 {
 		return err
 	}

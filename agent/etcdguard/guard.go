@@ -19,6 +19,7 @@ package etcdguard
 
 import (
 	"context"
+	"strconv"
 	"sync"
 	"sync/atomic"
 
@@ -115,7 +116,7 @@ func (g *Guard) observe(h *etcdserverpb.ResponseHeader, s sent, linear bool) {
 		g.clusterID.CompareAndSwap(0, h.ClusterId)
 	} else if old != h.ClusterId {
 		g.reset(s, h, zap.String("reason", "cluster id changed"),
-			zap.String("old_cluster", hex(old)), zap.String("new_cluster", hex(h.ClusterId)))
+			zap.String("old_cluster", strconv.FormatUint(old, 16)), zap.String("new_cluster", strconv.FormatUint(h.ClusterId, 16)))
 		return
 	}
 	if linear && h.Revision < s.before {
@@ -169,14 +170,4 @@ func raise(v *atomic.Int64, rev int64) {
 			return
 		}
 	}
-}
-
-func hex(id uint64) string {
-	const digits = "0123456789abcdef"
-	var b [16]byte
-	for i := 15; i >= 0; i-- {
-		b[i] = digits[id&15]
-		id >>= 4
-	}
-	return string(b[:])
 }

@@ -20,6 +20,7 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
@@ -70,6 +71,22 @@ func pauseEtcd(t *testing.T, etcd *EtcdProcess) (resume func() time.Duration) {
 	}
 	t.Cleanup(func() { resume() })
 	return resume
+}
+
+// waitDenoiseStep waits until job id's denoise reports a step that ok
+// accepts.
+func waitDenoiseStep(t *testing.T, ctx context.Context, a *agent.Agent, id string, ok func(step int) bool) {
+	t.Helper()
+	eventually(t, 30*time.Second, func() error {
+		j, err := a.Get(ctx, id)
+		if err != nil {
+			return err
+		}
+		if p := j.Progress; p == nil || p.Stage != jobs.Denoise || !ok(p.Step) {
+			return fmt.Errorf("job at %s %+v", j.Stage, j.Progress)
+		}
+		return nil
+	})
 }
 
 func TestEtcdOutageOnHTTPPath(t *testing.T) {
@@ -235,16 +252,7 @@ func TestEarlyHandoffCommitSurvivesEtcdOutage(t *testing.T) {
 	}
 	// Pause etcd a step or two before the last one, whose first frame
 	// starts the early commit.
-	eventually(t, 30*time.Second, func() error {
-		j, err := a.Get(ctx, job.ID)
-		if err != nil {
-			return err
-		}
-		if p := j.Progress; p == nil || p.Stage != jobs.Denoise || p.Step < spec.Steps/2 || p.Step >= spec.Steps-1 {
-			return fmt.Errorf("job at %s %+v", j.Stage, j.Progress)
-		}
-		return nil
-	})
+	waitDenoiseStep(t, ctx, a, job.ID, func(step int) bool { return step >= spec.Steps/2 && step < spec.Steps-1 })
 	resume := pauseEtcd(t, etcd)
 	// The early commit fails, and is retried, with etcd silent.
 	earlyRetries := func() int {
@@ -319,16 +327,7 @@ func TestClaimLostWithOutputFinished(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	eventually(t, 30*time.Second, func() error {
-		j, err := a.Get(ctx, job.ID)
-		if err != nil {
-			return err
-		}
-		if p := j.Progress; p == nil || p.Stage != jobs.Denoise || p.Step < 3 {
-			return fmt.Errorf("job at %s %+v", j.Stage, j.Progress)
-		}
-		return nil
-	})
+	waitDenoiseStep(t, ctx, a, job.ID, func(step int) bool { return step >= 3 })
 	node, err := cl.Client.Get(ctx, prefix+"/nodes/denoise-1")
 	if err != nil || len(node.Kvs) != 1 {
 		t.Fatalf("denoise-1's record: %v %v", node, err)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime/pprof"
 	"strings"
 
 	"github.com/latentmesh/latentmesh/testbed"
@@ -198,10 +199,19 @@ func runBenchAPI(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	size := frameSize{cfg.Width, cfg.Height}
 	fs.Var(&size, "size", "image size `WxH` in pixels (multiples of 8)")
 	asJSON := fs.Bool("json", false, "print machine-readable results")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (mesh included) to `FILE`")
 	if code := parse(fs, args); code >= 0 {
 		return code
 	}
 	cfg.Width, cfg.Height = size.w, size.h
+	if *cpuProfile != "" {
+		stop, err := startCPUProfile(*cpuProfile)
+		if err != nil {
+			fmt.Fprintf(stderr, "latentmesh bench api: %v\n", err)
+			return 1
+		}
+		defer stop()
+	}
 	rep, err := testbed.RunAPIBench(ctx, cfg)
 	return report("api", rep, err, *asJSON, stdout, stderr)
 }
@@ -220,4 +230,17 @@ func runBenchProducer(ctx context.Context, args []string, stderr io.Writer) int 
 		return 1
 	}
 	return 0
+}
+
+// startCPUProfile profiles this process into path until the returned stop.
+func startCPUProfile(path string) (stop func(), err error) {
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() { pprof.StopCPUProfile(); f.Close() }, nil
 }

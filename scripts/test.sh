@@ -12,7 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 FUZZTIME=${FUZZTIME:-10000x}
 
-step() { printf '\n==> %s\n' "$*"; }
+# step prints a heading with the seconds since the run began, so a slow CI run
+# shows which step grew.
+start=$SECONDS
+step() { printf '\n==> [%ds] %s\n' "$((SECONDS - start))" "$*"; }
 
 step "system packages"
 if [ "$(id -u)" -eq 0 ]; then

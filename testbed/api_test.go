@@ -355,9 +355,9 @@ func TestLargeResultUnderSmallEtcdLimit(t *testing.T) {
 	if err != nil || int64(len(data)) != j.Result.Bytes {
 		t.Fatalf("result: %d bytes, %v", len(data), err)
 	}
-	left, err := cl.Client.Get(ctx, "/latentmesh/default/claims/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+	left, err := cl.Client.Get(ctx, "/latentmesh/default/queues/", clientv3.WithPrefix(), clientv3.WithCountOnly())
 	if err != nil || left.Count != 0 {
-		t.Fatalf("claims left: %v %v", left.Count, err)
+		t.Fatalf("tasks and claims left: %v %v", left.Count, err)
 	}
 }
 

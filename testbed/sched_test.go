@@ -51,7 +51,7 @@ type backlogWatch struct {
 func watchBacklog(t *testing.T, cli *clientv3.Client) *backlogWatch {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	resp, err := cli.Get(ctx, "/latentmesh/default/tasks/decode/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+	resp, err := cli.Get(ctx, "/latentmesh/default/queues/decode/tasks/", clientv3.WithPrefix(), clientv3.WithCountOnly())
 	if err != nil || resp.Count != 0 {
 		t.Fatalf("decode queue before the run: %v %v", resp, err)
 	}
@@ -65,7 +65,7 @@ func watchBacklog(t *testing.T, cli *clientv3.Client) *backlogWatch {
 			evs := wr.Events
 			for i, ev := range evs {
 				k := string(ev.Kv.Key)
-				if !strings.HasPrefix(k, "/latentmesh/default/tasks/decode/") && !strings.HasPrefix(k, "/latentmesh/default/claims/denoise/") {
+				if !strings.HasPrefix(k, "/latentmesh/default/queues/decode/tasks/") && !strings.HasPrefix(k, "/latentmesh/default/queues/denoise/claims/") {
 					continue
 				}
 				if ev.Type == clientv3.EventTypeDelete {

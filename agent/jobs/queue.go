@@ -8,39 +8,51 @@ import (
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 )
 
 // Queue is a watch-fed view of one stage's queue: every task of the stage
 // and which of them are claimed. It reads the queue once (in pages), then
-// follows two watches (the stage's tasks and its claims) from that read's
-// revision, so a worker scans memory instead of ranging over etcd, and an
-// idle agent sends etcd nothing. A watch that breaks resumes after the last
-// revision seen; one answered with a compaction (etcd compacted the gap, or
-// etcdguard saw etcd replaced) reads the queue again.
+// follows one watch of the stage's prefix, which holds both its tasks and
+// its claims, from that read's revision, so a worker scans memory instead
+// of ranging over etcd, and an idle agent sends etcd nothing. One watch
+// delivers a transaction's changes together and in revision order, so the
+// view is always the queue as it was at some revision: a commit that
+// deletes a task and its claim never shows the task as unclaimed in
+// between. A watch that breaks resumes after the last revision seen; one
+// answered with a compaction (etcd compacted the gap, or etcdguard saw etcd
+// replaced) reads the queue again.
 //
-// The view may lag etcd by a watch event: a claim made from it carries the
-// task's ModRevision as seen, so a stale view costs a refused claim
-// (ErrTaken), never a double one. Run owns the view's goroutine; the other
-// methods may be called from any goroutine.
+// The view may lag etcd: a claim made from it carries the task's
+// ModRevision as seen, so a stale view costs a refused claim (ErrTaken),
+// never a double one. Run owns the view's goroutine; the other methods may
+// be called from any goroutine.
 type Queue struct {
 	s     *Store
 	stage Stage
 
 	// mu guards the fields below.
 	mu      sync.Mutex
-	tasks   map[string]Task // by task id
-	claimed map[string]bool // task ids with a claim key
-	synced  bool            // the view has been read at least once
-	seen    int64           // the view holds every task change up to this etcd revision
-	changed chan struct{}   // closed (and replaced) on every change
-	loads   int             // full reads of the queue, for tests and status
+	tasks   map[string]Task      // by task id
+	claimed map[string]claimInfo // by task id, the tasks with a claim key
+	synced  bool                 // the view has been read at least once
+	seen    int64                // the view holds every change of the queue up to this etcd revision
+	changed chan struct{}        // closed (and replaced) on every change
+	loads   int                  // full reads of the queue, for tests and status
+}
+
+// claimInfo is what the view knows of a claim key.
+type claimInfo struct {
+	rev   int64            // CreateRevision: the claim's fencing token
+	lease clientv3.LeaseID // the claim holder's lease
+	rec   claimRecord
 }
 
 // NewQueue returns an empty view of stage's queue; Run fills and follows it.
 func (s *Store) NewQueue(stage Stage) *Queue {
-	return &Queue{s: s, stage: stage, tasks: map[string]Task{}, claimed: map[string]bool{}, changed: make(chan struct{})}
+	return &Queue{s: s, stage: stage, tasks: map[string]Task{}, claimed: map[string]claimInfo{}, changed: make(chan struct{})}
 }
 
 // Stage is the stage the view follows.
@@ -68,7 +80,7 @@ func (q *Queue) Pending() []Task {
 	defer q.mu.Unlock()
 	out := make([]Task, 0, len(q.tasks)-min(len(q.tasks), len(q.claimed)))
 	for id, t := range q.tasks {
-		if !q.claimed[id] {
+		if _, ok := q.claimed[id]; !ok {
 			out = append(out, t)
 		}
 	}
@@ -91,18 +103,18 @@ func (q *Queue) FedBy(node string) int {
 }
 
 // Seen is the etcd revision up to which the view holds every change to the
-// stage's tasks: a task written at a revision at or below it is in the
-// view. After a compaction or replaced etcd it starts again from the new
-// read's revision.
+// stage's tasks and claims: a task written at a revision at or below it is
+// in the view. After a compaction or replaced etcd it starts again from the
+// new read's revision.
 func (q *Queue) Seen() int64 {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return q.seen
 }
 
-// sawTasks records that the tasks watch delivered everything up to rev,
-// and tells waiters.
-func (q *Queue) sawTasks(rev int64) {
+// saw records that the watch delivered everything up to rev, and tells
+// waiters.
+func (q *Queue) saw(rev int64) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	if rev > q.seen {
@@ -115,7 +127,8 @@ func (q *Queue) sawTasks(rev int64) {
 func (q *Queue) Claimed(id string) bool {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	return q.claimed[id]
+	_, ok := q.claimed[id]
+	return ok
 }
 
 // Depth counts the tasks queued (unclaimed) and running (claimed).
@@ -123,7 +136,7 @@ func (q *Queue) Depth() (queued, running int) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	for id := range q.tasks {
-		if q.claimed[id] {
+		if _, ok := q.claimed[id]; ok {
 			running++
 		}
 	}
@@ -169,21 +182,14 @@ func (q *Queue) follow(ctx context.Context, rev int64, log *zap.Logger) {
 	next := rev + 1
 	for ctx.Err() == nil {
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		tasks := q.s.cli.Watch(wctx, q.s.taskPrefix(q.stage), clientv3.WithPrefix(), clientv3.WithRev(next))
-		claims := q.s.cli.Watch(wctx, q.s.claimPrefix(q.stage), clientv3.WithPrefix(), clientv3.WithRev(next), clientv3.WithKeysOnly())
-		// Both watches start at next; each resumes from the lowest revision
-		// either has not finished (events are applied by key, so one seen
-		// twice does no harm).
-		tnext, cnext := next, next
+		wch := q.s.cli.Watch(wctx, q.s.queuePrefix(q.stage), clientv3.WithPrefix(), clientv3.WithRev(next))
 		resync := false
 	events:
 		for {
 			var wr clientv3.WatchResponse
-			var ok, isTask bool
+			var ok bool
 			select {
-			case wr, ok = <-tasks:
-				isTask = true
-			case wr, ok = <-claims:
+			case wr, ok = <-wch:
 			case <-ctx.Done():
 			}
 			switch {
@@ -196,44 +202,40 @@ func (q *Queue) follow(ctx context.Context, rev int64, log *zap.Logger) {
 			case wr.Canceled || wr.Err() != nil:
 				break events
 			}
-			q.apply(wr.Events, isTask)
+			q.apply(wr.Events)
 			if wr.Header.Revision > 0 {
-				if isTask {
-					q.sawTasks(wr.Header.Revision)
-					tnext = max(tnext, wr.Header.Revision+1)
-				} else {
-					cnext = max(cnext, wr.Header.Revision+1)
-				}
+				q.saw(wr.Header.Revision)
+				next = max(next, wr.Header.Revision+1)
 			}
 		}
 		cancel()
 		if resync {
 			return
 		}
-		next = min(tnext, cnext)
 		sleepCtx(ctx, 200*time.Millisecond) // a broken watch (leader loss): resume shortly
 	}
 }
 
 // apply updates the view with watch events.
-func (q *Queue) apply(evs []*clientv3.Event, tasks bool) {
+func (q *Queue) apply(evs []*clientv3.Event) {
 	if len(evs) == 0 {
 		return
 	}
+	claims := q.s.claimPrefix(q.stage)
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	for _, ev := range evs {
-		if !tasks {
-			id := strings.TrimPrefix(string(ev.Kv.Key), q.s.claimPrefix(q.stage))
+		key := string(ev.Kv.Key)
+		if id, ok := strings.CutPrefix(key, claims); ok {
 			if ev.Type == clientv3.EventTypeDelete {
 				delete(q.claimed, id)
 			} else {
-				q.claimed[id] = true
+				q.claimed[id] = q.decodeClaim(ev.Kv)
 			}
 			continue
 		}
 		if ev.Type == clientv3.EventTypeDelete {
-			q.deleteKeyLocked(string(ev.Kv.Key))
+			q.deleteKeyLocked(key)
 			continue
 		}
 		if t, ok := q.decode(ev.Kv.Key, ev.Kv.Value, ev.Kv.ModRevision); ok {
@@ -255,6 +257,16 @@ func (q *Queue) deleteKeyLocked(key string) {
 	}
 }
 
+// decodeClaim reads a claim key. One the view cannot read still marks
+// its task claimed: only its holder's details are unknown.
+func (q *Queue) decodeClaim(kv *mvccpb.KeyValue) claimInfo {
+	c := claimInfo{rev: kv.CreateRevision, lease: clientv3.LeaseID(kv.Lease)}
+	if err := json.Unmarshal(kv.Value, &c.rec); err != nil {
+		q.s.log.Warn("undecodable claim", zap.ByteString("key", kv.Key), zap.Error(err))
+	}
+	return c
+}
+
 func (q *Queue) decode(key, val []byte, rev int64) (Task, bool) {
 	var t Task
 	if err := json.Unmarshal(val, &t); err != nil || t.ID == "" {
@@ -267,7 +279,7 @@ func (q *Queue) decode(key, val []byte, rev int64) (Task, bool) {
 
 // load reads the whole queue at one revision and replaces the view with it.
 func (q *Queue) load(ctx context.Context) (int64, error) {
-	tasks, claimed, rev, err := q.s.readQueue(ctx, q.stage)
+	tasks, claims, rev, err := q.s.readQueue(ctx, q.stage)
 	if err != nil {
 		return 0, err
 	}
@@ -277,6 +289,10 @@ func (q *Queue) load(ctx context.Context) (int64, error) {
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	claimed := make(map[string]claimInfo, len(claims))
+	for _, kv := range claims {
+		claimed[strings.TrimPrefix(string(kv.Key), q.s.claimPrefix(q.stage))] = q.decodeClaim(kv)
+	}
 	q.tasks, q.claimed, q.synced = byID, claimed, true
 	q.seen = rev // a new read (after a compaction or a replaced etcd) starts over
 	q.loads++
@@ -284,20 +300,16 @@ func (q *Queue) load(ctx context.Context) (int64, error) {
 	return rev, nil
 }
 
-// readQueue reads every task of stage and the ids of the claimed ones, all
-// at one revision, in pages of Config.QueuePage tasks.
-func (s *Store) readQueue(ctx context.Context, stage Stage) (tasks []Task, claimed map[string]bool, rev int64, err error) {
+// readQueue reads every task of stage and every claim key, all at one
+// revision, the tasks in pages of Config.QueuePage.
+func (s *Store) readQueue(ctx context.Context, stage Stage) (tasks []Task, claims []*mvccpb.KeyValue, rev int64, err error) {
 	prefix := s.taskPrefix(stage)
 	end := clientv3.GetPrefixRangeEnd(prefix)
-	cresp, err := s.cli.Get(ctx, s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	cresp, err := s.cli.Get(ctx, s.claimPrefix(stage), clientv3.WithPrefix())
 	if err != nil {
 		return nil, nil, 0, fmt.Errorf("jobs: read %s claims: %w", stage, err)
 	}
-	rev = cresp.Header.Revision
-	claimed = make(map[string]bool, len(cresp.Kvs))
-	for _, kv := range cresp.Kvs {
-		claimed[strings.TrimPrefix(string(kv.Key), s.claimPrefix(stage))] = true
-	}
+	rev, claims = cresp.Header.Revision, cresp.Kvs
 	from := prefix
 	for {
 		resp, err := s.cli.Get(ctx, from, clientv3.WithRange(end), clientv3.WithRev(rev),
@@ -315,7 +327,7 @@ func (s *Store) readQueue(ctx context.Context, stage Stage) (tasks []Task, claim
 			tasks = append(tasks, t)
 		}
 		if !resp.More || len(resp.Kvs) == 0 {
-			return tasks, claimed, rev, nil
+			return tasks, claims, rev, nil
 		}
 		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
 	}

@@ -1,10 +1,10 @@
 // Package jobs is the durable job and task store of latentmesh, kept in etcd.
 //
 // A job is a record at <prefix>/jobs/<id>. Each stage of a job is one task key
-// under <prefix>/tasks/<stage>/<class>/<order>, ordered by priority class and
-// enqueue time. A worker claims a task by creating <prefix>/claims/<stage>/<task>
-// on its own etcd lease, in a transaction that requires the task unchanged and
-// unclaimed; the claim's revision is its fencing token. The worker commits its
+// under <prefix>/queues/<stage>/tasks/<class>/<order>, ordered by priority
+// class and enqueue time. A worker claims a task by creating
+// <prefix>/queues/<stage>/claims/<task> on its own etcd lease, in a
+// transaction that requires the task unchanged and unclaimed; the claim's revision is its fencing token. The worker commits its
 // stage in one transaction that requires the claim to still exist with that
 // revision on that lease: it writes the stage record, enqueues the next stage's
 // task (or the final result), publishes its output payload records, and deletes
@@ -204,11 +204,16 @@ func NewStore(cli *clientv3.Client, cfg Config) (*Store, error) {
 // Key layout. Values are JSON (except result parts) so etcdctl shows them.
 func (s *Store) jobKey(id string) string      { return s.cfg.Prefix + "/jobs/" + id }
 func (s *Store) progressKey(id string) string { return s.cfg.Prefix + "/progress/" + id }
-func (s *Store) taskPrefix(st Stage) string   { return s.cfg.Prefix + "/tasks/" + string(st) + "/" }
-func (s *Store) claimPrefix(st Stage) string  { return s.cfg.Prefix + "/claims/" + string(st) + "/" }
-func (s *Store) claimKey(t *Task) string      { return s.claimPrefix(t.Stage) + t.ID }
-func (s *Store) payloadPrefix() string        { return s.cfg.Prefix + "/payloads/" }
-func (s *Store) payloadKey(id string) string  { return s.payloadPrefix() + id }
+
+// A stage's tasks and claims share one prefix, so that one watch sees both
+// in revision order (Queue): a commit's deletion of a task and of its claim
+// then arrive together, never the claim's first.
+func (s *Store) queuePrefix(st Stage) string { return s.cfg.Prefix + "/queues/" + string(st) + "/" }
+func (s *Store) taskPrefix(st Stage) string  { return s.queuePrefix(st) + "tasks/" }
+func (s *Store) claimPrefix(st Stage) string { return s.queuePrefix(st) + "claims/" }
+func (s *Store) claimKey(t *Task) string     { return s.claimPrefix(t.Stage) + t.ID }
+func (s *Store) payloadPrefix() string       { return s.cfg.Prefix + "/payloads/" }
+func (s *Store) payloadKey(id string) string { return s.payloadPrefix() + id }
 
 // objectsOf is the key prefix of every Store object a job owns (its result,
 // previews and relayed latents are named cache.JobObjectID(job, ...)).
@@ -534,9 +539,13 @@ func (s *Store) renewLeases(ctx context.Context, lease clientv3.LeaseID, records
 // etcd revision they were read at. Workers do not call it: they scan a
 // Queue view.
 func (s *Store) Pending(ctx context.Context, stage Stage) ([]Task, int64, error) {
-	tasks, claimed, rev, err := s.readQueue(ctx, stage)
+	tasks, claims, rev, err := s.readQueue(ctx, stage)
 	if err != nil {
 		return nil, 0, err
+	}
+	claimed := make(map[string]bool, len(claims))
+	for _, kv := range claims {
+		claimed[strings.TrimPrefix(string(kv.Key), s.claimPrefix(stage))] = true
 	}
 	out := tasks[:0]
 	for _, t := range tasks {

@@ -113,6 +113,10 @@ type Agent struct {
 	// blocked is set per stage while its worker finds no task whose output
 	// fits (arena, Store): the stage then gossips no free credit.
 	blocked map[jobs.Stage]*atomic.Bool
+	// committing counts, per stage, the tasks whose work is done and whose
+	// credit is back but whose outcome is still being written: admission
+	// counts them as running.
+	committing map[jobs.Stage]*atomic.Int64
 	// relayed counts outputs handed on through the Store; heapPulls pulls
 	// that landed on the heap because the arena was full.
 	relayed, heapPulls atomic.Int64
@@ -131,7 +135,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.validate(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, fed: map[jobs.Stage]fedMark{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, handoffs: map[string]bool{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, fed: map[jobs.Stage]fedMark{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.pullCtx, a.stopPull = context.WithCancel(a.ctx)
 	a.running.init()
@@ -205,6 +209,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	for _, r := range cfg.Roles {
 		a.credits[r] = routing.NewCredits(cfg.Slots[r])
 		a.blocked[r] = &atomic.Bool{}
+		a.committing[r] = &atomic.Int64{}
 	}
 	a.alarms = jobs.NewAlarmWatcher(cli, cfg.AlarmEvery, a.log)
 	if cfg.HTTPListen != "" {

@@ -68,9 +68,15 @@ func (a *Agent) worker(st jobs.Stage) {
 		}
 		a.publishMeta()
 		a.wg.Go(func() {
-			defer a.publishMeta()
-			defer credits.Release()
-			a.execute(c)
+			var once sync.Once
+			workDone := func() {
+				once.Do(func() {
+					credits.Release()
+					a.publishMeta()
+				})
+			}
+			defer workDone()
+			a.execute(c, workDone)
 		})
 	}
 }
@@ -345,7 +351,9 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	}
 	adm := a.cfg.Admission
 	quota := adm.Quota(adm.Budget(credits), producers, a.id)
-	inFlight := a.credits[st].InUse() // running tasks of this stage; this claim has no credit yet
+	// Running tasks of this stage (this claim has no credit yet), and those
+	// done whose commit, which creates their downstream task, is on its way.
+	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
 	ok = adm.Admit(fed+inFlight, quota)
 	// An agent that relays every output through the Store (store mode)
 	// parks them there, not in its arena or a consumer's: the Store's room
@@ -372,7 +380,13 @@ func (a *Agent) pickHint(st jobs.Stage, model string) string {
 }
 
 // execute runs a claimed task and records the outcome in etcd.
-func (a *Agent) execute(c *jobs.Claim) {
+//
+// workDone gives the task's credit back: execute calls it once the stage's
+// work is done, before writing the outcome to etcd. A credit is a slot of
+// the GPU, which a commit does not need; the next task's claim and pull
+// then overlap this one's commit. Until execute returns, the task counts
+// as running for admission (a.committing).
+func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	st := c.Task.Stage
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
 	log.Debug("task claimed")
@@ -388,6 +402,9 @@ func (a *Agent) execute(c *jobs.Claim) {
 	var pulled pullTime
 	out, published, committed, err := a.run(withPullTime(ctx, &pulled), c, &handedOff, &staged)
 	out.Work, out.Pull = time.Since(start), time.Duration(pulled.Load())
+	a.committing[st].Add(1) // before the credit goes back, so admission never counts it out
+	defer a.committing[st].Add(-1)
+	workDone()
 
 	release := func() {
 		for _, id := range published {

@@ -259,10 +259,14 @@ func benchJob(ctx context.Context, cli *httpapi.Client, req httpapi.JobRequest) 
 		}
 		s.stages += r.Millis
 		s.parts["queue"] += ms(r.StartedAt.Sub(prev))
+		s.parts["queue "+string(st)] = ms(r.StartedAt.Sub(prev))
 		s.parts["claim"] += r.ClaimMillis
 		s.parts["pull"] += r.PullMillis
 		s.parts["run"] += r.Millis - r.PullMillis
 		s.parts["commit"] += ms(r.FinishedAt.Sub(r.StartedAt)) - r.ClaimMillis - r.Millis
+		s.parts["stage "+string(st)] = ms(r.FinishedAt.Sub(r.StartedAt))
+		s.parts["pull "+string(st)] = r.PullMillis
+		s.parts["run "+string(st)] = r.Millis - r.PullMillis
 		prev = r.FinishedAt
 	}
 	s.parts["notify"] = ms(t2.Sub(prev))
@@ -277,8 +281,16 @@ func (rep APIBenchReport) WriteTable(w io.Writer) error {
 	row("latency", rep.Latency)
 	row("stages", rep.Stages)
 	row("overhead", rep.Overhead)
+	for _, st := range jobs.Stages() {
+		row(" claimed "+string(st), rep.Breakdown["stage "+string(st)])
+	}
 	for _, k := range []string{"submit", "queue", "claim", "pull", "run", "commit", "notify"} {
 		row(" "+k, rep.Breakdown[k])
+		if k == "queue" || k == "pull" || k == "run" {
+			for _, st := range jobs.Stages() {
+				row("  "+string(st), rep.Breakdown[k+" "+string(st)])
+			}
+		}
 	}
 	if e := rep.Etcd; e != nil {
 		fmt.Fprintf(w, "etcd per job: %.1f requests (%.1f txns, %.1f reads, %.1f writes, %.1f watches opened), %.1f keys read, %.1f raft proposals\n",

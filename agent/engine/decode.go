@@ -192,7 +192,7 @@ func (d *FrameDecoder) Finish() ([]byte, string, error) {
 	}
 	var buf bytes.Buffer
 	if d.pal == nil {
-		if err := png.Encode(&buf, d.rgb); err != nil {
+		if err := pngEncoder.Encode(&buf, d.rgb); err != nil {
 			return nil, "", fmt.Errorf("engine: encode png: %w", err)
 		}
 		return buf.Bytes(), ContentTypePNG, nil
@@ -311,7 +311,7 @@ func (d *FrameDecoder) FramePreview(f int) ([]byte, error) {
 		out = small
 	}
 	var buf bytes.Buffer
-	if err := png.Encode(&buf, out); err != nil {
+	if err := pngEncoder.Encode(&buf, out); err != nil {
 		return nil, fmt.Errorf("engine: encode preview: %w", err)
 	}
 	return buf.Bytes(), nil
@@ -330,3 +330,21 @@ func (e *Engine) Generate(ctx context.Context, s Spec) ([]byte, string, error) {
 	}
 	return e.Decode(ctx, s, lat)
 }
+
+// pngEncoder writes every PNG the engine makes: at BestSpeed, because
+// deflate at the default level was most of a small image's decode (9% of a
+// tiny job's CPU in `bench api`), and with its zlib writers pooled, because
+// each new one allocates and clears about 1 MB.
+var pngEncoder = &png.Encoder{CompressionLevel: png.BestSpeed, BufferPool: &pngBuffers{}}
+
+// pngBuffers is a png.EncoderBufferPool over a sync.Pool.
+type pngBuffers struct{ p sync.Pool }
+
+func (b *pngBuffers) Get() *png.EncoderBuffer {
+	if e, ok := b.p.Get().(*png.EncoderBuffer); ok {
+		return e
+	}
+	return nil
+}
+
+func (b *pngBuffers) Put(e *png.EncoderBuffer) { b.p.Put(e) }

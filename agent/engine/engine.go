@@ -31,7 +31,7 @@ var (
 
 // version names the algorithm. Bump it whenever any stage's output bytes
 // change for some input, since IDs key caches of stage results.
-const version = "builtin/v1"
+const version = "builtin/v2" // v2: PNGs deflated at BestSpeed
 
 // Config shapes the model and its simulated cost. Fields other than the costs
 // and Limits change the output bytes and therefore the engine's ID.
@@ -118,7 +118,7 @@ func makeID(cfg Config) string {
 }
 
 // ID names the engine's algorithm and every setting that changes its output,
-// e.g. "builtin/v1". Equal IDs produce equal bytes for equal Specs.
+// e.g. "builtin/v2". Equal IDs produce equal bytes for equal Specs.
 func (e *Engine) ID() string { return e.id }
 
 // Config returns the engine's (frozen) configuration.

@@ -36,7 +36,11 @@ type APIBenchConfig struct {
 	// the control plane sustains when the one-slot denoise chain, a
 	// claim, pull, run and commit in series, is not the limit.
 	DenoiseSlots int
-	Logger       *zap.Logger
+	// EtcdGRPC has the in-process mesh's agents reach its embedded etcd
+	// over loopback gRPC, as agents on other machines reach theirs,
+	// instead of by function calls (`latentmesh dev`'s default).
+	EtcdGRPC bool
+	Logger   *zap.Logger
 }
 
 // DefaultAPIBenchConfig is one client, 200 jobs of 64x64 in two steps.
@@ -137,6 +141,7 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 		cc := DefaultClusterConfig()
 		cc.Logger = cfg.Logger
 		cc.Topology = "" // agents added below, once their client is counted
+		cc.EtcdInProcess = !cfg.EtcdGRPC
 		if cfg.DenoiseSlots > 0 {
 			cc.Agent.Slots = maps.Clone(cc.Agent.Slots)
 			cc.Agent.Slots[jobs.Denoise] = cfg.DenoiseSlots

@@ -290,24 +290,29 @@ func TestNoSpaceAlarmRefusesJobs(t *testing.T) {
 		t.Fatalf("submit under NOSPACE: %v", err)
 	}
 
-	// The operator's recovery: delete, compact, defragment, disarm.
-	resp, err := cl.Client.Delete(ctx, "/junk/", clientv3.WithPrefix())
+	// The operator's recovery, as etcdctl makes it (over gRPC): delete,
+	// compact, defragment, disarm.
+	op, err := NewEtcdClient(cl.Etcd.Endpoints(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := cl.Client.Compact(ctx, resp.Header.Revision); err != nil {
+	defer op.Close()
+	resp, err := op.Delete(ctx, "/junk/", clientv3.WithPrefix())
+	if err != nil {
 		t.Fatal(err)
 	}
-	ep := cl.Client.Endpoints()[0]
-	if _, err := cl.Client.Defragment(ctx, ep); err != nil {
+	if _, err := op.Compact(ctx, resp.Header.Revision); err != nil {
 		t.Fatal(err)
 	}
-	alarms, err := cl.Client.AlarmList(ctx)
+	if _, err := op.Defragment(ctx, cl.Etcd.Endpoints()[0]); err != nil {
+		t.Fatal(err)
+	}
+	alarms, err := op.AlarmList(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, al := range alarms.Alarms {
-		if _, err := cl.Client.AlarmDisarm(ctx, (*clientv3.AlarmMember)(al)); err != nil {
+		if _, err := op.AlarmDisarm(ctx, (*clientv3.AlarmMember)(al)); err != nil {
 			t.Fatal(err)
 		}
 	}

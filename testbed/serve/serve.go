@@ -17,9 +17,7 @@ import (
 	"time"
 
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
-	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
-	"google.golang.org/grpc"
 
 	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/engine"
@@ -115,17 +113,9 @@ func Run(ctx context.Context, cfg Config) (_ *Report, err error) {
 	if err != nil {
 		return nil, err
 	}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints:   srv.Endpoints(),
-		DialTimeout: 5 * time.Second,
-		DialOptions: []grpc.DialOption{grpc.WithChainUnaryInterceptor(r.ops.intercept)},
-		Logger:      cfg.Logger.Named("etcdclient").WithOptions(zap.IncreaseLevel(zap.ErrorLevel)),
-	})
-	if err != nil {
-		srv.Close()
-		return nil, err
-	}
-	cl := &testbed.Cluster{Etcd: srv, Client: cli}
+	// The agents reach the embedded etcd by function calls, as those of
+	// `latentmesh dev` do; r.ops sees every request.
+	cl := &testbed.Cluster{Etcd: srv, Client: srv.Client(r.ops.observe)}
 	defer func() { err = errors.Join(err, cl.Close()) }()
 
 	for i, rs := range roles {
@@ -434,8 +424,8 @@ func (o *opCounter) reset() {
 	o.conflicts.Store(0)
 }
 
-func (o *opCounter) intercept(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-	err := invoker(ctx, method, req, reply, cc, opts...)
+// observe is an etcdembed.Observer.
+func (o *opCounter) observe(method string, req, reply any, err error) {
 	name := method[strings.LastIndex(method, "/")+1:]
 	if strings.Contains(method, ".Lease/") {
 		name = "Lease" + name
@@ -452,7 +442,6 @@ func (o *opCounter) intercept(ctx context.Context, method string, req, reply any
 			o.conflicts.Add(1)
 		}
 	}
-	return err
 }
 
 // isClaim recognises jobs.Store.TryClaim's transaction: it requires that a

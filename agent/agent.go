@@ -538,6 +538,10 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 		a.metrics.JobRefused()
 		return jobs.Job{}, err
 	}
+	if opts.Push == nil {
+		// The first task goes, claimed, to an encoder with a free slot.
+		_, opts.Push = a.pushTarget(jobs.Encode, spec.ModelName())
+	}
 	var j jobs.Job
 	err := a.onEtcd(ctx, func(ctx context.Context) (err error) {
 		j, err = a.store.Submit(ctx, spec, opts)
@@ -595,10 +599,16 @@ func (a *Agent) StreamFrames(ctx context.Context, id string, emit func(jobs.Fram
 
 // meta is this node's gossiped soft state.
 func (a *Agent) meta() gossip.NodeMeta {
-	m := gossip.NodeMeta{Roles: stagesToRoles(a.cfg.Roles)}
+	var m gossip.NodeMeta
 	total := 0
-	for st, c := range a.credits {
-		if !a.blocked[st].Load() {
+	for _, st := range a.cfg.Roles {
+		c := a.credits[st]
+		// Roles are the stages this node takes work for now (its etcd
+		// record has the ones it is configured for): not while draining,
+		// nor while a stage has no room for its outputs or no engine
+		// slot. Producers hint and push only to those.
+		if !a.blocked[st].Load() && !a.draining.Load() && a.runner.Slots(st) > 0 {
+			m.Roles = append(m.Roles, string(st))
 			// An external engine's declared slots bound the agent's own.
 			free := max(0, min(c.Free(), a.runner.Slots(st)-c.InUse()))
 			m.Free.Set(string(st), uint32(free))

@@ -119,6 +119,9 @@ func (a *Agent) preemptLoop(st jobs.Stage) {
 		q := a.queues[st]
 		queueChanged := q.Changed() // before the view is read
 		pend := q.Pending()
+		for _, c := range q.Pushed(a.id, a.member.Lease()) {
+			pend = append(pend, c.Task) // pushed here, waiting for a slot
+		}
 		now := time.Now()
 		var waiting []routing.Candidate
 		for _, t := range pend {
@@ -169,9 +172,10 @@ func (a *Agent) Drained() <-chan struct{} { return a.drained }
 func (a *Agent) drain(ctx context.Context) error {
 	a.draining.Store(true)
 	a.log.Info("draining: no new tasks", zap.Duration("timeout", a.cfg.DrainTimeout))
+	a.publishMeta() // no free credit: no more hints or pushed claims
 	a.stopPull()
 	a.workers.Wait() // no claim is made after this
-	a.publishMeta()
+	a.returnAllPushes()
 	deadline := time.Now().Add(a.cfg.DrainTimeout)
 	dctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
@@ -210,6 +214,7 @@ func (a *Agent) drain(ctx context.Context) error {
 		a.log.Warn("drain deadline: leaving with outputs not yet consumed; their jobs start over", zap.Int("outputs", len(held)))
 		break
 	}
+	a.returnAllPushes() // any pushed before the peers saw this agent drain
 	a.log.Info("drained")
 	return nil
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,6 +17,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/cache"
+	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
 )
@@ -46,11 +48,25 @@ func (a *Agent) worker(st jobs.Stage) {
 		engineChanged := a.runner.Changed()
 		if credits.Free() == 0 || credits.InUse() >= a.runner.Slots(st) {
 			// No credit, or the engine's slots are taken (none while no
-			// external engine is registered).
+			// external engine is registered). Claims pushed here meanwhile
+			// wait for a slot, or go back to the queue for a free worker.
+			q := a.queues[st]
+			pushes := q.PushChanged(a.id)
+			var due <-chan time.Time
+			timer := (*time.Timer)(nil)
+			if next := a.returnPushes(st, q); !next.IsZero() {
+				timer = time.NewTimer(time.Until(next))
+				due = timer.C
+			}
 			select {
 			case <-freed:
 			case <-engineChanged:
+			case <-pushes:
+			case <-due:
 			case <-a.pullCtx.Done():
+			}
+			if timer != nil {
+				timer.Stop()
 			}
 			continue
 		}
@@ -132,14 +148,21 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		if !ok {
 			// Downstream is full: wait for its queue to move. Credits arrive by
 			// gossip, which etcd cannot watch, so look again within a second.
-			a.waitView(a.queues[down].Changed(), nil, time.Now().Add(time.Second))
+			// A claim pushed here meanwhile may go to a worker that can start it.
+			wake := earliest(time.Now().Add(time.Second), a.returnPushes(st, q))
+			a.waitView(a.queues[down].Changed(), nil, wake)
 			continue
 		}
 		pend := q.Pending()
+		pushed := a.pushedClaims(st, q, lease) // claims made for this agent, to start without a transaction
 		now := time.Now()
 		var wake time.Time
-		byID := make(map[string]jobs.Task, len(pend))
-		cands := make([]routing.Candidate, 0, len(pend))
+		byID := make(map[string]jobs.Task, len(pend)+len(pushed))
+		cands := make([]routing.Candidate, 0, len(pend)+len(pushed))
+		for id, c := range pushed {
+			byID[id] = c.Task
+			cands = append(cands, candidate(c.Task))
+		}
 		for _, t := range pend {
 			if !a.runner.Serves(st, t.Spec.ModelName()) {
 				continue // a model this node's engine does not serve (or none is registered)
@@ -159,6 +182,12 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			t := byID[c.ID]
 			if !fits(t) {
 				continue // memory backpressure: its output has nowhere to go yet
+			}
+			if pc := pushed[t.ID]; pc != nil {
+				q.Take(pc)
+				a.metrics.PushedClaim(st, false)
+				a.setBlocked(st, false)
+				return pc, nil
 			}
 			if q.Claimed(t.ID) {
 				continue // claimed since the scan (another worker won the race): skip the refused claim
@@ -368,15 +397,41 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 }
 
 // pickHint names the preferred worker of the next stage: power of two
-// choices among live peers with credit, same host first.
+// choices among live peers taking work for it with a free slot, same host
+// first.
 func (a *Agent) pickHint(st jobs.Stage, model string) string {
 	var targets []routing.Target
 	for _, p := range a.member.Peers() {
-		if p.Alive && !p.Suspect && p.Record.HasRole(string(st)) && p.Meta.Serves(string(st), model, engine.DefaultModel) {
-			targets = append(targets, routing.Target{Node: p.Record.ID, Free: int(p.Meta.Free.For(string(st))), SameHost: a.sameHost(p)})
+		if takesWork(p, st, model) {
+			targets = append(targets, routing.Target{Node: p.Record.ID, Free: a.freeSlots(p, st), SameHost: a.sameHost(p)})
 		}
 	}
 	return routing.PickHint(targets, nil)
+}
+
+// takesWork reports whether peer p, as gossip has it, takes tasks of stage
+// st for model now: alive, not suspect, and the stage among the roles of
+// its gossiped meta (which leaves out a draining or blocked stage).
+func takesWork(p gossip.Peer, st jobs.Stage, model string) bool {
+	return p.Alive && !p.Suspect && p.Record.HasRole(string(st)) && slices.Contains(p.Meta.Roles, string(st)) &&
+		p.Meta.Serves(string(st), model, engine.DefaultModel)
+}
+
+// freeSlots is how many tasks of stage st peer p could start now. Gossip
+// says, but late: a busy worker that frees a slot is seen free up to a
+// gossip round or two later (measured: a third of the pushes of
+// back-to-back tiny jobs were lost to it). A peer gossip shows full is
+// looked up in this agent's view of the stage's queue, which shows each
+// claim within milliseconds: its registered slots less the claims it
+// holds. Claims held while their commit runs count against it, so the
+// view never shows more room than there is.
+func (a *Agent) freeSlots(p gossip.Peer, st jobs.Stage) int {
+	free := int(p.Meta.Free.For(string(st)))
+	q := a.queues[st]
+	if free > 0 || p.Record.ID == a.id || q == nil { // this node's own meta is exact
+		return free
+	}
+	return max(0, p.Record.Slots[string(st)]-q.HeldBy(p.Record.ID))
 }
 
 // execute runs a claimed task and records the outcome in etcd.
@@ -552,6 +607,14 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 // uncertain reports that some attempt got no answer, so it may have taken
 // effect even if the returned error says otherwise.
 func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log *zap.Logger) (uncertain bool, err error) {
+	if next, last := c.Task.Stage.Next(); !last && out.Push == nil {
+		// The next stage's worker is chosen now, not when the stage began
+		// (a video's denoise takes minutes): one free now gets the task
+		// with its claim.
+		if hint, push := a.pushTarget(next, c.Task.Spec.ModelName()); push != nil {
+			out.Hint, out.Push = hint, push
+		}
+	}
 	backoff := a.cfg.RetryBackoff
 	for attempt := 1; ; attempt++ {
 		actx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)

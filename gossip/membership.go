@@ -26,6 +26,10 @@ type Peer struct {
 	// Registered: the node's record is in etcd now. Peers lists only
 	// registered nodes; Peer reports an unregistered one with false.
 	Registered bool
+	// Lease is the etcd lease the node's registration lives on (0 when
+	// not registered): what the node's claims live on, so a claim made on
+	// the node's behalf (a pushed claim) goes on it too.
+	Lease clientv3.LeaseID
 	// Alive: memberlist counts the node as a member (alive or suspect).
 	// False when it was declared dead or left, or was never seen.
 	Alive bool
@@ -463,7 +467,7 @@ func (m *Membership) peerLocked(id string) Peer {
 	var p Peer
 	if r, ok := m.records[id]; ok {
 		p.Record = r.rec.clone()
-		p.Registered = true
+		p.Registered, p.Lease = true, r.lease
 	} else {
 		p.Record.ID = id
 	}

@@ -63,6 +63,12 @@ type QueuePolicy struct {
 	// every slot of a worker runs batch work makes that worker requeue one
 	// batch task (Preempt). Zero turns preemption off.
 	PreemptAfter time.Duration
+	// Push: a new task's creator claims it for its hinted worker in the
+	// same write, when the hint has a free slot, instead of leaving it for
+	// the worker to claim. The hinted worker starts it without a claim
+	// transaction of its own, and nobody races for it. A pushed task its
+	// worker cannot start is given back (GiveBack).
+	Push bool
 }
 
 // DefaultQueuePolicy lifts a task one class per 30 s of waiting (long next to
@@ -77,7 +83,18 @@ func DefaultQueuePolicy() QueuePolicy {
 		AgingStep:    30 * time.Second,
 		StealGrace:   250 * time.Millisecond,
 		PreemptAfter: 2 * time.Second,
+		Push:         true, // a handoff is one etcd write, not two
 	}
+}
+
+// GiveBack decides whether a worker should return a task pushed to it at
+// pushed (Push) that it has not started by now, to the queue for others:
+// once it has waited StealGrace, as long as another worker of the stage
+// has a free slot (otherwise the task would only wait in the queue
+// instead, and returning it costs two writes: the give-back, then a
+// claim).
+func (p QueuePolicy) GiveBack(pushed, now time.Time, otherFree bool) bool {
+	return otherFree && !now.Before(pushed.Add(p.StealGrace))
 }
 
 // effectiveRank is the class rank minus whole aging steps waited.

@@ -374,3 +374,23 @@ func TestPreempt(t *testing.T) {
 		t.Fatal("PreemptAfter 0 preempted")
 	}
 }
+
+func TestGiveBack(t *testing.T) {
+	p := DefaultQueuePolicy()
+	pushed := time.Unix(1000, 0)
+	for _, c := range []struct {
+		waited    time.Duration
+		otherFree bool
+		want      bool
+	}{
+		{0, true, false},                // just pushed: its worker may free a slot at once
+		{p.StealGrace - 1, true, false}, // still within the grace
+		{p.StealGrace, true, true},      // waited the grace, and another worker is free
+		{time.Minute, false, false},     // nobody else could start it: it waits here as well as in the queue
+		{p.StealGrace + 1, false, false},
+	} {
+		if got := p.GiveBack(pushed, pushed.Add(c.waited), c.otherFree); got != c.want {
+			t.Errorf("GiveBack after %v, other free %v = %v, want %v", c.waited, c.otherFree, got, c.want)
+		}
+	}
+}

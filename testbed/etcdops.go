@@ -5,12 +5,15 @@ import (
 	"strings"
 	"sync/atomic"
 
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // EtcdOps counts what one etcd client asks of etcd: requests by kind, the
 // keys its range reads return, the watches it opens, and its claim
-// transactions (those that put a key under claims/). It is how tests and
+// transactions (those that require a key under claims/ not to exist:
+// jobs.Store.TryClaim's; a commit or submit that pushes a claim writes
+// one without racing for it). It is how tests and
 // `bench api` say what a job, a claim and an idle agent cost etcd.
 type EtcdOps struct {
 	reads, writes, txns, keysRead, watches atomic.Int64
@@ -91,10 +94,16 @@ func (k *countingKV) Txn(ctx context.Context) clientv3.Txn {
 type countingTxn struct {
 	clientv3.Txn
 	o     *EtcdOps
-	claim bool // the transaction puts a claim key
+	claim bool // the transaction races for a claim key
 }
 
 func (t *countingTxn) If(cs ...clientv3.Cmp) clientv3.Txn {
+	for _, c := range cs {
+		pc := pb.Compare(c)
+		if pc.Target == pb.Compare_CREATE && pc.GetCreateRevision() == 0 && strings.Contains(string(pc.Key), "/claims/") {
+			t.claim = true
+		}
+	}
 	t.Txn = t.Txn.If(cs...)
 	return t
 }
@@ -105,11 +114,6 @@ func (t *countingTxn) Else(ops ...clientv3.Op) clientv3.Txn {
 }
 
 func (t *countingTxn) Then(ops ...clientv3.Op) clientv3.Txn {
-	for _, op := range ops {
-		if op.IsPut() && strings.Contains(string(op.KeyBytes()), "/claims/") {
-			t.claim = true
-		}
-	}
 	t.Txn = t.Txn.Then(ops...)
 	return t
 }

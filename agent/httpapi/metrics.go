@@ -26,6 +26,7 @@ type Metrics struct {
 	httpRequests  *prometheus.CounterVec
 	jobsRefused   prometheus.Counter
 	preempted     prometheus.Counter
+	pushedClaims  *prometheus.CounterVec
 }
 
 // NewMetrics registers the series on reg (a fresh registry when nil).
@@ -69,8 +70,12 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 			Name: "latentmesh_tasks_preempted_total",
 			Help: "Batch tasks this agent requeued for waiting interactive work.",
 		}),
+		pushedClaims: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "latentmesh_pushed_claims_total",
+			Help: "Claims pushed to this agent with their task, by stage and outcome: started, or given back to the queue.",
+		}, []string{"stage", "outcome"}),
 	}
-	for _, c := range []prometheus.Collector{m.jobsSubmitted, m.jobsFinished, m.stageSeconds, m.queueDepth, m.freeCredits, m.httpRequests, m.jobsRefused, m.preempted} {
+	for _, c := range []prometheus.Collector{m.jobsSubmitted, m.jobsFinished, m.stageSeconds, m.queueDepth, m.freeCredits, m.httpRequests, m.jobsRefused, m.preempted, m.pushedClaims} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("httpapi: registering metrics: %w", err)
 		}
@@ -86,6 +91,16 @@ func (m *Metrics) JobRefused() { m.jobsRefused.Inc() }
 
 // Preempted counts one task requeued for more urgent work.
 func (m *Metrics) Preempted() { m.preempted.Inc() }
+
+// PushedClaim counts one claim pushed to this agent that it started
+// (given false) or gave back to the queue (given true).
+func (m *Metrics) PushedClaim(s jobs.Stage, given bool) {
+	outcome := "started"
+	if given {
+		outcome = "given_back"
+	}
+	m.pushedClaims.WithLabelValues(string(s), outcome).Inc()
+}
 
 // JobFinished counts one job reaching state s.
 func (m *Metrics) JobFinished(s jobs.State) { m.jobsFinished.WithLabelValues(string(s)).Inc() }

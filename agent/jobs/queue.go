@@ -41,6 +41,17 @@ type Queue struct {
 	seen    int64                // the view holds every change of the queue up to this etcd revision
 	changed chan struct{}        // closed (and replaced) on every change
 	loads   int                  // full reads of the queue, for tests and status
+	// pushedTo indexes the pushed claims by the node they were pushed to
+	// (node -> task ids), so a worker's look at its own costs no scan.
+	pushedTo map[string]map[string]bool
+	// heldBy counts the claims held by each node (claimRecord.Node).
+	heldBy map[string]int
+	// pushWake holds, per node, a channel closed at the next change of the
+	// claims pushed to it (PushChanged).
+	pushWake map[string]chan struct{}
+	// taken are the pushed claims a worker has taken (Take), by task id,
+	// with the claim's revision, until their claim keys go.
+	taken map[string]int64
 }
 
 // claimInfo is what the view knows of a claim key.
@@ -52,7 +63,7 @@ type claimInfo struct {
 
 // NewQueue returns an empty view of stage's queue; Run fills and follows it.
 func (s *Store) NewQueue(stage Stage) *Queue {
-	return &Queue{s: s, stage: stage, tasks: map[string]Task{}, claimed: map[string]claimInfo{}, changed: make(chan struct{})}
+	return &Queue{s: s, stage: stage, tasks: map[string]Task{}, claimed: map[string]claimInfo{}, pushedTo: map[string]map[string]bool{}, heldBy: map[string]int{}, pushWake: map[string]chan struct{}{}, taken: map[string]int64{}, changed: make(chan struct{})}
 }
 
 // Stage is the stage the view follows.
@@ -85,6 +96,67 @@ func (q *Queue) Pending() []Task {
 		}
 	}
 	return out
+}
+
+// Pushed returns the claims pushed to node on lease (Push) that no worker
+// has taken yet, each ready to run: the worker starts one by calling Take,
+// and gives one back with Store.Requeue. Their StartedAt is when they were
+// pushed; ClaimedAt is now.
+func (q *Queue) Pushed(node string, lease clientv3.LeaseID) []*Claim {
+	now := q.s.cfg.Now()
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	var out []*Claim
+	for id := range q.pushedTo[node] {
+		c := q.claimed[id]
+		if rev, ok := q.taken[id]; c.lease != lease || lease == 0 || (ok && rev == c.rev) {
+			continue
+		}
+		t, ok := q.tasks[id]
+		if !ok {
+			continue // a claim left by a task deleted in another transaction: not runnable
+		}
+		out = append(out, &Claim{Task: t, Node: node, Lease: lease, Rev: c.rev, StartedAt: c.rec.StartedAt, ClaimedAt: now, Pushed: true})
+	}
+	return out
+}
+
+// PushChanged returns a channel closed when a claim is pushed to node or
+// one pushed to it goes: a worker busy with every slot sleeps on it rather
+// than on every change of the queue.
+func (q *Queue) PushChanged(node string) <-chan struct{} {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	ch, ok := q.pushWake[node]
+	if !ok {
+		ch = make(chan struct{})
+		q.pushWake[node] = ch
+	}
+	return ch
+}
+
+// pushChangedLocked wakes the waiters of PushChanged(node).
+func (q *Queue) pushChangedLocked(node string) {
+	if ch, ok := q.pushWake[node]; ok {
+		close(ch)
+		delete(q.pushWake, node)
+	}
+}
+
+// HeldBy counts the claims node holds on the stage's tasks: those it runs
+// and those pushed to it that it has yet to start.
+func (q *Queue) HeldBy(node string) int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.heldBy[node]
+}
+
+// Take marks pushed claim c as started, so Pushed no longer returns it.
+// Only the stage's worker loop takes claims, so one is taken once.
+func (q *Queue) Take(c *Claim) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.taken[c.Task.ID] = c.Rev
 }
 
 // FedBy counts the tasks, queued or running, whose input node produced:
@@ -227,10 +299,9 @@ func (q *Queue) apply(evs []*clientv3.Event) {
 	for _, ev := range evs {
 		key := string(ev.Kv.Key)
 		if id, ok := strings.CutPrefix(key, claims); ok {
-			if ev.Type == clientv3.EventTypeDelete {
-				delete(q.claimed, id)
-			} else {
-				q.claimed[id] = q.decodeClaim(ev.Kv)
+			q.unclaimLocked(id)
+			if ev.Type != clientv3.EventTypeDelete {
+				q.claimLocked(id, q.decodeClaim(ev.Kv))
 			}
 			continue
 		}
@@ -245,6 +316,39 @@ func (q *Queue) apply(evs []*clientv3.Event) {
 		}
 	}
 	q.notifyLocked()
+}
+
+// claimLocked records claim c on task id.
+func (q *Queue) claimLocked(id string, c claimInfo) {
+	q.claimed[id] = c
+	q.heldBy[c.rec.Node]++
+	if c.rec.Pushed {
+		if q.pushedTo[c.rec.Node] == nil {
+			q.pushedTo[c.rec.Node] = map[string]bool{}
+		}
+		q.pushedTo[c.rec.Node][id] = true
+		q.pushChangedLocked(c.rec.Node)
+	}
+}
+
+// unclaimLocked forgets the claim on task id, if any.
+func (q *Queue) unclaimLocked(id string) {
+	c, ok := q.claimed[id]
+	if !ok {
+		return
+	}
+	delete(q.claimed, id)
+	delete(q.taken, id)
+	if q.heldBy[c.rec.Node]--; q.heldBy[c.rec.Node] <= 0 {
+		delete(q.heldBy, c.rec.Node)
+	}
+	if set := q.pushedTo[c.rec.Node]; set != nil {
+		delete(set, id)
+		if len(set) == 0 {
+			delete(q.pushedTo, c.rec.Node)
+		}
+		q.pushChangedLocked(c.rec.Node)
+	}
 }
 
 // deleteKeyLocked drops the task stored at key (a task's id is the key's
@@ -289,11 +393,19 @@ func (q *Queue) load(ctx context.Context) (int64, error) {
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	claimed := make(map[string]claimInfo, len(claims))
+	taken := q.taken
+	q.claimed, q.pushedTo, q.heldBy, q.taken = map[string]claimInfo{}, map[string]map[string]bool{}, map[string]int{}, map[string]int64{}
 	for _, kv := range claims {
-		claimed[strings.TrimPrefix(string(kv.Key), q.s.claimPrefix(q.stage))] = q.decodeClaim(kv)
+		id, c := strings.TrimPrefix(string(kv.Key), q.s.claimPrefix(q.stage)), q.decodeClaim(kv)
+		q.claimLocked(id, c)
+		if rev, ok := taken[id]; ok && rev == c.rev {
+			q.taken[id] = rev // still claimed: still taken
+		}
 	}
-	q.tasks, q.claimed, q.synced = byID, claimed, true
+	for node := range q.pushWake {
+		q.pushChangedLocked(node) // the pushes may have changed: look again
+	}
+	q.tasks, q.synced = byID, true
 	q.seen = rev // a new read (after a compaction or a replaced etcd) starts over
 	q.loads++
 	q.notifyLocked()

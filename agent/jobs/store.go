@@ -93,6 +93,10 @@ type Claim struct {
 	// answer carries the fresh record). nil: read it.
 	job    []byte
 	jobRev int64
+
+	// Pushed: the claim was made for this node when its task was created
+	// (Push), not by the node itself; the node has not started it yet.
+	Pushed bool
 }
 
 // claimRecord is what a claim key holds, for operators and status pages.
@@ -101,6 +105,33 @@ type claimRecord struct {
 	Job       string    `json:"job"`
 	Node      string    `json:"node"`
 	StartedAt time.Time `json:"started_at"`
+	// Pushed marks a claim made for Node by the task's creator (Push).
+	Pushed bool `json:"pushed,omitempty"`
+}
+
+// Push names the worker a task is claimed for as it is created, in the
+// same transaction: the producer's hint, a worker with a free slot, and
+// the etcd lease its claims live on. The claim is that worker's as if it
+// had made it (fenced by its revision, gone with the lease), so nobody
+// races for the task and the worker starts it without a claim
+// transaction of its own: a handoff costs one etcd write (the
+// producer's commit) instead of two. The worker finds it in its Queue view
+// (Queue.Pushed), starts it when it has a slot and it comes first in its
+// queue's order, and gives it back (Requeue) when it cannot start it soon
+// while another worker could.
+type Push struct {
+	Node  string
+	Lease clientv3.LeaseID
+}
+
+// pushOps are a push's writes for new task t (Attempt and Hint already
+// set): its claim and progress key on the worker's lease.
+func (s *Store) pushOps(t *Task, p *Push, now time.Time) []clientv3.Op {
+	cr := claimRecord{Task: t.ID, Job: t.JobID, Node: p.Node, StartedAt: now, Pushed: true}
+	return []clientv3.Op{
+		clientv3.OpPut(s.claimKey(t), mustJSON(cr), clientv3.WithLease(p.Lease)),
+		clientv3.OpPut(s.progressKey(t.JobID), mustJSON(Progress{Stage: t.Stage, Node: p.Node}), clientv3.WithLease(p.Lease)),
+	}
 }
 
 // PayloadRecord says where a peer-to-peer output payload lives until its
@@ -119,6 +150,9 @@ type Output struct {
 	Payloads []Input
 	// Hint names the preferred worker for the next stage ("" = anyone).
 	Hint string
+	// Push, if set, claims the next stage's task for Push.Node in the
+	// commit (Push); its Node is then the Hint.
+	Push *Push
 	// Result describes the finished file (last stage only); its Store
 	// object's record is among Records.
 	Result *Result
@@ -264,6 +298,7 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 	now := s.cfg.Now()
 	t := Task{ID: newID(), JobID: newID(), Stage: Encode, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, Spec: spec, EnqueuedAt: now}
 	t.Key = s.taskKey(&t)
+	push := opt.Push
 	rec := record{
 		Job: Job{
 			ID: t.JobID, Spec: spec, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, State: Queued, Stage: Encode,
@@ -271,15 +306,28 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 		},
 		TaskKey: t.Key,
 	}
-	resp, err := s.cli.Txn(ctx).
-		If(clientv3.Compare(clientv3.CreateRevision(s.jobKey(t.JobID)), "=", 0)).
-		Then(clientv3.OpPut(s.jobKey(t.JobID), mustJSON(rec)), clientv3.OpPut(t.Key, mustJSON(t))).
-		Commit()
-	if err != nil {
-		return Job{}, fmt.Errorf("jobs: submit: %w", err)
-	}
-	if !resp.Succeeded {
-		return Job{}, fmt.Errorf("jobs: submit: job id %s collided", t.JobID)
+	for {
+		task, ops := t, []clientv3.Op{clientv3.OpPut(s.jobKey(t.JobID), mustJSON(rec))}
+		if push != nil {
+			task.Attempt, task.Hint = 1, push.Node
+			ops = append(ops, s.pushOps(&task, push, now)...)
+		}
+		ops = append(ops, clientv3.OpPut(t.Key, mustJSON(task)))
+		resp, err := s.cli.Txn(ctx).
+			If(clientv3.Compare(clientv3.CreateRevision(s.jobKey(t.JobID)), "=", 0)).
+			Then(ops...).
+			Commit()
+		if push != nil && cache.LeaseGone(err) {
+			push = nil // the worker's lease ended: queue the task for anyone
+			continue
+		}
+		if err != nil {
+			return Job{}, fmt.Errorf("jobs: submit: %w", err)
+		}
+		if !resp.Succeeded {
+			return Job{}, fmt.Errorf("jobs: submit: job id %s collided", t.JobID)
+		}
+		break
 	}
 	s.log.Debug("submitted", zap.String("job", t.JobID), zap.Stringer("class", class))
 	return rec.Job, nil
@@ -694,7 +742,11 @@ func (s *Store) finishOps(c *Claim) []clientv3.Op {
 // when only the job record changed under it (another writer, e.g. Cancel
 // racing a commit), returns ErrFenced when the claim is gone, and ErrFinished
 // (after dropping the claim) when the job was cancelled meanwhile.
-func (s *Store) update(ctx context.Context, c *Claim, what string, records []StagedRecord, mutate func(*record) ([]clientv3.Op, error)) error {
+//
+// leaseGone, if not nil, is asked first when etcd refuses the transaction
+// for a lease it does not know: true means it dropped what named that lease
+// (a push to a worker whose lease ended), and the update goes again.
+func (s *Store) update(ctx context.Context, c *Claim, what string, records []StagedRecord, leaseGone func() bool, mutate func(*record) ([]clientv3.Op, error)) error {
 	renewals := 0
 	known, knownRev := c.job, c.jobRev // the record as last seen, if any
 	for {
@@ -730,9 +782,13 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 		for _, r := range records {
 			ops = append(ops, r.Op())
 		}
+		ops = putsReplaceDeletes(ops)
 		cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(s.jobKey(rec.ID)), "=", rev))
 		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).
 			Else(clientv3.OpGet(s.claimKey(&c.Task)), clientv3.OpGet(s.jobKey(rec.ID))).Commit()
+		if cache.LeaseGone(err) && leaseGone != nil && leaseGone() {
+			continue // (rare) the record is read again, since mutate edited this copy
+		}
 		if cache.LeaseGone(err) && renewals < leaseRenewals {
 			// The error does not say whose lease is gone: renew them all.
 			renewals++
@@ -758,6 +814,26 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			known, knownRev = jk[0].Value, jk[0].ModRevision
 		}
 	}
+}
+
+// putsReplaceDeletes drops the deletes of single keys that ops also put
+// (a commit's push writes the progress key that finishing a stage
+// deletes): etcd refuses a transaction that names one key twice.
+func putsReplaceDeletes(ops []clientv3.Op) []clientv3.Op {
+	put := map[string]bool{}
+	for _, op := range ops {
+		if op.IsPut() {
+			put[string(op.KeyBytes())] = true
+		}
+	}
+	out := ops[:0]
+	for _, op := range ops {
+		if op.IsDelete() && len(op.RangeBytes()) == 0 && put[string(op.KeyBytes())] {
+			continue
+		}
+		out = append(out, op)
+	}
+	return out
 }
 
 // Drop gives up a claim, if it is still ours, without touching the task or
@@ -799,7 +875,15 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 	if !last && len(out.Payloads) == 0 {
 		return fmt.Errorf("jobs: commit of %s without output payloads", c.Task.Stage)
 	}
-	return s.update(ctx, c, "commit", out.Records, func(rec *record) ([]clientv3.Op, error) {
+	push := out.Push
+	dropPush := func() bool {
+		if push == nil {
+			return false
+		}
+		push = nil // the worker's lease ended: queue the task for anyone
+		return true
+	}
+	return s.update(ctx, c, "commit", out.Records, dropPush, func(rec *record) ([]clientv3.Op, error) {
 		now := s.cfg.Now()
 		if rec.Stages == nil {
 			rec.Stages = map[Stage]*StageRecord{}
@@ -822,6 +906,10 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 			Inputs: out.Payloads, Hint: out.Hint, EnqueuedAt: now,
 		}
 		t.Key = s.taskKey(&t)
+		if push != nil {
+			t.Attempt, t.Hint = 1, push.Node
+			ops = append(ops, s.pushOps(&t, push, now)...)
+		}
 		for _, p := range out.Payloads {
 			if !p.Store {
 				ops = append(ops, clientv3.OpPut(s.payloadKey(p.Payload), mustJSON(PayloadRecord{Input: p, Job: rec.ID, Stage: c.Task.Stage})))
@@ -835,7 +923,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 // Fail ends the job with an error (a deterministic failure: retrying would
 // fail the same way). Inputs are released.
 func (s *Store) Fail(ctx context.Context, c *Claim, code, msg string) error {
-	return s.update(ctx, c, "fail", nil, func(rec *record) ([]clientv3.Op, error) {
+	return s.update(ctx, c, "fail", nil, nil, func(rec *record) ([]clientv3.Op, error) {
 		rec.State, rec.Stage, rec.TaskKey = Failed, "", ""
 		rec.Error = &Error{Code: code, Message: msg}
 		return s.releaseOps(c.Task.Inputs), nil
@@ -846,7 +934,7 @@ func (s *Store) Fail(ctx context.Context, c *Claim, code, msg string) error {
 // lost with its producer. The engine is deterministic, so the output is the
 // same. After MaxRewinds the job fails instead.
 func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
-	return s.update(ctx, c, "rewind", nil, func(rec *record) ([]clientv3.Op, error) {
+	return s.update(ctx, c, "rewind", nil, nil, func(rec *record) ([]clientv3.Op, error) {
 		ops := s.releaseOps(c.Task.Inputs)
 		if rec.Rewinds >= s.cfg.MaxRewinds {
 			rec.State, rec.Stage, rec.TaskKey = Failed, "", ""

@@ -89,6 +89,9 @@ type Options struct {
 	// class, queues serve the earliest deadline first; a missed deadline
 	// does not cancel the job.
 	Deadline time.Time
+	// Push claims the job's first task for a worker at submission (see
+	// Push); nil queues it for any worker to claim.
+	Push *Push
 }
 
 // Job is the durable record of one generation request, stored as JSON at

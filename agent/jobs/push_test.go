@@ -1,0 +1,149 @@
+package jobs
+
+import (
+	"context"
+	"testing"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// A pushed claim: the submit (or a commit) claims the new task for the
+// named worker in its own transaction. The worker's view offers it once
+// (Pushed, then Take), the task is never pending for others, and the
+// worker runs and commits it as if it had claimed it: fenced by the claim
+// the push made, which lives on the worker's lease.
+func TestPushedClaims(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	enc, den := runQueue(t, s, Encode), runQueue(t, s, Denoise)
+	encLease, denLease := grant(t, cli), grant(t, cli)
+
+	job, err := s.Submit(ctx, spec(), Options{Class: routing.Interactive, Push: &Push{Node: "enc-1", Lease: encLease}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	within(t, "push seen", func() bool { return len(enc.Pushed("enc-1", encLease)) == 1 })
+	if p := enc.Pending(); len(p) != 0 {
+		t.Fatalf("a pushed task is pending for others: %+v", p)
+	}
+	if n := len(enc.Pushed("enc-2", encLease)) + len(enc.Pushed("enc-1", denLease)); n != 0 {
+		t.Fatalf("%d pushed claims offered to another node or lease", n)
+	}
+	c := enc.Pushed("enc-1", encLease)[0]
+	if !c.Pushed || c.Task.JobID != job.ID || c.Task.Attempt != 1 || c.Task.Hint != "enc-1" || c.Lease != encLease {
+		t.Fatalf("pushed claim %+v", c)
+	}
+	enc.Take(c)
+	if n := len(enc.Pushed("enc-1", encLease)); n != 0 {
+		t.Fatalf("a taken claim is offered again (%d)", n)
+	}
+	// Someone else's claim attempt on the pushed task loses.
+	if _, err := s.TryClaim(ctx, c.Task, "enc-2", grant(t, cli)); err != ErrTaken {
+		t.Fatalf("claim of a pushed task: %v, want ErrTaken", err)
+	}
+	// The worker commits on the pushed claim, pushing denoise on.
+	if err := s.Commit(ctx, c, Output{Payloads: payload("cond", "enc-1"), Hint: "den-1", Push: &Push{Node: "den-1", Lease: denLease}}); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "denoise push seen", func() bool { return len(den.Pushed("den-1", denLease)) == 1 })
+	within(t, "encode claim gone", func() bool { _, r := enc.Depth(); return r == 0 })
+	dc := den.Pushed("den-1", denLease)[0]
+	j, err := s.Get(ctx, job.ID)
+	if err != nil || j.Progress == nil || j.Progress.Stage != Denoise || j.Progress.Node != "den-1" {
+		t.Fatalf("progress after the push: %+v %v", j.Progress, err)
+	}
+	// The pushed worker gives it back (it has no slot): the task is pending
+	// for anyone, its claim gone, and a give-back is not a failed attempt.
+	if err := s.Requeue(ctx, dc); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "given back", func() bool { return len(den.Pending()) == 1 && len(den.Pushed("den-1", denLease)) == 0 })
+	back := den.Pending()[0]
+	if back.Requeues != 1 || back.Attempt != 1 {
+		t.Fatalf("given-back task: attempt %d, requeues %d", back.Attempt, back.Requeues)
+	}
+	c2, err := s.TryClaim(ctx, back, "den-2", grant(t, cli))
+	if err != nil || c2.Task.Attempt != 2 {
+		t.Fatalf("claim after the give-back: %+v %v", c2, err)
+	}
+}
+
+// A push to a worker whose lease has ended (it died after the producer
+// chose it) must not fail the submit or the commit: the task is queued
+// for anyone instead.
+func TestPushToEndedLease(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	enc := runQueue(t, s, Encode)
+	dead := grant(t, cli)
+	if _, err := cli.Revoke(ctx, dead); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Submit(ctx, spec(), Options{Class: routing.Standard, Push: &Push{Node: "gone", Lease: dead}}); err != nil {
+		t.Fatalf("submit pushing to an ended lease: %v", err)
+	}
+	within(t, "queued", func() bool { return len(enc.Pending()) == 1 })
+	c, err := s.TryClaim(ctx, enc.Pending()[0], "enc-1", grant(t, cli))
+	if err != nil {
+		t.Fatal(err)
+	}
+	den := runQueue(t, s, Denoise)
+	if err := s.Commit(ctx, c, Output{Payloads: payload("cond", "enc-1"), Hint: "gone", Push: &Push{Node: "gone", Lease: dead}}); err != nil {
+		t.Fatalf("commit pushing to an ended lease: %v", err)
+	}
+	within(t, "denoise queued", func() bool { return len(den.Pending()) == 1 })
+	if resp, err := cli.Get(ctx, s.claimPrefix(Denoise), clientv3.WithPrefix(), clientv3.WithCountOnly()); err != nil || resp.Count != 0 {
+		t.Fatalf("denoise claims %v %v, want none", resp.Count, err)
+	}
+}
+
+// A stage's tasks and claims reach the view in one watch: a commit that
+// deletes a task and its claim never shows the task as pending, nor does
+// a push show its task unclaimed. Checked on every change the view makes
+// while tasks are submitted, pushed and committed in a loop.
+func TestQueueNeverShowsAFinishedTaskPending(t *testing.T) {
+	s, cli := newStore(t)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	q := runQueue(t, s, Encode)
+	lease := grant(t, cli)
+	bad := make(chan string, 1)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			ch := q.Changed()
+			if p := q.Pending(); len(p) > 0 {
+				select {
+				case bad <- p[0].ID:
+				default:
+				}
+			}
+			select {
+			case <-ch:
+			case <-ctx.Done():
+			}
+		}
+	}()
+	for i := range 40 {
+		if _, err := s.Submit(ctx, spec(), Options{Class: routing.Standard, Push: &Push{Node: "enc-1", Lease: lease}}); err != nil {
+			t.Fatal(err)
+		}
+		within(t, "push seen", func() bool { return len(q.Pushed("enc-1", lease)) == 1 })
+		c := q.Pushed("enc-1", lease)[0]
+		q.Take(c)
+		if err := s.Commit(ctx, c, Output{Payloads: payload("cond", "enc-1")}); err != nil {
+			t.Fatalf("commit %d: %v", i, err)
+		}
+		within(t, "commit seen", func() bool { n, r := q.Depth(); return n == 0 && r == 0 })
+	}
+	cancel()
+	<-done
+	select {
+	case id := <-bad:
+		t.Fatalf("the view showed task %s pending: pushed and committed tasks never are", id)
+	default:
+	}
+}

@@ -1,0 +1,111 @@
+package agent
+
+import (
+	"context"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+// Pushed claims (jobs.Push, routing.QueuePolicy.Push): whoever creates a
+// task, a submitting API or a committing worker, claims it in the same
+// write for the worker it hints, when that worker has a free slot. The
+// worker finds the claim in its queue view and starts it with no claim
+// transaction of its own, and nobody races for it: a handoff costs one
+// etcd write instead of two. What a worker cannot start soon it gives
+// back to the queue.
+
+// pushTarget is the worker of stage st that a new task for model should go
+// to (pickHint: one with a free slot), and, when the queue policy pushes,
+// the claim to make for it, on the lease its registration lives on.
+func (a *Agent) pushTarget(st jobs.Stage, model string) (hint string, push *jobs.Push) {
+	hint = a.pickHint(st, model)
+	if hint == "" || !a.cfg.Queue.Push {
+		return hint, nil
+	}
+	if p, ok := a.member.Peer(hint); ok && p.Lease != 0 {
+		return hint, &jobs.Push{Node: hint, Lease: p.Lease}
+	}
+	return hint, nil
+}
+
+// pushedClaims are the claims pushed to this agent for stage st that it
+// may start, by task id. One for a model its engine does not serve (an
+// engine that re-registered without it) is given back at once.
+func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Queue, lease clientv3.LeaseID) map[string]*jobs.Claim {
+	cs := q.Pushed(a.id, lease)
+	if len(cs) == 0 {
+		return nil
+	}
+	out := make(map[string]*jobs.Claim, len(cs))
+	for _, c := range cs {
+		if !a.runner.Serves(st, c.Task.Spec.ModelName()) {
+			a.giveBack(q, c, "model not served here")
+			continue
+		}
+		out[c.Task.ID] = c
+	}
+	return out
+}
+
+// returnPushes gives back the claims pushed to this agent for stage st
+// that it has had no slot to start for the steal grace while another
+// worker could start them (routing.QueuePolicy.GiveBack). It returns when
+// to look again (zero: nothing is waiting).
+func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
+	now := time.Now()
+	for _, c := range q.Pushed(a.id, a.member.Lease()) {
+		if a.cfg.Queue.GiveBack(c.StartedAt, now, a.otherFree(st, c.Task.Spec.ModelName())) {
+			a.giveBack(q, c, "no free slot")
+			continue
+		}
+		due := c.StartedAt.Add(a.cfg.Queue.StealGrace)
+		if !due.After(now) {
+			// Due, but no other worker is free either: free credits arrive
+			// by gossip, which cannot be waited on, so look within a second.
+			due = now.Add(time.Second)
+		}
+		next = earliest(next, due)
+	}
+	return next
+}
+
+// otherFree reports whether a live worker of stage st other than this one
+// has a free slot for model, as gossip says.
+func (a *Agent) otherFree(st jobs.Stage, model string) bool {
+	for _, p := range a.member.Peers() {
+		if p.Record.ID != a.id && takesWork(p, st, model) && a.freeSlots(p, st) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// giveBack returns pushed claim c to the queue (fenced by the claim, as a
+// requeue), and marks it taken so that it is not given back twice while
+// the view has yet to see the claim go.
+func (a *Agent) giveBack(q *jobs.Queue, c *jobs.Claim, why string) {
+	ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
+	defer cancel()
+	if err := a.store.Requeue(ctx, c); err != nil {
+		a.log.Debug("giving back a pushed claim", zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.Error(err))
+		return // fenced (gone already), or etcd failed: the next look tries again
+	}
+	q.Take(c)
+	a.metrics.PushedClaim(c.Task.Stage, true)
+	a.log.Debug("pushed claim given back", zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.String("why", why))
+}
+
+// returnAllPushes gives back every claim pushed to this agent: it is
+// draining and starts nothing more.
+func (a *Agent) returnAllPushes() {
+	for _, st := range a.cfg.Roles {
+		q := a.queues[st]
+		for _, c := range q.Pushed(a.id, a.member.Lease()) {
+			a.giveBack(q, c, "draining")
+		}
+	}
+}

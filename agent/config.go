@@ -164,6 +164,9 @@ func DefaultLocalConfig() Config {
 	c.Transfer.Arena.Size = 64 << 20
 	c.Transfer.Arena.HugePages = false
 	c.Store.MaintainEvery = time.Second // re-replicate quickly in tests
+	// The same rate of job-record reads for the orphan check as the
+	// default (500 per 10 s pass), at ten passes as often.
+	c.Store.OrphanBatch = 50
 	c.Store.StageTimeout = 30 * time.Second
 	c.AlarmEvery = time.Second
 	return c

@@ -46,8 +46,16 @@ type Config struct {
 	RequestTimeout time.Duration
 	// MaintainEvery is the period of the maintenance pass: reconcile held
 	// copies with the records, re-replicate objects that lost a holder,
-	// collect orphans. A member leaving triggers a pass at once (Kick).
+	// collect lost, expired and orphaned objects. A pass works from the
+	// records the Store's watch keeps in memory and reads none from etcd.
+	// A member leaving triggers a pass at once (Kick).
 	MaintainEvery time.Duration
+	// OrphanBatch is the most objects the collector asks Orphans about in
+	// one pass, taken in id order from where the previous pass stopped:
+	// each question costs the agent reads of job records in etcd, so a
+	// pass costs the same however many objects are retained, and every
+	// object is asked about within ceil(objects/OrphanBatch) passes.
+	OrphanBatch int
 	// LostGrace is how long every holder of an object must have been
 	// gone (not alive in gossip and not registered in etcd, as the
 	// collector saw it on each of its passes) before the collector deletes
@@ -90,6 +98,7 @@ func DefaultConfig() Config {
 		StageTimeout:   2 * time.Minute,  // a put's copy plus a commit retried across an etcd hiccup
 		RequestTimeout: 60 * time.Second, // copying 4 GiB at ~1 GB/s on a busy link
 		MaintainEvery:  10 * time.Second, // a departure is kicked at once; this is the safety net
+		OrphanBatch:    500,              // at most 500 job records read a pass; 2,000 objects all asked about in 40 s
 		LostGrace:      5 * time.Minute,  // outlasts partitions and stalls a holder recovers from
 		ExpiryGrace:    time.Minute,
 		MaxFrame:       16 << 10, // a request is two refs and an id
@@ -112,6 +121,8 @@ func (c Config) validate() (Config, error) {
 		return c, fmt.Errorf("cache: config: Replicas %d not in [1,8]", c.Replicas)
 	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0:
 		return c, errors.New("cache: config: timeouts must be positive (start from DefaultConfig)")
+	case c.OrphanBatch < 1:
+		return c, fmt.Errorf("cache: config: OrphanBatch %d < 1", c.OrphanBatch)
 	case c.MaxFrame < 1024:
 		return c, fmt.Errorf("cache: config: MaxFrame %d < 1024", c.MaxFrame)
 	}

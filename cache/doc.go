@@ -18,8 +18,14 @@
 // object: the consuming stage's fenced commit (Consume), time (TTL, via an
 // etcd lease per retention bucket), nobody but an explicit delete or its
 // retention (Pinned), or the holder's LRU eviction (Cache). Holders watch the
-// records and free what is deleted; each agent's maintenance pass re-replicates
-// objects that lost a holder, and one agent at a time collects orphans.
+// records and free what is deleted. The same watch keeps an index of the
+// records in each agent's memory (listed once at start, again only when etcd
+// compacted the watch away or was replaced), and each agent's periodic
+// maintenance pass works from it, reading no record from etcd: it
+// reconciles the copies held with the records, re-replicates objects that
+// lost a holder, and on one agent at a time collects lost and expired
+// objects and asks the agent about a bounded batch of objects whose job may
+// be gone (OrphanBatch a pass, in turn).
 //
 // cache sits beside transfer: it imports transfer and etcd, never agent.
 // The agent (and agent/jobs, for record keys in its commits) use it.

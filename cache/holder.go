@@ -30,7 +30,7 @@ type copyOf struct {
 	committed bool // seen in a record that lists it
 	// rev is the etcd revision of the newest record state applied to this
 	// copy: a watch event or a list older than that is stale for it and
-	// must not free it (the watch and the maintenance list race).
+	// must not free it, whatever order they are applied in.
 	rev int64
 	lru *list.Element // in holdings.lru while committed and a Cache object
 }

@@ -105,7 +105,7 @@ func TestStaleRecordStateKeepsCopy(t *testing.T) {
 	// A newer delete frees a copy a list committed.
 	c = holdCopy(t, s, x, "obj", pattern(4096, 2))
 	rec.Holders[0].Ref = c.ref
-	s.reconcile([]listed{{Record: rec}}, 20)
+	s.reconcile([]*listed{{Record: rec}}, 20)
 	if st := s.LocalStats(); st.Copies != 1 || st.Staged != 0 {
 		t.Fatalf("a list naming the copy did not commit it: %+v", st)
 	}

@@ -45,7 +45,7 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-func etcdEndpoints(t *testing.T) []string {
+func etcdEndpoints(t testing.TB) []string {
 	t.Helper()
 	testEtcd.once.Do(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -72,7 +72,7 @@ type node struct {
 // cluster is an in-process mesh of Stores on one etcd, with a member list
 // the test controls: kill removes a node from it and closes the node.
 type cluster struct {
-	t      *testing.T
+	t      testing.TB
 	cli    *clientv3.Client
 	prefix string
 	nodes  []*node // every node ever started, in order
@@ -91,10 +91,11 @@ type clusterConfig struct {
 	orphans Orphans       // passed to every Store
 	arena   int64         // arena bytes; 0: 16 MiB
 	xtune   func(*transfer.Config)
+	client  func(*clientv3.Client) // adjusts the etcd client before any Store uses it
 }
 
 // testStoreConfig is DefaultConfig with the short periods of a test.
-func testStoreConfig(t *testing.T, prefix, name string) Config {
+func testStoreConfig(t testing.TB, prefix, name string) Config {
 	cfg := DefaultConfig()
 	cfg.Prefix = prefix
 	cfg.Node = name
@@ -105,7 +106,7 @@ func testStoreConfig(t *testing.T, prefix, name string) Config {
 	return cfg
 }
 
-func newCluster(t *testing.T, cc clusterConfig) *cluster {
+func newCluster(t testing.TB, cc clusterConfig) *cluster {
 	t.Helper()
 	cli, err := clientv3.New(clientv3.Config{
 		Endpoints:   etcdEndpoints(t),
@@ -114,6 +115,9 @@ func newCluster(t *testing.T, cc clusterConfig) *cluster {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if cc.client != nil {
+		cc.client(cli)
 	}
 	c := &cluster{t: t, cli: cli, prefix: fmt.Sprintf("/cachetest/%d", prefixSeq.Add(1)), live: map[string]*node{}}
 	t.Cleanup(c.close)

@@ -2,49 +2,112 @@ package cache
 
 import (
 	"context"
+	"slices"
+	"strings"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/transfer"
 )
 
-// watchLoop follows the object records: a record that names one of our
-// staged copies commits it; a record deleted, or rewritten without our
-// copy, frees it. A watch that etcd compacted away is replaced by a full
-// reconcile, then watched from there.
+// watchLoop follows the object records into the index and the holdings:
+// a record that names one of our staged copies commits it; a record
+// deleted, or rewritten without our copy, frees it. It lists the records
+// first, and again when etcd compacted the watch away or was replaced,
+// loading the index and reconciling the copies with the list, then watches
+// from the list's revision.
 func (s *Store) watchLoop() {
-	var next int64
+	epoch := s.currentEpoch()
+	var next int64 // the revision to follow from; 0: list first
+	kick := false  // run a pass once listed: etcd was replaced
 	for s.ctx.Err() == nil {
+		if epoch.Err() != nil {
+			// The index and the copies' revisions follow a history the
+			// new etcd does not have. The reset waits for a pass that is
+			// reconciling, and stops the next ones until the list.
+			s.log.Info("etcd replaced; listing the objects again")
+			s.idx.reset()
+			s.hold.forgetRevisions()
+			epoch, next, kick = s.currentEpoch(), 0, true
+		}
 		if next == 0 {
-			ctx, cancel := context.WithTimeout(s.ctx, 10*time.Second)
+			ctx, cancel := context.WithTimeout(epoch, 10*time.Second)
 			ls, rev, err := s.list(ctx, "")
 			cancel()
 			if err != nil {
-				s.log.Warn("list objects", zap.Error(err))
-				s.pause(time.Second)
+				if epoch.Err() == nil {
+					s.log.Warn("list objects", zap.Error(err))
+					s.pause(time.Second)
+				}
 				continue
 			}
+			s.idx.mu.Lock()
+			s.idx.loadLocked(ls, rev)
 			s.reconcile(ls, rev)
+			s.idx.mu.Unlock()
+			next = rev + 1
+			if kick {
+				s.Kick()
+				kick = false
+			}
+		}
+		if next = s.follow(epoch, next); next != 0 && epoch.Err() == nil {
+			s.pause(time.Second) // the watch broke (leader loss, etcd restart): re-establish
+		}
+	}
+}
+
+// follow applies the object watch from revision next until it breaks or
+// epoch ends, and returns the revision to resume at; 0 (the index reset
+// for a new list) when etcd compacted that revision away.
+func (s *Store) follow(epoch context.Context, next int64) int64 {
+	ctx, cancel := context.WithCancel(clientv3.WithRequireLeader(epoch))
+	defer cancel()
+	for wr := range s.cli.Watch(ctx, ObjectsPrefix(s.cfg.Prefix), clientv3.WithPrefix(), clientv3.WithPrevKV(), clientv3.WithRev(next)) {
+		if wr.CompactRevision > 0 {
+			s.log.Info("object watch compacted; listing again", zap.Int64("from", next), zap.Int64("compacted", wr.CompactRevision))
+			s.idx.reset()
+			return 0
+		}
+		if rev := s.applyResponse(wr); rev > 0 {
 			next = rev + 1
 		}
-		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(s.ctx))
-		for wr := range s.cli.Watch(wctx, ObjectsPrefix(s.cfg.Prefix), clientv3.WithPrefix(), clientv3.WithPrevKV(), clientv3.WithRev(next)) {
-			if wr.CompactRevision > 0 {
-				s.log.Info("object watch compacted; reconciling", zap.Int64("from", next), zap.Int64("compacted", wr.CompactRevision))
-				next = 0
-				break
-			}
-			for _, ev := range wr.Events {
-				s.apply(ev)
-			}
-			if wr.Header.Revision > 0 {
-				next = wr.Header.Revision + 1
-			}
-		}
-		cancel()
-		s.pause(time.Second) // the watch broke (leader loss, etcd restart): re-establish
 	}
+	return next
+}
+
+// applyResponse applies one watch response to the holdings and the index,
+// as one step (see index.mu), and returns the revision of its last event
+// (0 for none). A response holds whole revisions, so the index is whole
+// through that one. Only events advance it: the header's revision of a
+// response may run ahead of the events delivered so far (etcd catching a
+// watcher up, a thousand revisions at a time).
+func (s *Store) applyResponse(wr clientv3.WatchResponse) int64 {
+	if len(wr.Events) == 0 {
+		return 0
+	}
+	objects := ObjectsPrefix(s.cfg.Prefix)
+	s.idx.mu.Lock()
+	defer s.idx.mu.Unlock()
+	for _, ev := range wr.Events {
+		rec, ok := s.apply(ev)
+		id := strings.TrimPrefix(string(ev.Kv.Key), objects)
+		switch {
+		case ok && rec.ID == id:
+			s.idx.putLocked(&listed{Record: rec, modRev: ev.Kv.ModRevision, lease: clientv3.LeaseID(ev.Kv.Lease)})
+		case ok:
+			s.log.Warn("object record at another id's key; not maintained", zap.ByteString("key", ev.Kv.Key), zap.String("id", rec.ID))
+			s.idx.deleteLocked(id)
+		default: // deleted, or rewritten with a value that does not decode
+			s.idx.deleteLocked(id)
+		}
+	}
+	rev := wr.Events[len(wr.Events)-1].Kv.ModRevision
+	s.idx.rev = max(s.idx.rev, rev)
+	return rev
 }
 
 func (s *Store) pause(d time.Duration) {
@@ -57,14 +120,16 @@ func (s *Store) pause(d time.Duration) {
 }
 
 // apply reacts to one record event. A copy that a newer record state has
-// already reached (through a maintenance list) ignores the event.
-func (s *Store) apply(ev *clientv3.Event) {
+// already reached (through a list) ignores the event. It returns the
+// record a put leaves; ok is false for a delete, and for a put whose value
+// does not decode.
+func (s *Store) apply(ev *clientv3.Event) (put Record, ok bool) {
 	rev := ev.Kv.ModRevision
 	switch ev.Type {
 	case mvccpb.PUT:
 		rec, err := decodeRecord(ev.Kv.Value)
 		if err != nil {
-			return
+			return Record{}, false
 		}
 		ref, listed := rec.Holds(s.cfg.Node)
 		for _, c := range s.hold.copiesOf(rec.ID) {
@@ -83,13 +148,14 @@ func (s *Store) apply(ev *clientv3.Event) {
 				s.Kick()
 			}
 		}
+		return rec, true
 	case mvccpb.DELETE:
 		if ev.PrevKv == nil {
-			return
+			return Record{}, false
 		}
 		rec, err := decodeRecord(ev.PrevKv.Value)
 		if err != nil {
-			return
+			return Record{}, false
 		}
 		ref, listed := rec.Holds(s.cfg.Node)
 		for _, c := range s.hold.copiesOf(rec.ID) {
@@ -97,25 +163,26 @@ func (s *Store) apply(ev *clientv3.Event) {
 			s.hold.dropIf(c.ref.ID, staleBefore(rev, !named))
 		}
 	}
+	return Record{}, false
 }
 
-// reconcile compares the copies held with the records listed at revision
-// rev: listed copies are committed, committed copies no record lists are
-// freed, and staged copies older than StageTimeout with no record are
-// dropped. It runs on every maintenance pass and after a compacted watch,
-// whose deletions were lost. A copy the watch has meanwhile seen in a newer
-// record state is left to the watch: the list is older than what it knows.
-func (s *Store) reconcile(ls []listed, rev int64) {
-	byID := make(map[string]Record, len(ls))
-	for _, l := range ls {
-		byID[l.ID] = l.Record
-	}
+// reconcile compares the copies held with the records ls (in id order)
+// that are whole through revision rev: named copies are committed,
+// committed copies no record names are freed, and staged copies older than
+// StageTimeout with no record are dropped. It runs on every list (start,
+// a compacted watch, whose deletions were lost, a replaced etcd) and on
+// every maintenance pass, with the index. A copy that has seen a record
+// state newer than rev is left alone: ls is older than what it knows.
+func (s *Store) reconcile(ls []*listed, rev int64) {
 	now := s.cfg.Now()
 	for _, c := range s.hold.snapshot() {
-		rec, ok := byID[c.object]
-		ref, listed := rec.Holds(s.cfg.Node)
+		var ref transfer.Ref
+		named := false
+		if l := lookup(ls, c.object); l != nil {
+			ref, named = l.Holds(s.cfg.Node)
+		}
 		switch {
-		case ok && listed && ref.ID == c.ref.ID:
+		case named && ref.ID == c.ref.ID:
 			s.hold.commit(c.ref.ID, rev)
 		case c.committed:
 			if s.hold.dropIf(c.ref.ID, staleBefore(rev, true)) {
@@ -147,16 +214,38 @@ func (s *Store) maintainLoop() {
 	}
 }
 
-// maintain is one pass over every record: reconcile our copies, repair the
-// objects this node is responsible for, and collect if this node is the
-// collector. One range read per pass.
+// maintain is one pass over the records of the index: reconcile our
+// copies with them, then tend them. It reads no record from etcd; the
+// watch keeps the index current. While the index is not loaded (at start,
+// or while the watch lists again) a pass does nothing.
 func (s *Store) maintain(ctx context.Context) {
-	ls, rev, err := s.list(ctx, "")
-	if err != nil {
-		s.log.Debug("maintenance: list objects", zap.Error(err))
+	ls, ok := s.reconcileIndex()
+	if !ok {
+		s.log.Debug("maintenance: the record index is loading; pass skipped")
 		return
 	}
-	s.reconcile(ls, rev)
+	s.tend(ctx, ls)
+}
+
+// reconcileIndex reconciles the copies held with the index, under its
+// lock, and returns the records it reconciled with.
+func (s *Store) reconcileIndex() (ls []*listed, ok bool) {
+	s.idx.mu.Lock()
+	defer s.idx.mu.Unlock()
+	if s.idx.rev == 0 {
+		return nil, false
+	}
+	s.reconcile(s.idx.recs, s.idx.rev)
+	return slices.Clone(s.idx.recs), true
+}
+
+// tend is the rest of a pass over the records ls (in id order): unlist
+// the copies this node named in a record but lost, repair the objects this
+// node is responsible for, and collect if this node is the collector. The
+// records may be a little behind etcd; every write is conditional on the
+// record's revision, so one that changed meanwhile is left for the next
+// pass.
+func (s *Store) tend(ctx context.Context, ls []*listed) {
 	for _, l := range ls {
 		if ctx.Err() != nil {
 			return
@@ -185,7 +274,7 @@ func (s *Store) maintain(ctx context.Context) {
 // not send readers to a copy that is gone. Repair then adds a new holder;
 // a record left with no holder is deleted. Copies enter the holdings before
 // any record can name them, so a named copy that is missing is gone.
-func (s *Store) unlistMissing(ctx context.Context, l listed) {
+func (s *Store) unlistMissing(ctx context.Context, l *listed) {
 	ref, ok := l.Holds(s.cfg.Node)
 	if !ok || s.hold.has(ref.ID) {
 		return
@@ -217,18 +306,28 @@ func (s *Store) unlistMissing(ctx context.Context, l listed) {
 // record, if no one else changed it meanwhile, naming the new holders in
 // place of holders that are not alive (those not replaced stay named). Cache objects are not
 // repaired: losing one costs a recompute, not a job.
-func (s *Store) repair(ctx context.Context, l listed, members []Member, alive map[string]bool) {
+func (s *Store) repair(ctx context.Context, l *listed, members []Member, alive map[string]bool) {
 	if l.Mode == Cache {
 		return
 	}
-	var live []Holder
+	// Most records need nothing from this node: look before building.
+	first, nlive := "", 0
+	for i := range l.Holders {
+		if node := l.Holders[i].Node; alive[node] {
+			if nlive == 0 {
+				first = node
+			}
+			nlive++
+		}
+	}
+	if nlive == 0 || first != s.cfg.Node || (nlive == len(l.Holders) && nlive >= l.Replicas) {
+		return
+	}
+	live := make([]Holder, 0, nlive)
 	for _, h := range l.Holders {
 		if alive[h.Node] {
 			live = append(live, h)
 		}
-	}
-	if len(live) == 0 || live[0].Node != s.cfg.Node || (len(live) == len(l.Holders) && len(live) >= l.Replicas) {
-		return
 	}
 	exclude := map[string]bool{}
 	for _, h := range l.Holders {
@@ -281,9 +380,9 @@ func (s *Store) repair(ctx context.Context, l listed, members []Member, alive ma
 // registered, how long this collector has seen it so on every pass; a
 // holder seen again starts over. With known false (etcd could not be
 // read) no holder is counted gone.
-func (s *Store) goneFor(ls []listed, alive, registered map[string]bool, known bool, now time.Time) map[string]time.Duration {
-	s.goneMu.Lock()
-	defer s.goneMu.Unlock()
+func (s *Store) goneFor(ls []*listed, alive, registered map[string]bool, known bool, now time.Time) map[string]time.Duration {
+	s.collectMu.Lock()
+	defer s.collectMu.Unlock()
 	next := map[string]time.Time{}
 	out := map[string]time.Duration{}
 	for _, l := range ls {
@@ -304,9 +403,10 @@ func (s *Store) goneFor(ls []listed, alive, registered map[string]bool, known bo
 }
 
 // collect deletes records nobody will use: objects every holder of which
-// has been gone for LostGrace (lost), records past their retention plus ExpiryGrace (etcd extends
-// leases on a leader change), and objects the agent says are orphans.
-func (s *Store) collect(ctx context.Context, ls []listed, alive map[string]bool) {
+// has been gone for LostGrace (lost), records past their retention plus
+// ExpiryGrace (etcd extends leases on a leader change), and objects the
+// agent says are orphans (OrphanBatch of them asked about per pass).
+func (s *Store) collect(ctx context.Context, ls []*listed, alive map[string]bool) {
 	now := s.cfg.Now()
 	why := map[string]string{}
 	// A holder gossip calls dead may be alive and this node's view stale
@@ -338,13 +438,7 @@ func (s *Store) collect(ctx context.Context, ls []listed, alive map[string]bool)
 			why[l.ID] = "expired"
 		}
 	}
-	if s.orphans != nil {
-		recs := make([]Record, 0, len(ls))
-		for _, l := range ls {
-			if why[l.ID] == "" {
-				recs = append(recs, l.Record)
-			}
-		}
+	if recs := s.orphanBatch(ls, why); len(recs) > 0 {
 		ids, err := s.orphans(ctx, recs)
 		if err != nil {
 			s.log.Debug("collector: orphans", zap.Error(err))
@@ -369,4 +463,33 @@ func (s *Store) collect(ctx context.Context, ls []listed, alive map[string]bool)
 		s.collected.Add(1)
 		s.log.Info("object collected", zap.String("object", l.ID), zap.String("reason", reason), zap.String("job", l.Job))
 	}
+}
+
+// orphanBatch picks the records to ask Orphans about this pass (each
+// question costs the agent etcd reads): at most OrphanBatch of ls (in id
+// order), from just after the last one asked on the previous pass, wrapping
+// round, so that each of N records is asked about within
+// ceil(N/OrphanBatch) passes. Records this pass collects anyway (why) are
+// skipped.
+func (s *Store) orphanBatch(ls []*listed, why map[string]string) []Record {
+	if s.orphans == nil || len(ls) == 0 {
+		return nil
+	}
+	s.collectMu.Lock()
+	defer s.collectMu.Unlock()
+	start, found := search(ls, s.orphansAfter)
+	if found {
+		start++
+	}
+	recs := make([]Record, 0, min(len(ls), s.cfg.OrphanBatch))
+	for i := 0; i < len(ls) && len(recs) < s.cfg.OrphanBatch; i++ {
+		l := ls[(start+i)%len(ls)]
+		if why[l.ID] == "" {
+			recs = append(recs, l.Record)
+		}
+	}
+	if len(recs) > 0 {
+		s.orphansAfter = recs[len(recs)-1].ID
+	}
+	return recs
 }

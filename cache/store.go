@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -23,11 +24,13 @@ import (
 
 // Orphans decides which objects belong to nobody any more (their job was
 // cancelled, failed or is gone); the agent supplies it, since the Store
-// knows nothing of jobs. It is called by the collecting member only.
+// knows nothing of jobs. It is called by the collecting member only, with
+// at most Config.OrphanBatch records per maintenance pass.
 type Orphans func(ctx context.Context, recs []Record) (ids []string, err error)
 
-// Store is one agent's part of the pooled Store: the copies it holds and
-// the client side of puts and gets. Build it with New, then Start.
+// Store is one agent's part of the pooled Store: the copies it holds, an
+// index of the records that its watch keeps current (maintenance works from
+// it), and the client side of puts and gets. Build it with New, then Start.
 type Store struct {
 	cfg     Config
 	log     *zap.Logger
@@ -38,6 +41,7 @@ type Store struct {
 	orphans Orphans
 	hold    *holdings
 	ret     *Retention
+	idx     index // the records, fed by the watch; what maintenance reads
 
 	kick   chan struct{}
 	ctx    context.Context // ended by Close: every goroutine's stop signal
@@ -46,15 +50,23 @@ type Store struct {
 	once   sync.Once
 
 	mu sync.Mutex
-	// mu guards closed, so that no wg.Add races Close's wg.Wait.
+	// mu guards the fields below: closed, so that no wg.Add races Close's
+	// wg.Wait, and the epoch.
 	closed bool
+	// epoch ends when etcd is replaced (EtcdReplaced); the watch lists and
+	// follows the records under one epoch, and lists again under the next.
+	epoch    context.Context
+	endEpoch context.CancelFunc
 
 	repairs, collected, lost, puts, gets atomic.Int64
 
-	goneMu sync.Mutex
-	// goneMu guards goneSince: since when the collector has seen each
-	// holder named in a record gone (LostGrace).
-	goneSince map[string]time.Time
+	collectMu sync.Mutex
+	// collectMu guards the collector's state across passes: goneSince,
+	// since when it has seen each holder named in a record gone
+	// (LostGrace), and orphansAfter, the id of the last object it asked
+	// Orphans about (the next pass starts after it).
+	goneSince    map[string]time.Time
+	orphansAfter string
 }
 
 // New builds a Store on the agent's etcd client, transfer service and
@@ -77,6 +89,7 @@ func New(cfg Config, cli *clientv3.Client, x *transfer.Service, h host.Host, mem
 		return nil, err
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
+	s.epoch, s.endEpoch = context.WithCancel(s.ctx)
 	return s, nil
 }
 
@@ -125,12 +138,23 @@ func (s *Store) Kick() {
 }
 
 // EtcdReplaced tells the Store that the etcd under it was replaced by an
-// empty or restored one: revisions seen before mean nothing now, so every
-// copy is judged again by whether a record of the new etcd names it, at
-// once. The records that vanished free their copies.
+// empty or restored one: revisions seen before mean nothing now. The watch
+// stops following the old history, every copy forgets the revisions it has
+// seen, and the records are listed again, so every copy is judged by
+// whether a record of the new etcd names it; the records that vanished
+// free their copies. A maintenance pass follows the new list.
 func (s *Store) EtcdReplaced() {
-	s.hold.forgetRevisions()
-	s.Kick()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.endEpoch()
+	s.epoch, s.endEpoch = context.WithCancel(s.ctx)
+}
+
+// currentEpoch is the epoch of the etcd under the Store now.
+func (s *Store) currentEpoch() context.Context {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.epoch
 }
 
 // Free is the room this node has left for the Store, in memory and on disk.
@@ -701,26 +725,26 @@ func (s *Store) List(ctx context.Context, idPrefix string) ([]Record, error) {
 	return out, nil
 }
 
-// listed is a record with what a conditional update needs.
-type listed struct {
-	Record
-	modRev int64
-	lease  clientv3.LeaseID
-}
-
-func (s *Store) list(ctx context.Context, idPrefix string) ([]listed, int64, error) {
-	resp, err := s.cli.Get(ctx, ObjectsPrefix(s.cfg.Prefix)+idPrefix, clientv3.WithPrefix())
+// list reads the records whose id starts with idPrefix, in id order, and
+// the revision of the read. A record that does not decode, or whose id is
+// not its key's, is left out.
+func (s *Store) list(ctx context.Context, idPrefix string) ([]*listed, int64, error) {
+	objects := ObjectsPrefix(s.cfg.Prefix)
+	resp, err := s.cli.Get(ctx, objects+idPrefix, clientv3.WithPrefix())
 	if err != nil {
 		return nil, 0, fmt.Errorf("cache: list objects: %w", err)
 	}
-	out := make([]listed, 0, len(resp.Kvs))
+	out := make([]*listed, 0, len(resp.Kvs))
 	for _, kv := range resp.Kvs {
 		rec, err := decodeRecord(kv.Value)
+		if err == nil && rec.ID != strings.TrimPrefix(string(kv.Key), objects) {
+			err = fmt.Errorf("cache: record of %q at another key", rec.ID)
+		}
 		if err != nil {
 			s.log.Warn("undecodable object record", zap.ByteString("key", kv.Key), zap.Error(err))
 			continue
 		}
-		out = append(out, listed{Record: rec, modRev: kv.ModRevision, lease: clientv3.LeaseID(kv.Lease)})
+		out = append(out, &listed{Record: rec, modRev: kv.ModRevision, lease: clientv3.LeaseID(kv.Lease)})
 	}
 	return out, resp.Header.Revision, nil
 }

@@ -675,11 +675,17 @@ func TestOrphansCollected(t *testing.T) {
 	if _, err := c.nodes[1].s.Lookup(ctx, "live.latent"); err != nil {
 		t.Errorf("a live job's object went too: %v", err)
 	}
-	mu.Lock()
-	if !slices.Contains(seen, "live.latent") {
-		t.Errorf("orphans never asked about live.latent: %v", seen)
-	}
-	mu.Unlock()
+	// The collector asks about what its index holds, which the watch
+	// brings up to date a moment after each put: a pass may run before.
+	eventually(t, 5*time.Second, "orphans asked about live.latent", func() error {
+		mu.Lock()
+		defer mu.Unlock()
+		if !slices.Contains(seen, "live.latent") {
+			c.kick()
+			return fmt.Errorf("asked about %v", seen)
+		}
+		return nil
+	})
 	eventually(t, 5*time.Second, "orphan's copies freed", func() error {
 		var held int64
 		for _, n := range c.nodes {
@@ -732,6 +738,7 @@ func TestNewValidatesConfig(t *testing.T) {
 		{"NineReplicas", func(c *Config) { c.Replicas = 9 }},
 		{"NoStageTimeout", func(c *Config) { c.StageTimeout = 0 }},
 		{"SmallFrame", func(c *Config) { c.MaxFrame = 100 }},
+		{"NoOrphanBatch", func(c *Config) { c.OrphanBatch = 0 }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := base
@@ -791,6 +798,11 @@ func TestExpiredRecordCollected(t *testing.T) {
 	}
 	if _, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "forever", Mode: Pinned}, pattern(objSize, 96)); err != nil {
 		t.Fatal(err)
+	}
+	// The clock jumps past StageTimeout too: every copy must have seen its
+	// record first, or a pass would drop it as a put that never committed.
+	for _, n := range c.nodes {
+		wantStats(t, n, "both copies committed", func(ls LocalStats) bool { return ls.Copies == 2 && ls.Staged == 0 })
 	}
 	skew.Store(int64(rec.ExpiresAt.Sub(time.Now()) + 30*time.Second)) // past retention, within grace
 	for range 2 {

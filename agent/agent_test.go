@@ -140,7 +140,7 @@ func TestResyncHeldReleasesOnlyOrphans(t *testing.T) {
 	}
 	orphan, recorded := publish(), publish()
 	rec, _ := json.Marshal(jobs.PayloadRecord{Input: jobs.Input{Payload: recorded, Node: a.id}})
-	if _, err := cli.Put(ctx, cfg.Prefix+"/payloads/"+recorded, string(rec)); err != nil {
+	if _, err := cli.Put(ctx, cfg.Prefix+"/payloads/"+a.id+"/"+recorded, string(rec)); err != nil {
 		t.Fatal(err)
 	}
 	claim := &jobs.Claim{Task: jobs.Task{ID: "task-1"}}

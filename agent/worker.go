@@ -700,7 +700,7 @@ func (a *Agent) abort(staged []*cache.Staged) {
 func (a *Agent) releaseUncommitted(published []string, recordErr error) {
 	for _, id := range published {
 		if recordErr != nil {
-			if ok, err := a.store.PayloadRecorded(a.ctx, id); err != nil || ok {
+			if ok, err := a.store.PayloadRecorded(a.ctx, a.id, id); err != nil || ok {
 				continue // committed, or unknown: the record's deletion will release it
 			}
 		}
@@ -712,15 +712,39 @@ func (a *Agent) releaseUncommitted(published []string, recordErr error) {
 // no longer commit, so its worker is freed at once instead of after the
 // stage: the job was cancelled, or this agent's lease changed (the claim
 // lived on the old one and another worker may already hold the task). It
-// also ends when the agent stops. stop ends the watch.
+// also ends when the agent stops. stop ends the watching.
 func (a *Agent) watchCancel(c *jobs.Claim, handedOff *atomic.Bool) (ctx context.Context, stop func()) {
 	ctx, cancelCause := context.WithCancelCause(a.ctx)
 	cancel := func() { cancelCause(nil) }
 	a.running.add(&runningTask{claim: c, stop: cancelCause, handedOff: handedOff})
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		if j, err := a.store.Wait(ctx, c.Task.JobID); err == nil && j.State == jobs.Cancelled {
+		// A cancel deletes the job's task even while it runs, and this
+		// agent's view of the stage's queue sees that: no watch of its own
+		// per task. The task also leaves the queue when this worker's own
+		// commit deletes it, and the view can hear of that before the
+		// commit's answer arrives: the job record tells the two apart.
+		gone, forget := a.queues[c.Task.Stage].TaskGone(c.Task.ID)
+		defer forget()
+		select {
+		case <-gone:
+		case <-ctx.Done():
+			return
+		}
+		j, err := a.store.Get(ctx, c.Task.JobID)
+		if errors.Is(err, jobs.ErrNotFound) || (err == nil && j.State == jobs.Cancelled) {
 			a.log.Info("job cancelled; stopping its task", zap.String("job", c.Task.JobID))
+			cancel()
+			return
+		}
+		if c.Task.Stage != jobs.Denoise {
+			return // committed here: nothing is left to stop
+		}
+		// An early handoff committed the denoise while its sampler
+		// finishes the tail for the decoder: a cancel from now on shows
+		// only in the job record.
+		if j, err := a.store.Wait(ctx, c.Task.JobID); err == nil && j.State == jobs.Cancelled {
+			a.log.Info("job cancelled; stopping the denoise tail", zap.String("job", c.Task.JobID))
 			cancel()
 		}
 	})
@@ -971,7 +995,7 @@ func (a *Agent) earlyCommit(ctx context.Context, c *jobs.Claim, out jobs.Output,
 	}
 	rctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 	defer cancel()
-	recorded, rerr := a.store.PayloadRecorded(rctx, payload)
+	recorded, rerr := a.store.PayloadRecorded(rctx, a.id, payload)
 	switch {
 	case rerr != nil:
 		return fmt.Errorf("%w: %w (and reading the payload record: %v)", errMaybeCommitted, err, rerr)

@@ -46,6 +46,8 @@ type Queue struct {
 	pushedTo map[string]map[string]bool
 	// heldBy counts the claims held by each node (claimRecord.Node).
 	heldBy map[string]int
+	// gone holds the channels of TaskGone waiters, by task id.
+	gone map[string][]chan struct{}
 	// pushWake holds, per node, a channel closed at the next change of the
 	// claims pushed to it (PushChanged).
 	pushWake map[string]chan struct{}
@@ -63,7 +65,7 @@ type claimInfo struct {
 
 // NewQueue returns an empty view of stage's queue; Run fills and follows it.
 func (s *Store) NewQueue(stage Stage) *Queue {
-	return &Queue{s: s, stage: stage, tasks: map[string]Task{}, claimed: map[string]claimInfo{}, pushedTo: map[string]map[string]bool{}, heldBy: map[string]int{}, pushWake: map[string]chan struct{}{}, taken: map[string]int64{}, changed: make(chan struct{})}
+	return &Queue{s: s, stage: stage, tasks: map[string]Task{}, claimed: map[string]claimInfo{}, pushedTo: map[string]map[string]bool{}, heldBy: map[string]int{}, gone: map[string][]chan struct{}{}, pushWake: map[string]chan struct{}{}, taken: map[string]int64{}, changed: make(chan struct{})}
 }
 
 // Stage is the stage the view follows.
@@ -141,6 +143,42 @@ func (q *Queue) pushChangedLocked(node string) {
 		close(ch)
 		delete(q.pushWake, node)
 	}
+}
+
+// TaskGone returns a channel closed when the view sees task id leave the
+// queue: its stage committed (or failed, rewound), or its job was
+// cancelled or deleted, which deletes the task even while it runs. A
+// worker running the task learns of a cancel from it, with no watch of
+// its own. stop forgets the waiter.
+func (q *Queue) TaskGone(id string) (gone <-chan struct{}, stop func()) {
+	ch := make(chan struct{})
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.gone[id] = append(q.gone[id], ch)
+	return ch, func() {
+		q.mu.Lock()
+		defer q.mu.Unlock()
+		ws := q.gone[id]
+		for i, w := range ws {
+			if w == ch {
+				ws = append(ws[:i], ws[i+1:]...)
+				break
+			}
+		}
+		if len(ws) == 0 {
+			delete(q.gone, id)
+		} else {
+			q.gone[id] = ws
+		}
+	}
+}
+
+// goneLocked tells the TaskGone waiters of task id.
+func (q *Queue) goneLocked(id string) {
+	for _, ch := range q.gone[id] {
+		close(ch)
+	}
+	delete(q.gone, id)
 }
 
 // HeldBy counts the claims node holds on the stage's tasks: those it runs
@@ -357,6 +395,7 @@ func (q *Queue) deleteKeyLocked(key string) {
 	if i := strings.LastIndexByte(key, '-'); i >= 0 {
 		if t, ok := q.tasks[key[i+1:]]; ok && t.Key == key {
 			delete(q.tasks, t.ID)
+			q.goneLocked(t.ID)
 		}
 	}
 }
@@ -404,6 +443,11 @@ func (q *Queue) load(ctx context.Context) (int64, error) {
 	}
 	for node := range q.pushWake {
 		q.pushChangedLocked(node) // the pushes may have changed: look again
+	}
+	for id := range q.gone {
+		if _, ok := byID[id]; !ok {
+			q.goneLocked(id) // deleted in the history the view missed
+		}
 	}
 	q.tasks, q.synced = byID, true
 	q.seen = rev // a new read (after a compaction or a replaced etcd) starts over

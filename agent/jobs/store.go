@@ -246,8 +246,12 @@ func (s *Store) queuePrefix(st Stage) string { return s.cfg.Prefix + "/queues/" 
 func (s *Store) taskPrefix(st Stage) string  { return s.queuePrefix(st) + "tasks/" }
 func (s *Store) claimPrefix(st Stage) string { return s.queuePrefix(st) + "claims/" }
 func (s *Store) claimKey(t *Task) string     { return s.claimPrefix(t.Stage) + t.ID }
-func (s *Store) payloadPrefix() string       { return s.cfg.Prefix + "/payloads/" }
-func (s *Store) payloadKey(id string) string { return s.payloadPrefix() + id }
+
+// Payload records are keyed by their producer, so that a producer follows
+// the releases of its own payloads and no others'.
+func (s *Store) payloadPrefix() string             { return s.cfg.Prefix + "/payloads/" }
+func (s *Store) producerPrefix(node string) string { return s.payloadPrefix() + node + "/" }
+func (s *Store) payloadKey(node, id string) string { return s.producerPrefix(node) + id }
 
 // objectsOf is the key prefix of every Store object a job owns (its result,
 // previews and relayed latents are named cache.JobObjectID(job, ...)).
@@ -538,7 +542,7 @@ func (s *Store) releaseOps(in []Input) []clientv3.Op {
 		if i.Store {
 			ops = append(ops, clientv3.OpDelete(cache.ObjectKey(s.cfg.Prefix, i.Payload)))
 		} else {
-			ops = append(ops, clientv3.OpDelete(s.payloadKey(i.Payload)))
+			ops = append(ops, clientv3.OpDelete(s.payloadKey(i.Node, i.Payload)))
 		}
 	}
 	return ops
@@ -912,7 +916,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 		}
 		for _, p := range out.Payloads {
 			if !p.Store {
-				ops = append(ops, clientv3.OpPut(s.payloadKey(p.Payload), mustJSON(PayloadRecord{Input: p, Job: rec.ID, Stage: c.Task.Stage})))
+				ops = append(ops, clientv3.OpPut(s.payloadKey(p.Node, p.Payload), mustJSON(PayloadRecord{Input: p, Job: rec.ID, Stage: c.Task.Stage})))
 			}
 		}
 		rec.State, rec.Stage, rec.TaskKey = Running, next, t.Key
@@ -990,21 +994,24 @@ func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
 
 // WatchReleases calls release with the id of every payload produced by node
 // whose record is deleted (consumed, cancelled or rewound), until ctx is done.
-// The producer frees the buffer then. When etcd compacted away the events of
-// a gap in the watch, resync is called: the caller must compare what it holds
-// with Recorded and release the difference.
+// The producer frees the buffer then. It follows node's payload records
+// only (they are keyed by producer), so a release costs one event, to the
+// producer. When etcd compacted away the events of a gap in the watch,
+// resync is called: the caller must compare what it holds with Recorded
+// and release the difference.
 func (s *Store) WatchReleases(ctx context.Context, node string, release func(payload string), resync func()) {
 	// Watch from now on (payloads of a previous incarnation died with it);
 	// after a broken watch, resume after the last revision seen so no release
 	// in the gap is missed, unless etcd compacted it away meanwhile.
+	prefix := s.producerPrefix(node)
 	var next int64
 	for ctx.Err() == nil {
-		opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithPrevKV(), clientv3.WithFilterPut()}
+		opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithFilterPut()}
 		if next > 0 {
 			opts = append(opts, clientv3.WithRev(next))
 		}
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		for wr := range s.cli.Watch(wctx, s.payloadPrefix(), opts...) {
+		for wr := range s.cli.Watch(wctx, prefix, opts...) {
 			if wr.CompactRevision > 0 {
 				s.log.Warn("payload release watch compacted; resyncing held payloads",
 					zap.Int64("from", next), zap.Int64("compacted", wr.CompactRevision))
@@ -1013,13 +1020,7 @@ func (s *Store) WatchReleases(ctx context.Context, node string, release func(pay
 				break
 			}
 			for _, ev := range wr.Events {
-				if ev.PrevKv == nil {
-					continue
-				}
-				var pr PayloadRecord
-				if json.Unmarshal(ev.PrevKv.Value, &pr) == nil && pr.Node == node {
-					release(pr.Payload)
-				}
+				release(strings.TrimPrefix(string(ev.Kv.Key), prefix))
 			}
 			if wr.Header.Revision > 0 {
 				next = wr.Header.Revision + 1
@@ -1183,10 +1184,10 @@ func (s *Store) Delete(ctx context.Context, id string) error {
 	return nil
 }
 
-// PayloadRecorded reports whether payload id has a record: whether a commit
-// that published it took effect.
-func (s *Store) PayloadRecorded(ctx context.Context, id string) (bool, error) {
-	resp, err := s.cli.Get(ctx, s.payloadKey(id), clientv3.WithCountOnly())
+// PayloadRecorded reports whether payload id, produced by node, has a
+// record: whether a commit that published it took effect.
+func (s *Store) PayloadRecorded(ctx context.Context, node, id string) (bool, error) {
+	resp, err := s.cli.Get(ctx, s.payloadKey(node, id), clientv3.WithCountOnly())
 	if err != nil {
 		return false, err
 	}
@@ -1195,15 +1196,14 @@ func (s *Store) PayloadRecorded(ctx context.Context, id string) (bool, error) {
 
 // Recorded returns the ids of the payload records of node.
 func (s *Store) Recorded(ctx context.Context, node string) (map[string]bool, error) {
-	prs, err := s.Payloads(ctx)
+	prefix := s.producerPrefix(node)
+	resp, err := s.cli.Get(ctx, prefix, clientv3.WithPrefix(), clientv3.WithKeysOnly())
 	if err != nil {
 		return nil, err
 	}
-	out := make(map[string]bool, len(prs))
-	for _, pr := range prs {
-		if pr.Node == node {
-			out[pr.Payload] = true
-		}
+	out := make(map[string]bool, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		out[strings.TrimPrefix(string(kv.Key), prefix)] = true
 	}
 	return out, nil
 }

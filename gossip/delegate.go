@@ -99,8 +99,9 @@ func (d *delegate) NotifyPingComplete(other *memberlist.Node, rtt time.Duration,
 	m := d.m
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if s, ok := m.members[other.Name]; ok {
+	if s, ok := m.members[other.Name]; ok && !s.suspectUntil.IsZero() {
 		s.suspectUntil = time.Time{}
+		m.gen++
 	}
 }
 
@@ -122,6 +123,7 @@ func (m *Membership) memberChanged(n *memberlist.Node, t EventType) {
 		s = &member{}
 		m.members[id] = s
 	}
+	m.gen++
 	s.alive = t != EventDead
 	s.suspectUntil = time.Time{}
 	if metaErr != nil {
@@ -163,5 +165,6 @@ func (m *Membership) suspected(id string) {
 	n := math.Max(1, math.Log10(math.Max(1, float64(len(m.members)))))
 	longest := time.Duration(float64(ml.SuspicionMult*ml.SuspicionMaxTimeoutMult) * n * float64(ml.ProbeInterval))
 	s.suspectUntil = time.Now().Add(longest)
+	m.gen++
 	m.emitLocked(EventSuspect, id)
 }

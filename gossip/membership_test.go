@@ -375,3 +375,24 @@ func TestByPeerIDFollowsRegistration(t *testing.T) {
 		return nil
 	})
 }
+
+// Peers is built once per change of the view: two calls with nothing
+// changed in between share one list, and a meta update shows at once.
+func TestPeersCachedUntilChange(t *testing.T) {
+	cli := startEtcd(t)
+	m := startNode(t, cli, testPrefix(t), "a", []string{RoleEncode}, nil)
+	eventually(t, 10*time.Second, func() error { return checkView(m, "a") })
+	a, b := m.Peers(), m.Peers()
+	if len(a) == 0 || &a[0] != &b[0] {
+		t.Fatalf("two calls with no change built two lists (%d peers)", len(a))
+	}
+	meta := m.Self().Meta
+	meta.Running = 7
+	if err := m.UpdateMeta(meta); err != nil {
+		t.Fatal(err)
+	}
+	c := m.Peers()
+	if &c[0] == &a[0] || c[0].Meta.Running != 7 {
+		t.Fatalf("after a meta update Peers shows Running %d from the old list: %v", c[0].Meta.Running, &c[0] == &a[0])
+	}
+}

@@ -318,6 +318,7 @@ func (m *Membership) applyPut(kv *mvccpb.KeyValue) (string, bool) {
 	defer m.mu.Unlock()
 	old, existed := m.records[id]
 	m.records[id] = registration{rec: rec, lease: lease}
+	m.gen++
 	if id != m.self.ID && rec.GossipAddr != "" {
 		if s, ok := m.members[id]; !ok || !s.alive {
 			m.joins[id] = rec.GossipAddr
@@ -343,6 +344,7 @@ func (m *Membership) applyDelete(key string) {
 	}
 	p := m.peerLocked(id)
 	delete(m.records, id)
+	m.gen++
 	delete(m.joins, id)
 	if s, ok := m.members[id]; ok && !s.alive {
 		delete(m.members, id) // gone from both sources

@@ -775,6 +775,9 @@ type DataInfo struct {
 	ArenaFree    int64            `json:"arena_free,omitempty"`
 	Pulls        map[string]int64 `json:"pulls_by_transport"`
 	StorePulls   map[string]int64 `json:"store_pulls_by_transport"` // copies into and reads from the Store
+	// IssuedPulls counts the pulls that used the ticket their producer
+	// issued with a pushed task, asking it for none.
+	IssuedPulls int64 `json:"issued_ticket_pulls"`
 	// HeapFallbacks counts outputs and HeapPulls pulls that landed on the
 	// heap because the arena was full (workers check for room before they
 	// claim, so these stay rare); Relayed counts outputs handed on through
@@ -839,7 +842,7 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 	xs := a.xfer.Stats()
 	st.Data = DataInfo{
 		Transport: a.cfg.Transfer.Transport, HeldPayloads: xs.Payloads, HeldBytes: xs.PayloadBytes,
-		ArenaBytes: xs.Arena.Size, ArenaFree: xs.Arena.Free, Pulls: xs.Pulls, StorePulls: xs.StorePulls,
+		ArenaBytes: xs.Arena.Size, ArenaFree: xs.Arena.Free, Pulls: xs.Pulls, StorePulls: xs.StorePulls, IssuedPulls: xs.IssuedPulls,
 		HeapFallbacks: xs.HeapFallbacks, HeapPulls: a.heapPulls.Load(), Relayed: a.relayed.Load(),
 	}
 	st.Store = a.cstore.LocalStats()

@@ -2,8 +2,10 @@ package agent
 
 import (
 	"context"
+	"slices"
 	"time"
 
+	"github.com/libp2p/go-libp2p/core/peer"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -30,6 +32,34 @@ func (a *Agent) pushTarget(st jobs.Stage, model string) (hint string, push *jobs
 		return hint, &jobs.Push{Node: hint, Lease: p.Lease}
 	}
 	return hint, nil
+}
+
+// issueTickets returns outs with, on each peer-to-peer payload, a ticket
+// issued to node, the worker its task is pushed to: that worker pulls
+// without asking this producer for one (and this producer need not check
+// its claim in etcd: it makes the claim itself, in the same commit). A
+// payload it cannot issue for goes without; its consumer asks as usual.
+func (a *Agent) issueTickets(outs []jobs.Input, node string) []jobs.Input {
+	p, ok := a.member.Peer(node)
+	if !ok || p.Record.PeerID == "" {
+		return outs
+	}
+	pid, err := peer.Decode(p.Record.PeerID)
+	if err != nil {
+		return outs
+	}
+	withTickets := slices.Clone(outs)
+	for i, in := range withTickets {
+		if in.Store || in.Node != a.id {
+			continue
+		}
+		if raw, err := a.xfer.Issue(in.Payload, pid); err == nil {
+			withTickets[i].Ticket = raw
+		} else {
+			a.log.Debug("issuing a ticket for a pushed task", zap.String("payload", in.Payload), zap.Error(err))
+		}
+	}
+	return withTickets
 }
 
 // pushedClaims are the claims pushed to this agent for stage st that it

@@ -87,7 +87,17 @@ func (a *Agent) releasedSignal() <-chan struct{} {
 // withClaim marks ctx so that pulls made with it show c's claim to the
 // producer.
 func withClaim(ctx context.Context, c *jobs.Claim) context.Context {
-	return transfer.WithTicketProof(ctx, c.Proof())
+	ctx = transfer.WithTicketProof(ctx, c.Proof())
+	if c.Pushed {
+		// The producer made this claim and issued this worker a ticket with
+		// it: the pull need not ask for one.
+		for _, in := range c.Task.Inputs {
+			if len(in.Ticket) > 0 && !in.Store {
+				ctx = transfer.WithIssued(ctx, in.Payload, in.Ticket)
+			}
+		}
+	}
+	return ctx
 }
 
 // registeredAs reports whether node is registered with libp2p peer id pid.

@@ -613,6 +613,7 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log 
 		// with its claim.
 		if hint, push := a.pushTarget(next, c.Task.Spec.ModelName()); push != nil {
 			out.Hint, out.Push = hint, push
+			out.Payloads = a.issueTickets(out.Payloads, hint)
 		}
 	}
 	backoff := a.cfg.RetryBackoff

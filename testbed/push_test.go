@@ -46,6 +46,17 @@ func TestPushedHandoffs(t *testing.T) {
 	if d.ClaimTxns != 0 {
 		t.Fatalf("%d claim transactions for %d jobs on an idle mesh, want 0: every task was pushed", d.ClaimTxns, n)
 	}
+	// Each pushed denoise and decode pulled its input with the ticket its
+	// producer issued with the push, asking for none.
+	for _, a := range cl.Agents[1:] {
+		st, err := a.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Data.IssuedPulls < n {
+			t.Fatalf("%s pulled %d of %d inputs with an issued ticket", a.ID(), st.Data.IssuedPulls, n)
+		}
+	}
 	t.Logf("per job: %.1f requests, %.1f transactions", float64(d.Requests())/n, float64(d.Txns)/n)
 }
 

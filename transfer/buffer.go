@@ -157,6 +157,9 @@ type Stats struct {
 	// StorePulls counts, the same way, the pulls made for the Store (with a
 	// ForStore context): copies onto holders and reads of stored objects.
 	StorePulls map[string]int64
+	// IssuedPulls counts the pulls that used a ticket their producer issued
+	// ahead (WithIssued) instead of asking for one.
+	IssuedPulls int64
 }
 
 // transports indexes pull counters.
@@ -184,7 +187,7 @@ func (p *pullCounters) snapshot() map[string]int64 {
 
 // Stats returns a snapshot of the payloads and arena the service holds.
 func (s *Service) Stats() Stats {
-	st := Stats{HeapFallbacks: s.heapFallbacks.Load(), RDMA: s.rdma != nil, Pulls: s.pulls.snapshot(), StorePulls: s.storePulls.snapshot()}
+	st := Stats{HeapFallbacks: s.heapFallbacks.Load(), RDMA: s.rdma != nil, Pulls: s.pulls.snapshot(), StorePulls: s.storePulls.snapshot(), IssuedPulls: s.issuedPulls.Load()}
 	st.Payloads, st.PayloadBytes = s.reg.held()
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -303,9 +303,14 @@ func (s *Service) pullTCP(ctx context.Context, pid peer.ID, ref Ref, dst []byte,
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	tk := &ticketHolder{s: s, pid: pid, ref: ref}
-	resp, err := tk.fetch(ctx)
-	if err != nil {
-		return err
+	resp := s.issuedFor(ctx, ref, false) // the producer waits for each range, ready or not
+	if resp != nil {
+		tk.ticket, tk.issued = resp.Ticket, resp.Ticket
+	} else {
+		var err error
+		if resp, err = tk.fetch(ctx); err != nil {
+			return err
+		}
 	}
 	if resp.Meta.Bytes() != ref.Meta.Bytes() || resp.Meta.Chunks() != ref.Meta.Chunks() {
 		return fmt.Errorf("%w: producer meta %v does not match ref %v", ErrBadMeta, resp.Meta, ref.Meta)
@@ -434,7 +439,9 @@ func (s *Service) fetchSpan(ctx context.Context, c *dataConn, addr string, pid p
 		switch {
 		case ctx.Err() != nil:
 			return nil, false, fmt.Errorf("transfer: pull %s: %w", tk.ref.ID, ctx.Err())
-		case remote && errors.Is(err, ErrTicketExpired) && !retriedTicket:
+		case remote && (errors.Is(err, ErrTicketExpired) || tk.wasIssued(t)) && !retriedTicket:
+			// An issued ticket refused for any reason (expired, a restarted
+			// producer's, another consumer's) is replaced by one asked for.
 			retriedTicket = true
 			if _, err := tk.refresh(ctx, t); err != nil {
 				return nil, false, err
@@ -562,8 +569,16 @@ type ticketHolder struct {
 	ref Ref
 
 	mu sync.Mutex
-	// mu guards the field below.
+	// mu guards the fields below.
 	ticket []byte
+	issued []byte // the ticket the producer issued ahead, if the pull began with one
+}
+
+// wasIssued reports whether t is the ticket the producer issued ahead.
+func (t *ticketHolder) wasIssued(ticket []byte) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.issued != nil && bytes.Equal(t.issued, ticket)
 }
 
 func (t *ticketHolder) current() []byte {

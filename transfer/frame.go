@@ -271,6 +271,10 @@ type TicketResponse struct {
 	// RDMA names the payload in the producer's registered arena; nil when
 	// the producer has no RDMA device or the payload is not in the arena.
 	RDMA *RDMARegion `msgpack:"rdma,omitempty"`
+	// Complete, on a ticket issued ahead of a request (Service.Issue), says
+	// every chunk was ready when it was issued, so a consumer may read the
+	// payload without the producer's chunk events.
+	Complete bool `msgpack:"complete,omitempty"`
 }
 
 // RDMARegion is where a payload lies in a producer's registered memory: the

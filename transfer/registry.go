@@ -137,6 +137,18 @@ func blockSums(b []byte, out []uint64) []uint64 {
 // chunkSize is the size in bytes of each chunk of e.
 func (e *entry) chunkSize() int64 { _, n := e.meta.ChunkRange(0); return n }
 
+// complete reports whether every chunk is ready.
+func (e *entry) complete() bool {
+	for _, r := range e.ready {
+		select {
+		case <-r:
+		default:
+			return false
+		}
+	}
+	return true
+}
+
 // waitRange blocks until every chunk overlapping [off, off+n) is ready, ctx
 // ends or stop is closed.
 func (e *entry) waitRange(ctx context.Context, stop <-chan struct{}, off, n int64) error {

@@ -261,6 +261,7 @@ type Service struct {
 	rdma    *rdmaState   // nil unless an RDMA device is open
 
 	heapFallbacks atomic.Int64
+	issuedPulls   atomic.Int64 // pulls that used an issued ticket (Issue)
 	pulls         pullCounters // stage handoffs
 	storePulls    pullCounters // pulls with a ForStore context
 	onTicket      atomic.Pointer[func(payloadID string)]

@@ -214,6 +214,14 @@ type watchStream struct {
 // openWatch asks the producer for a ticket and, for a payload of more than
 // one chunk, chunk readiness events.
 func (s *Service) openWatch(ctx context.Context, pid peer.ID, ref Ref) (*watchStream, error) {
+	if resp := s.issuedFor(ctx, ref, true); resp != nil {
+		// Issued ahead with every chunk ready: no stream, no events.
+		k := 0
+		return &watchStream{s: s, resp: resp, done: func() {}, next: func() (int, error) {
+			k++
+			return k - 1, nil
+		}}, nil
+	}
 	// Always watch: shm and rdma read the producer's memory directly, so even
 	// a one-chunk payload must not be read before the producer marked it
 	// ready (a Begin'd payload is published before it is written).

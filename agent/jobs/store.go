@@ -51,6 +51,10 @@ type Input struct {
 	Node    string          `json:"node"`
 	Ref     json.RawMessage `json:"ref,omitempty"`
 	Store   bool            `json:"store,omitempty"`
+	// Ticket is the producer's ticket for the worker its task was pushed
+	// to (transfer.Service.Issue), so that worker pulls without asking
+	// for one; opaque here, and only that worker uses it.
+	Ticket []byte `json:"ticket,omitempty"`
 }
 
 // Task is one runnable stage of a job, stored as JSON at its task key.

@@ -36,16 +36,26 @@ type APIBenchConfig struct {
 	// the control plane sustains when the one-slot denoise chain, a
 	// claim, pull, run and commit in series, is not the limit.
 	DenoiseSlots int
+	// Slack, when not negative, replaces the agents' backpressure slack
+	// (agent.Config.Admission.Slack: outputs that may wait for the next
+	// stage beyond its credits). Tiny jobs spend about as long in etcd
+	// writes as on the stages, so a stage's next input needs more than
+	// one in flight to be ready when its slot frees.
+	Slack int
 	// EtcdGRPC has the in-process mesh's agents reach its embedded etcd
 	// over loopback gRPC, as agents on other machines reach theirs,
 	// instead of by function calls (`latentmesh dev`'s default).
 	EtcdGRPC bool
-	Logger   *zap.Logger
+	// EtcdFsync keeps the embedded etcd's fsync of its (temporary) log,
+	// as an etcd whose data must survive a crash does
+	// (etcdembed.Config.Fsync).
+	EtcdFsync bool
+	Logger    *zap.Logger
 }
 
 // DefaultAPIBenchConfig is one client, 200 jobs of 64x64 in two steps.
 func DefaultAPIBenchConfig() APIBenchConfig {
-	return APIBenchConfig{Clients: 1, Jobs: 200, Width: 64, Height: 64, Steps: 2, Logger: zap.NewNop()}
+	return APIBenchConfig{Clients: 1, Jobs: 200, Width: 64, Height: 64, Steps: 2, Slack: -1, Logger: zap.NewNop()}
 }
 
 // APIBenchReport is what RunAPIBench measured. Durations are medians (P50)
@@ -142,6 +152,10 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 		cc.Logger = cfg.Logger
 		cc.Topology = "" // agents added below, once their client is counted
 		cc.EtcdInProcess = !cfg.EtcdGRPC
+		cc.Etcd.Fsync = cfg.EtcdFsync
+		if cfg.Slack >= 0 {
+			cc.Agent.Admission.Slack = cfg.Slack
+		}
 		if cfg.DenoiseSlots > 0 {
 			cc.Agent.Slots = maps.Clone(cc.Agent.Slots)
 			cc.Agent.Slots[jobs.Denoise] = cfg.DenoiseSlots

@@ -70,7 +70,19 @@ type Config struct {
 	// etcd lease (etcd extends leases on a leader change) before the
 	// collector deletes it.
 	ExpiryGrace time.Duration
-	// MaxFrame bounds a store control frame.
+	// InlineMax is the largest object a put sends to its remote holders
+	// inside the store request (an inline put) rather than having each
+	// pull it from the putter over the data plane, which costs a ticket
+	// stream and a data connection per holder on top of the request. It
+	// applies when the source is this node's own payload (a put, or a
+	// repair by the object's first live holder); other copies are pulled.
+	// 0 pulls every copy. MaxFrame must hold it with room for the rest of
+	// the request.
+	InlineMax int
+	// MaxFrame bounds a store control frame, and so what one request can
+	// make a holder allocate, inline data included: a longer frame is
+	// refused before it is read. At least InlineMax plus the 16 KiB the
+	// rest of a request may take.
 	MaxFrame int
 	// Registered, when set, lists the nodes registered in etcd, read from
 	// etcd when called (not from a gossip view). The collector deletes an
@@ -101,9 +113,13 @@ func DefaultConfig() Config {
 		OrphanBatch:    500,              // at most 500 job records read a pass; 2,000 objects all asked about in 40 s
 		LostGrace:      5 * time.Minute,  // outlasts partitions and stalls a holder recovers from
 		ExpiryGrace:    time.Minute,
-		MaxFrame:       16 << 10, // a request is two refs and an id
-		Logger:         zap.NewNop(),
-		Now:            time.Now,
+		// Result images and small latents (a few KiB to tens of KiB) go
+		// inline; at 64 KiB copying through the stream still costs less
+		// than a pull's extra round trips (BenchmarkStagePut).
+		InlineMax: 64 << 10,
+		MaxFrame:  128 << 10, // InlineMax twice over; a pull request is two refs and an id (under 16 KiB)
+		Logger:    zap.NewNop(),
+		Now:       time.Now,
 	}
 }
 
@@ -125,6 +141,10 @@ func (c Config) validate() (Config, error) {
 		return c, fmt.Errorf("cache: config: OrphanBatch %d < 1", c.OrphanBatch)
 	case c.MaxFrame < 1024:
 		return c, fmt.Errorf("cache: config: MaxFrame %d < 1024", c.MaxFrame)
+	case c.InlineMax < 0 || c.InlineMax > maxInline:
+		return c, fmt.Errorf("cache: config: InlineMax %d not in [0,%d]", c.InlineMax, maxInline)
+	case c.InlineMax > 0 && c.MaxFrame < c.InlineMax+requestRoom:
+		return c, fmt.Errorf("cache: config: MaxFrame %d cannot hold InlineMax %d plus %d bytes of request", c.MaxFrame, c.InlineMax, requestRoom)
 	}
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()

@@ -6,8 +6,11 @@
 // directory) to the Store. An object is placed by rendezvous hashing over the
 // live members with room and copied onto R of them; each copy is an ordinary
 // transfer payload of its holder, so readers pull it over the data plane the
-// mesh already has (shm on one host, rdma, else tcp). The Store never opens a
-// second data path.
+// mesh already has (shm on one host, rdma, else tcp). A holder takes its
+// copy from the putter the same way, by a pull, unless the object is small
+// (Config.InlineMax): then the bytes ride in the store request itself, and
+// the holder checks them against the object's XXH3 before it stages them.
+// The Store opens no data path of its own.
 //
 // Object metadata is a small JSON record at <prefix>/objects/<id> in etcd:
 // size, checksum, holders, lease mode, owner job. Bytes never enter etcd. A

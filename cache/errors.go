@@ -11,7 +11,8 @@ var (
 	ErrFull = errors.New("cache: store full")
 	// ErrClosed is returned by calls on a closed Store.
 	ErrClosed = errors.New("cache: store closed")
-	// ErrProtocol means a peer sent a malformed control message.
+	// ErrProtocol means a peer sent a malformed control message, or
+	// refused ours as one (code bad_request).
 	ErrProtocol = errors.New("cache: protocol violation")
 	// ErrDenied means a control request came from a peer that is not a
 	// registered member of the mesh.
@@ -26,4 +27,5 @@ const (
 	codeFailed   = "failed"
 	codeClosed   = "closed"
 	codeNotFound = "not_found"
+	codeCorrupt  = "corrupt" // inline data that does not match its checksum
 )

@@ -184,11 +184,34 @@ func (h *holdings) unreserve(tier Tier, size int64) {
 	}
 }
 
+// source is what a copy is made from: the payload ref names, pulled from
+// its producer over the data plane, or, for an inline put, data, the bytes
+// themselves (the putter's own payload, or a request's Data checked
+// against ref's size and checksum). ref's Meta and Checksum describe the
+// copy either way.
+type source struct {
+	ref  transfer.Ref
+	data []byte // nil: pull ref
+}
+
+func (src source) size() int64 { return src.ref.Meta.Bytes() }
+
+// copyInto fills dst, src's size, from src. It returns the block checksums
+// a pull brought with the bytes; an inline copy has none, and its payload
+// hashes a chunk the first time a consumer reads it over tcp.
+func (h *holdings) copyInto(ctx context.Context, src source, dst []byte) (transfer.BlockSums, error) {
+	if src.data != nil {
+		copy(dst, src.data)
+		return nil, nil
+	}
+	return h.xfer.PullCopy(ctx, src.ref, dst)
+}
+
 // fill copies src into a fresh copy of object in tier and publishes it. The
 // reservation is the caller's; on error it is given back here.
-func (h *holdings) fill(ctx context.Context, object string, mode Mode, tier Tier, src transfer.Ref, overflow bool) (*copyOf, error) {
+func (h *holdings) fill(ctx context.Context, object string, mode Mode, tier Tier, src source, overflow bool) (*copyOf, error) {
 	ctx = transfer.ForStore(ctx)
-	size := src.Meta.Bytes()
+	size := src.size()
 	var ref transfer.Ref
 	var err error
 	switch tier {
@@ -211,33 +234,34 @@ func (h *holdings) fill(ctx context.Context, object string, mode Mode, tier Tier
 	return c, nil
 }
 
-func (h *holdings) fillMemory(ctx context.Context, src transfer.Ref, overflow bool) (transfer.Ref, error) {
-	buf, err := h.xfer.Alloc(src.Meta.Bytes())
+func (h *holdings) fillMemory(ctx context.Context, src source, overflow bool) (transfer.Ref, error) {
+	meta := src.ref.Meta
+	buf, err := h.xfer.Alloc(meta.Bytes())
 	if overflow && errors.Is(err, arena.ErrNoSpace) {
 		// Held beyond capacity so a decode can finish: the heap (tcp only).
-		mem := make([]byte, src.Meta.Bytes())
-		sums, err := h.xfer.PullCopy(ctx, src, mem)
+		mem := make([]byte, meta.Bytes())
+		sums, err := h.copyInto(ctx, src, mem)
 		if err != nil {
 			return transfer.Ref{}, err
 		}
-		return h.xfer.PublishCopy(src.Meta, mem, src.Checksum, sums, nil)
+		return h.xfer.PublishCopy(meta, mem, src.ref.Checksum, sums, nil)
 	}
 	if err != nil {
 		return transfer.Ref{}, err
 	}
 	defer buf.Release() // the published payload keeps the region until its own Release
-	sums, err := h.xfer.PullCopy(ctx, src, buf.Bytes())
+	sums, err := h.copyInto(ctx, src, buf.Bytes())
 	if err != nil {
 		return transfer.Ref{}, err
 	}
-	return h.xfer.PublishCopy(src.Meta, buf.Bytes(), src.Checksum, sums, nil)
+	return h.xfer.PublishCopy(meta, buf.Bytes(), src.ref.Checksum, sums, nil)
 }
 
 // fillDisk copies src into a new file of the spill directory, mapped
 // shared, and publishes the mapping; the file goes when the payload is
 // released and no transfer reads it.
-func (h *holdings) fillDisk(ctx context.Context, object string, src transfer.Ref) (transfer.Ref, error) {
-	size := src.Meta.Bytes()
+func (h *holdings) fillDisk(ctx context.Context, object string, src source) (transfer.Ref, error) {
+	size := src.size()
 	var rnd [6]byte
 	rand.Read(rnd[:])
 	path := filepath.Join(h.spillDir(), object+"-"+hex.EncodeToString(rnd[:])+".spill")
@@ -264,12 +288,12 @@ func (h *holdings) fillDisk(ctx context.Context, object string, src transfer.Ref
 		os.Remove(path)
 		freeDisk()
 	}
-	sums, err := h.xfer.PullCopy(ctx, src, mem)
+	sums, err := h.copyInto(ctx, src, mem)
 	if err != nil {
 		release()
 		return transfer.Ref{}, err
 	}
-	return h.xfer.PublishCopy(src.Meta, mem, src.Checksum, sums, release)
+	return h.xfer.PublishCopy(src.ref.Meta, mem, src.ref.Checksum, sums, release)
 }
 
 // commit marks a copy as recorded, by the record state of revision rev:

@@ -54,7 +54,7 @@ func holdCopy(t *testing.T, s *Store, x *transfer.Service, id string, data []byt
 	if err != nil {
 		t.Fatal(err)
 	}
-	c, err := s.hold.fill(context.Background(), id, Pinned, tier, src, false)
+	c, err := s.hold.fill(context.Background(), id, Pinned, tier, source{ref: src}, false)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,7 +152,7 @@ func TestFailedCopyGivesRoomBack(t *testing.T) {
 	if err != nil || tier != Memory {
 		t.Fatalf("reserve: %s %v", tier, err)
 	}
-	if _, err := s.hold.fill(context.Background(), "gone", Pinned, tier, src, false); !errors.Is(err, transfer.ErrNotFound) {
+	if _, err := s.hold.fill(context.Background(), "gone", Pinned, tier, source{ref: src}, false); !errors.Is(err, transfer.ErrNotFound) {
 		t.Fatalf("fill = %v, want ErrNotFound", err)
 	}
 	if mem, _ := s.Free(); mem != 1<<20 {
@@ -178,7 +178,7 @@ func TestReserveEvictsLRU(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		c, err := s.hold.fill(context.Background(), id, Cache, tier, src, false)
+		c, err := s.hold.fill(context.Background(), id, Cache, tier, source{ref: src}, false)
 		x.Release(src.ID)
 		if err != nil {
 			t.Fatal(err)

@@ -336,9 +336,19 @@ func (s *Store) repair(ctx context.Context, l *listed, members []Member, alive m
 	var added []Holder
 	if need := l.Replicas - len(live); need > 0 {
 		cands := place(members, l.ID, l.Size, exclude)
+		// live[0] names this node's copy; a small one goes inline, but only
+		// once the holdings confirm it is a Store copy: the record could
+		// name another payload of this node's, which pulls would refuse.
+		src := source{ref: live[0].Ref}
 		var err error
-		if added, err = s.stageOnto(ctx, l.ID, l.Mode, live[0].Ref, cands, need); err != nil {
-			s.log.Debug("re-replication found no room", zap.String("object", l.ID), zap.Error(err))
+		if s.hold.has(src.ref.ID) {
+			src, err = s.sourceOf(ctx, src.ref, nil)
+		}
+		if err == nil {
+			added, err = s.stageOnto(ctx, l.ID, l.Mode, src, cands, need)
+		}
+		if err != nil {
+			s.log.Debug("re-replication failed", zap.String("object", l.ID), zap.Error(err))
 			added = nil
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/libp2p/go-libp2p/core/peerstore"
 	"github.com/multiformats/go-multiaddr"
+	"github.com/zeebo/xxh3"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -264,19 +265,31 @@ func (st *Staged) Abort(ctx context.Context) {
 	}
 }
 
-// Stage copies src onto the object's holders: R members chosen by
+// Stage copies ref's payload onto the object's holders: R members chosen by
 // rendezvous hashing among those with room (this node alone for a Local
 // put), trying the next when one is full or unreachable. It fails with
 // ErrFull when no member could take a copy; with fewer than R copies it
-// succeeds, and maintenance adds the missing ones when room appears.
-func (s *Store) Stage(ctx context.Context, spec PutSpec, src transfer.Ref) (*Staged, error) {
+// succeeds, and maintenance adds the missing ones when room appears. A
+// payload of this node's of at most Config.InlineMax bytes goes to remote
+// holders inside the store request; they pull a larger one from ref.
+func (s *Store) Stage(ctx context.Context, spec PutSpec, ref transfer.Ref) (*Staged, error) {
+	return s.stage(ctx, spec, ref, nil)
+}
+
+// stage is Stage; data, when not nil, is the payload's bytes, which the
+// caller published as ref and keeps unchanged until stage returns.
+func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data []byte) (*Staged, error) {
 	if err := spec.check(); err != nil {
 		return nil, err
 	}
-	if err := src.Meta.Validate(s.xfer.MaxPayloadBytes()); err != nil {
+	if err := ref.Meta.Validate(s.xfer.MaxPayloadBytes()); err != nil {
 		return nil, fmt.Errorf("cache: stage %s: %w", spec.ID, err)
 	}
-	size := src.Meta.Bytes()
+	src, err := s.sourceOf(ctx, ref, data)
+	if err != nil {
+		return nil, fmt.Errorf("cache: stage %s: %w", spec.ID, err)
+	}
+	size := src.size()
 	want := spec.Replicas
 	if want == 0 {
 		want = s.cfg.Replicas
@@ -302,7 +315,7 @@ func (s *Store) Stage(ctx context.Context, spec PutSpec, src transfer.Ref) (*Sta
 		return nil, fmt.Errorf("cache: stage %s (%d bytes): %w", spec.ID, size, err)
 	}
 	st := &Staged{s: s, Record: Record{
-		ID: spec.ID, Size: size, Checksum: holders[0].Ref.Checksum, Meta: src.Meta, ContentType: spec.ContentType,
+		ID: spec.ID, Size: size, Checksum: holders[0].Ref.Checksum, Meta: src.ref.Meta, ContentType: spec.ContentType,
 		Mode: spec.Mode, Job: spec.Job, Replicas: want, Holders: holders, CreatedAt: s.cfg.Now().UTC(),
 	}}
 	for _, h := range holders[1:] {
@@ -321,10 +334,45 @@ func (s *Store) Stage(ctx context.Context, spec PutSpec, src transfer.Ref) (*Sta
 	return st, nil
 }
 
+// sourceOf is what copies of ref's payload are made from: its bytes when
+// the payload is this node's and at most InlineMax long (an inline put:
+// remote holders take them with the request), else ref, for holders to
+// pull. data, when not nil, is the payload's bytes, already at hand. An
+// inline source carries the payload's XXH3, computed here for one
+// published without it (Begin), so every copy, and the record, carry the
+// checksum the holders verify the bytes against.
+func (s *Store) sourceOf(ctx context.Context, ref transfer.Ref, data []byte) (source, error) {
+	size := ref.Meta.Bytes()
+	if size == 0 || size > int64(s.cfg.InlineMax) || ref.Producer.PeerID != s.h.ID().String() {
+		return source{ref: ref}, nil
+	}
+	if int64(len(data)) != size {
+		// Copied out of our own payload, once every chunk is ready (a pull
+		// would wait for them too). Not Pull: it hands back a payload's
+		// memory uncopied unless it is in the arena, and a spilled copy's
+		// mapping goes when the copy is dropped, maybe before the request
+		// has been written.
+		ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
+		defer cancel()
+		data = make([]byte, size)
+		if err := s.xfer.PullInto(transfer.ForStore(ctx), ref, data); err != nil {
+			return source{}, err
+		}
+	}
+	if ref.Checksum == 0 {
+		ref.Checksum = xxh3.Hash(data)
+	}
+	if ref.Checksum == 0 {
+		return source{ref: ref}, nil // 0 means "no checksum": pull instead (one payload in 2^64)
+	}
+	return source{ref: ref, data: data}, nil
+}
+
 // stageOnto stages copies on the candidates, want at a time in parallel,
 // until want succeeded or the candidates ran out. Every copy costs the
-// source one pull, so R copies of a put run side by side.
-func (s *Store) stageOnto(ctx context.Context, id string, mode Mode, src transfer.Ref, cands []Member, want int) ([]Holder, error) {
+// source one request, and a pull unless it goes inline, so R copies of a
+// put run side by side.
+func (s *Store) stageOnto(ctx context.Context, id string, mode Mode, src source, cands []Member, want int) ([]Holder, error) {
 	var holders []Holder
 	var errs []error
 	for len(holders) < want && len(cands) > 0 {
@@ -375,12 +423,24 @@ func (s *Store) self() Member {
 	return Member{Node: s.cfg.Node, PeerID: s.h.ID().String(), Free: s.Room()}
 }
 
-// stageOn asks m (or this node) to take a staged copy of src.
-func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src transfer.Ref) (Holder, error) {
+// stageOn asks m (or this node) to take a staged copy of src: inline, with
+// the bytes in the request, when src has them, else by pulling src.ref. A
+// holder that refuses the inline request as malformed (an older build, or
+// a MaxFrame too small for it) is asked once more to pull.
+func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src source) (Holder, error) {
 	if m.Node == s.cfg.Node {
 		return s.stageLocal(ctx, id, mode, src, false)
 	}
-	resp, err := s.call(ctx, m, &request{V: WireVersion, Op: opStage, Object: id, Mode: mode, Src: src})
+	req := &request{V: baseVersion, Op: opStage, Object: id, Mode: mode, Src: src.ref}
+	if src.data != nil {
+		req.V, req.Data = inlineVersion, src.data
+	}
+	resp, err := s.call(ctx, m, req)
+	if req.Data != nil && errors.Is(err, ErrProtocol) && ctx.Err() == nil {
+		s.log.Debug("inline stage refused; asking for a pull", zap.String("object", id), zap.String("on", m.Node), zap.Error(err))
+		req.V, req.Data = baseVersion, nil
+		resp, err = s.call(ctx, m, req)
+	}
 	if err != nil {
 		return Holder{}, err
 	}
@@ -391,7 +451,7 @@ func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src
 }
 
 // stageLocal takes a staged copy of src on this node.
-func (s *Store) stageLocal(ctx context.Context, id string, mode Mode, src transfer.Ref, overflow bool) (Holder, error) {
+func (s *Store) stageLocal(ctx context.Context, id string, mode Mode, src source, overflow bool) (Holder, error) {
 	if !s.enter() {
 		return Holder{}, ErrClosed
 	}
@@ -399,7 +459,7 @@ func (s *Store) stageLocal(ctx context.Context, id string, mode Mode, src transf
 	ctx, stop := context.WithCancel(ctx)
 	defer stop()
 	defer context.AfterFunc(s.ctx, stop)() // Close waits for us: end the copy
-	size := src.Meta.Bytes()
+	size := src.size()
 	tier, evicted, err := s.hold.reserve(size, mode, overflow)
 	s.hold.release(evicted...)
 	if len(evicted) > 0 {
@@ -452,7 +512,7 @@ func (s *Store) dropOn(ctx context.Context, h Holder, id string) {
 	}
 	for _, m := range s.members() {
 		if m.Node == h.Node {
-			if _, err := s.call(ctx, m, &request{V: WireVersion, Op: opDrop, Object: id, Payload: h.Ref.ID}); err != nil {
+			if _, err := s.call(ctx, m, &request{V: baseVersion, Op: opDrop, Object: id, Payload: h.Ref.ID}); err != nil {
 				s.log.Debug("drop request", zap.String("object", id), zap.String("on", h.Node), zap.Error(err))
 			}
 			return
@@ -504,6 +564,10 @@ func (s *Store) call(ctx context.Context, m Member, req *request) (*response, er
 		return nil, fmt.Errorf("%w: %s", ErrDenied, resp.ErrMsg)
 	case codeNotFound:
 		return nil, fmt.Errorf("%w: %s", transfer.ErrNotFound, resp.ErrMsg)
+	case codeCorrupt:
+		return nil, fmt.Errorf("%w: %s: %s", transfer.ErrCorrupt, m.Node, resp.ErrMsg)
+	case codeBad:
+		return nil, fmt.Errorf("%w: %s refused the request: %s", ErrProtocol, m.Node, resp.ErrMsg)
 	}
 	return nil, fmt.Errorf("cache: %s refused (%s): %s", m.Node, resp.ErrCode, resp.ErrMsg)
 }
@@ -514,7 +578,7 @@ func (s *Store) handle(str network.Stream) {
 	remote := str.Conn().RemotePeer()
 	str.SetDeadline(time.Now().Add(s.cfg.RequestTimeout))
 	answer := func(r response) {
-		r.V = WireVersion
+		r.V = baseVersion
 		if len(r.ErrMsg) > maxErrLen {
 			r.ErrMsg = r.ErrMsg[:maxErrLen]
 		}
@@ -536,27 +600,42 @@ func (s *Store) handle(str network.Stream) {
 		answer(response{ErrCode: codeBad, ErrMsg: err.Error()})
 		return
 	}
+	answer(s.serve(remote, &req))
+}
+
+// serve carries out a validated request from member remote.
+func (s *Store) serve(remote peer.ID, req *request) response {
 	switch req.Op {
 	case opDrop:
 		s.dropStaged(req.Object, req.Payload)
-		answer(response{})
+		return response{}
 	case opStage:
+		src := source{ref: req.Src}
+		if len(req.Data) > 0 {
+			// Checked before anything is reserved: a copy that does not
+			// match is never staged.
+			if err := req.checkInline(); err != nil {
+				s.log.Warn("inline copy refused", zap.Stringer("peer", remote), zap.String("object", req.Object), zap.Error(err))
+				return response{ErrCode: codeCorrupt, ErrMsg: err.Error()}
+			}
+			src.data = req.Data
+		}
 		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
 		defer cancel()
-		h, err := s.stageLocal(ctx, req.Object, req.Mode, req.Src, false)
+		h, err := s.stageLocal(ctx, req.Object, req.Mode, src, false)
 		switch {
 		case err == nil:
-			answer(response{Holder: h})
+			return response{Holder: h}
 		case errIsFull(err):
-			answer(response{ErrCode: codeFull, ErrMsg: err.Error()})
+			return response{ErrCode: codeFull, ErrMsg: err.Error()}
 		case errors.Is(err, ErrClosed):
-			answer(response{ErrCode: codeClosed, ErrMsg: err.Error()})
+			return response{ErrCode: codeClosed, ErrMsg: err.Error()}
 		case errors.Is(err, transfer.ErrNotFound):
-			answer(response{ErrCode: codeNotFound, ErrMsg: err.Error()})
-		default:
-			answer(response{ErrCode: codeFailed, ErrMsg: err.Error()})
+			return response{ErrCode: codeNotFound, ErrMsg: err.Error()}
 		}
+		return response{ErrCode: codeFailed, ErrMsg: err.Error()}
 	}
+	return response{ErrCode: codeBad, ErrMsg: fmt.Sprintf("op %q", req.Op)} // Validate let no other op through
 }
 
 func (s *Store) isMember(p peer.ID) bool {
@@ -591,7 +670,8 @@ func commitStaged(ctx context.Context) func(*Staged, error) (Record, error) {
 }
 
 // StageBytes stages data (a file: a result, a preview) as an object. It is
-// published from this node's heap for the holders to copy, then released.
+// published from this node's heap for the holders to pull, then released;
+// remote holders of a small one take data itself, inline.
 func (s *Store) StageBytes(ctx context.Context, spec PutSpec, data []byte) (*Staged, error) {
 	if len(data) == 0 {
 		return nil, errors.New("cache: empty object")
@@ -601,7 +681,7 @@ func (s *Store) StageBytes(ctx context.Context, spec PutSpec, data []byte) (*Sta
 		return nil, err
 	}
 	defer s.xfer.Release(ref.ID)
-	return s.Stage(ctx, spec, ref)
+	return s.stage(ctx, spec, ref, data)
 }
 
 // PutBytes is StageBytes and Commit.

@@ -624,7 +624,7 @@ func TestRequestFromNonMemberDenied(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = outsider.stageOn(ctx, c.members()[0], "intruder", Pinned, src)
+	_, err = outsider.stageOn(ctx, c.members()[0], "intruder", Pinned, source{ref: src})
 	if !errors.Is(err, ErrDenied) {
 		t.Fatalf("stage from an outsider = %v, want ErrDenied", err)
 	}
@@ -716,7 +716,7 @@ func TestCloseIdempotentAndRefuses(t *testing.T) {
 	if held, _ := n.x.Held(); held != 0 {
 		t.Errorf("closed store left %d payloads in its service", held)
 	}
-	if _, err := n.s.stageLocal(ctx, "after", Pinned, transfer.Ref{}, false); !errors.Is(err, ErrClosed) {
+	if _, err := n.s.stageLocal(ctx, "after", Pinned, source{}, false); !errors.Is(err, ErrClosed) {
 		t.Errorf("stage on a closed store = %v, want ErrClosed", err)
 	}
 	n.x.Close()
@@ -738,6 +738,9 @@ func TestNewValidatesConfig(t *testing.T) {
 		{"NineReplicas", func(c *Config) { c.Replicas = 9 }},
 		{"NoStageTimeout", func(c *Config) { c.StageTimeout = 0 }},
 		{"SmallFrame", func(c *Config) { c.MaxFrame = 100 }},
+		{"NegativeInline", func(c *Config) { c.InlineMax = -1 }},
+		{"InlineOverBound", func(c *Config) { c.InlineMax, c.MaxFrame = maxInline+1, 2*maxInline }},
+		{"FrameTooSmallForInline", func(c *Config) { c.MaxFrame = c.InlineMax + requestRoom - 1 }},
 		{"NoOrphanBatch", func(c *Config) { c.OrphanBatch = 0 }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -750,6 +753,11 @@ func TestNewValidatesConfig(t *testing.T) {
 	}
 	if _, err := base.validate(); err != nil {
 		t.Fatalf("DefaultConfig with a Node: %v", err)
+	}
+	noInline := base
+	noInline.InlineMax, noInline.MaxFrame = 0, 16<<10
+	if _, err := noInline.validate(); err != nil {
+		t.Fatalf("InlineMax 0 with the old 16 KiB frame: %v", err)
 	}
 }
 

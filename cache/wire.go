@@ -5,6 +5,7 @@ import (
 	"math"
 
 	"github.com/libp2p/go-libp2p/core/protocol"
+	"github.com/zeebo/xxh3"
 
 	"github.com/latentmesh/latentmesh/transfer"
 )
@@ -12,12 +13,27 @@ import (
 // ProtocolID is the libp2p protocol of store requests between agents.
 const ProtocolID protocol.ID = "/latentmesh/store/1"
 
-// WireVersion is the version of the store messages this build speaks.
-const WireVersion = 1
+// Versions of the store messages. A message's V says which fields it may
+// use, and a reader refuses a version it does not know (transfer.ErrVersion):
+//
+//	1: the first. A stage request names a payload for the holder to pull.
+//	2: a stage request may carry the object's bytes (Data: an inline put).
+//
+// A request is sent at the lowest version its fields need, so a holder of a
+// version-1 build still serves every request of a newer putter but an
+// inline one. That one it refuses as a bad request (the version, or a frame
+// over the 16 KiB MaxFrame of those builds), and the putter sends it again
+// without Data, to be pulled (Store.stageOn). Responses have not changed
+// since version 1 and are sent as version 1, which every build reads.
+const (
+	WireVersion   = inlineVersion // the newest version this build speaks
+	baseVersion   = 1             // every response; every request without Data
+	inlineVersion = 2             // a stage request with Data
+)
 
 // Request operations.
 const (
-	opStage = "stage" // copy Src onto this node as a staged copy of Object
+	opStage = "stage" // copy Src (or Data) onto this node as a staged copy of Object
 	opDrop  = "drop"  // drop the copy Payload of Object (an aborted put)
 )
 
@@ -29,10 +45,20 @@ const (
 	maxNodeLen      = 128
 	maxErrLen       = 1024
 	maxRank         = 8 // transfer.MaxDims is smaller; any tensor rank fits
+	// maxInline bounds a request's Data, whatever a Config allows: bulk
+	// bytes belong on the data plane (striped, checked block by block, shm
+	// or rdma where it can), and a holder reads a request's frame whole
+	// before decoding it. Config.InlineMax is at most this.
+	maxInline = 1 << 20
+	// requestRoom is what a request takes besides its Data: with every
+	// field at its bound (an id, two producers' addresses) it encodes to
+	// under 10 KiB (TestRequestRoom). MaxFrame holds InlineMax plus this.
+	requestRoom = 16 << 10
 )
 
 // request is one store control message: a length-prefixed msgpack frame on
-// a fresh stream, answered by one response.
+// a fresh stream, answered by one response. The reader's MaxFrame bounds
+// the frame before any of it is allocated, Data included.
 type request struct {
 	V       int          `msgpack:"v"`
 	Op      string       `msgpack:"op"`
@@ -40,6 +66,12 @@ type request struct {
 	Mode    Mode         `msgpack:"mode,omitempty"`
 	Src     transfer.Ref `msgpack:"src"`
 	Payload string       `msgpack:"payload,omitempty"`
+	// Data, from version 2, is the object's bytes, sent with a stage
+	// request when the object is small (Config.InlineMax): the holder
+	// copies them instead of pulling Src, once they match Src's size and
+	// XXH3 (checkInline). Src still names the putter's payload, so the
+	// request can be sent again without Data to a holder that refuses it.
+	Data []byte `msgpack:"data,omitempty"`
 }
 
 // response answers a request: the new holder on success, else a code.
@@ -50,9 +82,11 @@ type response struct {
 	ErrMsg  string `msgpack:"err_msg,omitempty"`
 }
 
-// Validate checks the version and every bound of a decoded request.
+// Validate checks the version and every bound of a decoded request. It
+// does not hash Data: checkInline does, where a mismatch is answered as
+// such rather than as a malformed request.
 func (m *request) Validate() error {
-	if m.V != WireVersion {
+	if m.V < baseVersion || m.V > WireVersion {
 		return fmt.Errorf("%w: request v%d", transfer.ErrVersion, m.V)
 	}
 	if !ValidID(m.Object) {
@@ -63,19 +97,57 @@ func (m *request) Validate() error {
 		if !m.Mode.Valid() {
 			return fmt.Errorf("%w: mode %q", ErrProtocol, m.Mode)
 		}
-		return validRef(m.Src)
+		if err := validRef(m.Src); err != nil {
+			return err
+		}
+		return m.validInline()
 	case opDrop:
 		if m.Payload == "" || len(m.Payload) > maxPayloadIDLen {
 			return fmt.Errorf("%w: payload id of %d bytes", ErrProtocol, len(m.Payload))
+		}
+		if len(m.Data) > 0 {
+			return fmt.Errorf("%w: a drop with data", ErrProtocol)
 		}
 		return nil
 	}
 	return fmt.Errorf("%w: op %q", ErrProtocol, m.Op)
 }
 
+// validInline bounds a stage request's Data: a version that has it, at
+// most maxInline bytes, exactly Src's size, and a checksum to match.
+func (m *request) validInline() error {
+	n := len(m.Data)
+	switch {
+	case n == 0:
+		return nil
+	case m.V < inlineVersion:
+		return fmt.Errorf("%w: data in a v%d request", ErrProtocol, m.V)
+	case n > maxInline:
+		return fmt.Errorf("%w: %d bytes of data, at most %d", ErrProtocol, n, maxInline)
+	case int64(n) != m.Src.Meta.Bytes():
+		return fmt.Errorf("%w: %d bytes of data for a %d-byte object", ErrProtocol, n, m.Src.Meta.Bytes())
+	case m.Src.Checksum == 0:
+		return fmt.Errorf("%w: data without a checksum", ErrProtocol)
+	}
+	return nil
+}
+
+// checkInline verifies a validated request's Data against the XXH3 its Src
+// declares, the checksum the copy is published with and the object's record
+// will carry. A request without Data passes: its pull checks what it copies.
+func (m *request) checkInline() error {
+	if len(m.Data) == 0 {
+		return nil
+	}
+	if got := xxh3.Hash(m.Data); got != m.Src.Checksum {
+		return fmt.Errorf("%w: inline copy of %s has xxh3 %x, its request says %x", transfer.ErrCorrupt, m.Object, got, m.Src.Checksum)
+	}
+	return nil
+}
+
 // Validate checks the version and bounds of a decoded response.
 func (m *response) Validate() error {
-	if m.V != WireVersion {
+	if m.V != baseVersion {
 		return fmt.Errorf("%w: response v%d", transfer.ErrVersion, m.V)
 	}
 	if len(m.ErrCode) > maxErrLen || len(m.ErrMsg) > maxErrLen {

@@ -2,12 +2,18 @@ package cache
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"strings"
 	"testing"
 
+	"github.com/zeebo/xxh3"
+
 	"github.com/latentmesh/latentmesh/transfer"
 )
+
+// testFrame is the frame bound the wire tests read with: the default's.
+var testFrame = DefaultConfig().MaxFrame
 
 func testRef() transfer.Ref {
 	return transfer.Ref{
@@ -23,20 +29,60 @@ func testRef() transfer.Ref {
 	}
 }
 
+// inlineRequest is a valid inline stage request of n bytes.
+func inlineRequest(n int) request {
+	data := pattern(n, 9)
+	src := testRef()
+	src.Meta = transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{int64(n)}}
+	src.Checksum = xxh3.Hash(data)
+	return request{V: inlineVersion, Op: opStage, Object: "job-1.result", Mode: Pinned, Src: src, Data: data}
+}
+
 func validRequests() []request {
 	return []request{
-		{V: WireVersion, Op: opDrop, Object: "job-1.latent", Payload: "0123456789abcdef"},
-		{V: WireVersion, Op: opStage, Object: "job-1.latent", Mode: Consume, Src: testRef()},
-		{V: WireVersion, Op: opStage, Object: "preview", Mode: Cache, Src: testRef()},
+		{V: baseVersion, Op: opDrop, Object: "job-1.latent", Payload: "0123456789abcdef"},
+		{V: baseVersion, Op: opStage, Object: "job-1.latent", Mode: Consume, Src: testRef()},
+		{V: baseVersion, Op: opStage, Object: "preview", Mode: Cache, Src: testRef()},
+		{V: inlineVersion, Op: opStage, Object: "job-1.latent", Mode: Consume, Src: testRef()}, // v2 without data
+		inlineRequest(1),
+		inlineRequest(4096),
+		inlineRequest(DefaultConfig().InlineMax),
 	}
 }
 
 func validResponses() []response {
 	return []response{
-		{V: WireVersion},
-		{V: WireVersion, Holder: Holder{Node: "n1", Tier: Disk, Ref: testRef()}},
-		{V: WireVersion, ErrCode: codeFull, ErrMsg: "no room"},
+		{V: baseVersion},
+		{V: baseVersion, Holder: Holder{Node: "n1", Tier: Disk, Ref: testRef()}},
+		{V: baseVersion, ErrCode: codeFull, ErrMsg: "no room"},
 	}
+}
+
+// invalidInlineFrames are inline requests the decoder must refuse: data
+// where the version has none, data that is not the object's size, data
+// without a checksum, data on a drop, and a bin header declaring more data
+// than the frame holds.
+func invalidInlineFrames(tb testing.TB) [][]byte {
+	v1 := inlineRequest(64)
+	v1.V = baseVersion
+	short := inlineRequest(64)
+	short.Data = short.Data[:63]
+	noSum := inlineRequest(64)
+	noSum.Src.Checksum = 0
+	drop := validRequests()[0]
+	drop.V, drop.Data = inlineVersion, []byte{1}
+	out := [][]byte{encodeFrame(tb, &v1), encodeFrame(tb, &short), encodeFrame(tb, &noSum), encodeFrame(tb, &drop)}
+	// The 64 data bytes of an inline request, declared as bin32 of 1 GiB.
+	r := inlineRequest(64)
+	f := encodeFrame(tb, &r)
+	i := bytes.Index(f, []byte("data\xc4\x40")) // the key, then a bin8 of 64
+	if i < 0 {
+		tb.Fatal("no bin8 data field in an inline request's frame")
+	}
+	i += len("data")
+	lie := append(append(append([]byte{}, f[:i]...), 0xc6, 0x40, 0, 0, 0), f[i+2:]...)
+	binary.BigEndian.PutUint32(lie, uint32(len(lie)-4))
+	return append(out, lie)
 }
 
 func encodeFrame(tb testing.TB, v any) []byte {
@@ -55,30 +101,41 @@ func seedFrames(f *testing.F) {
 	for _, r := range validResponses() {
 		f.Add(encodeFrame(f, &r))
 	}
+	for _, b := range invalidInlineFrames(f) {
+		f.Add(b)
+	}
 	f.Add([]byte{})
 	f.Add([]byte{0, 0, 0, 1, 0xc0})                         // nil
 	f.Add([]byte{0, 0, 0, 5, 0xdd, 0xff, 0xff, 0xff, 0xff}) // a huge array header
 	f.Add([]byte{0xff, 0xff, 0xff, 0xff})                   // a huge length
 }
 
-// FuzzRequestFrame checks that no frame panics the request decoder and that
-// whatever decodes is valid and survives a round trip.
+// FuzzRequestFrame checks that no frame panics the request decoder, that
+// whatever decodes is valid and survives a round trip, and that inline data
+// is never larger than its bound or than the object it claims to be.
 func FuzzRequestFrame(f *testing.F) {
 	seedFrames(f)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var m request
-		if err := transfer.ReadFrame(bytes.NewReader(b), 16<<10, &m); err != nil {
+		if err := transfer.ReadFrame(bytes.NewReader(b), testFrame, &m); err != nil {
 			return
 		}
 		if err := m.Validate(); err != nil {
 			t.Fatalf("decoded request is invalid: %v", err)
 		}
+		if n := len(m.Data); n > 0 && (n > maxInline || n > len(b) || int64(n) != m.Src.Meta.Bytes() || m.V < inlineVersion) {
+			t.Fatalf("accepted %d bytes of data (v%d) for a %d-byte object from a %d-byte frame", n, m.V, m.Src.Meta.Bytes(), len(b))
+		}
 		var again request
-		if err := transfer.ReadFrame(bytes.NewReader(encodeFrame(t, &m)), 16<<10, &again); err != nil {
+		if err := transfer.ReadFrame(bytes.NewReader(encodeFrame(t, &m)), testFrame, &again); err != nil {
 			t.Fatalf("re-encoded request does not decode: %v", err)
 		}
-		if again.Op != m.Op || again.Object != m.Object || again.Payload != m.Payload || again.Src.ID != m.Src.ID {
+		if again.V != m.V || again.Op != m.Op || again.Object != m.Object || again.Payload != m.Payload || again.Src.ID != m.Src.ID ||
+			again.Src.Checksum != m.Src.Checksum || !bytes.Equal(again.Data, m.Data) {
 			t.Fatalf("round trip changed the request: %+v -> %+v", m, again)
+		}
+		if m.checkInline() == nil && len(m.Data) > 0 && xxh3.Hash(m.Data) != m.Src.Checksum {
+			t.Fatal("checkInline passed data that does not match its checksum")
 		}
 	})
 }
@@ -88,14 +145,14 @@ func FuzzResponseFrame(f *testing.F) {
 	seedFrames(f)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var m response
-		if err := transfer.ReadFrame(bytes.NewReader(b), 16<<10, &m); err != nil {
+		if err := transfer.ReadFrame(bytes.NewReader(b), testFrame, &m); err != nil {
 			return
 		}
 		if err := m.Validate(); err != nil {
 			t.Fatalf("decoded response is invalid: %v", err)
 		}
 		var again response
-		if err := transfer.ReadFrame(bytes.NewReader(encodeFrame(t, &m)), 16<<10, &again); err != nil {
+		if err := transfer.ReadFrame(bytes.NewReader(encodeFrame(t, &m)), testFrame, &again); err != nil {
 			t.Fatalf("re-encoded response does not decode: %v", err)
 		}
 		if again.ErrCode != m.ErrCode || again.Holder.Node != m.Holder.Node || again.Holder.Ref.ID != m.Holder.Ref.ID {
@@ -112,7 +169,8 @@ func TestRequestValidate(t *testing.T) {
 		mod  func(*request)
 		want error
 	}{
-		{"Version", func(r *request) { r.V = 2 }, transfer.ErrVersion},
+		{"Version", func(r *request) { r.V = WireVersion + 1 }, transfer.ErrVersion},
+		{"NoVersion", func(r *request) { r.V = 0 }, transfer.ErrVersion},
 		{"BadObject", func(r *request) { r.Object = "../x" }, ErrProtocol},
 		{"NoObject", func(r *request) { r.Object = "" }, ErrProtocol},
 		{"UnknownOp", func(r *request) { r.Op = "steal" }, ErrProtocol},
@@ -124,6 +182,13 @@ func TestRequestValidate(t *testing.T) {
 		{"BadMeta", func(r *request) { r.Src.Meta.DType = "int128" }, transfer.ErrBadMeta},
 		{"DropWithoutPayload", func(r *request) { r.Op = opDrop }, ErrProtocol},
 		{"DropLongPayload", func(r *request) { r.Op, r.Payload = opDrop, long }, ErrProtocol},
+		{"DropWithData", func(r *request) { r.V, r.Op, r.Payload, r.Data = inlineVersion, opDrop, "p", []byte{1} }, ErrProtocol},
+		{"InlineInV1", func(r *request) { *r = inlineRequest(64); r.V = baseVersion }, ErrProtocol},
+		{"InlineShort", func(r *request) { *r = inlineRequest(64); r.Data = r.Data[:63] }, ErrProtocol},
+		{"InlineLong", func(r *request) { *r = inlineRequest(64); r.Data = append(r.Data, 0) }, ErrProtocol},
+		{"InlineNoChecksum", func(r *request) { *r = inlineRequest(64); r.Src.Checksum = 0 }, ErrProtocol},
+		{"InlineNoSrc", func(r *request) { *r = inlineRequest(64); r.Src.ID = "" }, ErrProtocol},
+		{"InlineOverBound", func(r *request) { *r = inlineRequest(maxInline + 1) }, ErrProtocol},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := stage
@@ -134,7 +199,7 @@ func TestRequestValidate(t *testing.T) {
 			}
 			// The decoder rejects it the same way.
 			var got request
-			if err := transfer.ReadFrame(bytes.NewReader(encodeFrame(t, &r)), 16<<10, &got); err == nil {
+			if err := transfer.ReadFrame(bytes.NewReader(encodeFrame(t, &r)), maxInline+requestRoom, &got); err == nil {
 				t.Fatal("ReadFrame accepted it")
 			}
 		})
@@ -152,6 +217,7 @@ func TestResponseValidate(t *testing.T) {
 		r    response
 	}{
 		{"Version", response{V: 0}},
+		{"NewerVersion", response{V: baseVersion + 1}}, // responses have one version so far
 		{"LongErr", response{V: WireVersion, ErrCode: codeFailed, ErrMsg: strings.Repeat("e", maxErrLen+1)}},
 		{"BadTier", response{V: WireVersion, Holder: Holder{Node: "n", Tier: "tape", Ref: testRef()}}},
 		{"LongNode", response{V: WireVersion, Holder: Holder{Node: strings.Repeat("n", maxNodeLen+1), Tier: Memory, Ref: testRef()}}},
@@ -167,5 +233,71 @@ func TestResponseValidate(t *testing.T) {
 		if err := r.Validate(); err != nil {
 			t.Errorf("valid response %+v: %v", r, err)
 		}
+	}
+}
+
+// An inline request's data is checked against the checksum its Src
+// declares before anything is staged.
+func TestCheckInline(t *testing.T) {
+	r := inlineRequest(4096)
+	if err := r.checkInline(); err != nil {
+		t.Fatalf("intact data: %v", err)
+	}
+	r.Data[100] ^= 1
+	if err := r.Validate(); err != nil {
+		t.Fatalf("Validate does not hash: %v", err)
+	}
+	if err := r.checkInline(); !errors.Is(err, transfer.ErrCorrupt) {
+		t.Fatalf("flipped bit: checkInline = %v, want ErrCorrupt", err)
+	}
+	pull := validRequests()[1]
+	if err := pull.checkInline(); err != nil {
+		t.Fatalf("a pull request: %v", err)
+	}
+}
+
+// Inline data is bounded before a byte of it is allocated: a frame longer
+// than the reader's MaxFrame is refused from its length prefix alone, and
+// a bin header that declares more than the frame holds fails the scan
+// before msgpack decodes it.
+func TestInlineBoundedBeforeAllocation(t *testing.T) {
+	r := inlineRequest(DefaultConfig().InlineMax)
+	f := encodeFrame(t, &r)
+	if len(f) > testFrame {
+		t.Fatalf("an inline request of InlineMax bytes takes a %d-byte frame; MaxFrame is %d", len(f), testFrame)
+	}
+	var got request
+	if err := transfer.ReadFrame(bytes.NewReader(f[:4]), len(f)-5, &got); !errors.Is(err, transfer.ErrFrameTooLarge) {
+		t.Fatalf("frame over the bound = %v, want ErrFrameTooLarge", err)
+	}
+	for i, b := range invalidInlineFrames(t) {
+		if err := transfer.ReadFrame(bytes.NewReader(b), testFrame, &got); err == nil {
+			t.Errorf("invalid inline frame %d decoded: %+v", i, got)
+		}
+	}
+}
+
+// requestRoom holds the largest request without data: every field at its
+// bound. MaxFrame is InlineMax plus requestRoom, so an inline request of
+// InlineMax bytes always fits.
+func TestRequestRoom(t *testing.T) {
+	field := func(n int) string { return strings.Repeat("x", n) }
+	src := transfer.Ref{
+		ID: field(maxPayloadIDLen),
+		Producer: transfer.Producer{
+			PeerID: field(maxAddrLen), DataAddr: field(maxAddrLen), Host: field(maxAddrLen), ShmSocket: field(maxAddrLen), RDMA: true,
+		},
+		Meta:     transfer.TensorMeta{DType: transfer.Float16, Shape: make([]int64, maxRank), ChunkDim: 1 << 30, NumChunks: 1 << 30},
+		Checksum: 1<<64 - 1,
+	}
+	for i := range src.Meta.Shape {
+		src.Meta.Shape[i] = 1<<63 - 1
+	}
+	for range maxAddrs {
+		src.Producer.P2PAddrs = append(src.Producer.P2PAddrs, field(maxAddrLen))
+	}
+	r := request{V: WireVersion, Op: opStage, Object: field(MaxIDLen), Mode: Consume, Src: src, Payload: field(maxPayloadIDLen)}
+	if n := len(encodeFrame(t, &r)); n > 10<<10 || n >= requestRoom {
+		t.Fatalf("the largest request takes %d bytes; requestRoom is %d and its comment says under 10 KiB", n, requestRoom)
 	}
 }

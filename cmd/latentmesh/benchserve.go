@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
 	"github.com/latentmesh/latentmesh/testbed/serve"
@@ -36,6 +37,9 @@ func runBenchServe(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.Float64Var(&cfg.Tiling, "tiling", cfg.Tiling, "colocated VAE tiling slowdown of video decode (1.0 or 1.3 in issue 10)")
 	fs.Float64Var(&cfg.GPUMemGB, "gpu-mem", cfg.GPUMemGB, "GB of one GPU's memory")
 	fs.DurationVar(&cfg.Drain, "drain", cfg.Drain, "simulated time to wait for jobs after the last arrival")
+	scheduler := fs.String("scheduler", cfg.Queue.Scheduler.String(), "queue order: priority (class with aging, then deadline, then age) or fifo (enqueue time only: a baseline)")
+	fs.DurationVar(&cfg.Queue.PreemptAfter, "preempt-after", cfg.Queue.PreemptAfter, "simulated time an interactive task waits while every denoise slot runs batch work before one batch task is requeued (0: never)")
+	fs.DurationVar(&cfg.Queue.AgingStep, "aging-step", cfg.Queue.AgingStep, "simulated wait that lifts a task one class")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	plot := fs.String("plot", "", "write a PNG `file`: latency CDF per class and a Gantt chart of sample jobs")
 	sample := fs.Int("jobs", 8, "sample jobs whose breakdown is printed")
@@ -48,6 +52,12 @@ func runBenchServe(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	if cfg.Topology, err = testbed.ParseTopology(*topology); err != nil {
 		return fail(2, err)
+	}
+	if cfg.Queue.Scheduler, err = routing.ParseScheduler(*scheduler); err != nil {
+		return fail(2, err)
+	}
+	if cfg.Queue.PreemptAfter < 0 || cfg.Queue.AgingStep <= 0 {
+		return fail(2, fmt.Errorf("--preempt-after must not be negative and --aging-step must be positive"))
 	}
 	if *pools != "" {
 		if cfg.Pools, err = costmodel.ParsePools(*pools); err != nil {

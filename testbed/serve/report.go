@@ -24,8 +24,12 @@ type Report struct {
 	Compression float64          `json:"compression"`
 	ByteScale   float64          `json:"byte_scale"`
 	Tiling      float64          `json:"tiling"`
-	Agents      []Agent          `json:"agents"`
-	Payloads    []Payload        `json:"payloads"`
+	// Scheduler is the queue order (priority or fifo); PreemptAfter the
+	// simulated wait before preemption (0: none).
+	Scheduler    string    `json:"scheduler"`
+	PreemptAfter float64   `json:"preempt_after_s"`
+	Agents       []Agent   `json:"agents"`
+	Payloads     []Payload `json:"payloads"`
 	// Makespan is first submission to last completion.
 	Makespan float64      `json:"makespan_s"`
 	Classes  []ClassStats `json:"classes"`
@@ -130,6 +134,7 @@ func (r *run) report(results []*result) *Report {
 	sim := func(d time.Duration) float64 { return d.Seconds() * f }
 	spans := r.spans.all()
 	rep := &Report{Topology: r.cfg.Topology, GPUs: r.cfg.GPUs, Compression: f, ByteScale: r.cfg.ByteScale, Tiling: r.cfg.Tiling,
+		Scheduler: r.cfg.Queue.Scheduler.String(), PreemptAfter: r.cfg.Queue.PreemptAfter.Seconds(),
 		Agents: r.agents, PeakWaiting: map[jobs.Stage]int{}, GPUBusy: map[string]float64{}, spans: spans}
 	if r.cfg.Topology == testbed.Disaggregated {
 		rep.Pools = r.cfg.Pools.String()
@@ -363,6 +368,10 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 	fmt.Fprintf(w, "; time compressed %gx (reported times are simulated: wall x %g)", rep.Compression, rep.Compression)
 	if rep.Topology == testbed.Colocated {
 		fmt.Fprintf(w, "; colocated video decode tiling x%.2f", rep.Tiling)
+	}
+	fmt.Fprintf(w, "; scheduler %s", rep.Scheduler)
+	if rep.Scheduler != "fifo" && rep.PreemptAfter > 0 {
+		fmt.Fprintf(w, ", preempting batch work after %gs", rep.PreemptAfter)
 	}
 	fmt.Fprintln(w)
 	for _, p := range rep.Payloads {

@@ -23,6 +23,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/etcdembed"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
 	"github.com/latentmesh/latentmesh/transfer"
@@ -53,7 +54,12 @@ type Config struct {
 	// Drain is how long (simulated) to wait for jobs after the last arrival.
 	Drain time.Duration
 	// Slots per stage of each agent (agent.DefaultConfig's by default).
-	Slots  map[jobs.Stage]int
+	Slots map[jobs.Stage]int
+	// Queue is every agent's queue policy, its times (aging step,
+	// preemption wait) in simulated time: each agent gets them divided by
+	// the compression. The steal grace is the control plane's, not the
+	// GPU's, and is kept as it is.
+	Queue  routing.QueuePolicy
 	Logger *zap.Logger
 }
 
@@ -70,6 +76,7 @@ func DefaultConfig() Config {
 		ReserveGB:   10,  // activations and latents of the running stages
 		Drain:       5 * time.Minute,
 		Slots:       agent.DefaultConfig().Slots,
+		Queue:       routing.DefaultQueuePolicy(),
 		Logger:      zap.NewNop(),
 	}
 }
@@ -262,6 +269,9 @@ func (r *run) agentConfig(i int, roles []jobs.Stage) (agent.Config, Agent, error
 	ac.NodeID, ac.Roles, ac.Logger = a.Node, roles, cfg.Logger.Named(a.Node)
 	ac.HTTPListen, ac.AdminListen = "", "" // the bench calls agents in process
 	ac.Slots = cfg.Slots
+	ac.Queue = cfg.Queue
+	ac.Queue.AgingStep = time.Duration(float64(cfg.Queue.AgingStep) / cfg.Compression)
+	ac.Queue.PreemptAfter = time.Duration(float64(cfg.Queue.PreemptAfter) / cfg.Compression)
 	ac.Sim = sim
 	// Room for the slots' outputs and pulls several times over, and the
 	// Store's quarter: what a GPU host's pinned buffer would hold.

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
 )
@@ -147,5 +148,24 @@ func TestTraceRoundTrip(t *testing.T) {
 		if _, err := ParseMix(bad, models); err == nil {
 			t.Errorf("mix %q accepted", bad)
 		}
+	}
+}
+
+// An agent's queue times are the policy's simulated times compressed like
+// the GPU's (a 2 s preemption wait at 10x is 200 ms of wall time); the
+// steal grace is the control plane's and stays as it is.
+func TestQueuePolicyCompressed(t *testing.T) {
+	models, _ := costmodel.Load()
+	cfg := shortConfig(t, testbed.Disaggregated, 3)
+	cfg.Compression = 10
+	cfg.Queue.Scheduler = routing.FIFO
+	r := &run{cfg: cfg, models: models}
+	ac, _, err := r.agentConfig(0, []jobs.Stage{jobs.Denoise})
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := ac.Queue
+	if q.Scheduler != routing.FIFO || q.PreemptAfter != cfg.Queue.PreemptAfter/10 || q.AgingStep != cfg.Queue.AgingStep/10 || q.StealGrace != cfg.Queue.StealGrace {
+		t.Fatalf("agent queue policy %+v from %+v at 10x", q, cfg.Queue)
 	}
 }

@@ -73,6 +73,15 @@ func (r *runningTasks) snapshot(st jobs.Stage) ([]*runningTask, <-chan struct{})
 	return out, r.changed
 }
 
+// has reports whether task id runs here (or is committing: a task leaves
+// the set when its execute returns).
+func (r *runningTasks) has(id string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	_, ok := r.tasks[id]
+	return ok
+}
+
 // stop cancels task id with cause; false when it is no longer running.
 func (r *runningTasks) stop(id string, cause error) bool {
 	r.mu.Lock()

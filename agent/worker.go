@@ -192,6 +192,12 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			if q.Claimed(t.ID) {
 				continue // claimed since the scan (another worker won the race): skip the refused claim
 			}
+			if a.running.has(t.ID) {
+				// Its work is done here and its credit back, but its commit
+				// is still on its way: its claim went with a lost lease, and
+				// execute takes it back (reclaim) rather than run it again.
+				continue
+			}
 			tried++
 			claim, err := a.store.TryClaim(a.ctx, t, a.id, lease)
 			if err == nil {

@@ -50,7 +50,10 @@ type APIBenchConfig struct {
 	// as an etcd whose data must survive a crash does
 	// (etcdembed.Config.Fsync).
 	EtcdFsync bool
-	Logger    *zap.Logger
+	// NoPush turns pushed claims off (routing.QueuePolicy.Push): every
+	// worker claims its own tasks, a baseline.
+	NoPush bool
+	Logger *zap.Logger
 }
 
 // DefaultAPIBenchConfig is one client, 200 jobs of 64x64 in two steps.
@@ -153,6 +156,7 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 		cc.Topology = "" // agents added below, once their client is counted
 		cc.EtcdInProcess = !cfg.EtcdGRPC
 		cc.Etcd.Fsync = cfg.EtcdFsync
+		cc.Agent.Queue.Push = !cfg.NoPush
 		if cfg.Slack >= 0 {
 			cc.Agent.Admission.Slack = cfg.Slack
 		}

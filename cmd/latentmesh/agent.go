@@ -58,6 +58,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		scheduler  = fs.String("scheduler", def.Queue.Scheduler.String(), "queue order: priority (class with aging, then earliest deadline_ms, then age) or fifo (enqueue time only: a baseline)")
 		preempt    = fs.Duration("preempt-after", def.Queue.PreemptAfter, "an interactive task waiting this long while every denoise slot runs batch work requeues one batch task (0: never)")
 		noBackpr   = fs.Bool("no-backpressure", false, "start tasks whatever the next stage's backlog (a baseline: waiting latents then grow with the run)")
+		noPush     = fs.Bool("no-push", false, "never claim a new task for its hinted worker in the write that creates it; every worker claims its own (a baseline: a handoff then costs two etcd writes)")
 		slack      = fs.Int("backpressure-slack", def.Admission.Slack, "outputs that may wait for the next stage beyond its total credits, for the whole upstream pool")
 		drainWait  = fs.Duration("drain-timeout", def.DrainTimeout, "on SIGTERM or 'latentmesh drain': how long running tasks may finish (and held outputs be consumed) before the rest are requeued")
 		logFormat  = fs.String("log-format", "json", "json or console")
@@ -133,6 +134,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	}
 	cfg.Queue.PreemptAfter, cfg.DrainTimeout = *preempt, *drainWait
 	cfg.Admission.Slack, cfg.Admission.Off = *slack, *noBackpr
+	cfg.Queue.Push = !*noPush
 	cfg.Logger = log
 
 	ecc := testbed.EtcdClientConfig{

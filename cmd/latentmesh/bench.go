@@ -197,6 +197,7 @@ func runBenchAPI(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.IntVar(&cfg.Steps, "steps", cfg.Steps, "denoise steps per job")
 	fs.IntVar(&cfg.DenoiseSlots, "denoise-slots", 0, "denoise slots of the in-process mesh's denoise agent (0: the default, 1)")
 	fs.BoolVar(&cfg.EtcdFsync, "etcd-fsync", false, "in-process mesh: the embedded etcd fsyncs its log, as an etcd whose data must survive a crash (default: not, since its temporary directory is removed on exit)")
+	fs.BoolVar(&cfg.NoPush, "no-push", false, "in-process mesh: workers claim every task themselves instead of taking claims pushed to them (a baseline)")
 	fs.IntVar(&cfg.Slack, "backpressure-slack", cfg.Slack, "in-process mesh: the agents' backpressure slack (negative: the agent default, 1)")
 	fs.BoolVar(&cfg.EtcdGRPC, "etcd-grpc", false, "in-process mesh: agents reach the embedded etcd over loopback gRPC, as remote agents do (default: function calls, as 'latentmesh dev')")
 	size := frameSize{cfg.Width, cfg.Height}

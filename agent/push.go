@@ -87,18 +87,26 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Queue, lease clientv3.LeaseI
 // to look again (zero: nothing is waiting).
 func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
 	now := time.Now()
+	free := map[string]bool{} // by model: another worker is free for it (gossip, asked once per call)
 	for _, c := range q.Pushed(a.id, a.member.Lease()) {
-		if a.cfg.Queue.GiveBack(c.StartedAt, now, a.otherFree(st, c.Task.Spec.ModelName())) {
+		due := c.StartedAt.Add(a.cfg.Queue.StealGrace)
+		if due.After(now) {
+			next = earliest(next, due) // within the grace: nothing to ask yet
+			continue
+		}
+		model := c.Task.Spec.ModelName()
+		other, ok := free[model]
+		if !ok {
+			other = a.otherFree(st, model)
+			free[model] = other
+		}
+		if a.cfg.Queue.GiveBack(c.StartedAt, now, other) {
 			a.giveBack(q, c, "no free slot")
 			continue
 		}
-		due := c.StartedAt.Add(a.cfg.Queue.StealGrace)
-		if !due.After(now) {
-			// Due, but no other worker is free either: free credits arrive
-			// by gossip, which cannot be waited on, so look within a second.
-			due = now.Add(time.Second)
-		}
-		next = earliest(next, due)
+		// Due, but no other worker is free either: free credits arrive by
+		// gossip, which cannot be waited on, so look within a second.
+		next = earliest(next, now.Add(time.Second))
 	}
 	return next
 }

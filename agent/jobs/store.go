@@ -464,8 +464,17 @@ func (s *Store) waitOnce(ctx context.Context, id string) (job Job, done bool, er
 			if ev.Type == clientv3.EventTypeDelete {
 				return Job{}, false, nil // deleted: the next read says what became of it
 			}
+			// Most events are a stage committing: read the state alone
+			// (decoding into one field allocates nothing else), and the
+			// whole record only once it is the last.
+			var st struct {
+				State State `json:"state"`
+			}
+			if json.Unmarshal(ev.Kv.Value, &st) != nil || !st.State.Terminal() {
+				continue
+			}
 			var rec record
-			if json.Unmarshal(ev.Kv.Value, &rec) == nil && rec.State.Terminal() {
+			if json.Unmarshal(ev.Kv.Value, &rec) == nil {
 				return rec.Job, true, nil
 			}
 		}
@@ -735,14 +744,18 @@ func (s *Store) fenced(c *Claim) []clientv3.Cmp {
 	}
 }
 
-// finishOps delete the task, its claim, its progress and frame previews.
+// finishOps delete the task, its claim, its progress and, after the
+// decode stage (which makes them), its frame previews.
 func (s *Store) finishOps(c *Claim) []clientv3.Op {
-	return []clientv3.Op{
+	ops := []clientv3.Op{
 		clientv3.OpDelete(c.Task.Key),
 		clientv3.OpDelete(s.claimKey(&c.Task)),
 		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
-		clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()),
 	}
+	if _, last := c.Task.Stage.Next(); last {
+		ops = append(ops, clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()))
+	}
+	return ops
 }
 
 // update runs a fenced read-modify-write of the claim's job record: mutate

@@ -25,9 +25,11 @@ type Report struct {
 	ByteScale   float64          `json:"byte_scale"`
 	Tiling      float64          `json:"tiling"`
 	// Scheduler is the queue order (priority or fifo); PreemptAfter the
-	// simulated wait before preemption (0: none).
+	// simulated wait before preemption (0: none); Slack the agents'
+	// backpressure slack.
 	Scheduler    string    `json:"scheduler"`
 	PreemptAfter float64   `json:"preempt_after_s"`
+	Slack        int       `json:"backpressure_slack"`
 	Agents       []Agent   `json:"agents"`
 	Payloads     []Payload `json:"payloads"`
 	// Makespan is first submission to last completion.
@@ -134,7 +136,7 @@ func (r *run) report(results []*result) *Report {
 	sim := func(d time.Duration) float64 { return d.Seconds() * f }
 	spans := r.spans.all()
 	rep := &Report{Topology: r.cfg.Topology, GPUs: r.cfg.GPUs, Compression: f, ByteScale: r.cfg.ByteScale, Tiling: r.cfg.Tiling,
-		Scheduler: r.cfg.Queue.Scheduler.String(), PreemptAfter: r.cfg.Queue.PreemptAfter.Seconds(),
+		Scheduler: r.cfg.Queue.Scheduler.String(), PreemptAfter: r.cfg.Queue.PreemptAfter.Seconds(), Slack: r.slack(),
 		Agents: r.agents, PeakWaiting: map[jobs.Stage]int{}, GPUBusy: map[string]float64{}, spans: spans}
 	if r.cfg.Topology == testbed.Disaggregated {
 		rep.Pools = r.cfg.Pools.String()
@@ -369,7 +371,7 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 	if rep.Topology == testbed.Colocated {
 		fmt.Fprintf(w, "; colocated video decode tiling x%.2f", rep.Tiling)
 	}
-	fmt.Fprintf(w, "; scheduler %s", rep.Scheduler)
+	fmt.Fprintf(w, "; scheduler %s, backpressure slack %d", rep.Scheduler, rep.Slack)
 	if rep.Scheduler != "fifo" && rep.PreemptAfter > 0 {
 		fmt.Fprintf(w, ", preempting batch work after %gs", rep.PreemptAfter)
 	}

@@ -168,4 +168,7 @@ func TestQueuePolicyCompressed(t *testing.T) {
 	if q.Scheduler != routing.FIFO || q.PreemptAfter != cfg.Queue.PreemptAfter/10 || q.AgingStep != cfg.Queue.AgingStep/10 || q.StealGrace != cfg.Queue.StealGrace {
 		t.Fatalf("agent queue policy %+v from %+v at 10x", q, cfg.Queue)
 	}
+	if ac.Admission.Slack != 2*cfg.GPUs {
+		t.Fatalf("default slack %d on %d GPUs, want two per GPU", ac.Admission.Slack, cfg.GPUs)
+	}
 }

@@ -5,6 +5,8 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
+	"sort"
 	"strings"
 	"testing"
 	"time"
@@ -13,6 +15,7 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/etcdembed"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
@@ -162,6 +165,56 @@ func TestResyncHeldReleasesOnlyOrphans(t *testing.T) {
 	a.resyncHeld()
 	if ids := a.xfer.HeldIDs(); len(ids) != 1 || ids[0] != recorded {
 		t.Fatalf("after its task ended, the unrecorded payload should go: held %v", ids)
+	}
+}
+
+// orphans names what a job will never use: everything of a failed or
+// missing job, and of a succeeded one its unconsumed relays and its frame
+// previews (a preview put by a stale attempt can land after the decode's
+// commit deleted the others), never its result or a running job's objects.
+func TestOrphansOfFinishedJobs(t *testing.T) {
+	ctx := context.Background()
+	srv, err := etcdembed.Start(ctx, etcdembed.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	cli, err := clientv3.New(clientv3.Config{Endpoints: srv.Endpoints(), DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	cfg := DefaultLocalConfig()
+	cfg.NodeID = "orphans-1"
+	a, err := New(cfg, cli)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	for id, st := range map[string]jobs.State{"aaaa": jobs.Succeeded, "bbbb": jobs.Running, "cccc": jobs.Failed} {
+		if _, err := cli.Put(ctx, cfg.Prefix+"/jobs/"+id, `{"id":"`+id+`","state":"`+string(st)+`"}`); err != nil {
+			t.Fatal(err)
+		}
+	}
+	recs := []cache.Record{
+		{ID: jobs.ResultID("aaaa"), Job: "aaaa", Mode: cache.Pinned},
+		{ID: jobs.PreviewID("aaaa", 0), Job: "aaaa", Mode: cache.TTL},
+		{ID: cache.JobObjectID("aaaa", "denoise.x"), Job: "aaaa", Mode: cache.Consume},
+		{ID: jobs.PreviewID("bbbb", 3), Job: "bbbb", Mode: cache.TTL},
+		{ID: cache.JobObjectID("bbbb", "denoise.x"), Job: "bbbb", Mode: cache.Consume},
+		{ID: jobs.ResultID("cccc"), Job: "cccc", Mode: cache.Pinned},
+		{ID: jobs.PreviewID("dddd", 0), Job: "dddd", Mode: cache.TTL},
+		{ID: "embedding.1", Mode: cache.Cache},
+	}
+	got, err := a.orphans(ctx, recs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sort.Strings(got)
+	want := []string{cache.JobObjectID("aaaa", "denoise.x"), jobs.PreviewID("aaaa", 0), jobs.ResultID("cccc"), jobs.PreviewID("dddd", 0)}
+	sort.Strings(want)
+	if !slices.Equal(got, want) {
+		t.Fatalf("orphans = %v, want %v", got, want)
 	}
 }
 

@@ -67,7 +67,10 @@ func (a *Agent) registeredNodes(ctx context.Context) (map[string]bool, error) {
 
 // orphans names the Store objects whose job will never use them: the job is
 // gone (deleted, or its record expired), failed or cancelled, or it
-// succeeded and the object was a relayed latent nobody consumed.
+// succeeded and the object was a relayed latent nobody consumed or a frame
+// preview. The decode's commit deletes the previews it knows of, but a
+// preview put by an attempt that lost its claim (paused, partitioned) can
+// land after that commit; nothing else would remove it before its TTL.
 func (a *Agent) orphans(ctx context.Context, recs []cache.Record) ([]string, error) {
 	ids := map[string]bool{}
 	for _, r := range recs {
@@ -92,7 +95,7 @@ func (a *Agent) orphans(ctx context.Context, recs []cache.Record) ([]string, err
 		switch {
 		case !ok, st == jobs.Failed, st == jobs.Cancelled:
 			out = append(out, r.ID)
-		case st == jobs.Succeeded && r.Mode == cache.Consume:
+		case st == jobs.Succeeded && (r.Mode == cache.Consume || jobs.IsPreview(r.Job, r.ID)):
 			out = append(out, r.ID)
 		}
 	}

@@ -192,7 +192,8 @@ type holdings struct {
 // until its consumer commits, or the job fails, is cancelled or rewinds),
 // and any object record but the result of a succeeded job (relayed
 // latents are consumed by a commit, previews are deleted by the decode
-// commit, and the collector removes what a dead job left).
+// commit, and the collector removes what a dead job left and previews a
+// stale attempt put after that commit).
 func leakedRecords(s etcdSnapshot) []string {
 	var out []string
 	for _, pr := range s.Payloads {

@@ -266,6 +266,12 @@ func (s *Store) objectsOf(id string) string {
 // PreviewID names frame f's preview object of job id.
 func PreviewID(id string, f int) string { return cache.JobObjectID(id, fmt.Sprintf("frame.%04d", f)) }
 
+// IsPreview reports whether a Store object id names a frame preview of job
+// id (PreviewID).
+func IsPreview(id, obj string) bool {
+	return strings.HasPrefix(obj, cache.JobObjectID(id, "frame."))
+}
+
 // ResultID names the result object of job id.
 func ResultID(id string) string { return cache.JobObjectID(id, "result") }
 

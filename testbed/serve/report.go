@@ -100,11 +100,14 @@ func percentiles(xs []float64) Percentiles {
 // StageTimes is where one stage of a job spent its time, from the job
 // record (claim and commit times) and the GPU spans.
 type StageTimes struct {
-	Queue     float64 `json:"queue_s"`      // ready (previous commit) to claimed
+	Queue     float64 `json:"queue_s"`      // ready (previous commit) to the last attempt's claim
 	ClaimPull float64 `json:"claim_pull_s"` // claimed to asking for the GPU: claim, progress key, pull
 	GPUWait   float64 `json:"gpu_wait_s"`   // waiting for this GPU's other work
 	Run       float64 `json:"run_s"`        // GPU time
 	Commit    float64 `json:"commit_s"`     // last GPU span to the commit (decode: storing the file)
+	// Redone is the GPU time of earlier attempts (a preempted batch task,
+	// a requeue) that the last attempt did again; Queue includes them.
+	Redone float64 `json:"redone_s,omitempty"`
 }
 
 // JobRecord is one job's breakdown.
@@ -213,7 +216,13 @@ func (r *run) report(results []*result) *Report {
 				continue
 			}
 			sort.Slice(sp, func(a, b int) bool { return sp[a].Start.Before(sp[b].Start) })
-			t := StageTimes{Queue: sim(sr.StartedAt.Sub(ready)), ClaimPull: sim(sp[0].Queued.Sub(sr.StartedAt))}
+			t := StageTimes{Queue: sim(sr.StartedAt.Sub(ready))}
+			// Spans asked for before the last claim are earlier attempts'.
+			for len(sp) > 1 && sp[0].Queued.Before(sr.StartedAt) {
+				t.Redone += sim(sp[0].End.Sub(sp[0].Start))
+				sp = sp[1:]
+			}
+			t.ClaimPull = sim(sp[0].Queued.Sub(sr.StartedAt))
 			for _, s := range sp {
 				t.GPUWait += sim(s.Start.Sub(s.Queued))
 				t.Run += sim(s.End.Sub(s.Start))
@@ -441,7 +450,11 @@ func stagesText(m map[jobs.Stage]StageTimes) string {
 		if !ok {
 			continue
 		}
-		parts = append(parts, fmt.Sprintf("%s %.3f/%.3f/%.3f/%.3f/%.3f", st, t.Queue, t.ClaimPull, t.GPUWait, t.Run, t.Commit))
+		part := fmt.Sprintf("%s %.3f/%.3f/%.3f/%.3f/%.3f", st, t.Queue, t.ClaimPull, t.GPUWait, t.Run, t.Commit)
+		if t.Redone > 0 {
+			part += fmt.Sprintf(" (redone %.3f)", t.Redone)
+		}
+		parts = append(parts, part)
 	}
 	return strings.Join(parts, "  ")
 }

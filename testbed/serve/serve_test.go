@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed"
@@ -170,5 +171,44 @@ func TestQueuePolicyCompressed(t *testing.T) {
 	}
 	if ac.Admission.Slack != 2*cfg.GPUs {
 		t.Fatalf("default slack %d on %d GPUs, want two per GPU", ac.Admission.Slack, cfg.GPUs)
+	}
+}
+
+// A stage that was preempted and ran again reports the earlier attempt's
+// GPU time as redone, and its claim+pull from the last claim: never a
+// negative time.
+func TestBreakdownOfRedoneStage(t *testing.T) {
+	models, err := costmodel.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := DefaultConfig()
+	cfg.Compression = 1
+	if cfg.Mix, err = ParseMix("flux.1-dev:batch", models); err != nil {
+		t.Fatal(err)
+	}
+	r := &run{cfg: cfg, models: models}
+	t0 := time.Unix(1000, 0)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	span := func(st jobs.Stage, q, s, e int) {
+		r.spans.add(agent.GPUSpan{Node: "gpu-0", Tag: "req-000000", Stage: st, Frame: -1, Queued: at(q), Start: at(s), End: at(e)})
+	}
+	span(jobs.Encode, 2, 2, 22)
+	span(jobs.Denoise, 30, 30, 530)      // first attempt: preempted after 500 ms
+	span(jobs.Denoise, 1040, 1040, 7540) // second attempt, claimed at 1,000 ms
+	span(jobs.Decode, 7560, 7560, 7570)
+	job := jobs.Job{ID: "j", CreatedAt: at(0), Stages: map[jobs.Stage]*jobs.StageRecord{
+		jobs.Encode:  {Node: "gpu-0", StartedAt: at(1), FinishedAt: at(25)},
+		jobs.Denoise: {Node: "gpu-0", Attempt: 2, StartedAt: at(1000), FinishedAt: at(7550)},
+		jobs.Decode:  {Node: "gpu-0", StartedAt: at(7555), FinishedAt: at(7580)},
+	}}
+	rep := r.report([]*result{{Class: cfg.Mix[0], ID: "j", Submit: at(0), Accepted: at(1), End: at(7590), Job: job}})
+	got := rep.Jobs[0].Stages[jobs.Denoise]
+	near := func(x, want float64) bool { return math.Abs(x-want) < 1e-9 }
+	if !near(got.Redone, 0.5) || !near(got.ClaimPull, 0.04) || !near(got.Run, 6.5) || !near(got.Queue, 0.975) {
+		t.Fatalf("denoise breakdown %+v: want redone 0.5, claim+pull 0.04, run 6.5, queue 0.975", got)
+	}
+	if e := rep.Jobs[0].Stages[jobs.Encode]; e.Redone != 0 || !near(e.Run, 0.02) {
+		t.Fatalf("encode breakdown %+v", e)
 	}
 }

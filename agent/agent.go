@@ -77,6 +77,8 @@ type Agent struct {
 	ext     *extengine.Server
 	credits map[jobs.Stage]*routing.Credits
 	metrics *httpapi.Metrics
+	// preempted counts the tasks this agent stopped for interactive work.
+	preempted atomic.Int64
 
 	httpLn, adminLn net.Listener
 	httpSrv         *http.Server
@@ -764,6 +766,9 @@ type Status struct {
 	// EtcdResets counts the times the etcd client saw etcd replaced (an
 	// empty or restored etcd at the same address) and started over.
 	EtcdResets int64 `json:"etcd_resets"`
+	// Preempted counts the batch tasks this agent gave back for waiting
+	// interactive work.
+	Preempted int64 `json:"preempted"`
 }
 
 // DataInfo is this node's data plane: what it holds and how it pulled.
@@ -847,6 +852,7 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 	}
 	st.Store = a.cstore.LocalStats()
 	st.EtcdResets = a.guard.Resets()
+	st.Preempted = a.preempted.Load()
 	return st, nil
 }
 

@@ -59,6 +59,14 @@ func (r *runningTasks) remove(id string) {
 	r.notifyLocked()
 }
 
+// changes returns the channel closed at the next change of the set (a task
+// leaves it once its commit, requeue or failure is recorded).
+func (r *runningTasks) changes() <-chan struct{} {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.changed
+}
+
 // snapshot lists the running tasks of stage st ("" for all) and the
 // channel closed at the next change.
 func (r *runningTasks) snapshot(st jobs.Stage) ([]*runningTask, <-chan struct{}) {
@@ -94,31 +102,38 @@ func (r *runningTasks) stop(id string, cause error) bool {
 }
 
 func candidate(t jobs.Task) routing.Candidate {
-	return routing.Candidate{ID: t.ID, Class: t.Class, Enqueued: t.EnqueuedAt, Deadline: t.Deadline, Hint: t.Hint}
+	return routing.Candidate{ID: t.ID, Class: t.Class, Enqueued: t.EnqueuedAt, Deadline: t.Deadline, Hint: t.Hint, Preempted: t.PreemptedAt}
 }
 
 // preemptLoop watches stage st while every slot is busy with batch work:
 // when the queue policy says a waiting interactive task has waited long
-// enough (routing.QueuePolicy.Preempt), it stops one batch task, which
-// its worker requeues (jobs.Store.Requeue: fenced by the claim, so the
-// task is never lost nor committed twice) and runs again later from its
-// first step. The freed credit then goes to the best task in the queue,
-// the interactive one. It sleeps on task starts and ends, the queue's
-// watch-fed view, and the time the next interactive task comes due.
+// enough and this agent's batch task is the one to give way for it
+// (routing.QueuePolicy.Preempt), it stops that task, which its worker
+// requeues (jobs.Store.Yield: fenced by the claim, so the task is never
+// lost nor committed twice) and runs again later from its first step. The
+// freed credit then goes to the best task in the queue, the interactive
+// one. Two questions are asked: tasks pushed to this agent and waiting for
+// its slot are its own to serve, so it gives way for them alone; tasks in
+// the queue are everyone's, so the policy matches them with the batch
+// tasks running on the whole stage, as the queue view's claims show them,
+// and only the matched workers give way. It sleeps on task starts and
+// ends, the queue's watch-fed view, and the time the answer changes.
 func (a *Agent) preemptLoop(st jobs.Stage) {
 	credits := a.credits[st]
 	for a.pullCtx.Err() == nil {
 		tasks, changed := a.running.snapshot(st)
 		busy := credits.Free() == 0 || credits.InUse() >= a.runner.Slots(st)
-		var running []routing.Candidate
+		var mine []routing.Candidate
 		for _, t := range tasks {
 			if t.claim.Task.Class != routing.Batch || t.handedOff.Load() {
-				running = nil
+				mine = nil
 				break
 			}
-			running = append(running, candidate(t.claim.Task))
+			c := candidate(t.claim.Task)
+			c.Node = a.id
+			mine = append(mine, c)
 		}
-		if !busy || len(running) == 0 || len(running) < len(tasks) {
+		if !busy || len(mine) == 0 || len(mine) < len(tasks) {
 			select {
 			case <-changed:
 			case <-a.pullCtx.Done():
@@ -127,29 +142,49 @@ func (a *Agent) preemptLoop(st jobs.Stage) {
 		}
 		q := a.queues[st]
 		queueChanged := q.Changed() // before the view is read
-		pend := q.Pending()
-		for _, c := range q.Pushed(a.id, a.member.Lease()) {
-			pend = append(pend, c.Task) // pushed here, waiting for a slot
-		}
 		now := time.Now()
-		var waiting []routing.Candidate
-		for _, t := range pend {
-			if t.Class == routing.Interactive && !t.NotBefore.After(now) && a.runner.Serves(st, t.Spec.ModelName()) {
-				waiting = append(waiting, candidate(t))
+		serves := func(t jobs.Task) bool { return !t.NotBefore.After(now) && a.runner.Serves(st, t.Spec.ModelName()) }
+		var pushed, queued []routing.Candidate
+		for _, c := range q.Pushed(a.id, a.member.Lease()) {
+			if serves(c.Task) {
+				pushed = append(pushed, candidate(c.Task)) // pushed here, waiting for a slot
 			}
 		}
-		victim, wake := a.cfg.Queue.Preempt(waiting, running, a.id, now)
+		for _, t := range q.Pending() {
+			if serves(t) {
+				queued = append(queued, candidate(t))
+			}
+		}
+		// The stage's running tasks: this agent's as it knows them, the
+		// others' as their claims show them.
+		running := mine
+		for _, h := range q.Running() {
+			if h.Node != a.id {
+				c := candidate(h.Task)
+				c.Node = h.Node
+				running = append(running, c)
+			}
+		}
+		victim, wake := a.cfg.Queue.Preempt(pushed, mine, a.id, now)
+		if victim == "" {
+			var wake2 time.Time
+			victim, wake2 = a.cfg.Queue.Preempt(queued, running, a.id, now)
+			if wake.IsZero() || (!wake2.IsZero() && wake2.Before(wake)) {
+				wake = wake2
+			}
+		}
 		if victim != "" && a.running.stop(victim, errPreempted) {
 			a.log.Info("preempting a batch task for waiting interactive work", zap.String("stage", string(st)), zap.String("task", victim))
 			a.metrics.Preempted()
+			a.preempted.Add(1)
 			select { // until the victim is gone (requeued)
 			case <-changed:
 			case <-a.pullCtx.Done():
 			}
 			continue
 		}
-		// Wake when a task starts or ends, the queue moves, or the next
-		// interactive task comes due.
+		// Wake when a task starts or ends, the queue moves, or the answer
+		// changes by the clock.
 		a.waitView(queueChanged, changed, wake)
 	}
 }

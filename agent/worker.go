@@ -144,13 +144,16 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			}
 			continue
 		}
+		settled := a.running.changes() // before admit counts the tasks still committing
 		ok, down := a.admit(st)
 		if !ok {
-			// Downstream is full: wait for its queue to move. Credits arrive by
-			// gossip, which etcd cannot watch, so look again within a second.
-			// A claim pushed here meanwhile may go to a worker that can start it.
+			// Downstream is full: wait for its queue to move, or for a task
+			// of ours to be recorded (a preempted or failed task frees its
+			// share without a downstream task). Credits arrive by gossip,
+			// which etcd cannot watch, so look again within a second. A
+			// claim pushed here meanwhile may go to a worker that can start it.
 			wake := earliest(time.Now().Add(time.Second), a.returnPushes(st, q))
-			a.waitView(a.queues[down].Changed(), nil, wake)
+			a.waitView(a.queues[down].Changed(), settled, wake)
 			continue
 		}
 		pend := q.Pending()
@@ -545,9 +548,12 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	tries := c.Task.Attempt - c.Task.Requeues // requeues are no failures
 	var record func() error
 	switch cause := context.Cause(ctx); {
-	case ctx.Err() != nil && (errors.Is(cause, errPreempted) || errors.Is(cause, errDrained)):
-		// Preempted or drained: back to the queue at once, to start over
-		// on its next claim.
+	case ctx.Err() != nil && errors.Is(cause, errPreempted):
+		// Preempted: back to the queue at once, dated, to start over on
+		// its next claim.
+		log.Info("task requeued", zap.NamedError("why", cause))
+		record = func() error { return a.store.Yield(a.ctx, c) }
+	case ctx.Err() != nil && errors.Is(cause, errDrained):
 		log.Info("task requeued", zap.NamedError("why", cause))
 		record = func() error { return a.store.Requeue(a.ctx, c) }
 	case ctx.Err() != nil:

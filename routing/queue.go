@@ -16,6 +16,11 @@ type Candidate struct {
 	// an effective class the earliest deadline goes first.
 	Deadline time.Time
 	Hint     string // preferred worker node id; "" = anyone
+	// Node is, for a running task (Preempt), the worker running it.
+	Node string
+	// Preempted is when the task was last given back for interactive work
+	// (Preempt); zero if never.
+	Preempted time.Time
 }
 
 // Scheduler is how a queue is ordered.
@@ -60,9 +65,14 @@ type QueuePolicy struct {
 	// long before others may take it (late binding with a preference).
 	StealGrace time.Duration
 	// PreemptAfter: an interactive task that has waited this long while
-	// every slot of a worker runs batch work makes that worker requeue one
-	// batch task (Preempt). Zero turns preemption off.
+	// batch work runs makes one worker that runs only batch work requeue
+	// one batch task (Preempt). Zero turns preemption off.
 	PreemptAfter time.Duration
+	// PreemptGrace: a slot freed by a preemption is counted as on its way
+	// to the interactive task it was freed for this long (the freeing
+	// worker's claim of it), so no second worker gives way for the same
+	// task meanwhile.
+	PreemptGrace time.Duration
 	// Push: a new task's creator claims it for its hinted worker in the
 	// same write, when the hint has a free slot, instead of leaving it for
 	// the worker to claim. The hinted worker starts it without a claim
@@ -83,7 +93,8 @@ func DefaultQueuePolicy() QueuePolicy {
 		AgingStep:    30 * time.Second,
 		StealGrace:   250 * time.Millisecond,
 		PreemptAfter: 2 * time.Second,
-		Push:         true, // a handoff is one etcd write, not two
+		PreemptGrace: time.Second, // a claim takes milliseconds; a second is ample on a loaded etcd
+		Push:         true,        // a handoff is one etcd write, not two
 	}
 }
 
@@ -164,43 +175,92 @@ func (p QueuePolicy) Order(cands []Candidate, self string, now time.Time) (order
 	return ordered, retryAt
 }
 
-// Preempt decides whether a worker whose every slot is busy should give one
-// running task back to the queue for a waiting one: only when every running
-// task is batch work, and an interactive task has waited at least
-// PreemptAfter and is served before the batch task under this policy (a
-// batch task aged up to interactive keeps its slot). The victim is the
-// running batch task served last (the least aged: it loses the least
-// waiting). It returns "" when nothing is to be preempted, and then wake,
-// the next time a waiting interactive task crosses PreemptAfter (zero: none
-// will), so the caller sleeps until then rather than polls. FIFO never
-// preempts.
-func (p QueuePolicy) Preempt(waiting, running []Candidate, self string, now time.Time) (victim string, wake time.Time) {
-	if p.Scheduler == FIFO || p.PreemptAfter <= 0 || len(running) == 0 {
+// Preempt decides whether worker self should give one of its running tasks
+// back to the queue for interactive work kept waiting. Every worker of a
+// stage decides from the same view of its queue, so they agree on who gives
+// way without a word between them:
+//
+//   - queued are the stage's unclaimed tasks (any class); the interactive
+//     ones that have waited PreemptAfter are due, most urgent first;
+//   - a due task is already served by a slot freed for it: one per queued
+//     task preempted within PreemptGrace (its worker is claiming the due
+//     task), so only the rest need a slot;
+//   - running are the stage's running tasks, each with its worker (Node);
+//     the victims are the batch tasks of workers that run nothing but batch
+//     work, served last first (the least aged loses the least);
+//   - the k-th due task that still needs a slot takes the k-th victim, if it
+//     is served before it under this policy (a batch task aged up to
+//     interactive keeps its slot).
+//
+// self gives way only when its own task is matched: one due task costs one
+// batch task in the whole stage, not one per worker that sees it. It returns
+// "" when self has nothing to give, and then wake, the next time the answer
+// may change by the clock alone (a waiting task comes due, a freed slot's
+// grace ends; zero: never), so the caller sleeps until then rather than
+// polls. FIFO never preempts.
+func (p QueuePolicy) Preempt(queued, running []Candidate, self string, now time.Time) (victim string, wake time.Time) {
+	if p.Scheduler == FIFO || p.PreemptAfter <= 0 {
 		return "", time.Time{}
 	}
-	var last *Candidate
-	for i := range running {
-		r := &running[i]
-		if r.Class != Batch {
-			return "", time.Time{}
-		}
-		if last == nil || p.before(*last, *r, self, now) {
-			last = r
+	later := func(t time.Time) {
+		if t.After(now) && (wake.IsZero() || t.Before(wake)) {
+			wake = t
 		}
 	}
-	for _, w := range waiting {
-		if w.Class != Interactive {
+	var due []Candidate
+	freed := 0
+	for _, q := range queued {
+		if !q.Preempted.IsZero() && now.Before(q.Preempted.Add(p.PreemptGrace)) {
+			freed++
+			later(q.Preempted.Add(p.PreemptGrace))
+		}
+		if q.Class != Interactive {
 			continue
 		}
-		due := w.Enqueued.Add(p.PreemptAfter)
-		if now.Before(due) {
-			if wake.IsZero() || due.Before(wake) {
-				wake = due
-			}
+		if at := q.Enqueued.Add(p.PreemptAfter); now.Before(at) {
+			later(at)
 			continue
 		}
-		if p.before(w, *last, self, now) {
-			return last.ID, time.Time{}
+		due = append(due, q)
+	}
+	if len(due) <= freed {
+		return "", wake
+	}
+	// Every worker must rank alike: no worker's own hints count here.
+	before := func(a, b Candidate) bool { return p.before(a, b, "", now) }
+	sort.Slice(due, func(i, j int) bool {
+		if before(due[i], due[j]) != before(due[j], due[i]) {
+			return before(due[i], due[j])
+		}
+		return due[i].ID < due[j].ID
+	})
+	due = due[freed:]
+
+	// Workers that run anything but batch work keep their slots.
+	mixed := map[string]bool{}
+	for _, r := range running {
+		if r.Class != Batch {
+			mixed[r.Node] = true
+		}
+	}
+	var victims []Candidate
+	for _, r := range running {
+		if !mixed[r.Node] {
+			victims = append(victims, r)
+		}
+	}
+	sort.Slice(victims, func(i, j int) bool {
+		if before(victims[i], victims[j]) != before(victims[j], victims[i]) {
+			return before(victims[j], victims[i])
+		}
+		return victims[i].ID < victims[j].ID
+	})
+	for k := 0; k < len(due) && k < len(victims); k++ {
+		if !before(due[k], victims[k]) {
+			break // served after this victim, so after every later one too
+		}
+		if victims[k].Node == self {
+			return victims[k].ID, time.Time{}
 		}
 	}
 	return "", wake

@@ -346,9 +346,9 @@ func TestAgingWithoutStarvation(t *testing.T) {
 
 func TestPreempt(t *testing.T) {
 	now := time.Unix(1000, 0)
-	p := QueuePolicy{AgingStep: 30 * time.Second, PreemptAfter: 2 * time.Second}
-	batchOld := Candidate{ID: "b-old", Class: Batch, Enqueued: now.Add(-20 * time.Second)}
-	batchNew := Candidate{ID: "b-new", Class: Batch, Enqueued: now.Add(-time.Second)}
+	p := QueuePolicy{AgingStep: 30 * time.Second, PreemptAfter: 2 * time.Second, PreemptGrace: time.Second}
+	batchOld := Candidate{ID: "b-old", Class: Batch, Enqueued: now.Add(-20 * time.Second), Node: "me"}
+	batchNew := Candidate{ID: "b-new", Class: Batch, Enqueued: now.Add(-time.Second), Node: "me"}
 	fresh := Candidate{ID: "int-fresh", Class: Interactive, Enqueued: now.Add(-500 * time.Millisecond)}
 	stale := Candidate{ID: "int-stale", Class: Interactive, Enqueued: now.Add(-3 * time.Second)}
 	std := Candidate{ID: "std", Class: Standard, Enqueued: now.Add(-time.Hour)}
@@ -359,19 +359,76 @@ func TestPreempt(t *testing.T) {
 	if v, _ := p.Preempt([]Candidate{stale, fresh}, []Candidate{batchOld, batchNew}, "me", now); v != "b-new" {
 		t.Fatalf("victim = %q, want the least aged batch task b-new", v)
 	}
-	if v, _ := p.Preempt([]Candidate{stale}, []Candidate{batchOld, {ID: "s", Class: Standard, Enqueued: now}}, "me", now); v != "" {
+	if v, _ := p.Preempt([]Candidate{stale}, []Candidate{batchOld, {ID: "s", Class: Standard, Enqueued: now, Node: "me"}}, "me", now); v != "" {
 		t.Fatalf("a slot runs standard work, yet %q was preempted", v)
 	}
 	if v, _ := p.Preempt([]Candidate{std}, []Candidate{batchNew}, "me", now); v != "" {
 		t.Fatalf("only interactive work preempts; got %q", v)
 	}
 	// A batch task aged up to interactive keeps its slot.
-	aged := Candidate{ID: "aged", Class: Batch, Enqueued: now.Add(-2 * time.Minute)}
+	aged := Candidate{ID: "aged", Class: Batch, Enqueued: now.Add(-2 * time.Minute), Node: "me"}
 	if v, _ := p.Preempt([]Candidate{stale}, []Candidate{aged}, "me", now); v != "" {
 		t.Fatalf("aged batch preempted: %q", v)
 	}
 	if v, _ := (QueuePolicy{}).Preempt([]Candidate{stale}, []Candidate{batchNew}, "me", now); v != "" {
 		t.Fatal("PreemptAfter 0 preempted")
+	}
+	// Another worker's batch task is the least aged: it gives way, not me.
+	other := Candidate{ID: "b-other", Class: Batch, Enqueued: now, Node: "other"}
+	if v, _ := p.Preempt([]Candidate{stale}, []Candidate{batchOld, other}, "me", now); v != "" {
+		t.Fatalf("me gave way (%q) for a task another worker's newer batch task is matched to", v)
+	}
+	if v, _ := p.Preempt([]Candidate{stale}, []Candidate{batchOld, other}, "other", now); v != "b-other" {
+		t.Fatalf("other: victim %q, want b-other", v)
+	}
+}
+
+// One interactive task kept waiting on a stage whose every worker runs
+// batch work costs one batch task in the whole stage, not one per worker:
+// each worker decides alone, from the same view, and exactly one gives
+// way; two due tasks cost two. A slot freed for a due task counts as its
+// own until the grace ends, so nobody gives way again for it meanwhile.
+func TestPreemptOneVictimPerDueTask(t *testing.T) {
+	now := time.Unix(1000, 0)
+	p := DefaultQueuePolicy()
+	var running []Candidate
+	for i := 0; i < 14; i++ {
+		running = append(running, Candidate{ID: fmt.Sprintf("b%02d", i), Class: Batch, Enqueued: now.Add(-time.Duration(i) * time.Second), Node: fmt.Sprintf("w%02d", i)})
+	}
+	victims := func(queued, running []Candidate, now time.Time) []string {
+		var out []string
+		for i := 0; i < 14; i++ {
+			if v, _ := p.Preempt(queued, running, fmt.Sprintf("w%02d", i), now); v != "" {
+				out = append(out, v)
+			}
+		}
+		return out
+	}
+	due1 := Candidate{ID: "i1", Class: Interactive, Enqueued: now.Add(-3 * time.Second)}
+	due2 := Candidate{ID: "i2", Class: Interactive, Enqueued: now.Add(-2 * time.Second)}
+	if got := victims([]Candidate{due1}, running, now); !equal(got, []string{"b00"}) {
+		t.Fatalf("one due task: victims %v, want [b00] (the least aged)", got)
+	}
+	if got := victims([]Candidate{due1, due2}, running, now); !equal(got, []string{"b00", "b01"}) {
+		t.Fatalf("two due tasks: victims %v, want [b00 b01]", got)
+	}
+	// b00 was given back a moment ago: its worker is claiming i1.
+	requeued := running[0]
+	requeued.Node, requeued.Preempted = "", now.Add(-100*time.Millisecond)
+	queued := []Candidate{due1, requeued}
+	if got := victims(queued, running[1:], now); len(got) != 0 {
+		t.Fatalf("a freed slot is on its way to i1, yet %v gave way", got)
+	}
+	_, wake := p.Preempt(queued, running[1:], "w01", now)
+	if want := requeued.Preempted.Add(p.PreemptGrace); !wake.Equal(want) {
+		t.Fatalf("wake %v, want the end of the freed slot's grace %v", wake, want)
+	}
+	if got := victims(append(queued, due2), running[1:], now); !equal(got, []string{"b01"}) {
+		t.Fatalf("i2 due too: victims %v, want [b01]", got)
+	}
+	// The grace ended and i1 still waits (the slot went elsewhere): again.
+	if got := victims(queued, running[1:], wake); !equal(got, []string{"b01"}) {
+		t.Fatalf("after the grace: victims %v, want [b01]", got)
 	}
 }
 

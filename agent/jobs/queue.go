@@ -100,6 +100,30 @@ func (q *Queue) Pending() []Task {
 	return out
 }
 
+// Held is a claimed task and the node its claim names.
+type Held struct {
+	Task Task
+	Node string
+	// Pushed marks a claim pushed to Node (Push): the view cannot tell
+	// whether that worker has started it.
+	Pushed bool
+}
+
+// Running returns the stage's claimed tasks with their holders, in no
+// particular order (routing.QueuePolicy.Preempt matches them with waiting
+// work).
+func (q *Queue) Running() []Held {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	out := make([]Held, 0, len(q.claimed))
+	for id, c := range q.claimed {
+		if t, ok := q.tasks[id]; ok {
+			out = append(out, Held{Task: t, Node: c.rec.Node, Pushed: c.rec.Pushed})
+		}
+	}
+	return out
+}
+
 // Pushed returns the claims pushed to node on lease (Push) that no worker
 // has taken yet, each ready to run: the worker starts one by calling Take,
 // and gives one back with Store.Requeue. Their StartedAt is when they were

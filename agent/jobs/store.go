@@ -74,6 +74,9 @@ type Task struct {
 	// Requeues counts claims given back without a failure (preempted,
 	// drained): they do not use up the task's transient retries.
 	Requeues int `json:"requeues,omitempty"`
+	// PreemptedAt is when the task was last given back for interactive
+	// work (Yield): the slot it freed is on its way to that work.
+	PreemptedAt time.Time `json:"preempted_at,omitzero"`
 
 	Key string `json:"-"` // etcd key, set on read
 	Rev int64  `json:"-"` // ModRevision seen, set on read
@@ -995,6 +998,18 @@ func (s *Store) Requeue(ctx context.Context, c *Claim) error {
 	t := c.Task
 	t.Requeues++
 	t.NotBefore = time.Time{}
+	return s.giveBack(ctx, c, t)
+}
+
+// Yield requeues a task preempted for interactive work (Requeue), dated,
+// so that the stage's other workers count the slot it frees as on its way
+// to the work it was freed for, and do not give way again for the same
+// (routing.QueuePolicy.Preempt).
+func (s *Store) Yield(ctx context.Context, c *Claim) error {
+	t := c.Task
+	t.Requeues++
+	t.NotBefore = time.Time{}
+	t.PreemptedAt = s.cfg.Now()
 	return s.giveBack(ctx, c, t)
 }
 

@@ -56,7 +56,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		retention  = fs.Duration("job-retention", def.Jobs.Retention, "how long finished job records stay in etcd (0: forever)")
 		engineSock = fs.String("engine-socket", "", "Unix socket `PATH` on which an external engine process registers and then runs this agent's stages (docs/engine-protocol.md); empty: the built-in engine")
 		scheduler  = fs.String("scheduler", def.Queue.Scheduler.String(), "queue order: priority (class with aging, then earliest deadline_ms, then age) or fifo (enqueue time only: a baseline)")
-		preempt    = fs.Duration("preempt-after", def.Queue.PreemptAfter, "an interactive task waiting this long while every denoise slot runs batch work requeues one batch task (0: never)")
+		preempt    = fs.Duration("preempt-after", def.Queue.PreemptAfter, "an interactive task waiting this long while denoise slots run batch work requeues one batch task in the stage (0: never)")
 		noBackpr   = fs.Bool("no-backpressure", false, "start tasks whatever the next stage's backlog (a baseline: waiting latents then grow with the run)")
 		noPush     = fs.Bool("no-push", false, "never claim a new task for its hinted worker in the write that creates it; every worker claims its own (a baseline: a handoff then costs two etcd writes)")
 		slack      = fs.Int("backpressure-slack", def.Admission.Slack, "outputs that may wait for the next stage beyond its total credits, for the whole upstream pool")

@@ -45,7 +45,11 @@ type Report struct {
 	GPUBusy map[string]float64 `json:"gpu_busy"`
 	// GPUOverlaps counts spans that overlapped another on the same GPU:
 	// always 0 unless the GPU model is broken.
-	GPUOverlaps    int              `json:"gpu_overlaps"`
+	GPUOverlaps int `json:"gpu_overlaps"`
+	// RedoneStages counts stages run again from the start after a
+	// preemption or requeue, and RedoneGPU the GPU time they threw away.
+	RedoneStages   int              `json:"redone_stages"`
+	RedoneGPU      float64          `json:"redone_gpu_s"`
 	ClaimTries     int64            `json:"claim_txns"`
 	ClaimConflicts int64            `json:"claim_conflicts"`
 	EtcdOps        map[string]int64 `json:"etcd_ops"`
@@ -234,6 +238,10 @@ func (r *run) report(results []*result) *Report {
 			end := sp[len(sp)-1].End
 			t.Commit = sim(sr.FinishedAt.Sub(end))
 			rec.Stages[st], rec.Nodes[st] = t, sr.Node
+			if t.Redone > 0 {
+				rep.RedoneStages++
+				rep.RedoneGPU += t.Redone
+			}
 			if st != jobs.Encode && !prevEnd.IsZero() {
 				waiting[st] = append(waiting[st], interval{prevEnd, sp[0].Start})
 			}
@@ -423,6 +431,7 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 	}
 	sort.Strings(busy)
 	fmt.Fprintf(w, "GPU busy: %s; overlapping spans on one GPU: %d\n", strings.Join(busy, ", "), rep.GPUOverlaps)
+	fmt.Fprintf(w, "stages redone after a preemption or requeue: %d, %.1f GPU-s thrown away\n", rep.RedoneStages, rep.RedoneGPU)
 	fmt.Fprintf(w, "claims: %d transactions, %d conflicts; etcd requests per job %.1f (%s)\n\n", rep.ClaimTries, rep.ClaimConflicts, rep.EtcdOpsPerJob, opsText(rep.EtcdOps))
 
 	fmt.Fprintf(w, "per-job breakdown, class medians, simulated s (queue / claim+pull / gpu wait / run / commit per stage)\n")

@@ -208,7 +208,7 @@ func TestBreakdownOfRedoneStage(t *testing.T) {
 	if !near(got.Redone, 0.5) || !near(got.ClaimPull, 0.04) || !near(got.Run, 6.5) || !near(got.Queue, 0.975) {
 		t.Fatalf("denoise breakdown %+v: want redone 0.5, claim+pull 0.04, run 6.5, queue 0.975", got)
 	}
-	if e := rep.Jobs[0].Stages[jobs.Encode]; e.Redone != 0 || !near(e.Run, 0.02) {
+	if e := rep.Jobs[0].Stages[jobs.Encode]; e.Redone != 0 || !near(e.Run, 0.02) || rep.RedoneStages != 1 || !near(rep.RedoneGPU, 0.5) {
 		t.Fatalf("encode breakdown %+v", e)
 	}
 }

@@ -105,6 +105,23 @@ func candidate(t jobs.Task) routing.Candidate {
 	return routing.Candidate{ID: t.ID, Class: t.Class, Enqueued: t.EnqueuedAt, Deadline: t.Deadline, Hint: t.Hint, Preempted: t.PreemptedAt}
 }
 
+// batchOnly returns this agent's running tasks of stage st when every one
+// is batch work that may be stopped (none has handed off early), and nil
+// otherwise: what it may give way with for interactive work.
+func (a *Agent) batchOnly(st jobs.Stage) []routing.Candidate {
+	tasks, _ := a.running.snapshot(st)
+	out := make([]routing.Candidate, 0, len(tasks))
+	for _, t := range tasks {
+		if t.claim.Task.Class != routing.Batch || t.handedOff.Load() {
+			return nil
+		}
+		c := candidate(t.claim.Task)
+		c.Node = a.id
+		out = append(out, c)
+	}
+	return out
+}
+
 // preemptLoop watches stage st while every slot is busy with batch work:
 // when the queue policy says a waiting interactive task has waited long
 // enough and this agent's batch task is the one to give way for it
@@ -121,19 +138,10 @@ func candidate(t jobs.Task) routing.Candidate {
 func (a *Agent) preemptLoop(st jobs.Stage) {
 	credits := a.credits[st]
 	for a.pullCtx.Err() == nil {
-		tasks, changed := a.running.snapshot(st)
+		changed := a.running.changes() // before the snapshot batchOnly takes
 		busy := credits.Free() == 0 || credits.InUse() >= a.runner.Slots(st)
-		var mine []routing.Candidate
-		for _, t := range tasks {
-			if t.claim.Task.Class != routing.Batch || t.handedOff.Load() {
-				mine = nil
-				break
-			}
-			c := candidate(t.claim.Task)
-			c.Node = a.id
-			mine = append(mine, c)
-		}
-		if !busy || len(mine) == 0 || len(mine) < len(tasks) {
+		mine := a.batchOnly(st)
+		if !busy || len(mine) == 0 {
 			select {
 			case <-changed:
 			case <-a.pullCtx.Done():

@@ -83,12 +83,21 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Queue, lease clientv3.LeaseI
 
 // returnPushes gives back the claims pushed to this agent for stage st
 // that it has had no slot to start for the steal grace while another
-// worker could start them (routing.QueuePolicy.GiveBack). It returns when
-// to look again (zero: nothing is waiting).
+// worker could start them (routing.QueuePolicy.GiveBack), and interactive
+// ones due for preemption that it has no batch task to give way for
+// (routing.QueuePolicy.Stranded): the stage's preemption serves them from
+// the queue. It returns when to look again (zero: nothing is waiting).
 func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
 	now := time.Now()
 	free := map[string]bool{} // by model: another worker is free for it (gossip, asked once per call)
+	canPreempt := len(a.batchOnly(st)) > 0
 	for _, c := range q.Pushed(a.id, a.member.Lease()) {
+		stranded, at := a.cfg.Queue.Stranded(candidate(c.Task), now, canPreempt)
+		if stranded {
+			a.giveBack(q, c, "interactive work this worker cannot make room for")
+			continue
+		}
+		next = earliest(next, at)
 		due := c.StartedAt.Add(a.cfg.Queue.StealGrace)
 		if due.After(now) {
 			next = earliest(next, due) // within the grace: nothing to ask yet

@@ -108,6 +108,23 @@ func (p QueuePolicy) GiveBack(pushed, now time.Time, otherFree bool) bool {
 	return otherFree && !now.Before(pushed.Add(p.StealGrace))
 }
 
+// Stranded decides whether a worker should return interactive task c,
+// pushed to it, that it can neither start (no free slot) nor make room for
+// (its slots run work other than batch, so it has no batch task to give
+// way): once c is due for preemption (waited PreemptAfter), only the
+// stage's preemption can serve it, and that matches queued tasks (Preempt),
+// not claimed ones. It returns the time to ask again (zero: never).
+func (p QueuePolicy) Stranded(c Candidate, now time.Time, canPreempt bool) (back bool, at time.Time) {
+	if p.Scheduler == FIFO || p.PreemptAfter <= 0 || c.Class != Interactive || canPreempt {
+		return false, time.Time{}
+	}
+	due := c.Enqueued.Add(p.PreemptAfter)
+	if now.Before(due) {
+		return false, due
+	}
+	return true, time.Time{}
+}
+
 // effectiveRank is the class rank minus whole aging steps waited.
 func (p QueuePolicy) effectiveRank(c Candidate, now time.Time) float64 {
 	rank := float64(c.Class)

@@ -451,3 +451,31 @@ func TestGiveBack(t *testing.T) {
 		}
 	}
 }
+
+// An interactive task pushed to a worker that can neither start it nor
+// give way for it goes back to the queue once due for preemption, where
+// the stage's preemption can serve it; not before, not if the worker has
+// batch work to stop, and never a task of another class or under FIFO.
+func TestStranded(t *testing.T) {
+	p := DefaultQueuePolicy()
+	now := time.Unix(1000, 0)
+	fresh := Candidate{ID: "i", Class: Interactive, Enqueued: now.Add(-time.Second)}
+	due := Candidate{ID: "i", Class: Interactive, Enqueued: now.Add(-p.PreemptAfter)}
+	if back, at := p.Stranded(fresh, now, false); back || !at.Equal(fresh.Enqueued.Add(p.PreemptAfter)) {
+		t.Fatalf("fresh: back %v at %v, want false at its due time", back, at)
+	}
+	if back, _ := p.Stranded(due, now, false); !back {
+		t.Fatal("due and no batch task to stop: not given back")
+	}
+	if back, at := p.Stranded(due, now, true); back || !at.IsZero() {
+		t.Fatal("a worker with batch work to stop gave the task back")
+	}
+	if back, _ := p.Stranded(Candidate{Class: Standard, Enqueued: now.Add(-time.Hour)}, now, false); back {
+		t.Fatal("a standard task was given back")
+	}
+	fifo := p
+	fifo.Scheduler = FIFO
+	if back, _ := fifo.Stranded(due, now, false); back {
+		t.Fatal("fifo gave a task back for preemption")
+	}
+}

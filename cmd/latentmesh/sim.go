@@ -24,6 +24,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	gpus := fs.Int("gpus", 10000, "largest cluster size; the table also runs 100 and 1,000 GPUs below it")
 	duration := fs.Duration("duration", time.Hour, "simulated time jobs arrive for, per run of the table (then every job drains)")
 	sweepDur := fs.Duration("sweep-duration", 2*time.Minute, "simulated time per size of the etcd-load sweep (0: no sweep)")
+	sweepModes := fs.String("sweep-modes", "mesh,mesh-nopush,mesh-nohints,central", "modes the etcd-load sweep runs, comma-separated: mesh, mesh-nopush, mesh-nohints, central")
 	model := fs.String("model", def.Model, "model whose stage costs the GPUs spend: "+strings.Join(models.Names(), ", "))
 	load := fs.Float64("load", def.Load, "arrival rate as a share of the pools' capacity")
 	seed := fs.Uint64("seed", def.Seed, "random seed; a seed gives the same run")
@@ -37,6 +38,15 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if _, err := models.Model(*model); err != nil {
 		fmt.Fprintf(stderr, "latentmesh sim: --model: %v\n", err)
 		return 2
+	}
+	var swept []sim.Mode
+	for _, name := range strings.Split(*sweepModes, ",") {
+		m, err := sim.ParseMode(strings.TrimSpace(name))
+		if err != nil {
+			fmt.Fprintf(stderr, "latentmesh sim: --sweep-modes: %v\n", err)
+			return 2
+		}
+		swept = append(swept, m)
 	}
 	base := def
 	base.Model, base.Load, base.Seed, base.Duration = *model, *load, *seed, *duration
@@ -70,7 +80,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			if n > 3**gpus {
 				break
 			}
-			for _, m := range []sim.Mode{sim.Mesh, sim.Central} {
+			for _, m := range swept {
 				cfg := base
 				cfg.GPUs, cfg.Mode, cfg.Duration = n, m, *sweepDur
 				sweep = append(sweep, cfg)
@@ -88,17 +98,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	rep.Runs = results[:len(table)]
-	var central []sim.Result
-	for _, r := range results[len(table):] {
-		if r.Mode == sim.Central.String() {
-			central = append(central, r)
-		} else {
-			rep.Sweep = append(rep.Sweep, r)
-		}
-	}
-	rep.SaturatesAt = sim.Saturation(rep.Sweep)
-	rep.CentralSaturatesAt = sim.Saturation(central)
-	rep.Sweep = slices.Concat(rep.Sweep, central)
+	rep.SetSweep(results[len(table):])
 	fmt.Fprintf(stderr, "simulated in %.1f s\n", time.Since(start).Seconds())
 	if *asJSON {
 		enc := json.NewEncoder(stdout)

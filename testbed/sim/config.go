@@ -1,11 +1,11 @@
 // Package sim is `latentmesh sim`: a discrete-event simulation of the mesh's
 // control plane at cluster sizes the testbed cannot reach (1,000 and 10,000
 // GPUs), against a central-dispatcher baseline. It runs the same routing
-// code as the agent (routing.QueuePolicy.Order, routing.Admission.Admit,
-// routing.PickHint) on modelled etcd latency and capacity, gossip delay and
-// transfer bandwidth, with stage costs from testbed/costmodel, and counts
-// the etcd operations a job costs as agent/worker.go and agent/jobs issue
-// them. MeasureEtcd measures the etcd figures on this machine (embedded
+// code as the agent (routing.QueuePolicy.Order, Push and GiveBack,
+// routing.Admission.Admit, routing.PickHint) on modelled etcd latency and
+// capacity, gossip delay and transfer bandwidth, with stage costs from
+// testbed/costmodel, and counts the etcd operations a job costs as
+// agent/worker.go, agent/push.go and agent/jobs issue them. MeasureEtcd measures the etcd figures on this machine (embedded
 // etcd), so the model's capacity is not a guess. Only cmd/latentmesh uses it.
 package sim
 
@@ -22,12 +22,20 @@ type Mode int
 
 // Modes.
 const (
-	// Mesh: agents pull from per-stage queues in etcd with fenced claims;
-	// producers hint the next stage's worker (routing.PickHint) and others
-	// leave a hinted task to it for the steal grace.
+	// Mesh: agents pull from per-stage queues in etcd with fenced claims.
+	// A task's creator (the submit, or the previous stage's commit) hints
+	// the next stage's worker (routing.PickHint) and, when
+	// Config.Queue.Push is set (routing's default) and that worker has a
+	// free slot, writes the worker's claim in the same transaction (a
+	// pushed claim): the worker starts it with no claim transaction, and
+	// gives it back (routing.QueuePolicy.GiveBack) when it cannot start it.
 	Mesh Mode = iota
-	// MeshNoHints: the same without hints, so every idle worker woken by a
-	// task races for it (the claim-conflict worst case).
+	// MeshNoPush: Mesh with Queue.Push off (the agent's --no-push): tasks
+	// are hinted, and every worker claims its own, the hinted one first,
+	// others after the steal grace.
+	MeshNoPush
+	// MeshNoHints: neither hints nor pushes, so every idle worker woken by
+	// a task races for it (the claim-conflict worst case).
 	MeshNoHints
 	// Central: one dispatcher assigns tasks to free GPUs; no claims.
 	Central
@@ -37,6 +45,8 @@ func (m Mode) String() string {
 	switch m {
 	case Mesh:
 		return "mesh"
+	case MeshNoPush:
+		return "mesh-nopush"
 	case MeshNoHints:
 		return "mesh-nohints"
 	case Central:
@@ -45,8 +55,18 @@ func (m Mode) String() string {
 	return fmt.Sprintf("mode(%d)", int(m))
 }
 
+// ParseMode reads a mode by its String.
+func ParseMode(s string) (Mode, error) {
+	for _, m := range Modes() {
+		if m.String() == s {
+			return m, nil
+		}
+	}
+	return 0, fmt.Errorf("sim: unknown mode %q (want mesh, mesh-nopush, mesh-nohints or central)", s)
+}
+
 // Modes lists every mode, in the order reports show them.
-func Modes() []Mode { return []Mode{Mesh, MeshNoHints, Central} }
+func Modes() []Mode { return []Mode{Mesh, MeshNoPush, MeshNoHints, Central} }
 
 // EtcdCosts is the etcd model: latencies of an idle etcd and the rates at
 // which it saturates, per kind of operation.
@@ -103,6 +123,8 @@ type Config struct {
 	// ClassMix is the share of interactive, standard and batch jobs.
 	ClassMix [3]float64
 
+	// Queue is the agents' queue policy. Its Push applies in Mesh mode
+	// only: the other modes never push.
 	Queue     routing.QueuePolicy
 	Admission routing.Admission
 	Etcd      EtcdCosts

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"math"
+	"sort"
 	"strconv"
 	"time"
 
@@ -28,13 +29,26 @@ type task struct {
 	claimed  bool          // claimed (mesh) or assigned (central)
 	gone     bool          // committed: its key is deleted
 	reported bool          // central: the dispatcher has taken in its report
+
+	// Pushed claims (mesh with Queue.Push).
+	pushTo   int32         // the worker its creator pushed its claim to, -1 = none
+	pushedAt time.Duration // when the creator wrote it (the claim's StartedAt)
+	pushed   bool          // the pushed claim waits: neither started nor given back
+	fromPush bool          // started from a pushed claim
+	// What this task's worker picks for the next stage's task: the hint
+	// (agent: pickHint in run) and the push target (pushTarget in commit).
+	nextHint, nextPush int32
+	doneAt             time.Duration // its compute ended; its commit began
 }
 
 // stageQueue is a stage's task keys in etcd's key order: class, then
 // enqueue time. Enqueue times rise within a class (no retries are
-// modelled), so one FIFO per class is that order. A task leaves it when its
-// key is deleted (commit); a claimed task's key stays in etcd, but no view
-// offers it again, so it leaves the FIFO's head too.
+// modelled; a pushed claim given back keeps its key and goes back in its
+// place, insert), so one FIFO per class is that order. A pushed task is
+// claimed from its creation, so it joins the FIFO only when given back. A
+// task leaves it when its key is deleted (commit); a claimed task's key
+// stays in etcd, but no view offers it again, so it leaves the FIFO's head
+// too.
 type stageQueue struct {
 	byClass [3][]*task
 	head    [3]int
@@ -44,6 +58,20 @@ type stageQueue struct {
 func (q *stageQueue) push(t *task) {
 	c := t.job.class
 	q.byClass[c] = append(q.byClass[c], t)
+	q.queued++
+}
+
+// insert puts back a task given back to the queue: its key, and so its
+// place in key order (its enqueue time), is kept. It is at least a steal
+// grace old, so it goes near the tail of a long queue.
+func (q *stageQueue) insert(t *task) {
+	c := t.job.class
+	s, h := q.byClass[c], q.head[c]
+	i := h + sort.Search(len(s)-h, func(k int) bool { return s[h+k].enq > t.enq })
+	s = append(s, nil)
+	copy(s[i+1:], s[i:])
+	s[i] = t
+	q.byClass[c] = s
 	q.queued++
 }
 

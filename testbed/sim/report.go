@@ -18,16 +18,41 @@ import (
 type Report struct {
 	Etcd EtcdCosts `json:"etcd"`
 	Runs []Result  `json:"runs"`
-	// Sweep is the mesh at more sizes (shorter runs), for etcd load
-	// against cluster size.
+	// Sweep is some modes at more sizes (shorter runs), for etcd load
+	// against cluster size: by mode (in Modes order), then size.
 	Sweep []Result `json:"sweep"`
-	// SaturatesAt is the cluster size at which the mesh's modelled etcd
-	// load reaches one etcd's measured capacity, interpolated between the
-	// sweep's sizes; 0 when no size in the sweep reached it, -1 when the
-	// smallest already had.
-	SaturatesAt float64 `json:"etcd_saturates_at_gpus"`
-	// CentralSaturatesAt is the same for the central baseline's records.
-	CentralSaturatesAt float64 `json:"central_etcd_saturates_at_gpus"`
+	// SaturatesAt is, per mode swept, where its etcd load reaches one etcd's
+	// measured capacity (for the central baseline: its records').
+	SaturatesAt []ModeSaturation `json:"etcd_saturates_at"`
+}
+
+// ModeSaturation is the cluster size at which a mode's modelled etcd load
+// reaches one etcd's measured capacity, interpolated between the sweep's
+// sizes; 0 when no size in the sweep reached it, -1 when the smallest
+// already had.
+type ModeSaturation struct {
+	Mode string  `json:"mode"`
+	GPUs float64 `json:"gpus"`
+}
+
+// SetSweep files the sweep's runs by mode and size and finds where each
+// mode saturates.
+func (rep *Report) SetSweep(runs []Result) {
+	rep.Sweep, rep.SaturatesAt = nil, nil
+	for _, m := range Modes() {
+		var of []Result
+		for _, r := range runs {
+			if r.Mode == m.String() {
+				of = append(of, r)
+			}
+		}
+		if len(of) == 0 {
+			continue
+		}
+		sort.SliceStable(of, func(i, j int) bool { return of[i].GPUs < of[j].GPUs })
+		rep.Sweep = append(rep.Sweep, of...)
+		rep.SaturatesAt = append(rep.SaturatesAt, ModeSaturation{Mode: m.String(), GPUs: Saturation(of)})
+	}
 }
 
 // Saturation finds where load first reaches 1 among runs of one mode in
@@ -56,10 +81,14 @@ func (rep Report) Text(w io.Writer) {
 	fmt.Fprintf(w, "  capacity: %.0f write txns/s, %.0f read txns/s, %.0f watch creations/s, %.0f watch events/s\n\n", e.WriteCap, e.ReadCap, e.WatchCreateCap, e.EventCap)
 	table(w, rep.Runs)
 	if len(rep.Sweep) > 0 {
-		fmt.Fprintf(w, "\netcd load against cluster size (mesh, %v each):\n", rep.Sweep[0].Duration)
+		fmt.Fprintf(w, "\netcd load against cluster size (%v each):\n", rep.Sweep[0].Duration)
 		table(w, rep.Sweep)
 	}
-	fmt.Fprintf(w, "\none etcd saturates (load 1) at: mesh %s, central %s\n", satText(rep.SaturatesAt), satText(rep.CentralSaturatesAt))
+	sat := make([]string, 0, len(rep.SaturatesAt))
+	for _, m := range rep.SaturatesAt {
+		sat = append(sat, m.Mode+" "+satText(m.GPUs))
+	}
+	fmt.Fprintf(w, "\none etcd saturates (load 1) at: %s\n", strings.Join(sat, "; "))
 }
 
 func satText(g float64) string {
@@ -74,14 +103,14 @@ func satText(g float64) string {
 
 func table(w io.Writer, runs []Result) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, strings.Join([]string{"gpus", "pools", "mode", "jobs/s", "dispatch ms/job", "conflicts/job", "etcd ops/job", "etcd ops/s", "watch events/s", "etcd load", "gpu util", "queue p50 ms", "queue p99 ms", "unfinished", "wall s", ""}, "\t"))
+	fmt.Fprintln(tw, strings.Join([]string{"gpus", "pools", "mode", "jobs/s", "dispatch ms/job", "pushed", "claim txns/job", "conflicts/job", "give-backs/job", "etcd ops/job", "etcd ops/s", "watch events/s", "etcd load", "gpu util", "queue p50 ms", "queue p99 ms", "unfinished", "wall s", ""}, "\t"))
 	for _, r := range runs {
 		load := fmt.Sprintf("%.2f", r.EtcdLoad)
 		if r.Mode == Central.String() {
 			load += fmt.Sprintf(" (disp %.2f)", r.DispatcherLoad)
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%.1f\t%.1f\t%.2f\t%.1f\t%.0f\t%.0f\t%s\t%.3f\t%.1f\t%.1f\t%d\t%.1f\t\n",
-			r.GPUs, r.Pools, r.Mode, r.JobsPerSec, r.DispatchOverheadMs, r.ConflictsPerJob, r.EtcdOpsPerJob, r.EtcdOpsPerSec, r.EtcdEventsPerSec, load, r.Utilisation, r.QueueP50Ms, r.QueueP99Ms, r.Unfinished, r.WallSeconds)
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%.1f\t%.1f\t%.2f\t%.2f\t%.2f\t%.3f\t%.1f\t%.0f\t%.0f\t%s\t%.3f\t%.1f\t%.1f\t%d\t%.1f\t\n",
+			r.GPUs, r.Pools, r.Mode, r.JobsPerSec, r.DispatchOverheadMs, r.PushedShare, r.ClaimTxnsPerJob, r.ConflictsPerJob, r.GiveBacksPerJob, r.EtcdOpsPerJob, r.EtcdOpsPerSec, r.EtcdEventsPerSec, load, r.Utilisation, r.QueueP50Ms, r.QueueP99Ms, r.Unfinished, r.WallSeconds)
 	}
 	tw.Flush()
 }

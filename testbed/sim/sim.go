@@ -4,17 +4,22 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"strconv"
 	"time"
 
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
 )
 
-// Per-agent background etcd traffic that does not depend on jobs
-// (docs/benchmarks.md, "Idle etcd load": 0.2 requests/s, two reads each 10 s).
+// Per-agent background etcd traffic that does not depend on jobs. The
+// queue views, the Store's record index and the membership follow watches
+// and read nothing idle (TestIdleAgentEtcdLoad); what each agent still
+// sends is its lease keepalives and the alarm poll, an AlarmList, which
+// etcd serves through raft (EtcdServer.Alarm: raftRequestOnce), so it is
+// counted as a write. The collector's read of nodes/ each 10 s is one
+// agent's, not modelled.
 const (
-	safetyNetEvery = 10 * time.Second     // cache.DefaultConfig.MaintainEvery and the membership's pass
-	safetyNetReads = 2                    // the Store's read of the object records, the membership's of the members
+	alarmEvery     = 5 * time.Second      // agent.DefaultConfig().AlarmEvery
 	keepAliveEvery = 10 * time.Second / 3 // gossip: lease TTL 10 s, renewed about every third
 )
 
@@ -36,10 +41,21 @@ type Result struct {
 	// DispatchOverhead is the mean per job, summed over its stages, of the
 	// time from a task being runnable with a GPU free for it until that GPU
 	// has it: commit and claim latency, watch delay, scans, lost claim
-	// races, held-back hints (mesh); messages and decisions (central).
+	// races, held-back hints, pushes waiting on a busy worker until given
+	// back (mesh); messages and decisions (central).
 	DispatchOverheadMs float64 `json:"dispatch_overhead_ms"`
-	Conflicts          uint64  `json:"claim_conflicts"`
-	ConflictsPerJob    float64 `json:"claim_conflicts_per_job"`
+	// ClaimTxns counts the claim transactions workers sent (TryClaim, won
+	// or lost); Conflicts the lost ones (ErrTaken).
+	ClaimTxns       uint64  `json:"claim_txns"`
+	ClaimTxnsPerJob float64 `json:"claim_txns_per_job"`
+	Conflicts       uint64  `json:"claim_conflicts"`
+	ConflictsPerJob float64 `json:"claim_conflicts_per_job"`
+	// PushedShare is the share of tasks started from a claim pushed with
+	// them (no claim transaction); GiveBacks counts pushed claims their
+	// worker gave back to the queue (routing.QueuePolicy.GiveBack).
+	PushedShare     float64 `json:"pushed_share"`
+	GiveBacks       uint64  `json:"give_backs"`
+	GiveBacksPerJob float64 `json:"give_backs_per_job"`
 
 	EtcdWritesPerJob  float64 `json:"etcd_writes_per_job"`
 	EtcdReadsPerJob   float64 `json:"etcd_reads_per_job"`
@@ -66,11 +82,20 @@ type Result struct {
 
 type worker struct {
 	idx       int32
-	busy      bool
+	busy      bool          // its credit is in use: it runs a task
 	waitPos   int32         // index in its stage's waiting list, -1 when not waiting
 	idleSince time.Duration // last change to idle
 	busySince time.Duration // last change to busy
 	freeAt    time.Duration // its last compute ended
+	// holds counts the claims it holds, as the queue views show them
+	// (jobs.Queue.HeldBy): running, committing, and pushed to it but not
+	// started.
+	holds int32
+	// pushed are the claims pushed to it that it has not started, oldest
+	// first; readyPos is its index in its stage's ready list (waiting, with
+	// a pushed claim), -1 when not there.
+	pushed   []*task
+	readyPos int32
 }
 
 type stage struct {
@@ -80,17 +105,23 @@ type stage struct {
 	workers []*worker
 	names   []string
 	waiting []int32 // mesh: idle workers asleep on a watch; central: free GPUs
+	ready   []int32 // mesh: waiting workers that hold a pushed claim
 	q       stageQueue
 	wakeAt  time.Duration // mesh: the pending wake, -1 when none
 	blocked bool          // mesh: waiters watch the next stage (admission refused)
-	free    int
+	free    int           // workers with their credit free
+	// Mesh: workers holding no claim (the views' free slots), pushed claims
+	// not started, and tasks done whose commit is on its way (admission
+	// counts them as running, agent.committing).
+	viewFree, pushWaiting, committing int
 }
 
 type sim struct {
 	cfg    Config
 	model  costmodel.Model
 	plan   costmodel.Plan
-	rng    *rand.Rand
+	rng    *rand.Rand // the agents' random choices
+	jobRng *rand.Rand // arrivals and classes: the same jobs in every mode
 	clk    clock
 	etcd   *etcdModel
 	st     [3]*stage
@@ -100,11 +131,15 @@ type sim struct {
 	small  []routing.Candidate
 	tasks  []*task
 	taken  []bool
+	ready  []int32
 	nextID int
 	seen   map[int]int // job id -> completions (CheckJobs)
 
 	submitted, completed, completedInWindow int
-	conflicts                               uint64
+	conflicts, claimTxns, giveBacks         uint64
+	pushes                                  uint64    // tasks created with a pushed claim
+	pushedStarts, claimedStarts             [3]uint64 // by stage: tasks started from a pushed claim, and from a claim txn
+	bgReads, bgWrites                       uint64    // the agents' background (evTick)
 	overhead                                time.Duration
 	queueing                                histogram
 	busy                                    time.Duration // compute inside [0, Duration]
@@ -143,14 +178,18 @@ func newSim(cfg Config) (*sim, error) {
 		return nil, err
 	}
 	s := &sim{
-		cfg:   cfg,
-		model: m,
-		plan:  plan,
-		rng:   rand.New(rand.NewPCG(cfg.Seed, 0x6c6d)),
-		etcd:  newEtcdModel(cfg.Etcd),
-		epoch: time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC),
-		rate:  cfg.Load * plan.Capacity,
-		taken: make([]bool, 0, 3*cfg.ScanPerClass),
+		cfg:    cfg,
+		model:  m,
+		plan:   plan,
+		rng:    rand.New(rand.NewPCG(cfg.Seed, 0x6c6d)),
+		jobRng: rand.New(rand.NewPCG(cfg.Seed, 0x6a6f6273)),
+		etcd:   newEtcdModel(cfg.Etcd),
+		epoch:  time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC),
+		rate:   cfg.Load * plan.Capacity,
+		taken:  make([]bool, 0, 3*cfg.ScanPerClass),
+	}
+	if cfg.Mode != Mesh {
+		s.cfg.Queue.Push = false // only the mesh mode pushes claims
 	}
 	if cfg.CheckJobs {
 		s.seen = map[int]int{}
@@ -158,9 +197,9 @@ func newSim(cfg Config) (*sim, error) {
 	sizes := [3]int{plan.Pools.Encode, plan.Pools.Denoise, plan.Pools.Decode}
 	inBytes := [3]int64{0, m.Cond.Bytes(), m.Latent.Bytes()}
 	for i, name := range costmodel.Stages {
-		st := &stage{i: i, compute: m.StageTime(name), inBytes: inBytes[i], wakeAt: -1, free: sizes[i]}
+		st := &stage{i: i, compute: m.StageTime(name), inBytes: inBytes[i], wakeAt: -1, free: sizes[i], viewFree: sizes[i]}
 		for w := range sizes[i] {
-			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1})
+			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1})
 			st.names = append(st.names, fmt.Sprintf("%s-%d", name, w))
 		}
 		for w := range st.workers {
@@ -202,12 +241,12 @@ func (s *sim) snapshot() {
 }
 
 func (s *sim) interarrival() time.Duration {
-	return time.Duration(s.rng.ExpFloat64() / s.rate * float64(time.Second))
+	return time.Duration(s.jobRng.ExpFloat64() / s.rate * float64(time.Second))
 }
 
 func (s *sim) class() routing.Class {
 	mix := s.cfg.ClassMix
-	x := s.rng.Float64() * (mix[0] + mix[1] + mix[2])
+	x := s.jobRng.Float64() * (mix[0] + mix[1] + mix[2])
 	for c, f := range mix {
 		if x < f {
 			return routing.Class(c)
@@ -219,17 +258,28 @@ func (s *sim) class() routing.Class {
 
 func (s *sim) central() bool { return s.cfg.Mode == Central }
 
+// hints reports whether producers hint the next stage's worker.
+func (s *sim) hints() bool { return s.cfg.Mode == Mesh || s.cfg.Mode == MeshNoPush }
+
+// newTask is stage's task of j, runnable from avail.
+func newTask(j *job, stage int, avail time.Duration) *task {
+	return &task{job: j, stage: stage, avail: avail, hint: -1, pushTo: -1, nextHint: -1, nextPush: -1}
+}
+
 func (s *sim) handle(e event) {
 	now := s.clk.now
 	switch e.kind {
 	case evTick:
 		if !s.central() {
-			// Every agent's safety-net reads (the Store's and the
-			// membership's, each safetyNetEvery) and its lease renewals
-			// (each keepAliveEvery). Its queue views cost nothing idle.
-			n := s.cfg.GPUs
-			s.etcd.read(now, int(float64(n*safetyNetReads)*time.Second.Seconds()/safetyNetEvery.Seconds()+0.5))
-			s.etcd.read(now, int(float64(n)*time.Second.Seconds()/keepAliveEvery.Seconds()+0.5))
+			// Every agent's lease renewals (each keepAliveEvery) and alarm
+			// poll (each alarmEvery, through raft). Its views cost nothing idle.
+			n := float64(s.cfg.GPUs)
+			reads := int(n/keepAliveEvery.Seconds() + 0.5)
+			writes := int(n/alarmEvery.Seconds() + 0.5)
+			s.etcd.read(now, reads)
+			s.etcd.write(now, writes)
+			s.bgReads += uint64(reads)
+			s.bgWrites += uint64(writes)
 		}
 	case evArrive:
 		s.arrive()
@@ -247,6 +297,10 @@ func (s *sim) handle(e event) {
 		s.committed(s.st[e.stage], e.worker, e.task)
 	case evDispatch:
 		s.dispatch()
+	case evGiveBack:
+		s.giveBackCheck(e.task)
+	case evRequeued:
+		s.requeued(e.task)
 	}
 }
 
@@ -260,37 +314,187 @@ func (s *sim) arrive() {
 	j := &job{id: s.nextID, class: s.class(), arrive: now}
 	s.nextID++
 	s.submitted++
-	t := &task{job: j, stage: 0, avail: now, hint: -1}
+	t := newTask(j, 0, now)
 	if s.central() {
 		// The dispatcher records the job durably (one write) and queues it.
 		s.etcd.write(now, 1)
 		s.clk.at(now+s.cfg.NetDelay, event{kind: evEnqueue, task: t})
 		return
 	}
-	// Submit: job record and encode task in one txn; the client long-polls
-	// the job (httpapi wait, Store.Wait: a watch, then a read).
+	// Submit: job record and encode task in one txn, with the task's claim
+	// for an encoder gossip shows free when the policy pushes (the agent
+	// hints the encode task only to push it). The agent taking the submit
+	// is most likely a denoise agent, which has no view of the encode
+	// queue to look a peer up in (agent.freeSlots): gossip alone. The
+	// client long-polls the job (httpapi wait, Store.Wait: a watch, then a
+	// read).
+	if s.cfg.Queue.Push {
+		if h := s.pickHint(s.st[0], false); h >= 0 {
+			t.hint, t.pushTo, t.pushedAt = h, h, now
+		}
+	}
 	s.etcd.write(now, 1)
 	s.etcd.watch(now, 1)
 	s.etcd.read(now, 1)
 	s.clk.at(now+s.etcd.writeLat(now), event{kind: evEnqueue, task: t})
 }
 
+// enqueue is a task's creating transaction landing: the task is in its
+// stage's queue, or, pushed, claimed for its worker.
 func (s *sim) enqueue(t *task) {
 	now := s.clk.now
 	st := s.st[t.stage]
 	t.enq = now
-	st.q.push(t)
 	if s.central() {
+		st.q.push(t)
 		s.requestDispatch()
 		return
 	}
+	if t.pushTo >= 0 {
+		s.pushLanded(st, t)
+	} else {
+		st.q.push(t)
+	}
+	// The task key, and a pushed claim's key (its progress key is not
+	// under the queue's prefix), in one transaction: one event per view.
 	s.stageEvent(st, 1)
 }
 
-// stageEvent is a change of st's task or claim keys (n events per
-// follower: a claim or a commit changes both, one event on each of a view's
-// two watches). It reaches every agent whose queue view follows st, idle or
-// busy: st's workers and the previous stage's agents, whose admission reads
+// pushLanded is a claim pushed with its task (jobs.Push) reaching etcd:
+// the task is its worker's, which finds it in its view (jobs.Queue.Pushed)
+// and starts it at its next look if it has a slot and nothing comes first
+// in its order; nobody else may take it. Its worker looks at the steal
+// grace whether to give it back (agent.returnPushes).
+func (s *sim) pushLanded(st *stage, t *task) {
+	wk := st.workers[t.pushTo]
+	t.claimed, t.pushed = true, true
+	s.hold(st, wk, 1)
+	wk.pushed = append(wk.pushed, t)
+	s.updateReady(st, wk)
+	st.pushWaiting++
+	s.pushes++
+	s.clk.at(t.pushedAt+s.cfg.Queue.StealGrace, event{kind: evGiveBack, stage: int8(st.i), task: t})
+}
+
+// hold counts a claim that w takes (d = 1) or lets go (-1) in the views.
+func (s *sim) hold(st *stage, w *worker, d int32) {
+	was := w.holds == 0
+	w.holds += d
+	if is := w.holds == 0; is != was {
+		if is {
+			st.viewFree++
+		} else {
+			st.viewFree--
+		}
+	}
+}
+
+// updateReady keeps w in its stage's ready list while it waits with a
+// pushed claim.
+func (s *sim) updateReady(st *stage, w *worker) {
+	want := w.waitPos >= 0 && len(w.pushed) > 0
+	switch {
+	case want && w.readyPos < 0:
+		w.readyPos = int32(len(st.ready))
+		st.ready = append(st.ready, w.idx)
+	case !want && w.readyPos >= 0:
+		p := w.readyPos
+		last := st.ready[len(st.ready)-1]
+		st.ready[p] = last
+		st.workers[last].readyPos = p
+		st.ready = st.ready[:len(st.ready)-1]
+		w.readyPos = -1
+	}
+}
+
+// unpush removes pushed claim t from its worker's list: started or given
+// back.
+func (s *sim) unpush(st *stage, w *worker, t *task) {
+	for i, u := range w.pushed {
+		if u == t {
+			w.pushed = append(w.pushed[:i], w.pushed[i+1:]...)
+			break
+		}
+	}
+	if len(w.pushed) == 0 {
+		w.pushed = nil // let a long list's array go
+	}
+	t.pushed = false
+	st.pushWaiting--
+	s.updateReady(st, w)
+}
+
+// giveBackCheck is a pushed claim's worker looking whether to give it back
+// (agent.returnPushes), at the steal grace and then each second: a worker
+// with a slot free and admitted would have started it, so it is busy (or
+// held back by admission); it gives the claim back when
+// routing.QueuePolicy.GiveBack says so, given whether another worker of
+// the stage has a free slot (agent.otherFree: gossip, or the view).
+func (s *sim) giveBackCheck(t *task) {
+	if !t.pushed {
+		return // started, or given back
+	}
+	now := s.clk.now
+	st := s.st[t.stage]
+	wk := st.workers[t.pushTo]
+	if wk.waitPos >= 0 && !st.blocked {
+		// Free and admitted: its wake, due within a watch delivery, starts it.
+		s.clk.at(now+time.Second, event{kind: evGiveBack, stage: int8(st.i), task: t})
+		return
+	}
+	if !s.cfg.Queue.GiveBack(s.epoch.Add(t.pushedAt), s.epoch.Add(now), s.otherFree(st, wk)) {
+		next := now + time.Second // free slots come by gossip: look again within a second
+		if due := t.pushedAt + s.cfg.Queue.StealGrace; due > now {
+			next = due
+		}
+		s.clk.at(next, event{kind: evGiveBack, stage: int8(st.i), task: t})
+		return
+	}
+	// jobs.Store.Requeue: one fenced txn puts the task back unclaimed and
+	// deletes the claim (and the progress key). The worker's loop makes
+	// it, so it cannot start the task meanwhile.
+	s.unpush(st, wk, t)
+	s.etcd.write(now, 1)
+	s.giveBacks++
+	s.clk.at(now+s.etcd.writeLat(now), event{kind: evRequeued, stage: int8(st.i), task: t})
+}
+
+// requeued is a give-back landing: the task is in the queue again, in its
+// old place (its key is kept), still hinted to the worker it was pushed
+// to, whose steal grace has passed: anyone may take it.
+func (s *sim) requeued(t *task) {
+	st := s.st[t.stage]
+	s.hold(st, st.workers[t.pushTo], -1)
+	t.claimed, t.pushTo = false, -1
+	st.q.insert(t)
+	s.stageEvent(st, 1)
+}
+
+// otherFree reports whether a worker of st other than w has a free slot,
+// as agent.otherFree sees it: by the queue view (holding no claim), which
+// is exact, or else by gossip, for a sample of the pool.
+func (s *sim) otherFree(st *stage, w *worker) bool {
+	free := st.viewFree
+	if w.holds == 0 {
+		free--
+	}
+	if free > 0 {
+		return true
+	}
+	for range 64 {
+		u := st.workers[s.rng.IntN(len(st.workers))]
+		if u != w && s.freeInGossip(u) {
+			return true
+		}
+	}
+	return false
+}
+
+// stageEvent is a transaction that changes st's task or claim keys: n
+// events per follower (a stage's tasks and claims are under one prefix,
+// which a view follows with one watch, so one transaction is one event).
+// It reaches every agent whose queue view follows st, idle or busy: st's
+// workers and the previous stage's agents, whose admission and hints read
 // st's view (jobs.Queue). It wakes st's idle workers, and the previous
 // stage's when admission held them back; waking costs etcd nothing, they
 // scan their views in memory.
@@ -324,6 +528,7 @@ func (s *sim) requestWake(st *stage, t time.Duration) {
 func (s *sim) addWaiting(st *stage, w int32) {
 	st.workers[w].waitPos = int32(len(st.waiting))
 	st.waiting = append(st.waiting, w)
+	s.updateReady(st, st.workers[w])
 }
 
 func (s *sim) removeWaiting(st *stage, w int32) {
@@ -333,6 +538,7 @@ func (s *sim) removeWaiting(st *stage, w int32) {
 	st.workers[last].waitPos = p
 	st.waiting = st.waiting[:len(st.waiting)-1]
 	st.workers[w].waitPos = -1
+	s.updateReady(st, st.workers[w])
 }
 
 func (s *sim) setFree(st *stage, delta int) { st.free += delta }
@@ -347,16 +553,19 @@ func (s *sim) freeInGossip(w *worker) bool {
 }
 
 // pickHint names the preferred worker of st for a new task, as the
-// producer does: routing.PickHint over workers with credit in gossip. Every
-// worker has one credit and none shares a host, so PickHint's choice is
-// uniform among them; it is given a uniform sample of them, not all 10,000.
-func (s *sim) pickHint(st *stage) int32 {
+// producer does (agent.pickHint): routing.PickHint over workers with a
+// free slot, as gossip shows it or, for one gossip shows full, as the
+// picker's view of st shows it (view: it follows st; agent.freeSlots).
+// Every worker has one slot and none shares a host, so PickHint's choice
+// is uniform among them; it is given a uniform sample of them, not all
+// 10,000.
+func (s *sim) pickHint(st *stage, view bool) int32 {
 	var targets [2]routing.Target
 	var idx [2]int32
 	n := 0
 	for try := 0; try < 64 && n < len(targets); try++ {
 		w := st.workers[s.rng.IntN(len(st.workers))]
-		if s.freeInGossip(w) && (n == 0 || idx[0] != w.idx) {
+		if (s.freeInGossip(w) || (view && w.holds == 0)) && (n == 0 || idx[0] != w.idx) {
 			targets[n], idx[n] = routing.Target{Node: st.names[w.idx], Free: 1}, w.idx
 			n++
 		}
@@ -372,12 +581,15 @@ func (s *sim) pickHint(st *stage) int32 {
 
 // wake is a stage's waiting workers waking at once (their views changed):
 // each checks admission on the next stage's view, orders its own view's
-// unclaimed tasks with routing.QueuePolicy, and claims its first choice;
-// losers of a race (ErrTaken: the views lag etcd by a watch delivery) try
-// their next choice, as claimNext does. None of it reads etcd: only the
-// claims (one txn each, won or lost) reach it. Every non-hinted worker
-// orders the same queue the same way, so Order is called once for them and
-// once per waiting worker that a task is hinted to.
+// unclaimed tasks, and the claims pushed to it, with
+// routing.QueuePolicy.Order, and starts a pushed one with no transaction
+// when it comes first, or else claims its first choice; losers of a race
+// (ErrTaken: the views lag etcd by a watch delivery) try their next
+// choice, as claimNext does. None of it reads etcd: only the claims (one
+// txn each, won or lost) reach it. Every worker with neither a hinted task
+// nor a pushed claim orders the same queue the same way, so Order is
+// called once for them and once per waiting worker that a task is hinted
+// or pushed to.
 func (s *sim) wake(st *stage) {
 	st.wakeAt = -1
 	now := s.clk.now
@@ -390,13 +602,14 @@ func (s *sim) wake(st *stage) {
 		// routing's per-producer quotas add up to the downstream budget
 		// (its credits plus slack), or to one per producer where there are
 		// more producers; the pool as a whole admits while its backlog
-		// (running here, queued downstream) is under their sum.
+		// (running or committing here, waiting downstream: queued, or
+		// pushed and not started) is under their sum.
 		budget := s.cfg.Admission.Budget(len(down.workers))
 		sum := 0
 		if budget > 0 {
 			sum = max(budget, len(st.workers))
 		}
-		if !s.cfg.Admission.Admit(down.q.queued+len(st.workers)-st.free, sum) {
+		if !s.cfg.Admission.Admit(down.q.queued+down.pushWaiting+len(st.workers)-st.free+st.committing, sum) {
 			// Wait for the next stage's view to move, at most a second.
 			st.blocked = true
 			s.requestWake(st, now+time.Second)
@@ -407,7 +620,7 @@ func (s *sim) wake(st *stage) {
 	// w workers claim at most w tasks, Order's first w choices: among the
 	// oldest w of each class.
 	s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, w), s.epoch, st.names, s.cands, s.tasks)
-	if len(s.cands) == 0 {
+	if len(s.cands) == 0 && len(st.ready) == 0 {
 		return
 	}
 	tnow := s.epoch.Add(now)
@@ -416,40 +629,23 @@ func (s *sim) wake(st *stage) {
 	for range s.tasks {
 		s.taken = append(s.taken, false)
 	}
-	base := now
-	wlat := s.etcd.writeLat(now)
-	// Workers a task is hinted to take their own first choice. Their
-	// order differs from the common one only by their own hinted tasks, so
-	// Order is given those and the common order's first untaken task: the
-	// same first choice as from the whole queue, at a fraction of the cost.
+	at := now + s.etcd.writeLat(now)
+	// Workers holding pushed claims and workers a task is hinted to take
+	// their own first choice. Their order differs from the common one only
+	// by their own pushed and hinted tasks, so Order is given those and
+	// the common order's first untaken task: the same first choice as from
+	// the whole queue, at a fraction of the cost.
+	s.ready = append(s.ready[:0], st.ready...)
+	for _, h := range s.ready {
+		if st.workers[h].waitPos >= 0 {
+			s.takeOwn(st, h, ordered, tnow, at)
+		}
+	}
 	for _, t := range s.tasks {
 		if t.hint < 0 || st.workers[t.hint].waitPos < 0 || t.claimed {
 			continue
 		}
-		h := t.hint
-		s.small = s.small[:0]
-		for i, u := range s.tasks {
-			if u.hint == h && !s.taken[i] {
-				s.small = append(s.small, s.cands[i])
-			}
-		}
-		for _, c := range ordered {
-			if i := idIndex(c.ID); !s.taken[i] {
-				if s.tasks[i].hint != h {
-					s.small = append(s.small, c)
-				}
-				break
-			}
-		}
-		own, _ := s.cfg.Queue.Order(s.small, st.names[h], tnow)
-		if len(own) == 0 {
-			continue
-		}
-		i := idIndex(own[0].ID)
-		s.taken[i] = true
-		s.etcd.write(now, 1)
-		s.removeWaiting(st, h)
-		s.claim(st, h, s.tasks[i], base+wlat)
+		s.takeOwn(st, t.hint, ordered, tnow, at)
 	}
 	// The rest race down the common order.
 	g, k := len(st.waiting), 0
@@ -463,11 +659,12 @@ func (s *sim) wake(st *stage) {
 		}
 		s.taken[i] = true
 		s.etcd.write(now, g) // every racer's TryClaim is a txn through raft
+		s.claimTxns += uint64(g)
 		s.conflicts += uint64(g - 1)
 		winner := st.waiting[s.rng.IntN(g)]
 		s.removeWaiting(st, winner)
 		k++
-		s.claim(st, winner, s.tasks[i], base+time.Duration(k)*wlat)
+		s.claim(st, winner, s.tasks[i], now+time.Duration(k)*(at-now))
 		g--
 	}
 	// Workers that lost every race wait on their views again: no etcd op.
@@ -476,6 +673,66 @@ func (s *sim) wake(st *stage) {
 	}
 }
 
+// takeOwn is waiting worker h's choice among the claims pushed to it, the
+// tasks hinted to it and the common order's first untaken task: a pushed
+// claim it starts at once (jobs.Queue.Take, no transaction); an unclaimed
+// task it claims with one txn, landing at at, which nobody races (the
+// others leave a hinted task alone and take the common order's next).
+func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time.Time, at time.Duration) {
+	wk, name := st.workers[h], st.names[h]
+	s.small = s.small[:0]
+	for k, t := range wk.pushed {
+		s.small = append(s.small, routing.Candidate{ID: pushID(k), Class: t.job.class, Enqueued: s.epoch.Add(t.enq), Hint: name})
+	}
+	for i, u := range s.tasks {
+		if u.hint == h && !s.taken[i] && !u.claimed {
+			s.small = append(s.small, s.cands[i])
+		}
+	}
+	for _, c := range ordered {
+		if i := idIndex(c.ID); !s.taken[i] {
+			if s.tasks[i].hint != h {
+				s.small = append(s.small, c)
+			}
+			break
+		}
+	}
+	own, _ := s.cfg.Queue.Order(s.small, name, tnow)
+	if len(own) == 0 {
+		return
+	}
+	if k, ok := pushIndex(own[0].ID); ok {
+		t := wk.pushed[k]
+		s.unpush(st, wk, t)
+		t.fromPush = true
+		s.removeWaiting(st, h)
+		wk.busy, wk.busySince = true, s.clk.now
+		s.setFree(st, -1)
+		s.clk.at(s.clk.now, event{kind: evClaimed, stage: int8(st.i), worker: h, task: t})
+		return
+	}
+	i := idIndex(own[0].ID)
+	s.taken[i] = true
+	s.etcd.write(s.clk.now, 1)
+	s.claimTxns++
+	s.removeWaiting(st, h)
+	s.claim(st, h, s.tasks[i], at)
+}
+
+// pushID names the k-th claim pushed to a worker among its candidates
+// (indexID names the scanned tasks).
+func pushID(k int) string { return "p" + strconv.Itoa(k) }
+
+func pushIndex(id string) (int, bool) {
+	if len(id) == 0 || id[0] != 'p' {
+		return 0, false
+	}
+	k, err := strconv.Atoi(id[1:])
+	return k, err == nil
+}
+
+// claim is worker w sending its claim on unclaimed task t (mesh: landing
+// at at), or the dispatcher assigning t to GPU w (central).
 func (s *sim) claim(st *stage, w int32, t *task, at time.Duration) {
 	t.claimed = true
 	st.q.queued--
@@ -485,8 +742,8 @@ func (s *sim) claim(st *stage, w int32, t *task, at time.Duration) {
 	s.clk.at(at, event{kind: evClaimed, stage: int8(st.i), worker: w, task: t})
 }
 
-// start is a worker holding its task: the claim landed (mesh) or the
-// assignment arrived (central).
+// start is a worker holding its task: the claim landed or it took a
+// pushed one (mesh), or the assignment arrived (central).
 func (s *sim) start(st *stage, w int32, t *task) {
 	now := s.clk.now
 	wk := st.workers[w]
@@ -495,17 +752,30 @@ func (s *sim) start(st *stage, w int32, t *task) {
 	t.job.overhead += now - ready
 	setup := time.Duration(0)
 	if !s.central() {
-		// The claim txn put the claim key and rewrote the task key (the
-		// progress key and the job record's read are in it too): an event
-		// on each of the views' two watches. Then the cancel watch
-		// (watchCancel: Store.Wait, a watch, then a read), and for a
-		// pulled input the producer's ticket check (ClaimHolder, one read).
-		s.stageEvent(st, 2)
-		s.etcd.read(now, 1)
-		s.etcd.watch(now, 1)
-		if st.inBytes > 0 {
-			s.etcd.read(now, 1)
-			setup += s.etcd.readLat(now)
+		// A running task learns of a cancel from its view
+		// (jobs.Queue.TaskGone): no watch of its own.
+		if t.fromPush {
+			// Claimed by its creator, with the ticket for its input issued
+			// to this worker (transfer.Service.Issue): no transaction, no
+			// ticket request.
+			s.pushedStarts[st.i]++
+		} else {
+			// The claim txn put the claim key and rewrote the task key (the
+			// progress key and the job record's read are in it too): one
+			// event per view. For a pulled input the producer checks the
+			// claim before it issues a ticket (ClaimHolder, one read).
+			s.claimedStarts[st.i]++
+			s.hold(st, wk, 1)
+			s.stageEvent(st, 1)
+			if st.inBytes > 0 {
+				s.etcd.read(now, 1)
+				setup += s.etcd.readLat(now)
+			}
+		}
+		if st.i == 1 && s.hints() {
+			// Denoise names decode's worker before its sampler runs
+			// (agent.denoise); a push picks again at the commit.
+			t.nextHint = s.pickHint(s.st[2], true)
 		}
 	}
 	if st.inBytes > 0 {
@@ -520,7 +790,8 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	if lo, hi := max(begin, 0), min(now, s.cfg.Duration); hi > lo {
 		s.busy += hi - lo
 	}
-	st.workers[w].freeAt = now
+	wk := st.workers[w]
+	wk.freeAt = now
 	t.avail = now // the next stage's task could run from here
 	if s.central() {
 		s.clk.at(now+s.cfg.NetDelay, event{kind: evCommitted, stage: int8(st.i), worker: w, task: t})
@@ -531,9 +802,34 @@ func (s *sim) done(st *stage, w int32, t *task) {
 		s.progressWrites += n
 		s.etcd.write(now, n)
 	}
-	// Commit: the fenced txn, on the job record the claim read.
+	t.doneAt = now
+	if st.i < 2 && s.hints() {
+		next := s.st[st.i+1]
+		if st.i == 0 {
+			t.nextHint = s.pickHint(next, true) // encode names denoise's worker once its work is done
+		}
+		if s.cfg.Queue.Push {
+			// agent.commit: pushTarget picks the next stage's worker now; a
+			// free one gets the task with its claim.
+			t.nextPush = s.pickHint(next, true)
+		}
+	}
+	// Commit: the fenced txn, on the job record the claim read; a pushed
+	// claim carries no record, so the commit reads it first.
 	lat := s.etcd.writeLat(now)
+	if t.fromPush {
+		s.etcd.read(now, 1)
+		lat += s.etcd.readLat(now)
+	}
 	s.clk.at(now+lat, event{kind: evCommitted, stage: int8(st.i), worker: w, task: t})
+	// The credit goes back now, before the commit (agent.execute): the
+	// worker's loop looks for its next task at once. Admission counts this
+	// task until its commit lands, and the views count its claim.
+	wk.busy, wk.idleSince = false, now
+	s.setFree(st, +1)
+	st.committing++
+	s.addWaiting(st, w)
+	s.requestWake(st, now)
 }
 
 // progressWritesPerDenoise counts agent.progress's writes for one denoise:
@@ -564,40 +860,45 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		s.etcd.write(now, 1) // the dispatcher records the stage durably
 	} else {
 		s.etcd.write(now, 1)
-		// The job record changed: the client's and the worker's watches.
-		s.etcd.event(now, 2)
-		// Deleted task and claim reach the stage's view followers.
-		s.stageEvent(st, 2)
+		// The job record changed: the client's long poll watches it.
+		s.etcd.event(now, 1)
+		// The task and its claim deleted: one event per view of the stage.
+		s.stageEvent(st, 1)
 		if st.i > 0 {
-			// The consumed input's payload record is deleted: every agent
-			// watches payloads/ for releases (WatchReleases).
-			s.etcd.event(now, s.cfg.GPUs)
+			// The consumed input's payload record is deleted: its
+			// producer's release watch (payloads/<producer>/) alone sees
+			// it. The new output's record is a put, which that watch
+			// filters out.
+			s.etcd.event(now, 1)
 		}
 		if st.i == 2 {
 			// The result's object record: every Store watches objects/.
 			s.etcd.event(now, s.cfg.GPUs)
 		}
+		s.hold(st, st.workers[w], -1)
+		st.committing--
 	}
 	t.gone = true
-	wk := st.workers[w]
-	wk.busy, wk.idleSince = false, now
-	s.setFree(st, +1)
 	if st.i < 2 {
-		next := &task{job: t.job, stage: st.i + 1, avail: t.avail, hint: -1}
-		if s.cfg.Mode == Mesh {
-			next.hint = s.pickHint(s.st[st.i+1])
+		next := newTask(t.job, st.i+1, t.avail)
+		next.hint = t.nextHint
+		if t.nextPush >= 0 {
+			// Pushed in this commit: the claim was written as the commit
+			// began.
+			next.hint, next.pushTo, next.pushedAt = t.nextPush, t.nextPush, t.doneAt
 		}
 		s.enqueue(next)
 	} else {
 		s.finish(t.job)
 	}
-	s.addWaiting(st, w)
 	if s.central() {
+		wk := st.workers[w]
+		wk.busy, wk.idleSince = false, now
+		s.setFree(st, +1)
+		s.addWaiting(st, w)
 		s.requestDispatch()
-		return
 	}
-	// The worker's loop scans at once for its next task.
-	s.requestWake(st, now)
+	// Mesh: the worker took up its next task at done.
 }
 
 func (s *sim) finish(j *job) {
@@ -631,7 +932,9 @@ func (s *sim) dispatch() {
 		if len(st.waiting) == 0 || st.q.queued == 0 {
 			continue
 		}
-		s.cands, s.tasks = st.q.scan(s.cfg.ScanPerClass, s.epoch, st.names, s.cands, s.tasks)
+		// g free GPUs take Order's first g choices: among the oldest g
+		// of each class.
+		s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, len(st.waiting)), s.epoch, st.names, s.cands, s.tasks)
 		ordered, _ := s.cfg.Queue.Order(s.cands, "", s.epoch.Add(now))
 		for _, c := range ordered {
 			if len(st.waiting) == 0 {
@@ -661,7 +964,7 @@ func (s *sim) result(wall time.Duration) Result {
 		Duration: cfg.Duration, Load: cfg.Load, Seed: cfg.Seed,
 		Submitted: s.submitted, Completed: s.completed, Unfinished: s.submitted - s.completed,
 		JobsPerSec: float64(s.completedInWindow) / cfg.Duration.Seconds(),
-		Conflicts:  s.conflicts,
+		ClaimTxns:  s.claimTxns, Conflicts: s.conflicts, GiveBacks: s.giveBacks,
 		SimSeconds: s.clk.now.Seconds(), Events: s.clk.count, WallSeconds: wall.Seconds(),
 		Utilisation: s.busy.Seconds() / (float64(cfg.GPUs) * cfg.Duration.Seconds()),
 		QueueP50Ms:  ms(s.queueing.quantile(0.50)),
@@ -669,12 +972,22 @@ func (s *sim) result(wall time.Duration) Result {
 	}
 	if n := float64(s.completed); n > 0 {
 		r.DispatchOverheadMs = ms(s.overhead) / n
+		r.ClaimTxnsPerJob = float64(s.claimTxns) / n
 		r.ConflictsPerJob = float64(s.conflicts) / n
+		r.GiveBacksPerJob = float64(s.giveBacks) / n
 		r.EtcdWritesPerJob = float64(s.etcd.writes) / n
 		r.EtcdReadsPerJob = float64(s.etcd.reads) / n
 		r.EtcdWatchesPerJob = float64(s.etcd.watches) / n
 		r.EtcdEventsPerJob = float64(s.etcd.events) / n
 		r.EtcdOpsPerJob = r.EtcdWritesPerJob + r.EtcdReadsPerJob + r.EtcdWatchesPerJob
+	}
+	var pushed, started uint64
+	for i := range s.st {
+		pushed += s.pushedStarts[i]
+		started += s.pushedStarts[i] + s.claimedStarts[i]
+	}
+	if started > 0 {
+		r.PushedShare = float64(pushed) / float64(started)
 	}
 	secs := cfg.Duration.Seconds()
 	r.EtcdOpsPerSec = float64(s.snap.writes+s.snap.reads+s.snap.watches) / secs

@@ -111,27 +111,35 @@ func TestEarliest(t *testing.T) {
 	}
 }
 
-// resyncHeld releases held payloads that have neither a record nor a running
-// producer task (their release events were compacted away) and keeps the rest.
-func TestResyncHeldReleasesOnlyOrphans(t *testing.T) {
-	ctx := context.Background()
-	srv, err := etcdembed.Start(ctx, etcdembed.DefaultConfig())
+// startAgent starts an agent named node (DefaultLocalConfig) on an embedded
+// etcd, all closed when the test ends.
+func startAgent(t *testing.T, node string) (*Agent, *clientv3.Client, Config) {
+	t.Helper()
+	srv, err := etcdembed.Start(context.Background(), etcdembed.DefaultConfig())
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer srv.Close()
+	t.Cleanup(srv.Close)
 	cli, err := clientv3.New(clientv3.Config{Endpoints: srv.Endpoints(), DialTimeout: 5 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cli.Close()
+	t.Cleanup(func() { cli.Close() })
 	cfg := DefaultLocalConfig()
-	cfg.NodeID = "resync-1"
+	cfg.NodeID = node
 	a, err := New(cfg, cli)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer a.Close()
+	t.Cleanup(func() { a.Close() })
+	return a, cli, cfg
+}
+
+// resyncHeld releases held payloads that have neither a record nor a running
+// producer task (their release events were compacted away) and keeps the rest.
+func TestResyncHeldReleasesOnlyOrphans(t *testing.T) {
+	ctx := context.Background()
+	a, cli, cfg := startAgent(t, "resync-1")
 
 	meta := transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{64}}
 	publish := func() string {
@@ -174,23 +182,7 @@ func TestResyncHeldReleasesOnlyOrphans(t *testing.T) {
 // commit deleted the others), never its result or a running job's objects.
 func TestOrphansOfFinishedJobs(t *testing.T) {
 	ctx := context.Background()
-	srv, err := etcdembed.Start(ctx, etcdembed.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	cli, err := clientv3.New(clientv3.Config{Endpoints: srv.Endpoints(), DialTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cli.Close()
-	cfg := DefaultLocalConfig()
-	cfg.NodeID = "orphans-1"
-	a, err := New(cfg, cli)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer a.Close()
+	a, cli, cfg := startAgent(t, "orphans-1")
 	for id, st := range map[string]jobs.State{"aaaa": jobs.Succeeded, "bbbb": jobs.Running, "cccc": jobs.Failed} {
 		if _, err := cli.Put(ctx, cfg.Prefix+"/jobs/"+id, `{"id":"`+id+`","state":"`+string(st)+`"}`); err != nil {
 			t.Fatal(err)

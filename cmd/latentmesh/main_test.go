@@ -106,10 +106,13 @@ func TestSim(t *testing.T) {
 		} `json:"runs"`
 		Sweep []json.RawMessage `json:"sweep"`
 	}
-	if code != 0 || json.Unmarshal([]byte(out), &rep) != nil || len(rep.Runs) != 3 || len(rep.Sweep) == 0 {
+	if code != 0 || json.Unmarshal([]byte(out), &rep) != nil || len(rep.Runs) != 4 || len(rep.Sweep) == 0 {
 		t.Fatalf("sim --json: %d %q %q", code, out, errOut)
 	}
-	for _, r := range rep.Runs {
+	for i, r := range rep.Runs {
+		if want := []string{"mesh", "mesh-nopush", "mesh-nohints", "central"}[i]; r.Mode != want {
+			t.Fatalf("run %d is %s, want %s", i, r.Mode, want)
+		}
 		if r.Completed == 0 || r.Util <= 0 || r.Util > 1 {
 			t.Fatalf("sim run %+v", r)
 		}

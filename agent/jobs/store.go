@@ -267,20 +267,21 @@ func (s *Store) objectsOf(id string) string {
 }
 
 // PreviewID names frame f's preview object of job id.
-func PreviewID(id string, f int) string { return cache.JobObjectID(id, fmt.Sprintf("frame.%04d", f)) }
+func PreviewID(id string, f int) string { return fmt.Sprintf("%s%04d", previewsOf(id), f) }
+
+// previewsOf is the id prefix of job id's preview objects.
+func previewsOf(id string) string { return cache.JobObjectID(id, "frame.") }
 
 // IsPreview reports whether a Store object id names a frame preview of job
 // id (PreviewID).
-func IsPreview(id, obj string) bool {
-	return strings.HasPrefix(obj, cache.JobObjectID(id, "frame."))
-}
+func IsPreview(id, obj string) bool { return strings.HasPrefix(obj, previewsOf(id)) }
 
 // ResultID names the result object of job id.
 func ResultID(id string) string { return cache.JobObjectID(id, "result") }
 
 // previewPrefix is the key prefix of a job's preview objects.
 func (s *Store) previewPrefix(id string) string {
-	return cache.ObjectKey(s.cfg.Prefix, cache.JobObjectID(id, "frame."))
+	return cache.ObjectKey(s.cfg.Prefix, previewsOf(id))
 }
 
 // taskKey orders by class, then enqueue time; the task id makes it unique.
@@ -995,10 +996,7 @@ func (s *Store) Abandon(ctx context.Context, c *Claim, backoff time.Duration) er
 // against its transient retries. Fenced like Abandon: ErrFenced when the
 // claim is no longer ours, so a task is never both requeued and committed.
 func (s *Store) Requeue(ctx context.Context, c *Claim) error {
-	t := c.Task
-	t.Requeues++
-	t.NotBefore = time.Time{}
-	return s.giveBack(ctx, c, t)
+	return s.requeue(ctx, c, time.Time{})
 }
 
 // Yield requeues a task preempted for interactive work (Requeue), dated,
@@ -1006,10 +1004,17 @@ func (s *Store) Requeue(ctx context.Context, c *Claim) error {
 // to the work it was freed for, and do not give way again for the same
 // (routing.QueuePolicy.Preempt).
 func (s *Store) Yield(ctx context.Context, c *Claim) error {
+	return s.requeue(ctx, c, s.cfg.Now())
+}
+
+// requeue is Requeue, marking the task preempted at preempted unless zero.
+func (s *Store) requeue(ctx context.Context, c *Claim, preempted time.Time) error {
 	t := c.Task
 	t.Requeues++
 	t.NotBefore = time.Time{}
-	t.PreemptedAt = s.cfg.Now()
+	if !preempted.IsZero() {
+		t.PreemptedAt = preempted
+	}
 	return s.giveBack(ctx, c, t)
 }
 
@@ -1112,7 +1117,7 @@ func (s *Store) StreamFrames(ctx context.Context, id string, fetch func(context.
 			return nil
 		}
 		var f int
-		if _, err := fmt.Sscanf(strings.TrimPrefix(obj.ID, cache.JobObjectID(id, "frame.")), "%d", &f); err != nil || sent[f] {
+		if _, err := fmt.Sscanf(strings.TrimPrefix(obj.ID, previewsOf(id)), "%d", &f); err != nil || sent[f] {
 			return nil
 		}
 		png, err := fetch(ctx, obj)

@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"errors"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -165,7 +166,7 @@ func (a *Agent) preemptLoop(st jobs.Stage) {
 		}
 		// The stage's running tasks: this agent's as it knows them, the
 		// others' as their claims show them.
-		running := mine
+		running := slices.Clip(mine) // appended to, not mine
 		for _, h := range q.Running() {
 			if h.Node != a.id {
 				c := candidate(h.Task)
@@ -175,11 +176,9 @@ func (a *Agent) preemptLoop(st jobs.Stage) {
 		}
 		victim, wake := a.cfg.Queue.Preempt(pushed, mine, a.id, now)
 		if victim == "" {
-			var wake2 time.Time
-			victim, wake2 = a.cfg.Queue.Preempt(queued, running, a.id, now)
-			if wake.IsZero() || (!wake2.IsZero() && wake2.Before(wake)) {
-				wake = wake2
-			}
+			var later time.Time
+			victim, later = a.cfg.Queue.Preempt(queued, running, a.id, now)
+			wake = earliest(wake, later)
 		}
 		if victim != "" && a.running.stop(victim, errPreempted) {
 			a.log.Info("preempting a batch task for waiting interactive work", zap.String("stage", string(st)), zap.String("task", victim))

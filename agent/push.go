@@ -88,10 +88,14 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Queue, lease clientv3.LeaseI
 // (routing.QueuePolicy.Stranded): the stage's preemption serves them from
 // the queue. It returns when to look again (zero: nothing is waiting).
 func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
+	pushed := q.Pushed(a.id, a.member.Lease())
+	if len(pushed) == 0 {
+		return time.Time{} // the common case: ask nothing of gossip or the running tasks
+	}
 	now := time.Now()
 	free := map[string]bool{} // by model: another worker is free for it (gossip, asked once per call)
 	canPreempt := len(a.batchOnly(st)) > 0
-	for _, c := range q.Pushed(a.id, a.member.Lease()) {
+	for _, c := range pushed {
 		stranded, at := a.cfg.Queue.Stranded(candidate(c.Task), now, canPreempt)
 		if stranded {
 			a.giveBack(q, c, "interactive work this worker cannot make room for")

@@ -100,13 +100,11 @@ func (q *Queue) Pending() []Task {
 	return out
 }
 
-// Held is a claimed task and the node its claim names.
+// Held is a claimed task and the node its claim names (for a pushed
+// claim, the view cannot tell whether that worker has started it).
 type Held struct {
 	Task Task
 	Node string
-	// Pushed marks a claim pushed to Node (Push): the view cannot tell
-	// whether that worker has started it.
-	Pushed bool
 }
 
 // Running returns the stage's claimed tasks with their holders, in no
@@ -118,7 +116,7 @@ func (q *Queue) Running() []Held {
 	out := make([]Held, 0, len(q.claimed))
 	for id, c := range q.claimed {
 		if t, ok := q.tasks[id]; ok {
-			out = append(out, Held{Task: t, Node: c.rec.Node, Pushed: c.rec.Pushed})
+			out = append(out, Held{Task: t, Node: c.rec.Node})
 		}
 	}
 	return out

@@ -456,7 +456,8 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	log.Debug("task claimed")
 	defer a.untrack(c)
 	var handedOff atomic.Bool // set once an early handoff committed the stage
-	ctx, stop := a.watchCancel(c, &handedOff)
+	var ran atomic.Bool       // set once run returned: no work is left to stop
+	ctx, stop := a.watchCancel(c, &handedOff, &ran)
 	defer stop()
 	// Until it is recorded, preemption and drain may stop it (with a cause
 	// that makes it a requeue).
@@ -465,6 +466,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	var staged []*cache.Staged // Store objects the task staged; their records come with its commit
 	var pulled pullTime
 	out, published, committed, err := a.run(withPullTime(ctx, &pulled), c, &handedOff, &staged)
+	ran.Store(true)
 	out.Work, out.Pull = time.Since(start), time.Duration(pulled.Load())
 	a.committing[st].Add(1) // before the credit goes back, so admission never counts it out
 	defer a.committing[st].Add(-1)
@@ -508,7 +510,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 			// deletes a claim): take the task back if nobody has since,
 			// and commit it.
 			if c2 := a.reclaim(c, log); c2 != nil {
-				ctx2, stop2 := a.watchCancel(c2, &handedOff)
+				ctx2, stop2 := a.watchCancel(c2, &handedOff, &ran)
 				defer stop2()
 				var u2 bool
 				u2, err = a.commit(ctx2, c2, out, log)
@@ -725,8 +727,10 @@ func (a *Agent) releaseUncommitted(published []string, recordErr error) {
 // no longer commit, so its worker is freed at once instead of after the
 // stage: the job was cancelled, or this agent's lease changed (the claim
 // lived on the old one and another worker may already hold the task). It
-// also ends when the agent stops. stop ends the watching.
-func (a *Agent) watchCancel(c *jobs.Claim, handedOff *atomic.Bool) (ctx context.Context, stop func()) {
+// also ends when the agent stops. stop ends the watching. Once ran is set
+// the work is done and a cancel is the commit's to find (it is fenced on
+// the job record), so the task leaving the queue costs no read.
+func (a *Agent) watchCancel(c *jobs.Claim, handedOff, ran *atomic.Bool) (ctx context.Context, stop func()) {
 	ctx, cancelCause := context.WithCancelCause(a.ctx)
 	cancel := func() { cancelCause(nil) }
 	a.running.add(&runningTask{claim: c, stop: cancelCause, handedOff: handedOff})
@@ -736,12 +740,16 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff *atomic.Bool) (ctx context.
 		// agent's view of the stage's queue sees that: no watch of its own
 		// per task. The task also leaves the queue when this worker's own
 		// commit deletes it, and the view can hear of that before the
-		// commit's answer arrives: the job record tells the two apart.
+		// commit's answer arrives: after run that is the commit, and while
+		// run goes on (an early handoff) the job record tells the two apart.
 		gone, forget := a.queues[c.Task.Stage].TaskGone(c.Task.ID)
 		defer forget()
 		select {
 		case <-gone:
 		case <-ctx.Done():
+			return
+		}
+		if ran.Load() {
 			return
 		}
 		j, err := a.store.Get(ctx, c.Task.JobID)

@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"slices"
 	"testing"
-	"time"
 
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/zeebo/xxh3"
@@ -287,28 +286,14 @@ func TestInlineRepair(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			for _, h := range rec.Holders {
+			for _, h := range rec.Holders { // committed before the pulls are counted
 				wantStats(t, c.node(h.Node), "committed", func(ls LocalStats) bool { return ls.Copies == 1 && ls.Staged == 0 })
 			}
 			pullsBefore := map[string]int64{}
 			for _, n := range c.nodes {
 				pullsBefore[n.name] = storePulls(n)
 			}
-			dead := rec.Holders[0].Node
-			c.kill(dead)
-			c.kick()
-			var now Record
-			eventually(t, 10*time.Second, "two live holders again", func() error {
-				r, err := c.alive()[0].s.Lookup(ctx, rec.ID)
-				if err != nil {
-					return err
-				}
-				now = r
-				if hs := holderNodes(r); len(hs) != 2 || slices.Contains(hs, dead) {
-					return fmt.Errorf("holders %v", hs)
-				}
-				return nil
-			})
+			now := c.killFirstHolder(t, ctx, rec)
 			for _, h := range now.Holders {
 				if slices.Contains(holderNodes(rec), h.Node) {
 					continue

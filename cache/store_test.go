@@ -374,26 +374,7 @@ func TestReReplication(t *testing.T) {
 	if len(rec.Holders) != 2 {
 		t.Fatalf("holders %v", holderNodes(rec))
 	}
-	for _, h := range rec.Holders {
-		wantStats(t, c.node(h.Node), "committed", func(ls LocalStats) bool { return ls.Copies == 1 && ls.Staged == 0 })
-	}
-	dead := rec.Holders[0].Node
-	c.kill(dead)
-	c.kick()
-
-	var now Record
-	eventually(t, 10*time.Second, "two live holders again", func() error {
-		r, err := c.alive()[0].s.Lookup(ctx, rec.ID)
-		if err != nil {
-			return err
-		}
-		now = r
-		hs := holderNodes(r)
-		if len(hs) != 2 || slices.Contains(hs, dead) || hs[0] == hs[1] {
-			return fmt.Errorf("holders %v", hs)
-		}
-		return nil
-	})
+	now := c.killFirstHolder(t, ctx, rec)
 	for _, n := range c.alive() {
 		wantStats(t, n, "holds the committed copy", func(ls LocalStats) bool { return ls.Copies == 1 && ls.Staged == 0 })
 		got, _, err := n.s.ReadAll(ctx, rec.ID)
@@ -911,4 +892,31 @@ func TestLostNeedsEtcdToAgree(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// killFirstHolder waits for rec's copies to be committed, kills its first
+// holder and returns the record once repair has named two distinct live
+// holders again.
+func (c *cluster) killFirstHolder(t *testing.T, ctx context.Context, rec Record) Record {
+	t.Helper()
+	for _, h := range rec.Holders {
+		wantStats(t, c.node(h.Node), "committed", func(ls LocalStats) bool { return ls.Copies == 1 && ls.Staged == 0 })
+	}
+	dead := rec.Holders[0].Node
+	c.kill(dead)
+	c.kick()
+	var now Record
+	eventually(t, 10*time.Second, "two live holders again", func() error {
+		r, err := c.alive()[0].s.Lookup(ctx, rec.ID)
+		if err != nil {
+			return err
+		}
+		now = r
+		hs := holderNodes(r)
+		if len(hs) != 2 || slices.Contains(hs, dead) || hs[0] == hs[1] {
+			return fmt.Errorf("holders %v", hs)
+		}
+		return nil
+	})
+	return now
 }

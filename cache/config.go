@@ -17,6 +17,9 @@ type Member struct {
 	P2PAddrs []string // its libp2p multiaddrs
 	Host     string   // host identity; equal to ours means same host
 	Free     int64    // the largest object it can take now (Store.Room), as last gossiped
+	// Suspect: gossip's probes of it failed lately (paused, cut off): a
+	// repair asks it last.
+	Suspect bool
 }
 
 // Config configures a Store. New copies it; it is frozen afterwards.
@@ -50,6 +53,17 @@ type Config struct {
 	// records the Store's watch keeps in memory and reads none from etcd.
 	// A member leaving triggers a pass at once (Kick).
 	MaintainEvery time.Duration
+	// RepairTimeout bounds asking one member for a repair copy (plus a
+	// second per 64 MiB of the object): a paused or cut-off candidate costs
+	// its object this, and the next candidate is asked.
+	RepairTimeout time.Duration
+	// RepairParallel is how many objects one pass repairs at once.
+	RepairParallel int
+	// RecentJoin: a member that joined (or came back) less than this ago
+	// is asked for repair copies after settled members. A node that has
+	// just restarted is the likeliest to go again (a crash loop, a flaky
+	// host), and a copy moved onto it each time is lost each time.
+	RecentJoin time.Duration
 	// OrphanBatch is the most objects the collector asks Orphans about in
 	// one pass, taken in id order from where the previous pass stopped:
 	// each question costs the agent reads of job records in etcd, so a
@@ -110,6 +124,9 @@ func DefaultConfig() Config {
 		StageTimeout:   2 * time.Minute,  // a put's copy plus a commit retried across an etcd hiccup
 		RequestTimeout: 60 * time.Second, // copying 4 GiB at ~1 GB/s on a busy link
 		MaintainEvery:  10 * time.Second, // a departure is kicked at once; this is the safety net
+		RepairTimeout:  5 * time.Second,  // an answering holder copies a small object in milliseconds
+		RepairParallel: 8,                // a departed holder's objects mend together
+		RecentJoin:     30 * time.Second, // longer than a restart loop's period
 		OrphanBatch:    500,              // at most 500 job records read a pass; 2,000 objects all asked about in 40 s
 		LostGrace:      5 * time.Minute,  // outlasts partitions and stalls a holder recovers from
 		ExpiryGrace:    time.Minute,
@@ -137,6 +154,8 @@ func (c Config) validate() (Config, error) {
 		return c, fmt.Errorf("cache: config: Replicas %d not in [1,8]", c.Replicas)
 	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0:
 		return c, errors.New("cache: config: timeouts must be positive (start from DefaultConfig)")
+	case c.RepairTimeout <= 0 || c.RepairParallel < 1 || c.RecentJoin < 0:
+		return c, errors.New("cache: config: RepairTimeout and RepairParallel must be positive (start from DefaultConfig)")
 	case c.OrphanBatch < 1:
 		return c, fmt.Errorf("cache: config: OrphanBatch %d < 1", c.OrphanBatch)
 	case c.MaxFrame < 1024:

@@ -3,13 +3,13 @@ package cache
 import (
 	"container/list"
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -33,6 +33,11 @@ type copyOf struct {
 	// must not free it, whatever order they are applied in.
 	rev int64
 	lru *list.Element // in holdings.lru while committed and a Cache object
+	// recovered marks a durable copy found on disk at start: it serves the
+	// payload a previous run of this node served, under a new ref, until
+	// maintenance names it in the record (reannounce) or frees it.
+	recovered bool
+	path      string // the copy's file, for a disk copy
 }
 
 // holdings is what this node holds for the Store, and the room it has.
@@ -52,6 +57,10 @@ type holdings struct {
 	spilled   int64         // copies that went to disk because memory was full, ever
 	overflows int64         // copies held beyond capacity (reserve with overflow), ever
 	room      chan struct{} // signalled (never blocking) when memUsed or diskUsed changes
+
+	// keepDurable is set when the Store closes: durable copies released
+	// then keep their files, for the next run to recover.
+	keepDurable atomic.Bool
 }
 
 func newHoldings(x *transfer.Service, cfg *Config, log *zap.Logger) *holdings {
@@ -81,6 +90,12 @@ func (h *holdings) free() (mem, disk int64) {
 func (h *holdings) reserve(size int64, mode Mode, overflow bool) (tier Tier, evicted []*copyOf, err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if durable(mode) && h.diskUsed+size <= h.cfg.SpillCapacity {
+		// Written through to disk, so the copy outlives this agent.
+		h.diskUsed += size
+		h.roomChanged()
+		return Disk, nil, nil
+	}
 	if h.memUsed+size > h.cfg.MemoryCapacity && mode != Cache {
 		// Make room by evicting cache entries, oldest use first, but only if
 		// that is enough: never evict for nothing.
@@ -125,31 +140,6 @@ func (h *holdings) reserve(size int64, mode Mode, overflow bool) (tier Tier, evi
 // spillDir is this node's own directory under SpillDir.
 func (h *holdings) spillDir() string { return filepath.Join(h.cfg.SpillDir, h.cfg.Node) }
 
-// prepareSpill creates this node's spill directory and removes the copies a
-// previous run of the node left there (they died with it).
-func (h *holdings) prepareSpill() error {
-	if h.cfg.SpillDir == "" {
-		return nil
-	}
-	dir := h.spillDir()
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return fmt.Errorf("cache: spill dir: %w", err)
-	}
-	stale, err := filepath.Glob(filepath.Join(dir, "*.spill"))
-	if err != nil {
-		return fmt.Errorf("cache: spill dir: %w", err)
-	}
-	for _, f := range stale {
-		if err := os.Remove(f); err != nil {
-			return fmt.Errorf("cache: remove a previous run's spill file: %w", err)
-		}
-	}
-	if len(stale) > 0 {
-		h.log.Info("removed a previous run's spill files", zap.String("dir", dir), zap.Int("files", len(stale)))
-	}
-	return nil
-}
-
 // reserveDisk claims size bytes on disk only (the arena had no room).
 func (h *holdings) reserveDisk(size int64) (Tier, []*copyOf, error) {
 	h.mu.Lock()
@@ -168,6 +158,18 @@ func (h *holdings) has(payload string) bool {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	return h.copies[payload] != nil
+}
+
+// anyRecovered reports whether a recovered copy awaits its record.
+func (h *holdings) anyRecovered() bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, c := range h.copies {
+		if c.recovered {
+			return true
+		}
+	}
+	return false
 }
 
 // unreserve gives back a reservation that was never filled.
@@ -214,11 +216,16 @@ func (h *holdings) fill(ctx context.Context, object string, mode Mode, tier Tier
 	size := src.size()
 	var ref transfer.Ref
 	var err error
+	var path string
 	switch tier {
 	case Memory:
 		ref, err = h.fillMemory(ctx, src, overflow)
 	case Disk:
-		ref, err = h.fillDisk(ctx, object, src)
+		path = h.spillPath(object, spillExt)
+		if durable(mode) && src.ref.Checksum != 0 {
+			path = h.spillPath(object, durableExt)
+		}
+		ref, err = h.fillDisk(ctx, path, object, mode, src)
 	}
 	if err != nil {
 		if tier == Memory {
@@ -226,7 +233,7 @@ func (h *holdings) fill(ctx context.Context, object string, mode Mode, tier Tier
 		}
 		return nil, err
 	}
-	c := &copyOf{object: object, ref: ref, tier: tier, size: size, mode: mode, stagedAt: h.cfg.Now()}
+	c := &copyOf{object: object, ref: ref, tier: tier, size: size, mode: mode, stagedAt: h.cfg.Now(), path: path}
 	h.mu.Lock()
 	h.copies[ref.ID] = c
 	h.byObject[object] = append(h.byObject[object], c)
@@ -257,14 +264,13 @@ func (h *holdings) fillMemory(ctx context.Context, src source, overflow bool) (t
 	return h.xfer.PublishCopy(meta, buf.Bytes(), src.ref.Checksum, sums, nil)
 }
 
-// fillDisk copies src into a new file of the spill directory, mapped
-// shared, and publishes the mapping; the file goes when the payload is
-// released and no transfer reads it.
-func (h *holdings) fillDisk(ctx context.Context, object string, src source) (transfer.Ref, error) {
+// fillDisk copies src into a new file at path in the spill directory,
+// mapped shared, and publishes the mapping; the file goes when the payload
+// is released and no transfer reads it. A durable copy (a .obj path) is
+// synced to disk with its sidecar before it is published.
+func (h *holdings) fillDisk(ctx context.Context, path, object string, mode Mode, src source) (transfer.Ref, error) {
 	size := src.size()
-	var rnd [6]byte
-	rand.Read(rnd[:])
-	path := filepath.Join(h.spillDir(), object+"-"+hex.EncodeToString(rnd[:])+".spill")
+	isDurable := strings.HasSuffix(path, durableExt)
 	freeDisk := func() { h.unreserve(Disk, size) }
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
@@ -283,15 +289,22 @@ func (h *holdings) fillDisk(ctx context.Context, object string, src source) (tra
 		freeDisk()
 		return transfer.Ref{}, fmt.Errorf("cache: map spill file: %w", err)
 	}
-	release := func() {
+	release := h.diskRelease(mem, path, size, isDurable)
+	fail := func(err error) (transfer.Ref, error) {
 		unix.Munmap(mem)
-		os.Remove(path)
+		removeCopyFiles(path)
 		freeDisk()
+		return transfer.Ref{}, err
 	}
 	sums, err := h.copyInto(ctx, src, mem)
 	if err != nil {
-		release()
-		return transfer.Ref{}, err
+		return fail(err)
+	}
+	if isDurable {
+		sc := sidecar{V: sidecarVersion, Object: object, Mode: mode, Meta: src.ref.Meta, Checksum: src.ref.Checksum, StagedAt: h.cfg.Now().UTC()}
+		if err := h.syncDurable(f, mem, path, sc); err != nil {
+			return fail(err)
+		}
 	}
 	return h.xfer.PublishCopy(src.ref.Meta, mem, src.ref.Checksum, sums, release)
 }
@@ -309,10 +322,25 @@ func (h *holdings) commit(payload string, rev int64) {
 	if c.committed {
 		return
 	}
-	c.committed = true
+	c.committed, c.recovered = true, false
 	if c.mode == Cache {
 		c.lru = h.lru.PushBack(c)
 	}
+}
+
+// keep reports whether the copy payload of object is held, and restarts
+// its stage timeout if no record has named it yet (Staged.Keep).
+func (h *holdings) keep(object, payload string) bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	c := h.copies[payload]
+	if c == nil || c.object != object {
+		return false
+	}
+	if !c.committed {
+		c.stagedAt = h.cfg.Now()
+	}
+	return true
 }
 
 // forgetRevisions sets every copy's revision to 0: after etcd's history
@@ -418,8 +446,10 @@ func (h *holdings) copiesOf(object string) []copyOf {
 	return out
 }
 
-// dropAll frees every copy (Close).
+// dropAll frees every copy (Close). Durable copies keep their files, for
+// the next run of this node to recover.
 func (h *holdings) dropAll() {
+	h.keepDurable.Store(true)
 	h.mu.Lock()
 	var all []*copyOf
 	for _, c := range h.copies {

@@ -10,6 +10,7 @@ import (
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 	"go.uber.org/zap/zaptest"
 
 	"github.com/latentmesh/latentmesh/transfer"
@@ -40,6 +41,17 @@ func bareStore(t *testing.T, mem int64) (*Store, *transfer.Service) {
 	s := &Store{cfg: cfg, log: cfg.Logger, xfer: x}
 	s.hold = newHoldings(x, &s.cfg, s.log)
 	return s, x
+}
+
+// testClient is a client of the package's etcd, closed with the test.
+func testClient(t *testing.T) *clientv3.Client {
+	t.Helper()
+	cli, err := clientv3.New(clientv3.Config{Endpoints: etcdEndpoints(t), DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	return cli
 }
 
 // holdCopy stages a copy of data on s as object id.
@@ -124,6 +136,7 @@ func TestStaleRecordStateKeepsCopy(t *testing.T) {
 
 func TestStagedCopyTimesOut(t *testing.T) {
 	s, x := bareStore(t, 1<<20)
+	s.cli = testClient(t) // the drop asks etcd first
 	now := time.Now()
 	s.cfg.Now = func() time.Time { return now }
 	holdCopy(t, s, x, "late", pattern(4096, 3))
@@ -132,7 +145,7 @@ func TestStagedCopyTimesOut(t *testing.T) {
 		t.Fatalf("a young staged copy went: %+v", st)
 	}
 	now = now.Add(s.cfg.StageTimeout + time.Millisecond)
-	s.reconcile(nil, 2)
+	s.expireStaged(testCtx(t), s.reconcile(nil, 2)) // etcd has no record of it
 	if st := s.LocalStats(); st.Copies != 0 || st.MemoryUsed != 0 {
 		t.Fatalf("a timed-out staged copy stayed: %+v", st)
 	}

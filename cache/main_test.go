@@ -73,6 +73,7 @@ type node struct {
 // the test controls: kill removes a node from it and closes the node.
 type cluster struct {
 	t      testing.TB
+	cc     clusterConfig
 	cli    *clientv3.Client
 	prefix string
 	nodes  []*node // every node ever started, in order
@@ -121,39 +122,9 @@ func newCluster(t testing.TB, cc clusterConfig) *cluster {
 	}
 	c := &cluster{t: t, cli: cli, prefix: fmt.Sprintf("/cachetest/%d", prefixSeq.Add(1)), live: map[string]*node{}}
 	t.Cleanup(c.close)
+	c.cc = cc
 	for i := range cc.nodes {
-		n := &node{name: fmt.Sprintf("n%d", i)}
-		if n.h, err = transfer.NewHost("/ip4/127.0.0.1/tcp/0", nil); err != nil {
-			t.Fatal(err)
-		}
-		xcfg := transfer.DefaultConfig()
-		xcfg.Arena = arena.DefaultTestConfig()
-		if cc.arena > 0 {
-			xcfg.Arena.Size = cc.arena
-		}
-		xcfg.IOTimeout = 5 * time.Second
-		xcfg.Logger = zaptest.NewLogger(t, zaptest.Level(zap.InfoLevel)).Named(n.name)
-		if cc.xtune != nil {
-			cc.xtune(&xcfg)
-		}
-		if n.x, err = transfer.New(xcfg, n.h); err != nil {
-			n.h.Close()
-			t.Fatal(err)
-		}
-		cfg := testStoreConfig(t, c.prefix, n.name)
-		cfg.MemoryCapacity = cc.mem
-		if cc.disk > 0 {
-			n.spill = t.TempDir()
-			cfg.SpillDir, cfg.SpillCapacity = n.spill, cc.disk
-		}
-		if cc.tune != nil {
-			cc.tune(&cfg)
-		}
-		if n.s, err = New(cfg, cli, n.x, n.h, c.members, cc.orphans); err != nil {
-			n.x.Close()
-			n.h.Close()
-			t.Fatal(err)
-		}
+		n := c.newNode(fmt.Sprintf("n%d", i), "")
 		c.nodes = append(c.nodes, n)
 		c.mu.Lock()
 		c.live[n.name] = n
@@ -163,6 +134,74 @@ func newCluster(t testing.TB, cc clusterConfig) *cluster {
 		n.s.Start()
 	}
 	return c
+}
+
+// newNode builds node name (not started), with its disk tier in spill
+// ("" makes a new one when the cluster has disks).
+func (c *cluster) newNode(name, spill string) *node {
+	t, cc := c.t, c.cc
+	t.Helper()
+	n := &node{name: name}
+	var err error
+	if n.h, err = transfer.NewHost("/ip4/127.0.0.1/tcp/0", nil); err != nil {
+		t.Fatal(err)
+	}
+	xcfg := transfer.DefaultConfig()
+	xcfg.Arena = arena.DefaultTestConfig()
+	if cc.arena > 0 {
+		xcfg.Arena.Size = cc.arena
+	}
+	xcfg.IOTimeout = 5 * time.Second
+	xcfg.Logger = zaptest.NewLogger(t, zaptest.Level(zap.InfoLevel)).Named(n.name)
+	if cc.xtune != nil {
+		cc.xtune(&xcfg)
+	}
+	if n.x, err = transfer.New(xcfg, n.h); err != nil {
+		n.h.Close()
+		t.Fatal(err)
+	}
+	cfg := testStoreConfig(t, c.prefix, n.name)
+	cfg.MemoryCapacity = cc.mem
+	if cc.disk > 0 {
+		n.spill = spill
+		if n.spill == "" {
+			n.spill = t.TempDir()
+		}
+		cfg.SpillDir, cfg.SpillCapacity = n.spill, cc.disk
+	}
+	if cc.tune != nil {
+		cc.tune(&cfg)
+	}
+	if n.s, err = New(cfg, c.cli, n.x, n.h, c.members, cc.orphans); err != nil {
+		n.x.Close()
+		n.h.Close()
+		t.Fatal(err)
+	}
+	return n
+}
+
+// restart starts a node killed before under its name, on its disk tier, as
+// an agent restarted after a crash (with a new peer id and addresses).
+func (c *cluster) restart(name string) *node {
+	c.t.Helper()
+	old := c.node(name)
+	c.mu.Lock()
+	if c.live[name] != nil {
+		c.mu.Unlock()
+		c.t.Fatalf("restart %s: still alive", name)
+	}
+	c.mu.Unlock()
+	n := c.newNode(name, old.spill)
+	for i, x := range c.nodes {
+		if x == old {
+			c.nodes[i] = n
+		}
+	}
+	c.mu.Lock()
+	c.live[name] = n
+	c.mu.Unlock()
+	n.s.Start()
+	return n
 }
 
 // members is the member list every Store of the cluster sees.

@@ -21,8 +21,8 @@ import (
 // from the list's revision.
 func (s *Store) watchLoop() {
 	epoch := s.currentEpoch()
-	var next int64 // the revision to follow from; 0: list first
-	kick := false  // run a pass once listed: etcd was replaced
+	var next int64    // the revision to follow from; 0: list first
+	replaced := false // etcd was replaced: run a pass once listed again
 	for s.ctx.Err() == nil {
 		if epoch.Err() != nil {
 			// The index and the copies' revisions follow a history the
@@ -31,7 +31,7 @@ func (s *Store) watchLoop() {
 			s.log.Info("etcd replaced; listing the objects again")
 			s.idx.reset()
 			s.hold.forgetRevisions()
-			epoch, next, kick = s.currentEpoch(), 0, true
+			epoch, next, replaced = s.currentEpoch(), 0, true
 		}
 		if next == 0 {
 			ctx, cancel := context.WithTimeout(epoch, 10*time.Second)
@@ -46,13 +46,13 @@ func (s *Store) watchLoop() {
 			}
 			s.idx.mu.Lock()
 			s.idx.loadLocked(ls, rev)
-			s.reconcile(ls, rev)
+			s.reconcile(ls, rev) // staged copies past their timeout wait for the pass
 			s.idx.mu.Unlock()
 			next = rev + 1
-			if kick {
-				s.Kick()
-				kick = false
+			if replaced || s.hold.anyRecovered() {
+				s.Kick() // judge every copy by the new etcd; name recovered copies again
 			}
+			replaced = false
 		}
 		if next = s.follow(epoch, next); next != 0 && epoch.Err() == nil {
 			s.pause(time.Second) // the watch broke (leader loss, etcd restart): re-establish
@@ -168,30 +168,68 @@ func (s *Store) apply(ev *clientv3.Event) (put Record, ok bool) {
 
 // reconcile compares the copies held with the records ls (in id order)
 // that are whole through revision rev: named copies are committed,
-// committed copies no record names are freed, and staged copies older than
-// StageTimeout with no record are dropped. It runs on every list (start,
-// a compacted watch, whose deletions were lost, a replaced etcd) and on
-// every maintenance pass, with the index. A copy that has seen a record
-// state newer than rev is left alone: ls is older than what it knows.
-func (s *Store) reconcile(ls []*listed, rev int64) {
+// committed copies no record names are freed, and recovered copies are kept
+// while a record names this node for their object (maintenance reannounces
+// them) and freed otherwise. It runs on every list (start, a compacted
+// watch, whose deletions were lost, a replaced etcd) and on every
+// maintenance pass, with the index. A copy that has seen a record state
+// newer than rev is left alone: ls is older than what it knows. Staged
+// copies older than StageTimeout that no record names are returned, for
+// the caller to check with etcd itself before dropping them (expireStaged):
+// ls may lag a commit that names them.
+func (s *Store) reconcile(ls []*listed, rev int64) (expired []copyOf) {
 	now := s.cfg.Now()
 	for _, c := range s.hold.snapshot() {
 		var ref transfer.Ref
 		named := false
-		if l := lookup(ls, c.object); l != nil {
+		l := lookup(ls, c.object)
+		if l != nil {
 			ref, named = l.Holds(s.cfg.Node)
 		}
 		switch {
 		case named && ref.ID == c.ref.ID:
 			s.hold.commit(c.ref.ID, rev)
+		case c.recovered:
+			if !named || l.Checksum != c.ref.Checksum {
+				if s.hold.dropIf(c.ref.ID, func(c *copyOf) bool { return c.recovered }) {
+					s.log.Info("freed a recovered copy no record wants", zap.String("object", c.object))
+				}
+			}
 		case c.committed:
 			if s.hold.dropIf(c.ref.ID, staleBefore(rev, true)) {
 				s.log.Debug("freed a copy no record names", zap.String("object", c.object))
 			}
 		case now.Sub(c.stagedAt) > s.cfg.StageTimeout:
-			if s.hold.dropIf(c.ref.ID, staleBefore(rev, false)) {
-				s.log.Info("dropped a staged copy whose put never committed", zap.String("object", c.object), zap.Duration("age", now.Sub(c.stagedAt)))
+			expired = append(expired, c)
+		}
+	}
+	return expired
+}
+
+// expireStaged drops the staged copies reconcile found past StageTimeout,
+// each after reading its record from etcd: a put committed through any
+// path (a commit retried across an outage, a reclaimed task) names its
+// copy, and the copy is then committed, not dropped. While etcd does not
+// answer, nothing is dropped.
+func (s *Store) expireStaged(ctx context.Context, expired []copyOf) {
+	now := s.cfg.Now()
+	for _, c := range expired {
+		resp, err := s.cli.Get(ctx, ObjectKey(s.cfg.Prefix, c.object))
+		if err != nil {
+			s.log.Debug("staged copy past its timeout; etcd did not answer, kept", zap.String("object", c.object), zap.Error(err))
+			return
+		}
+		if len(resp.Kvs) == 1 {
+			if rec, err := decodeRecord(resp.Kvs[0].Value); err == nil {
+				if ref, ok := rec.Holds(s.cfg.Node); ok && ref.ID == c.ref.ID {
+					s.hold.commit(c.ref.ID, resp.Kvs[0].ModRevision)
+					continue
+				}
 			}
+		}
+		stagedAt := c.stagedAt
+		if s.hold.dropIf(c.ref.ID, func(c *copyOf) bool { return !c.committed && !c.stagedAt.After(stagedAt) }) {
+			s.log.Info("dropped a staged copy whose put never committed", zap.String("object", c.object), zap.Duration("age", now.Sub(c.stagedAt)))
 		}
 	}
 }
@@ -219,24 +257,25 @@ func (s *Store) maintainLoop() {
 // watch keeps the index current. While the index is not loaded (at start,
 // or while the watch lists again) a pass does nothing.
 func (s *Store) maintain(ctx context.Context) {
-	ls, ok := s.reconcileIndex()
+	ls, expired, ok := s.reconcileIndex()
 	if !ok {
 		s.log.Debug("maintenance: the record index is loading; pass skipped")
 		return
 	}
+	s.expireStaged(ctx, expired)
 	s.tend(ctx, ls)
 }
 
 // reconcileIndex reconciles the copies held with the index, under its
 // lock, and returns the records it reconciled with.
-func (s *Store) reconcileIndex() (ls []*listed, ok bool) {
+func (s *Store) reconcileIndex() (ls []*listed, expired []copyOf, ok bool) {
 	s.idx.mu.Lock()
 	defer s.idx.mu.Unlock()
 	if s.idx.rev == 0 {
-		return nil, false
+		return nil, nil, false
 	}
-	s.reconcile(s.idx.recs, s.idx.rev)
-	return slices.Clone(s.idx.recs), true
+	expired = s.reconcile(s.idx.recs, s.idx.rev)
+	return slices.Clone(s.idx.recs), expired, true
 }
 
 // tend is the rest of a pass over the records ls (in id order): unlist
@@ -257,34 +296,43 @@ func (s *Store) tend(ctx context.Context, ls []*listed) {
 	for _, m := range members {
 		alive[m.Node] = true
 	}
-	for _, l := range ls {
-		if ctx.Err() != nil {
-			return
-		}
-		s.repair(ctx, l, members, alive)
-	}
+	s.repairAll(ctx, ls, members, alive)
 	if r := rank(members, collectorKey); len(r) > 0 && r[0].Node == s.cfg.Node {
 		s.collect(ctx, ls, alive)
 	}
 }
 
-// unlistMissing removes this node from a record that names a copy it does
-// not hold (a put committed after its staged copy timed out, an eviction
-// whose record delete failed, a commit that raced an abort): a record must
-// not send readers to a copy that is gone. Repair then adds a new holder;
-// a record left with no holder is deleted. Copies enter the holdings before
-// any record can name them, so a named copy that is missing is gone.
+// unlistMissing corrects a record that names a copy this node does not
+// hold. When the node holds a recovered durable copy of the object (it
+// restarted with the file on disk) the record names that copy instead: the
+// object keeps its holder. Otherwise the node removes itself (a put
+// committed after its staged copy timed out, an eviction whose record
+// delete failed, a commit that raced an abort, a restart that lost a
+// memory copy): a record must not send readers to a copy that is gone.
+// Repair then adds a new holder; a record left with no holder is deleted.
+// Copies enter the holdings before any record can name them, so a named
+// copy that is missing is gone.
 func (s *Store) unlistMissing(ctx context.Context, l *listed) {
 	ref, ok := l.Holds(s.cfg.Node)
 	if !ok || s.hold.has(ref.ID) {
 		return
 	}
+	var recovered *copyOf
+	for _, c := range s.hold.copiesOf(l.ID) {
+		if c.recovered && c.ref.Checksum == l.Checksum {
+			recovered = &c
+			break
+		}
+	}
 	key := ObjectKey(s.cfg.Prefix, l.ID)
 	rec := l.Record
 	rec.Holders = nil
 	for _, h := range l.Holders {
-		if h.Node != s.cfg.Node || h.Ref.ID != ref.ID {
+		switch {
+		case h.Node != s.cfg.Node || h.Ref.ID != ref.ID:
 			rec.Holders = append(rec.Holders, h)
+		case recovered != nil:
+			rec.Holders = append(rec.Holders, Holder{Node: s.cfg.Node, Tier: recovered.tier, Ref: recovered.ref})
 		}
 	}
 	op := clientv3.OpDelete(key)
@@ -295,95 +343,14 @@ func (s *Store) unlistMissing(ctx context.Context, l *listed) {
 		op = clientv3.OpPut(key, encodeRecord(rec))
 	}
 	resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", l.modRev)).Then(op).Commit()
-	if err == nil && resp.Succeeded {
+	switch {
+	case err != nil || !resp.Succeeded:
+	case recovered != nil:
+		s.reannounced.Add(1)
+		s.log.Info("recovered copy named in its record again", zap.String("object", l.ID), zap.String("tier", string(recovered.tier)))
+	default:
 		s.log.Warn("record named a copy this node does not hold; removed it", zap.String("object", l.ID), zap.Int("holders_left", len(rec.Holders)))
 	}
-}
-
-// repair brings an object back to its replica count. The first live holder
-// in the record is responsible, so exactly one node acts per object; it
-// copies its own copy onto new holders chosen by rendezvous and rewrites the
-// record, if no one else changed it meanwhile, naming the new holders in
-// place of holders that are not alive (those not replaced stay named). Cache objects are not
-// repaired: losing one costs a recompute, not a job.
-func (s *Store) repair(ctx context.Context, l *listed, members []Member, alive map[string]bool) {
-	if l.Mode == Cache {
-		return
-	}
-	// Most records need nothing from this node: look before building.
-	first, nlive := "", 0
-	for i := range l.Holders {
-		if node := l.Holders[i].Node; alive[node] {
-			if nlive == 0 {
-				first = node
-			}
-			nlive++
-		}
-	}
-	if nlive == 0 || first != s.cfg.Node || (nlive == len(l.Holders) && nlive >= l.Replicas) {
-		return
-	}
-	live := make([]Holder, 0, nlive)
-	for _, h := range l.Holders {
-		if alive[h.Node] {
-			live = append(live, h)
-		}
-	}
-	exclude := map[string]bool{}
-	for _, h := range l.Holders {
-		exclude[h.Node] = true
-	}
-	var added []Holder
-	if need := l.Replicas - len(live); need > 0 {
-		cands := place(members, l.ID, l.Size, exclude)
-		// live[0] names this node's copy; a small one goes inline, but only
-		// once the holdings confirm it is a Store copy: the record could
-		// name another payload of this node's, which pulls would refuse.
-		src := source{ref: live[0].Ref}
-		var err error
-		if s.hold.has(src.ref.ID) {
-			src, err = s.sourceOf(ctx, src.ref, nil)
-		}
-		if err == nil {
-			added, err = s.stageOnto(ctx, l.ID, l.Mode, src, cands, need)
-		}
-		if err != nil {
-			s.log.Debug("re-replication failed", zap.String("object", l.ID), zap.Error(err))
-			added = nil
-		}
-	}
-	holders := append(live, added...)
-	// A holder not alive now may be cut off or paused with its copy
-	// intact, and come back: it is dropped only when a new copy takes its
-	// place. Dropping it sooner would leave its copy unnamed, freed when
-	// it returns, and the object with fewer copies than it had.
-	for _, h := range l.Holders {
-		if len(holders) >= l.Replicas {
-			break
-		}
-		if !alive[h.Node] {
-			holders = append(holders, h)
-		}
-	}
-	if len(added) == 0 && len(holders) == len(l.Holders) {
-		return // nothing gained and nobody to drop: leave the record be
-	}
-	rec := l.Record
-	rec.Holders = holders
-	key := ObjectKey(s.cfg.Prefix, l.ID)
-	put := clientv3.OpPut(key, encodeRecord(rec))
-	if l.lease != 0 {
-		put = clientv3.OpPut(key, encodeRecord(rec), clientv3.WithLease(l.lease))
-	}
-	resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", l.modRev)).Then(put).Commit()
-	if err != nil || !resp.Succeeded {
-		st := &Staged{s: s, Record: Record{ID: l.ID, Holders: added}}
-		st.Abort(ctx)
-		return
-	}
-	s.repairs.Add(1)
-	s.log.Info("object re-replicated", zap.String("object", l.ID),
-		zap.Int("live", len(live)), zap.Int("added", len(added)), zap.Int("want", l.Replicas))
 }
 
 // goneFor returns, for each holder named in ls that is neither alive nor

@@ -18,6 +18,16 @@ type LocalStats struct {
 	Repairs        int64 `json:"repairs"`   // records this node re-replicated
 	Collected      int64 `json:"collected"` // records this node collected
 	Lost           int64 `json:"lost"`      // of which every holder was gone
+	// Recovered counts the durable copies this run found on disk at start
+	// and has not yet named in a record or freed; Reannounced the records
+	// it has named such a copy in again, ever.
+	Recovered   int   `json:"recovered"`
+	Reannounced int64 `json:"reannounced"`
+	// RepairP99 is the 99th percentile of this node's repair times (from
+	// first seeing an object short of copies to the record naming its R
+	// live copies again), over its last RepairSamples repairs; 0 before
+	// any.
+	RepairP99 time.Duration `json:"repair_p99_ns"`
 	// ByMode counts the copies held by lease mode and tier.
 	ByMode map[Mode]*TierCounts `json:"by_mode,omitempty"`
 }
@@ -52,8 +62,11 @@ func (s *Store) LocalStats() LocalStats {
 		ByMode: map[Mode]*TierCounts{},
 	}
 	for _, c := range h.copies {
-		if !c.committed {
+		if !c.committed && !c.recovered {
 			st.Staged++
+		}
+		if c.recovered {
+			st.Recovered++
 		}
 		t := st.ByMode[c.mode]
 		if t == nil {
@@ -65,6 +78,8 @@ func (s *Store) LocalStats() LocalStats {
 	h.mu.Unlock()
 	st.Puts, st.Gets = s.puts.Load(), s.gets.Load()
 	st.Repairs, st.Collected, st.Lost = s.repairs.Load(), s.collected.Load(), s.lost.Load()
+	st.Reannounced = s.reannounced.Load()
+	st.RepairP99 = s.repairTimes.quantile(0.99)
 	return st
 }
 

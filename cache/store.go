@@ -33,16 +33,17 @@ type Orphans func(ctx context.Context, recs []Record) (ids []string, err error)
 // index of the records that its watch keeps current (maintenance works from
 // it), and the client side of puts and gets. Build it with New, then Start.
 type Store struct {
-	cfg     Config
-	log     *zap.Logger
-	cli     *clientv3.Client
-	xfer    *transfer.Service
-	h       host.Host
-	members func() []Member
-	orphans Orphans
-	hold    *holdings
-	ret     *Retention
-	idx     index // the records, fed by the watch; what maintenance reads
+	cfg         Config
+	log         *zap.Logger
+	cli         *clientv3.Client
+	xfer        *transfer.Service
+	h           host.Host
+	members     func() []Member
+	orphans     Orphans
+	hold        *holdings
+	ret         *Retention
+	idx         index // the records, fed by the watch; what maintenance reads
+	repairTimes repairs
 
 	kick   chan struct{}
 	ctx    context.Context // ended by Close: every goroutine's stop signal
@@ -59,7 +60,7 @@ type Store struct {
 	epoch    context.Context
 	endEpoch context.CancelFunc
 
-	repairs, collected, lost, puts, gets atomic.Int64
+	repairs, collected, lost, puts, gets, reannounced atomic.Int64
 
 	collectMu sync.Mutex
 	// collectMu guards the collector's state across passes: goneSince,
@@ -257,6 +258,59 @@ func (st *Staged) Renew(ctx context.Context) error {
 	return nil
 }
 
+// Keep confirms, before a commit that has waited (an etcd outage, a
+// reclaimed task), that the staged copies still exist, and restarts their
+// holders' stage timeouts. A holder that answers that it no longer has its
+// copy is taken out of the record, so the commit names only copies that
+// exist; one that does not answer stays named (it may be cut off with its
+// copy). It fails, wrapping ErrNotFound, when every holder said its copy
+// is gone: the put must be made again.
+func (st *Staged) Keep(ctx context.Context) error {
+	var kept []Holder
+	var gone []string
+	for _, h := range st.Record.Holders {
+		var err error
+		if h.Node == st.s.cfg.Node {
+			if !st.s.hold.keep(st.Record.ID, h.Ref.ID) {
+				err = transfer.ErrNotFound
+			}
+		} else {
+			err = st.s.keepOn(ctx, h, st.Record.ID)
+		}
+		if errors.Is(err, transfer.ErrNotFound) {
+			gone = append(gone, h.Node)
+			continue
+		}
+		kept = append(kept, h)
+	}
+	if len(gone) > 0 {
+		st.s.log.Warn("staged copies gone before the commit; not naming them", zap.String("object", st.Record.ID),
+			zap.Strings("gone", gone), zap.Int("left", len(kept)))
+	}
+	if len(kept) == 0 {
+		return fmt.Errorf("%w: every staged copy of %s is gone (%v)", ErrNotFound, st.Record.ID, gone)
+	}
+	st.Record.Holders = kept
+	return nil
+}
+
+// keepOn asks h's node to keep its staged copy of id. An older holder that
+// does not know the request answers it as bad; its copy is taken to be
+// there.
+func (s *Store) keepOn(ctx context.Context, h Holder, id string) error {
+	for _, m := range s.members() {
+		if m.Node != h.Node {
+			continue
+		}
+		_, err := s.call(ctx, m, &request{V: baseVersion, Op: opKeep, Object: id, Payload: h.Ref.ID})
+		if errors.Is(err, ErrProtocol) {
+			return nil
+		}
+		return err
+	}
+	return fmt.Errorf("%w: %s is not a live member", transfer.ErrUnreachable, h.Node)
+}
+
 // Abort drops the staged copies (best effort: a holder that misses the
 // request drops its copy after StageTimeout anyway).
 func (st *Staged) Abort(ctx context.Context) {
@@ -303,7 +357,7 @@ func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data 
 	} else {
 		cands = place(s.members(), spec.ID, size, nil)
 	}
-	holders, err := s.stageOnto(ctx, spec.ID, spec.Mode, src, cands, want)
+	holders, err := s.stageOnto(ctx, spec.ID, spec.Mode, src, cands, want, 0)
 	if errors.Is(err, ErrFull) && spec.Overflow {
 		var h Holder
 		if h, err = s.stageLocal(ctx, spec.ID, spec.Mode, src, true); err == nil {
@@ -371,8 +425,9 @@ func (s *Store) sourceOf(ctx context.Context, ref transfer.Ref, data []byte) (so
 // stageOnto stages copies on the candidates, want at a time in parallel,
 // until want succeeded or the candidates ran out. Every copy costs the
 // source one request, and a pull unless it goes inline, so R copies of a
-// put run side by side.
-func (s *Store) stageOnto(ctx context.Context, id string, mode Mode, src source, cands []Member, want int) ([]Holder, error) {
+// put run side by side. perCall, when positive, bounds each candidate's
+// request (repairs); 0 leaves RequestTimeout.
+func (s *Store) stageOnto(ctx context.Context, id string, mode Mode, src source, cands []Member, want int, perCall time.Duration) ([]Holder, error) {
 	var holders []Holder
 	var errs []error
 	for len(holders) < want && len(cands) > 0 {
@@ -382,7 +437,15 @@ func (s *Store) stageOnto(ctx context.Context, id string, mode Mode, src source,
 		errOf := make([]error, len(batch))
 		var wg sync.WaitGroup
 		for i, m := range batch {
-			wg.Go(func() { got[i], errOf[i] = s.stageOn(ctx, m, id, mode, src) })
+			wg.Go(func() {
+				cctx := ctx
+				if perCall > 0 {
+					var cancel context.CancelFunc
+					cctx, cancel = context.WithTimeout(ctx, perCall)
+					defer cancel()
+				}
+				got[i], errOf[i] = s.stageOn(cctx, m, id, mode, src)
+			})
 		}
 		wg.Wait()
 		for i := range batch {
@@ -608,6 +671,11 @@ func (s *Store) serve(remote peer.ID, req *request) response {
 	switch req.Op {
 	case opDrop:
 		s.dropStaged(req.Object, req.Payload)
+		return response{}
+	case opKeep:
+		if !s.hold.keep(req.Object, req.Payload) {
+			return response{ErrCode: codeNotFound, ErrMsg: fmt.Sprintf("no copy %s of %s", req.Payload, req.Object)}
+		}
 		return response{}
 	case opStage:
 		src := source{ref: req.Src}

@@ -252,11 +252,11 @@ func TestSpillToDisk(t *testing.T) {
 	c := newCluster(t, clusterConfig{nodes: 2, mem: objSize, disk: 4 * objSize})
 	ctx := testCtx(t)
 	a, b := pattern(objSize, 20), pattern(objSize, 21)
-	ra, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "in-memory", Mode: Pinned}, a)
+	ra, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "in-memory", Mode: Consume}, a)
 	if err != nil {
 		t.Fatal(err)
 	}
-	rb, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "on-disk", Mode: Pinned}, b)
+	rb, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "on-disk", Mode: Consume}, b)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -338,7 +338,7 @@ func TestStoreFull(t *testing.T) {
 			c := newCluster(t, clusterConfig{nodes: 2, mem: tc.mem, disk: tc.disk})
 			ctx := testCtx(t)
 			for i := range tc.fill {
-				if _, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: fmt.Sprintf("fill-%d", i), Mode: Pinned}, pattern(objSize, byte(i))); err != nil {
+				if _, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: fmt.Sprintf("fill-%d", i), Mode: Consume}, pattern(objSize, byte(i))); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -346,7 +346,7 @@ func TestStoreFull(t *testing.T) {
 			for i, n := range c.nodes {
 				before[i] = n.s.LocalStats()
 			}
-			_, err := c.nodes[1].s.StageBytes(ctx, PutSpec{ID: "too-much", Mode: Pinned}, pattern(int(tc.size), 9))
+			_, err := c.nodes[1].s.StageBytes(ctx, PutSpec{ID: "too-much", Mode: Consume}, pattern(int(tc.size), 9))
 			if !errors.Is(err, ErrFull) {
 				t.Fatalf("stage = %v, want ErrFull", err)
 			}

@@ -35,6 +35,10 @@ const (
 const (
 	opStage = "stage" // copy Src (or Data) onto this node as a staged copy of Object
 	opDrop  = "drop"  // drop the copy Payload of Object (an aborted put)
+	// opKeep asks whether the copy Payload of Object is still held, and
+	// restarts its stage timeout while no record names it: a putter whose
+	// commit waits (an etcd outage, a reclaimed task) keeps its copies so.
+	opKeep = "keep"
 )
 
 // Bounds of variable-length fields, checked after decode.
@@ -101,12 +105,12 @@ func (m *request) Validate() error {
 			return err
 		}
 		return m.validInline()
-	case opDrop:
+	case opDrop, opKeep:
 		if m.Payload == "" || len(m.Payload) > maxPayloadIDLen {
 			return fmt.Errorf("%w: payload id of %d bytes", ErrProtocol, len(m.Payload))
 		}
 		if len(m.Data) > 0 {
-			return fmt.Errorf("%w: a drop with data", ErrProtocol)
+			return fmt.Errorf("%w: a %s with data", ErrProtocol, m.Op)
 		}
 		return nil
 	}

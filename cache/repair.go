@@ -1,0 +1,263 @@
+package cache
+
+import (
+	"context"
+	"slices"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+)
+
+// Repair.
+//
+// An object short of live copies is repaired by its first live holder, so
+// exactly one node acts per object. The objects of one pass are repaired
+// side by side (Config.RepairParallel), each holder asked under its own
+// short deadline (Config.RepairTimeout plus time for the bytes), so one
+// paused or cut-off candidate costs its object one deadline, not the pass.
+// New holders are chosen by rendezvous, but members that are suspect in
+// gossip or joined only recently (Config.RecentJoin: a node that has just
+// come back from a crash, likely to be the next to go) are tried last.
+
+// repairs is the repair state a Store keeps across passes.
+type repairs struct {
+	mu sync.Mutex
+	// mu guards the fields below.
+	short  map[string]time.Time // object -> when a pass first saw it short of live copies
+	joined map[string]time.Time // node -> since when it has been a member without a break
+	times  []time.Duration      // the last RepairSamples repair times, a ring
+	next   int                  // where the ring is written next
+}
+
+// RepairSamples is how many repair times LocalStats' percentile covers.
+const RepairSamples = 1024
+
+// observe notes the members of this pass, and returns since when each has
+// been a member: a node absent from one pass starts over when it returns.
+func (r *repairs) observe(members []Member, now time.Time) map[string]time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	next := make(map[string]time.Time, len(members))
+	for _, m := range members {
+		since, ok := r.joined[m.Node]
+		if !ok {
+			since = now
+			if r.joined == nil { // the first pass: everyone was there before us
+				since = time.Time{}
+			}
+		}
+		next[m.Node] = since
+	}
+	r.joined = next
+	return next
+}
+
+// shortSince notes that object id is short of copies now and returns since
+// when a pass has seen it so.
+func (r *repairs) shortSince(id string, now time.Time) time.Time {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.short == nil {
+		r.short = map[string]time.Time{}
+	}
+	since, ok := r.short[id]
+	if !ok {
+		since = now
+		r.short[id] = since
+	}
+	return since
+}
+
+// whole notes that object id has its copies; if a pass had seen it short,
+// the time it took is a repair time.
+func (r *repairs) whole(id string, now time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	since, ok := r.short[id]
+	if !ok {
+		return
+	}
+	delete(r.short, id)
+	d := now.Sub(since)
+	if len(r.times) < RepairSamples {
+		r.times = append(r.times, d)
+		return
+	}
+	r.times[r.next] = d
+	r.next = (r.next + 1) % RepairSamples
+}
+
+// forget drops what is known of objects not in keep (deleted meanwhile).
+func (r *repairs) forget(keep func(id string) bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for id := range r.short {
+		if !keep(id) {
+			delete(r.short, id)
+		}
+	}
+}
+
+// quantile returns the q-quantile of the repair times kept (0: none).
+func (r *repairs) quantile(q float64) time.Duration {
+	r.mu.Lock()
+	ts := slices.Clone(r.times)
+	r.mu.Unlock()
+	if len(ts) == 0 {
+		return 0
+	}
+	slices.Sort(ts)
+	return ts[min(len(ts)-1, int(q*float64(len(ts))))]
+}
+
+// repairAll repairs, side by side, the objects of ls this node is
+// responsible for, and keeps the repair times of those it watched mend.
+func (s *Store) repairAll(ctx context.Context, ls []*listed, members []Member, alive map[string]bool) {
+	now := s.cfg.Now()
+	joined := s.repairTimes.observe(members, now)
+	var todo []*listed
+	present := make(map[string]bool, len(ls))
+	for _, l := range ls {
+		present[l.ID] = true
+		if l.Mode == Cache { // losing one costs a recompute, not a job
+			continue
+		}
+		first, nlive := "", 0
+		for i := range l.Holders {
+			if node := l.Holders[i].Node; alive[node] {
+				if nlive == 0 {
+					first = node
+				}
+				nlive++
+			}
+		}
+		if nlive >= l.Replicas && nlive == len(l.Holders) {
+			s.repairTimes.whole(l.ID, now)
+			continue
+		}
+		if nlive < l.Replicas {
+			s.repairTimes.shortSince(l.ID, now)
+		}
+		if nlive > 0 && first == s.cfg.Node {
+			todo = append(todo, l)
+		}
+	}
+	s.repairTimes.forget(func(id string) bool { return present[id] })
+	if len(todo) == 0 {
+		return
+	}
+	cands := s.repairCandidates(members, joined, now)
+	sem := make(chan struct{}, s.cfg.RepairParallel)
+	var wg sync.WaitGroup
+	for _, l := range todo {
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			wg.Wait()
+			return
+		}
+		wg.Go(func() {
+			defer func() { <-sem }()
+			s.repair(ctx, l, cands, alive)
+		})
+	}
+	wg.Wait()
+}
+
+// repairCandidates orders the members for new copies: settled members
+// first, then those that joined within RecentJoin, then suspect ones; each
+// object's rendezvous order applies within each group (place keeps it).
+func (s *Store) repairCandidates(members []Member, joined map[string]time.Time, now time.Time) func(id string, size int64, exclude map[string]bool) []Member {
+	group := func(m Member) int {
+		switch {
+		case m.Suspect:
+			return 2
+		case now.Sub(joined[m.Node]) < s.cfg.RecentJoin:
+			return 1
+		}
+		return 0
+	}
+	return func(id string, size int64, exclude map[string]bool) []Member {
+		out := place(members, id, size, exclude)
+		slices.SortStableFunc(out, func(a, b Member) int { return group(a) - group(b) })
+		return out
+	}
+}
+
+// repairTimeout bounds asking one holder for a repair copy of size bytes:
+// RepairTimeout plus a second per 64 MiB, at most RequestTimeout.
+func (s *Store) repairTimeout(size int64) time.Duration {
+	return min(s.cfg.RequestTimeout, s.cfg.RepairTimeout+time.Duration(size>>26)*time.Second)
+}
+
+// repair brings one object back to its replica count. This node is its
+// first live holder: it copies its own copy onto new holders and rewrites
+// the record, if no one else changed it meanwhile, naming the new holders
+// in place of holders that are not alive (those not replaced stay named).
+func (s *Store) repair(ctx context.Context, l *listed, cands func(string, int64, map[string]bool) []Member, alive map[string]bool) {
+	var live []Holder
+	for _, h := range l.Holders {
+		if alive[h.Node] {
+			live = append(live, h)
+		}
+	}
+	exclude := map[string]bool{}
+	for _, h := range l.Holders {
+		exclude[h.Node] = true
+	}
+	var added []Holder
+	if need := l.Replicas - len(live); need > 0 {
+		// live[0] names this node's copy; a small one goes inline, but only
+		// once the holdings confirm it is a Store copy: the record could
+		// name another payload of this node's, which pulls would refuse.
+		src := source{ref: live[0].Ref}
+		var err error
+		if s.hold.has(src.ref.ID) {
+			src, err = s.sourceOf(ctx, src.ref, nil)
+		}
+		if err == nil {
+			added, err = s.stageOnto(ctx, l.ID, l.Mode, src, cands(l.ID, l.Size, exclude), need, s.repairTimeout(l.Size))
+		}
+		if err != nil {
+			s.log.Info("re-replication failed; next pass tries again", zap.String("object", l.ID), zap.Error(err))
+			added = nil
+		}
+	}
+	holders := append(live, added...)
+	// A holder not alive now may be cut off or paused with its copy
+	// intact, and come back: it is dropped only when a new copy takes its
+	// place. Dropping it sooner would leave its copy unnamed, freed when
+	// it returns, and the object with fewer copies than it had.
+	for _, h := range l.Holders {
+		if len(holders) >= l.Replicas {
+			break
+		}
+		if !alive[h.Node] {
+			holders = append(holders, h)
+		}
+	}
+	if len(added) == 0 && len(holders) == len(l.Holders) {
+		return // nothing gained and nobody to drop: leave the record be
+	}
+	rec := l.Record
+	rec.Holders = holders
+	key := ObjectKey(s.cfg.Prefix, l.ID)
+	put := clientv3.OpPut(key, encodeRecord(rec))
+	if l.lease != 0 {
+		put = clientv3.OpPut(key, encodeRecord(rec), clientv3.WithLease(l.lease))
+	}
+	resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", l.modRev)).Then(put).Commit()
+	if err != nil || !resp.Succeeded {
+		st := &Staged{s: s, Record: Record{ID: l.ID, Holders: added}}
+		st.Abort(context.WithoutCancel(ctx))
+		return
+	}
+	s.repairs.Add(1)
+	if len(live)+len(added) >= l.Replicas {
+		s.repairTimes.whole(l.ID, s.cfg.Now())
+	}
+	s.log.Info("object re-replicated", zap.String("object", l.ID),
+		zap.Int("live", len(live)), zap.Int("added", len(added)), zap.Int("want", l.Replicas))
+}

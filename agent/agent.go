@@ -137,6 +137,9 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.validate(); err != nil {
 		return nil, err
 	}
+	if cfg, err = cfg.applyStateDir(); err != nil {
+		return nil, err
+	}
 	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, fed: map[jobs.Stage]fedMark{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.pullCtx, a.stopPull = context.WithCancel(a.ctx)
@@ -159,6 +162,11 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if a.id == "" {
 		pid := a.host.ID().String()
 		a.id = hostname() + "-" + pid[len(pid)-6:]
+		if cfg.StateDir != "" {
+			if a.id, err = stateNodeIDOf(cfg.StateDir, a.id); err != nil {
+				return nil, err
+			}
+		}
 	}
 	a.log = cfg.Logger.With(zap.String("node", a.id))
 	// Before anything watches: an etcd replaced under the agent ends every

@@ -34,8 +34,14 @@ type Config struct {
 	// credits. A worker pulls only while it holds one.
 	Slots map[jobs.Stage]int
 	// IdentityFile keeps the libp2p private key across restarts; "" uses a
-	// fresh key each start (fine for demo and tests).
+	// fresh key each start (fine for demo and tests), or the state
+	// directory's.
 	IdentityFile string
+	// StateDir is what the agent keeps across restarts (see state.go): its
+	// key and node id, unless IdentityFile and NodeID are set, and the
+	// Store's disk tier, where results are written through and recovered
+	// at the next start, unless Store.SpillDir is set. "" keeps nothing.
+	StateDir string
 	// P2PListen is the libp2p control-channel multiaddr.
 	P2PListen string
 	// HTTPListen is the client API address; "" disables it.

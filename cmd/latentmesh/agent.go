@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"strings"
 	"time"
 
@@ -43,13 +44,14 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		gossipBind = fs.String("gossip-bind", def.Gossip.GossipBind, "memberlist ip:port (port 0: any)")
 		gossipKeys = fs.String("gossip-keyring", "", "gossip encryption keys: `FILE` holding a JSON list of base64 AES keys, the first encrypting; re-read every "+def.Gossip.KeyringCheck.String()+" (empty: gossip in clear)")
 		leaseTTL   = fs.Duration("lease-ttl", def.Gossip.LeaseTTL, "etcd lease TTL: a dead agent's claims free up after this")
-		identity   = fs.String("identity", "", "libp2p key `FILE`, created if missing (default: a fresh key each start)")
+		identity   = fs.String("identity", "", "libp2p key `FILE`, created if missing (default: identity.key in --state-dir)")
+		stateDir   = fs.String("state-dir", defaultStateDir(), "`DIR` the agent keeps across restarts: its key, its node id, and the Store's disk tier, where results are written through and served again after a restart (empty: keep nothing, a new node each start)")
 		transport  = fs.String("transport", def.Transfer.Transport, "data plane: auto (shm on one host, rdma when both ends have a device, else tcp), tcp, shm or rdma")
 		congestion = fs.String("tcp-congestion", def.Transfer.TCPCongestion, "congestion control of data-plane TCP senders (empty: the system default)")
 		arenaSize  = fs.String("arena-size", "1GiB", "registered buffer arena for payloads (e.g. 512MiB, 4GiB)")
 		storeCap   = fs.String("store-capacity", "", "arena bytes lent to the pooled Store (default: a quarter of --arena-size)")
-		spillDir   = fs.String("store-spill-dir", "", "`DIR` for Store copies when its memory is full (default: none)")
-		spillCap   = fs.String("store-spill-capacity", "", "bytes the Store may keep in --store-spill-dir, e.g. 64GiB (default: none)")
+		spillDir   = fs.String("store-spill-dir", "", "`DIR` of the Store's disk tier: results written through, and copies when its memory is full (default: store/ in --state-dir)")
+		spillCap   = fs.String("store-spill-capacity", "", "bytes the Store may keep on disk, e.g. 64GiB (default: 16GiB in --state-dir, else none)")
 		stageWait  = fs.Duration("store-stage-timeout", def.Store.StageTimeout, "how long a Store holder keeps a staged copy whose put never committed (its putter died) before dropping it")
 		xferMode   = fs.String("transfer-mode", string(def.TransferMode), "how stage outputs move on: p2p (consumer pulls from the producer), store (relayed through the Store, the producer frees its buffer at once) or auto (p2p while a consumer has credit, else store)")
 		resultTTL  = fs.Duration("result-ttl", def.ResultTTL, "how long finished files stay in the Store")
@@ -88,6 +90,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	cfg.Prefix, cfg.NodeID, cfg.Slots = *prefix, *nodeID, slots
 	cfg.HTTPListen, cfg.AdminListen, cfg.AdminToken = *httpAddr, *adminAddr, *adminToken
 	cfg.P2PListen, cfg.Transfer.DataListen, cfg.IdentityFile = *p2p, *data, *identity
+	cfg.StateDir = *stateDir
 	cfg.Gossip.GossipBind, cfg.Gossip.LeaseTTL = *gossipBind, *leaseTTL
 	if *gossipKeys != "" {
 		if _, err := gossip.ReadKeyringFile(*gossipKeys); err != nil {
@@ -217,6 +220,22 @@ func readPassword(user, file string) (string, error) {
 }
 
 // applyStoreFlags sets the Store's capacities and the transfer mode.
+// defaultStateDir is where an agent keeps its state unless told: the
+// directory systemd made for the unit (StateDirectory=), else
+// /var/lib/latentmesh for root, else ~/.local/state/latentmesh.
+func defaultStateDir() string {
+	if d := os.Getenv("STATE_DIRECTORY"); d != "" {
+		return strings.Split(d, ":")[0]
+	}
+	if os.Geteuid() == 0 {
+		return "/var/lib/latentmesh"
+	}
+	if home, err := os.UserHomeDir(); err == nil {
+		return filepath.Join(home, ".local", "state", "latentmesh")
+	}
+	return ""
+}
+
 func applyStoreFlags(cfg *agent.Config, capacity, spillDir, spillCap, mode string) error {
 	if capacity != "" {
 		n, err := bench.ParseSize(capacity)
@@ -232,8 +251,8 @@ func applyStoreFlags(cfg *agent.Config, capacity, spillDir, spillCap, mode strin
 			return fmt.Errorf("--store-spill-capacity: %w", err)
 		}
 	}
-	if n > 0 && spillDir == "" {
-		return fmt.Errorf("--store-spill-capacity needs --store-spill-dir")
+	if n > 0 && spillDir == "" && cfg.StateDir == "" {
+		return fmt.Errorf("--store-spill-capacity needs --store-spill-dir or --state-dir")
 	}
 	cfg.Store.SpillDir, cfg.Store.SpillCapacity = spillDir, n
 	m, err := jobs.ParseTransferMode(mode)

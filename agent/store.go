@@ -30,7 +30,7 @@ func (a *Agent) storeMembers() []cache.Member {
 		}
 		m := cache.Member{
 			Node: p.Record.ID, PeerID: p.Record.PeerID, P2PAddrs: p.Record.P2PAddrs,
-			Host: p.Record.Host, Free: int64(p.Meta.StoreFree),
+			Host: p.Record.Host, Free: int64(p.Meta.StoreFree), Suspect: p.Suspect,
 		}
 		if m.Node == a.id {
 			m.Free = a.cstore.Room()

@@ -501,7 +501,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	}
 	var uncertain bool // a commit attempt got no answer: it may have taken effect
 	if err == nil {
-		uncertain, err = a.commit(ctx, c, out, log)
+		uncertain, err = a.commit(ctx, c, out, false, log)
 		lost := errors.Is(err, jobs.ErrFenced) || (ctx.Err() != nil && a.member.Lease() != c.Lease)
 		if err != nil && lost && a.ctx.Err() == nil {
 			// The claim went with the lease while the finished output
@@ -513,7 +513,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 				ctx2, stop2 := a.watchCancel(c2, &handedOff, &ran)
 				defer stop2()
 				var u2 bool
-				u2, err = a.commit(ctx2, c2, out, log)
+				u2, err = a.commit(ctx2, c2, out, true, log)
 				c, ctx, uncertain = c2, ctx2, uncertain || u2
 			}
 		}
@@ -540,7 +540,11 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 		}
 		// etcd refused or failed the write (unreachable, request too large):
 		// retry like any transient failure, so the claim is not left behind.
-		err = fmt.Errorf("%w: %v", errCommit, err)
+		// Staged copies gone before a late commit are transient too: the
+		// stage runs again and stages new ones.
+		if !errors.Is(err, errTransient) {
+			err = fmt.Errorf("%w: %v", errCommit, err)
+		}
 	}
 	if a.ctx.Err() != nil {
 		// Shutting down: the lease is revoked on Close and another agent takes over.
@@ -619,8 +623,10 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 // attempt runs under the agent's context, not the task's, so that a cancel
 // never cuts one off halfway: its outcome is always known from its answer.
 // uncertain reports that some attempt got no answer, so it may have taken
-// effect even if the returned error says otherwise.
-func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log *zap.Logger) (uncertain bool, err error) {
+// effect even if the returned error says otherwise. waited says the output
+// has already waited for etcd (a reclaimed task): its staged Store copies
+// are confirmed before the first attempt, as before every retry.
+func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, waited bool, log *zap.Logger) (uncertain bool, err error) {
 	if next, last := c.Task.Stage.Next(); !last && out.Push == nil {
 		// The next stage's worker is chosen now, not when the stage began
 		// (a video's denoise takes minutes): one free now gets the task
@@ -632,6 +638,14 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log 
 	}
 	backoff := a.cfg.RetryBackoff
 	for attempt := 1; ; attempt++ {
+		if attempt > 1 || waited {
+			// The staged copies have waited for this commit (etcd did not
+			// answer, or the task was reclaimed after its lease went):
+			// commit only those that still exist, and keep them.
+			if err := keepStaged(a.ctx, out.Records, a.cfg.EtcdTimeout); err != nil {
+				return uncertain, fmt.Errorf("%w: %v", errTransient, err)
+			}
+		}
 		actx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 		err = a.store.Commit(actx, c, out)
 		cancel()
@@ -654,6 +668,30 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, log 
 		}
 		backoff = min(2*backoff, 5*time.Second)
 	}
+}
+
+// keeper is a staged record whose copies can be confirmed before a late
+// commit (*cache.Staged).
+type keeper interface {
+	Keep(ctx context.Context) error
+}
+
+// keepStaged confirms the copies of every staged record of a commit that
+// waited, each under timeout (see cache.Staged.Keep).
+func keepStaged(ctx context.Context, recs []jobs.StagedRecord, timeout time.Duration) error {
+	for _, r := range recs {
+		k, ok := r.(keeper)
+		if !ok {
+			continue
+		}
+		kctx, cancel := context.WithTimeout(ctx, timeout)
+		err := k.Keep(kctx)
+		cancel()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // reclaim takes c's task back under this node's lease, for a finished
@@ -1010,7 +1048,7 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 // leaves this undecided wraps errMaybeCommitted.
 func (a *Agent) earlyCommit(ctx context.Context, c *jobs.Claim, out jobs.Output, payload string) error {
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.Int("attempt", c.Task.Attempt), zap.Bool("early", true))
-	uncertain, err := a.commit(ctx, c, out, log)
+	uncertain, err := a.commit(ctx, c, out, false, log)
 	if err == nil || !uncertain || !(errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished)) {
 		return err
 	}

@@ -121,6 +121,14 @@ type ChaosReport struct {
 	Refused        int `json:"refused"`
 	Unanswered     int `json:"unanswered"`
 	Unacknowledged int `json:"unacknowledged"`
+	// RefusedShare and UnansweredShare are Refused and Unanswered over
+	// every submission made.
+	RefusedShare    float64 `json:"refused_share"`
+	UnansweredShare float64 `json:"unanswered_share"`
+	// Repair is how long Store objects went short of live copies, as an
+	// etcd watch outside the mesh saw it (repairWatch), through the faults
+	// and the settle.
+	Repair RepairFigures `json:"repair"`
 	// FailureCodes counts failed jobs by error code.
 	FailureCodes map[string]int `json:"failure_codes,omitempty"`
 	Agents       int            `json:"agents"`
@@ -276,7 +284,7 @@ func (r *chaosRun) setUp(ctx context.Context, dir string) error {
 		a, err := NewHostAgent(HostAgentConfig{
 			Binary: r.cfg.Binary, Host: h, NodeID: id, Roles: roles, Endpoints: r.etcd.Endpoints(),
 			Prefix: r.prefix, Keyring: keyring, AdminToken: chaosAdminToken,
-			Identity: filepath.Join(dir, id+".key"),
+			Identity: filepath.Join(dir, id+".key"), StateDir: filepath.Join(dir, id+".state"),
 			Extra: []string{"--lease-ttl", r.cfg.LeaseTTL.String(), "--arena-size", r.cfg.ArenaSize,
 				"--store-stage-timeout", r.cfg.StageTimeout.String(), "--sim-cost", r.cfg.SimCost},
 			Output: out,
@@ -339,6 +347,12 @@ func (r *chaosRun) run(ctx context.Context) (*ChaosReport, error) {
 	fctx, stopFaults := context.WithTimeout(ctx, r.cfg.Duration)
 	defer stopFaults()
 	in := newInjector(r.agents, r.etcd, r.cfg.Seed, r.cfg.FaultEvery, r.log, r.start)
+	repairs := newRepairWatch(r.cli, r.prefix)
+	rctx, stopRepairs := context.WithCancel(ctx)
+	var rwg sync.WaitGroup
+	rwg.Go(func() { repairs.run(rctx) })
+	defer rwg.Wait()
+	defer stopRepairs()
 	var wg sync.WaitGroup
 	wg.Go(func() { in.run(fctx) })
 	wg.Go(func() { r.load(fctx) })
@@ -364,6 +378,12 @@ func (r *chaosRun) run(ctx context.Context) (*ChaosReport, error) {
 		return nil, err
 	}
 	rep.SettleS = time.Since(settleStart).Seconds()
+	stopRepairs()
+	rwg.Wait()
+	rep.Repair = repairs.figures()
+	if n := rep.Accepted + rep.Refused + rep.Unanswered; n > 0 {
+		rep.RefusedShare, rep.UnansweredShare = float64(rep.Refused)/float64(n), float64(rep.Unanswered)/float64(n)
+	}
 	if err := r.checkJobs(ctx, snap, rep); err != nil {
 		return nil, err
 	}
@@ -376,6 +396,9 @@ func (r *chaosRun) run(ctx context.Context) (*ChaosReport, error) {
 	rep.WallS = time.Since(r.start).Seconds()
 	r.logf("done: accepted %d, completed %d, failed %d, lost %d, duplicate commits %d, leaked %d, corrupt %d, faults %d",
 		rep.Accepted, rep.Completed, rep.Failed, rep.Lost, rep.DuplicateCommits, rep.LeakedPayloads, rep.Corrupt, rep.FaultsInjected)
+	r.logf("repairs: %d measured, p50 %.2fs p99 %.2fs max %.2fs (results: %d, p99 %.2fs), %d short at the end; refused %.1f%%, unanswered %.1f%%",
+		rep.Repair.Measured, rep.Repair.P50S, rep.Repair.P99S, rep.Repair.MaxS, rep.Repair.ResultsMeasured, rep.Repair.ResultsP99S,
+		rep.Repair.ShortAtEnd, 100*rep.RefusedShare, 100*rep.UnansweredShare)
 	return rep, nil
 }
 

@@ -32,6 +32,11 @@ type HostAgentConfig struct {
 	// Identity is the libp2p key file: a restarted agent keeps its peer
 	// id, as a rebooted machine with a persistent key would.
 	Identity string
+	// StateDir is the agent's --state-dir: its key, node id and the
+	// Store's disk tier, kept across restarts as a node's disk would be.
+	// "" runs it with no state directory (a new node each start, but for
+	// Identity and NodeID).
+	StateDir string
 	Extra    []string  // further agent flags
 	Output   io.Writer // also receives the agent's output; may be nil
 }
@@ -98,6 +103,7 @@ func (a *HostAgent) args() []string {
 	if a.cfg.Identity != "" {
 		args = append(args, "--identity", a.cfg.Identity)
 	}
+	args = append(args, "--state-dir", a.cfg.StateDir)
 	return append(args, a.cfg.Extra...)
 }
 

@@ -72,6 +72,7 @@ type mesh struct {
 	procs    []*Process
 	keyring  string   // gossip keyring file every agent gets, as in a deployment
 	args     []string // more flags every agent gets (etcd credentials, tokens)
+	state    string   // each agent's --state-dir is <state>/<node id>: a restart keeps it
 }
 
 func startMesh(t *testing.T) *mesh { return startMeshAt(t, "127.0.0.1") }
@@ -105,7 +106,7 @@ func startMeshListen(t *testing.T, addr string) *mesh {
 // key; the caller sets endpoint and cli.
 func newMesh(t *testing.T, procs ...*Process) *mesh {
 	t.Helper()
-	m := &mesh{t: t, procs: procs, keyring: writeGossipKeyring(t)}
+	m := &mesh{t: t, procs: procs, keyring: writeGossipKeyring(t), state: t.TempDir()}
 	t.Cleanup(m.stop)
 	return m
 }
@@ -161,7 +162,7 @@ func (m *mesh) agentOn(h *Host, id, role string, extra ...string) (*Process, gos
 	}
 	args := append([]string{binary, "agent", "--etcd-endpoints", m.endpoint, "--roles", role, "--node-id", id,
 		"--http", ip + ":0", "--admin", ip + ":0", "--lease-ttl", "2s", "--log-format", "console",
-		"--gossip-keyring", m.keyring}, append(append([]string(nil), m.args...), extra...)...)
+		"--gossip-keyring", m.keyring, "--state-dir", filepath.Join(m.state, id)}, append(append([]string(nil), m.args...), extra...)...)
 	if h != nil {
 		args = append(args, "--p2p-listen", "/ip4/"+ip+"/tcp/0", "--data-listen", ip+":0", "--gossip-bind", ip+":0",
 			"--admin-token", meshAdminToken) // an admin endpoint beyond loopback needs one

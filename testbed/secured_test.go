@@ -141,7 +141,7 @@ func TestSecuredMeshEndToEnd(t *testing.T) {
 	} {
 		p, err := StartProcess(tc.name, binary, nil, append([]string{"agent", "--etcd-endpoints", m.endpoint,
 			"--roles", "encode", "--node-id", tc.name, "--http", "127.0.0.1:0", "--admin", "127.0.0.1:0",
-			"--gossip-keyring", m.keyring, "--log-format", "console"}, tc.flags...)...)
+			"--gossip-keyring", m.keyring, "--log-format", "console", "--state-dir", ""}, tc.flags...)...)
 		if err != nil {
 			t.Fatal(err)
 		}

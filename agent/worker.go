@@ -661,12 +661,35 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, wait
 		uncertain = uncertain || !jobs.IsNoSpace(err) // a NOSPACE refusal is an answer
 		a.alarms.Observe(err)
 		log.Warn("commit failed; keeping the output and retrying", zap.Int("commit_try", attempt), zap.Duration("backoff", backoff), zap.Error(err))
-		select {
-		case <-ctx.Done():
+		if !a.waitKeeping(ctx, backoff, out.Records) {
 			return uncertain, err
-		case <-time.After(backoff):
 		}
 		backoff = min(2*backoff, 5*time.Second)
+	}
+}
+
+// waitKeeping waits d, or until ctx ends (false), and meanwhile confirms
+// the staged copies of recs every third of the Store's stage timeout, so
+// that their holders do not drop them while the commit waits for etcd.
+func (a *Agent) waitKeeping(ctx context.Context, d time.Duration, recs []jobs.StagedRecord) bool {
+	every := max(a.cfg.Store.StageTimeout/3, 10*time.Millisecond)
+	deadline := time.Now().Add(d)
+	for {
+		left := time.Until(deadline)
+		if left <= 0 {
+			return true
+		}
+		t := time.NewTimer(min(left, every))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return false
+		case <-t.C:
+		}
+		if len(recs) > 0 && time.Until(deadline) > 0 {
+			// An error here is met again by the check before the next attempt.
+			keepStaged(a.ctx, recs, a.cfg.EtcdTimeout)
+		}
 	}
 }
 

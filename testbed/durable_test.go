@@ -3,13 +3,23 @@ package testbed
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
+	"os"
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/gossip"
+	"github.com/latentmesh/latentmesh/routing"
 )
 
 // restartAgent kills agent id with SIGKILL, waits until its lease has
@@ -147,4 +157,112 @@ func TestOnlyResultHolderRestarts(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// A decode whose claim went with its lease while its commit waited for
+// etcd takes the task back and commits it. Its result's staged copies
+// outlive the wait (the decode keeps them, and a holder drops a staged
+// copy only when etcd has no record naming it), so the reclaimed commit
+// names copies that exist, and they stay: the result is served, from the
+// first decode attempt, long after the holders' stage timeout.
+func TestReclaimedDecodeKeepsResult(t *testing.T) {
+	if _, err := EtcdBinaryAvailable(); err != nil {
+		if os.Geteuid() != 0 {
+			t.Skipf("no etcd binary and not root to install it: %v", err)
+		}
+		t.Fatal(err)
+	}
+	etcd := startEtcdProcess(t)
+	obs, logs := observer.New(zap.InfoLevel)
+	const stageTimeout = 2 * time.Second
+	cl := startCluster(t, Disaggregated, func(c *ClusterConfig) {
+		c.EtcdEndpoints = etcd.Endpoints()
+		c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), obs))
+		c.Agent.EtcdTimeout = time.Second
+		c.Agent.Engine.DecodeCost = 1500 * time.Millisecond
+		c.Agent.Store.StageTimeout = stageTimeout // passes while the commit waits
+		// The lease is revoked during the commit's first backoff: long
+		// enough that a loaded machine still revokes it before the retry.
+		c.Agent.RetryBackoff = 5 * time.Second
+	})
+	a := cl.Agents[0]
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	// A first job takes the results' retention lease, so the next result
+	// is staged with no etcd request while etcd is paused.
+	warm := engine.Spec{Prompt: "warm the retention lease", Seed: 1, Width: 64, Height: 64, Steps: 2}.WithDefaults()
+	wj, err := a.Submit(ctx, warm, jobs.Options{Class: routing.Standard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if done, err := a.Wait(ctx, wj.ID); err != nil || done.State != jobs.Succeeded {
+		t.Fatalf("warm-up: %+v %v", done, err)
+	}
+	spec := engine.Spec{Prompt: "a result that outlived its lease", Seed: 6, Width: 64, Height: 64, Steps: 2}.WithDefaults()
+	job, err := a.Submit(ctx, spec, jobs.Options{Class: routing.Standard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, func() error {
+		j, err := a.Get(ctx, job.ID)
+		if err != nil {
+			return err
+		}
+		if j.Stage != jobs.Decode || j.State != jobs.Running {
+			return fmt.Errorf("job at %s, %s: decode not running yet", j.Stage, j.State)
+		}
+		return nil
+	})
+	node, err := cl.Client.Get(ctx, prefix+"/nodes/decode-1")
+	if err != nil || len(node.Kvs) != 1 {
+		t.Fatalf("decode-1's record: %v %v", node, err)
+	}
+	lease := clientv3.LeaseID(node.Kvs[0].Lease)
+	resume := pauseEtcd(t, etcd)
+	eventually(t, 30*time.Second, func() error {
+		if logs.FilterMessage("commit failed; keeping the output and retrying").FilterField(zap.String("job", job.ID)).Len() == 0 {
+			return fmt.Errorf("the decode's commit has not failed and backed off yet")
+		}
+		return nil
+	})
+	// The result's staged copies outlive their holders' stage timeout
+	// while etcd is away.
+	time.Sleep(2 * stageTimeout)
+	resume()
+	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
+	_, err = cl.Client.Revoke(rctx, lease)
+	rcancel()
+	if err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		t.Fatal(err)
+	}
+	var done jobs.Job
+	eventually(t, time.Minute, func() error {
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		done, err = a.Wait(wctx, job.ID)
+		return err
+	})
+	if done.State != jobs.Succeeded {
+		t.Fatalf("job ended %s: %+v", done.State, done.Error)
+	}
+	if dec := done.Stages[jobs.Decode]; dec == nil || dec.Attempt != 1 || dec.Node != "decode-1" {
+		t.Fatalf("decode %+v: want decode-1's first attempt, reclaimed", dec)
+	}
+	if logs.FilterMessage("claim lost with the output finished; task reclaimed").FilterField(zap.String("job", job.ID)).Len() != 1 {
+		t.Fatal("the decode was not reclaimed")
+	}
+	want := referenceOutput(t, spec)
+	// Past every holder's stage timeout and a few maintenance passes: the
+	// committed copies are still there.
+	time.Sleep(3 * stageTimeout)
+	data, _, err := a.Result(ctx, job.ID)
+	if err != nil {
+		t.Fatalf("result after the reclaimed commit: %v", err)
+	}
+	if !bytes.Equal(data, want) {
+		t.Fatal("file differs from the engine run in one process")
+	}
+	if n := logs.FilterMessage("dropped a staged copy whose put never committed").Len(); n != 0 {
+		t.Fatalf("%d staged copies dropped", n)
+	}
 }

@@ -234,3 +234,39 @@ func TestLateCommitKeepsStagedCopy(t *testing.T) {
 		t.Fatalf("a copy committed late was dropped or left staged: %+v", st)
 	}
 }
+
+// A result put by a node with a disk tier, onto holders that have none,
+// gets one more copy on the putter's disk: it is durable before its job
+// says succeeded.
+func TestDurablePutAddsADiskCopy(t *testing.T) {
+	c := newCluster(t, clusterConfig{nodes: 3, mem: 1 << 20, tune: func(cfg *Config) {
+		if cfg.Node == "n0" {
+			cfg.SpillDir, cfg.SpillCapacity = t.TempDir(), 1<<20
+		}
+	}})
+	ctx := testCtx(t)
+	// An id whose two rendezvous holders are not n0.
+	var id string
+	for i := 0; id == ""; i++ {
+		cand := fmt.Sprintf("res-%d", i)
+		if r := rank(c.members(), cand); r[0].Node != "n0" && r[1].Node != "n0" {
+			id = cand
+		}
+	}
+	rec, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: id, Mode: Pinned}, pattern(5000, 8))
+	if err != nil {
+		t.Fatal(err)
+	}
+	disk := 0
+	for _, h := range rec.Holders {
+		if h.Tier == Disk {
+			disk++
+			if h.Node != "n0" {
+				t.Errorf("disk copy on %s, which has no disk", h.Node)
+			}
+		}
+	}
+	if disk != 1 || len(rec.Holders) != 3 {
+		t.Fatalf("holders %+v: want the two chosen in memory and one on n0's disk", rec.Holders)
+	}
+}

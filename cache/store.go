@@ -368,6 +368,7 @@ func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data 
 	if err != nil {
 		return nil, fmt.Errorf("cache: stage %s (%d bytes): %w", spec.ID, size, err)
 	}
+	holders = s.ensureDurable(ctx, spec, src, holders)
 	st := &Staged{s: s, Record: Record{
 		ID: spec.ID, Size: size, Checksum: holders[0].Ref.Checksum, Meta: src.ref.Meta, ContentType: spec.ContentType,
 		Mode: spec.Mode, Job: spec.Job, Replicas: want, Holders: holders, CreatedAt: s.cfg.Now().UTC(),
@@ -386,6 +387,31 @@ func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data 
 	}
 	s.puts.Add(1)
 	return st, nil
+}
+
+// ensureDurable adds a copy on this node's disk to the holders of a
+// durable object none of whose copies landed on a disk (the holders chosen
+// have no disk tier, or theirs is full), when this node has one with room:
+// a result is on a disk before its job says succeeded. Best effort: with
+// no disk anywhere the object lives in memory, as before.
+func (s *Store) ensureDurable(ctx context.Context, spec PutSpec, src source, holders []Holder) []Holder {
+	if !durable(spec.Mode) || s.cfg.SpillCapacity == 0 || src.ref.Checksum == 0 {
+		return holders
+	}
+	for _, h := range holders {
+		if h.Tier == Disk || h.Node == s.cfg.Node {
+			return holders
+		}
+	}
+	h, err := s.stageLocal(ctx, spec.ID, spec.Mode, src, false)
+	if err != nil || h.Tier != Disk {
+		if err == nil {
+			s.dropStaged(spec.ID, h.Ref.ID)
+		}
+		s.log.Warn("no copy of a durable object is on a disk", zap.String("object", spec.ID), zap.Error(err))
+		return holders
+	}
+	return append(holders, h)
 }
 
 // sourceOf is what copies of ref's payload are made from: its bytes when

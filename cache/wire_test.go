@@ -47,6 +47,7 @@ func validRequests() []request {
 		inlineRequest(1),
 		inlineRequest(4096),
 		inlineRequest(DefaultConfig().InlineMax),
+		{V: baseVersion, Op: opKeep, Object: "job-1.result", Payload: "0123456789abcdef"},
 	}
 }
 
@@ -183,6 +184,8 @@ func TestRequestValidate(t *testing.T) {
 		{"DropWithoutPayload", func(r *request) { r.Op = opDrop }, ErrProtocol},
 		{"DropLongPayload", func(r *request) { r.Op, r.Payload = opDrop, long }, ErrProtocol},
 		{"DropWithData", func(r *request) { r.V, r.Op, r.Payload, r.Data = inlineVersion, opDrop, "p", []byte{1} }, ErrProtocol},
+		{"KeepWithoutPayload", func(r *request) { r.Op = opKeep }, ErrProtocol},
+		{"KeepWithData", func(r *request) { r.V, r.Op, r.Payload, r.Data = inlineVersion, opKeep, "p", []byte{1} }, ErrProtocol},
 		{"InlineInV1", func(r *request) { *r = inlineRequest(64); r.V = baseVersion }, ErrProtocol},
 		{"InlineShort", func(r *request) { *r = inlineRequest(64); r.Data = r.Data[:63] }, ErrProtocol},
 		{"InlineLong", func(r *request) { *r = inlineRequest(64); r.Data = append(r.Data, 0) }, ErrProtocol},

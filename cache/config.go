@@ -57,6 +57,10 @@ type Config struct {
 	// second per 64 MiB of the object): a paused or cut-off candidate costs
 	// its object this, and the next candidate is asked.
 	RepairTimeout time.Duration
+	// RepairRetry is how soon a pass follows one that left an object of
+	// this node's short of copies (a repair failed: a candidate full or
+	// cut off, etcd away), instead of waiting for MaintainEvery.
+	RepairRetry time.Duration
 	// RepairParallel is how many objects one pass repairs at once.
 	RepairParallel int
 	// RecentJoin: a member that joined (or came back) less than this ago
@@ -125,6 +129,7 @@ func DefaultConfig() Config {
 		RequestTimeout: 60 * time.Second, // copying 4 GiB at ~1 GB/s on a busy link
 		MaintainEvery:  10 * time.Second, // a departure is kicked at once; this is the safety net
 		RepairTimeout:  5 * time.Second,  // an answering holder copies a small object in milliseconds
+		RepairRetry:    time.Second,      // a failed repair is tried again soon, not a period later
 		RepairParallel: 8,                // a departed holder's objects mend together
 		RecentJoin:     30 * time.Second, // longer than a restart loop's period
 		OrphanBatch:    500,              // at most 500 job records read a pass; 2,000 objects all asked about in 40 s
@@ -154,8 +159,8 @@ func (c Config) validate() (Config, error) {
 		return c, fmt.Errorf("cache: config: Replicas %d not in [1,8]", c.Replicas)
 	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0:
 		return c, errors.New("cache: config: timeouts must be positive (start from DefaultConfig)")
-	case c.RepairTimeout <= 0 || c.RepairParallel < 1 || c.RecentJoin < 0:
-		return c, errors.New("cache: config: RepairTimeout and RepairParallel must be positive (start from DefaultConfig)")
+	case c.RepairTimeout <= 0 || c.RepairRetry <= 0 || c.RepairParallel < 1 || c.RecentJoin < 0:
+		return c, errors.New("cache: config: RepairTimeout, RepairRetry and RepairParallel must be positive (start from DefaultConfig)")
 	case c.OrphanBatch < 1:
 		return c, fmt.Errorf("cache: config: OrphanBatch %d < 1", c.OrphanBatch)
 	case c.MaxFrame < 1024:

@@ -234,36 +234,45 @@ func (s *Store) expireStaged(ctx context.Context, expired []copyOf) {
 	}
 }
 
-// maintainLoop runs a maintenance pass every MaintainEvery, and at once
-// when kicked.
+// maintainLoop runs a maintenance pass every MaintainEvery, at once when
+// kicked, and RepairRetry after a pass that left an object of this node's
+// short of copies (a repair failed, or waits for a record to be fixed).
 func (s *Store) maintainLoop() {
 	t := time.NewTicker(s.cfg.MaintainEvery)
 	defer t.Stop()
+	retry := time.NewTimer(s.cfg.RepairRetry)
+	retry.Stop()
+	defer retry.Stop()
 	for {
 		select {
 		case <-s.ctx.Done():
 			return
 		case <-t.C:
 		case <-s.kick:
+		case <-retry.C:
 		}
 		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
-		s.maintain(ctx)
+		pending := s.maintain(ctx)
 		cancel()
+		if pending {
+			retry.Reset(s.cfg.RepairRetry)
+		}
 	}
 }
 
 // maintain is one pass over the records of the index: reconcile our
 // copies with them, then tend them. It reads no record from etcd; the
 // watch keeps the index current. While the index is not loaded (at start,
-// or while the watch lists again) a pass does nothing.
-func (s *Store) maintain(ctx context.Context) {
+// or while the watch lists again) a pass does nothing. pending reports
+// that the pass left work for a pass soon.
+func (s *Store) maintain(ctx context.Context) (pending bool) {
 	ls, expired, ok := s.reconcileIndex()
 	if !ok {
 		s.log.Debug("maintenance: the record index is loading; pass skipped")
-		return
+		return true
 	}
 	s.expireStaged(ctx, expired)
-	s.tend(ctx, ls)
+	return s.tend(ctx, ls)
 }
 
 // reconcileIndex reconciles the copies held with the index, under its
@@ -284,22 +293,27 @@ func (s *Store) reconcileIndex() (ls []*listed, expired []copyOf, ok bool) {
 // records may be a little behind etcd; every write is conditional on the
 // record's revision, so one that changed meanwhile is left for the next
 // pass.
-func (s *Store) tend(ctx context.Context, ls []*listed) {
+func (s *Store) tend(ctx context.Context, ls []*listed) (pending bool) {
 	for _, l := range ls {
 		if ctx.Err() != nil {
-			return
+			return true
 		}
-		s.unlistMissing(ctx, l)
+		if s.unlistMissing(ctx, l) {
+			pending = true // the record changed under this pass: repair it on the next
+		}
 	}
 	members := s.members()
 	alive := make(map[string]bool, len(members))
 	for _, m := range members {
 		alive[m.Node] = true
 	}
-	s.repairAll(ctx, ls, members, alive)
+	if s.repairAll(ctx, ls, members, alive) {
+		pending = true
+	}
 	if r := rank(members, collectorKey); len(r) > 0 && r[0].Node == s.cfg.Node {
 		s.collect(ctx, ls, alive)
 	}
+	return pending
 }
 
 // unlistMissing corrects a record that names a copy this node does not
@@ -312,10 +326,10 @@ func (s *Store) tend(ctx context.Context, ls []*listed) {
 // Repair then adds a new holder; a record left with no holder is deleted.
 // Copies enter the holdings before any record can name them, so a named
 // copy that is missing is gone.
-func (s *Store) unlistMissing(ctx context.Context, l *listed) {
+func (s *Store) unlistMissing(ctx context.Context, l *listed) (changed bool) {
 	ref, ok := l.Holds(s.cfg.Node)
 	if !ok || s.hold.has(ref.ID) {
-		return
+		return false
 	}
 	var recovered *copyOf
 	for _, c := range s.hold.copiesOf(l.ID) {
@@ -351,6 +365,7 @@ func (s *Store) unlistMissing(ctx context.Context, l *listed) {
 	default:
 		s.log.Warn("record named a copy this node does not hold; removed it", zap.String("object", l.ID), zap.Int("holders_left", len(rec.Holders)))
 	}
+	return true // changed, or to be tried again
 }
 
 // goneFor returns, for each holder named in ls that is neither alive nor

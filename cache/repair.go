@@ -4,6 +4,7 @@ import (
 	"context"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -114,7 +115,8 @@ func (r *repairs) quantile(q float64) time.Duration {
 
 // repairAll repairs, side by side, the objects of ls this node is
 // responsible for, and keeps the repair times of those it watched mend.
-func (s *Store) repairAll(ctx context.Context, ls []*listed, members []Member, alive map[string]bool) {
+// pending reports that one of them is still short of copies.
+func (s *Store) repairAll(ctx context.Context, ls []*listed, members []Member, alive map[string]bool) (pending bool) {
 	now := s.cfg.Now()
 	joined := s.repairTimes.observe(members, now)
 	var todo []*listed
@@ -146,24 +148,28 @@ func (s *Store) repairAll(ctx context.Context, ls []*listed, members []Member, a
 	}
 	s.repairTimes.forget(func(id string) bool { return present[id] })
 	if len(todo) == 0 {
-		return
+		return false
 	}
 	cands := s.repairCandidates(members, joined, now)
 	sem := make(chan struct{}, s.cfg.RepairParallel)
 	var wg sync.WaitGroup
+	var short atomic.Bool
 	for _, l := range todo {
 		select {
 		case sem <- struct{}{}:
 		case <-ctx.Done():
 			wg.Wait()
-			return
+			return true
 		}
 		wg.Go(func() {
 			defer func() { <-sem }()
-			s.repair(ctx, l, cands, alive)
+			if !s.repair(ctx, l, cands, alive) {
+				short.Store(true)
+			}
 		})
 	}
 	wg.Wait()
+	return short.Load()
 }
 
 // repairCandidates orders the members for new copies: settled members
@@ -196,7 +202,9 @@ func (s *Store) repairTimeout(size int64) time.Duration {
 // first live holder: it copies its own copy onto new holders and rewrites
 // the record, if no one else changed it meanwhile, naming the new holders
 // in place of holders that are not alive (those not replaced stay named).
-func (s *Store) repair(ctx context.Context, l *listed, cands func(string, int64, map[string]bool) []Member, alive map[string]bool) {
+// It reports false when a pass soon should try again: the object is still
+// short of copies and some member might take one.
+func (s *Store) repair(ctx context.Context, l *listed, cands func(string, int64, map[string]bool) []Member, alive map[string]bool) (done bool) {
 	var live []Holder
 	for _, h := range l.Holders {
 		if alive[h.Node] {
@@ -206,6 +214,11 @@ func (s *Store) repair(ctx context.Context, l *listed, cands func(string, int64,
 	exclude := map[string]bool{}
 	for _, h := range l.Holders {
 		exclude[h.Node] = true
+	}
+	if !s.hold.has(live[0].Ref.ID) {
+		// The record names a copy of this node's that it does not hold
+		// (a restart): unlistMissing fixes the record, then a pass repairs.
+		return false
 	}
 	var added []Holder
 	if need := l.Replicas - len(live); need > 0 {
@@ -217,11 +230,18 @@ func (s *Store) repair(ctx context.Context, l *listed, cands func(string, int64,
 		if s.hold.has(src.ref.ID) {
 			src, err = s.sourceOf(ctx, src.ref, nil)
 		}
+		targets := cands(l.ID, l.Size, exclude)
+		if len(targets) == 0 {
+			// Nobody to copy to: the periodic pass looks again once members
+			// join or free room; retrying sooner would only spin.
+			s.log.Debug("re-replication: no member can take a copy", zap.String("object", l.ID))
+			return true
+		}
 		if err == nil {
-			added, err = s.stageOnto(ctx, l.ID, l.Mode, src, cands(l.ID, l.Size, exclude), need, s.repairTimeout(l.Size))
+			added, err = s.stageOnto(ctx, l.ID, l.Mode, src, targets, need, s.repairTimeout(l.Size))
 		}
 		if err != nil {
-			s.log.Info("re-replication failed; next pass tries again", zap.String("object", l.ID), zap.Error(err))
+			s.log.Info("re-replication failed; a pass tries again soon", zap.String("object", l.ID), zap.Error(err))
 			added = nil
 		}
 	}
@@ -239,7 +259,7 @@ func (s *Store) repair(ctx context.Context, l *listed, cands func(string, int64,
 		}
 	}
 	if len(added) == 0 && len(holders) == len(l.Holders) {
-		return // nothing gained and nobody to drop: leave the record be
+		return len(live) >= l.Replicas // nothing gained and nobody to drop: leave the record be
 	}
 	rec := l.Record
 	rec.Holders = holders
@@ -252,12 +272,14 @@ func (s *Store) repair(ctx context.Context, l *listed, cands func(string, int64,
 	if err != nil || !resp.Succeeded {
 		st := &Staged{s: s, Record: Record{ID: l.ID, Holders: added}}
 		st.Abort(context.WithoutCancel(ctx))
-		return
+		return false
 	}
 	s.repairs.Add(1)
-	if len(live)+len(added) >= l.Replicas {
+	done = len(live)+len(added) >= l.Replicas
+	if done {
 		s.repairTimes.whole(l.ID, s.cfg.Now())
 	}
 	s.log.Info("object re-replicated", zap.String("object", l.ID),
 		zap.Int("live", len(live)), zap.Int("added", len(added)), zap.Int("want", l.Replicas))
+	return done
 }

@@ -56,7 +56,10 @@ func (w *repairWatch) run(ctx context.Context) {
 		resp, err := w.cli.Txn(lctx).Then(clientv3.OpGet(objects, clientv3.WithPrefix()), clientv3.OpGet(nodes, clientv3.WithPrefix(), clientv3.WithKeysOnly())).Commit()
 		cancel()
 		if err != nil {
-			sleepCtx(ctx, 200*time.Millisecond)
+			select { // etcd is away (a fault): list again shortly
+			case <-ctx.Done():
+			case <-time.After(200 * time.Millisecond):
+			}
 			continue
 		}
 		w.mu.Lock()
@@ -165,14 +168,5 @@ func (w *repairWatch) figures() RepairFigures {
 	return RepairFigures{
 		Measured: len(w.times), P50S: q(w.times, 0.5), P99S: q(w.times, 0.99), MaxS: q(w.times, 1),
 		ResultsMeasured: len(w.results), ResultsP99S: q(w.results, 0.99), ShortAtEnd: len(w.short),
-	}
-}
-
-func sleepCtx(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-	case <-ctx.Done():
 	}
 }

@@ -70,9 +70,45 @@ func resultHolders(t *testing.T, m *mesh, job string, want int) []string {
 	return holders
 }
 
+// finishJob runs a small job through c to success and returns its id and
+// file.
+func finishJob(t *testing.T, c httpapi.Client, prompt string, seed int64) (string, []byte) {
+	t.Helper()
+	ctx := context.Background()
+	steps := 4
+	job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: prompt, Seed: &seed, Steps: &steps})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if done, err := c.Wait(ctx, job.ID, 60*time.Second); err != nil || done.State != jobs.Succeeded {
+		t.Fatalf("job: %+v %v", done, err)
+	}
+	file, _, err := c.Result(ctx, job.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return job.ID, file
+}
+
+// servesResult waits until c serves job's file, byte for byte.
+func servesResult(t *testing.T, c httpapi.Client, job string, want []byte) {
+	t.Helper()
+	eventually(t, 20*time.Second, func() error {
+		got, _, err := c.Result(context.Background(), job)
+		if err != nil {
+			return err
+		}
+		if !bytes.Equal(got, want) {
+			return fmt.Errorf("%d bytes, not the file", len(got))
+		}
+		return nil
+	})
+}
+
 // Both holders of a result are killed with SIGKILL and restarted, one
-// after the other and more than a repair apart: the file is served,
-// byte-identical, the whole time it is asked for and after.
+// after the other and more than a repair apart (the record names two
+// registered holders again before the next kill): the file is served,
+// byte-identical, after each restart and at the end.
 func TestResultSurvivesHolderRestarts(t *testing.T) {
 	m := startMesh(t)
 	small := []string{"--arena-size", "64MiB"}
@@ -85,38 +121,18 @@ func TestResultSurvivesHolderRestarts(t *testing.T) {
 	}
 	ctx := context.Background()
 	c := httpapi.Client{BaseURL: "http://" + reader}
-	seed, steps := int64(11), 4
-	job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "a kite over dunes", Seed: &seed, Steps: &steps})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if done, err := c.Wait(ctx, job.ID, 60*time.Second); err != nil || done.State != jobs.Succeeded {
-		t.Fatalf("job: %+v %v", done, err)
-	}
-	want, _, err := c.Result(ctx, job.ID)
-	if err != nil {
-		t.Fatal(err)
-	}
-	first := resultHolders(t, m, job.ID, 2)
+	job, want := finishJob(t, c, "a kite over dunes", 11)
+	first := resultHolders(t, m, job, 2)
 	for _, victim := range first {
 		var rec gossip.NodeRecord
 		procs[victim], rec = m.restartAgent(t, procs[victim], victim, roles[victim], small...)
 		// Read through the agent that just came back: its own copy, or a
 		// live holder's.
-		c := httpapi.Client{BaseURL: "http://" + rec.HTTPAddr}
-		eventually(t, 20*time.Second, func() error {
-			got, _, err := c.Result(ctx, job.ID)
-			if err != nil {
-				return err
-			}
-			if !bytes.Equal(got, want) {
-				return fmt.Errorf("%d bytes, not the file", len(got))
-			}
-			return nil
-		})
-		resultHolders(t, m, job.ID, 2) // repaired before the next kill
+		c = httpapi.Client{BaseURL: "http://" + rec.HTTPAddr}
+		servesResult(t, c, job, want)
+		resultHolders(t, m, job, 2) // repaired before the next kill
 	}
-	got, _, err := c.Result(ctx, job.ID)
+	got, _, err := c.Result(ctx, job)
 	if err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("result after both holders restarted: %v", err)
 	}
@@ -128,35 +144,12 @@ func TestOnlyResultHolderRestarts(t *testing.T) {
 	m := startMesh(t)
 	all := "encode,denoise,decode"
 	p, rec := m.agent("solo", all, "--arena-size", "64MiB")
-	ctx := context.Background()
-	c := httpapi.Client{BaseURL: "http://" + rec.HTTPAddr}
-	seed, steps := int64(12), 4
-	job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "a lantern in fog", Seed: &seed, Steps: &steps})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if done, err := c.Wait(ctx, job.ID, 60*time.Second); err != nil || done.State != jobs.Succeeded {
-		t.Fatalf("job: %+v %v", done, err)
-	}
-	want, _, err := c.Result(ctx, job.ID)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if h := resultHolders(t, m, job.ID, 1); h[0] != "solo" {
+	job, want := finishJob(t, httpapi.Client{BaseURL: "http://" + rec.HTTPAddr}, "a lantern in fog", 12)
+	if h := resultHolders(t, m, job, 1); h[0] != "solo" {
 		t.Fatalf("holders %v", h)
 	}
 	_, rec = m.restartAgent(t, p, "solo", all, "--arena-size", "64MiB")
-	c = httpapi.Client{BaseURL: "http://" + rec.HTTPAddr}
-	eventually(t, 20*time.Second, func() error {
-		got, _, err := c.Result(ctx, job.ID)
-		if err != nil {
-			return err
-		}
-		if !bytes.Equal(got, want) {
-			return fmt.Errorf("%d bytes, not the file", len(got))
-		}
-		return nil
-	})
+	servesResult(t, httpapi.Client{BaseURL: "http://" + rec.HTTPAddr}, job, want)
 }
 
 // A decode whose claim went with its lease while its commit waited for

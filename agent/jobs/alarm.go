@@ -41,6 +41,8 @@ type AlarmWatcher struct {
 	log   *zap.Logger
 	now   func() time.Time
 	kick  chan struct{} // Observe asks Run for a poll now; buffered 1
+	// health, when set, is told of every poll's outcome (ReportTo).
+	health *Health
 
 	mu          sync.Mutex // guards the fields below
 	noSpace     error      // nil, or wraps ErrNoSpace
@@ -140,21 +142,33 @@ func IsUnavailable(err error) bool {
 	return false
 }
 
-// Run polls etcd's alarm list now, every `every`, and whenever Observe saw a
-// NOSPACE error, until ctx is done. The caller owns the goroutine.
+// Run polls etcd's alarm list now, every `every`, whenever Observe saw a
+// NOSPACE error, and whenever the health it reports to changes (so that
+// Unreachable clears as soon as etcd is back), until ctx is done. The
+// caller owns the goroutine.
 func (w *AlarmWatcher) Run(ctx context.Context) {
 	ticker := time.NewTicker(w.every)
 	defer ticker.Stop()
 	for {
+		var changed <-chan struct{}
+		if w.health != nil {
+			changed = w.health.Changed() // before the poll, whose answer may change it
+		}
 		w.poll(ctx)
 		select {
 		case <-ctx.Done():
 			return
 		case <-ticker.C:
 		case <-w.kick:
+		case <-changed:
 		}
 	}
 }
+
+// ReportTo makes every poll tell h whether etcd answered: an idle agent,
+// which calls etcd for nothing else, learns of an outage from its poll.
+// Call it before Run.
+func (w *AlarmWatcher) ReportTo(h *Health) { w.health = h }
 
 // NoSpace is nil, or an error wrapping ErrNoSpace that says what to do.
 func (w *AlarmWatcher) NoSpace() error {
@@ -208,7 +222,16 @@ func (w *AlarmWatcher) poll(ctx context.Context) {
 
 	pctx, cancel := context.WithTimeout(ctx, w.pollTimeout())
 	resp, err := w.cli.AlarmList(pctx)
+	timedOut := pctx.Err() != nil
 	cancel()
+	if w.health != nil && ctx.Err() == nil {
+		// An alarm list is answered only with quorum.
+		if err != nil && timedOut {
+			w.health.Observe(fmt.Errorf("%w: alarm poll: no answer within %v: %v", ErrUnavailable, w.pollTimeout(), err))
+		} else {
+			w.health.Observe(err)
+		}
+	}
 
 	w.mu.Lock()
 	defer w.mu.Unlock()

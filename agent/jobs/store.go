@@ -369,11 +369,11 @@ func (s *Store) getRecord(ctx context.Context, id string) (record, int64, error)
 
 // readRecord reads a job record, its ModRevision and the revision of the
 // read (from which a watch sees every later change).
-func (s *Store) readRecord(ctx context.Context, id string) (rec record, modRev, readRev int64, err error) {
+func (s *Store) readRecord(ctx context.Context, id string, opts ...clientv3.OpOption) (rec record, modRev, readRev int64, err error) {
 	if !validID(id) {
 		return record{}, 0, 0, ErrNotFound
 	}
-	resp, err := s.cli.Get(ctx, s.jobKey(id))
+	resp, err := s.cli.Get(ctx, s.jobKey(id), opts...)
 	if err != nil {
 		return record{}, 0, 0, fmt.Errorf("jobs: get %s: %w", id, err)
 	}
@@ -400,14 +400,26 @@ func validID(id string) bool {
 }
 
 // Get returns a job with the running stage's progress.
-func (s *Store) Get(ctx context.Context, id string) (Job, error) {
-	rec, _, err := s.getRecord(ctx, id)
+func (s *Store) Get(ctx context.Context, id string) (Job, error) { return s.get(ctx, id) }
+
+// GetSerializable is Get answered by the member the client reaches, from
+// its own data, without quorum (clientv3.WithSerializable): it works while
+// etcd has no leader, and may lag the cluster. A finished job's record
+// never changes but by its deletion, so read this way it is as good as
+// Get's; a running job's is as that member last knew it. ErrNotFound from
+// it may only mean the member has not seen the job yet.
+func (s *Store) GetSerializable(ctx context.Context, id string) (Job, error) {
+	return s.get(ctx, id, clientv3.WithSerializable())
+}
+
+func (s *Store) get(ctx context.Context, id string, opts ...clientv3.OpOption) (Job, error) {
+	rec, _, _, err := s.readRecord(ctx, id, opts...)
 	if err != nil {
 		return Job{}, err
 	}
 	job := rec.Job
 	if !job.State.Terminal() {
-		resp, err := s.cli.Get(ctx, s.progressKey(id))
+		resp, err := s.cli.Get(ctx, s.progressKey(id), opts...)
 		if err != nil {
 			return Job{}, fmt.Errorf("jobs: progress %s: %w", id, err)
 		}

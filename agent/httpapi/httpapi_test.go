@@ -16,8 +16,11 @@ import (
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.uber.org/goleak"
 	"go.uber.org/zap/zaptest"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
@@ -341,6 +344,56 @@ func TestEtcdUnreachableIs503(t *testing.T) {
 	e := wantError(t, w, http.StatusServiceUnavailable, CodeUnavailable)
 	if !strings.HasPrefix(e.Message, "etcd unreachable: no answer within 5s") || w.Header().Get("Retry-After") != "5" {
 		t.Fatalf("%+v, Retry-After %q", e, w.Header().Get("Retry-After"))
+	}
+}
+
+// hungJobs is a job store whose etcd never answers: every read waits for
+// its context, and ends with the error gRPC gives a call a leaderless
+// member held to its deadline.
+type hungJobs struct{ *fakeJobs }
+
+func (hungJobs) hang(ctx context.Context) error {
+	<-ctx.Done()
+	return status.Error(codes.Unknown, context.DeadlineExceeded.Error())
+}
+
+func (h hungJobs) Get(ctx context.Context, _ string) (jobs.Job, error) {
+	return jobs.Job{}, h.hang(ctx)
+}
+func (h hungJobs) Wait(ctx context.Context, _ string) (jobs.Job, error) {
+	return jobs.Job{}, h.hang(ctx)
+}
+
+// A long poll of a store that never answers ends within its wait plus
+// lastKnownWithin with a 503 naming etcd, not a 500 or a hang: the read
+// after the wait is bounded too.
+func TestLongPollOnHungEtcd(t *testing.T) {
+	h := NewHandler(testConfig(t), hungJobs{newFakeJobs(false)})
+	start := time.Now()
+	w := do(h, "GET", "/v1/jobs/job-1?wait=50ms", "", "")
+	took := time.Since(start)
+	e := wantError(t, w, http.StatusServiceUnavailable, CodeUnavailable)
+	if !strings.HasPrefix(e.Message, "etcd unreachable: no answer within the long poll's wait") || w.Header().Get("Retry-After") == "" {
+		t.Fatalf("%+v, Retry-After %q", e, w.Header().Get("Retry-After"))
+	}
+	t.Logf("answered after %v (wait 50ms, then at most %v for the job as it stands)", took.Round(time.Millisecond), lastKnownWithin)
+}
+
+// An outage error nobody classified (etcd's own, as gRPC carries it) is a
+// 503 naming etcd, never a 500.
+func TestUnnamedOutageIs503(t *testing.T) {
+	for _, err := range []error{
+		status.Error(codes.Unknown, context.DeadlineExceeded.Error()), // a leaderless member held the call to its deadline
+		fmt.Errorf("jobs: get job-1: %w", status.Error(codes.Unavailable, "etcdserver: no leader")),
+		rpctypes.ErrTimeout,
+	} {
+		f := newFakeJobs(true)
+		f.submitErr = err
+		w := do(NewHandler(testConfig(t), f), "POST", "/v1/jobs", "", `{"prompt":"x"}`)
+		e := wantError(t, w, http.StatusServiceUnavailable, CodeUnavailable)
+		if !strings.HasPrefix(e.Message, "etcd unreachable: ") || w.Header().Get("Retry-After") == "" {
+			t.Fatalf("%v: %+v, Retry-After %q", err, e, w.Header().Get("Retry-After"))
+		}
 	}
 }
 

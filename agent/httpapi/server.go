@@ -274,33 +274,59 @@ func (s *server) getJob(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
-	if !s.visible(w, r, id) {
-		return
-	}
-	if wait > 0 {
-		s.holdOpen(w, wait)
-		ctx, cancel := context.WithTimeout(r.Context(), wait)
-		job, err := s.jobs.Wait(ctx, id)
-		cancel()
-		switch {
-		case err == nil:
-			writeJSON(w, http.StatusOK, public(job))
-			return
-		case r.Context().Err() != nil:
-			return // the client left; nobody to answer
-		case !errors.Is(err, context.DeadlineExceeded):
-			writeError(w, s.storeError(r, "wait", id, err))
+	if wait == 0 {
+		if !s.visible(w, r, id) {
 			return
 		}
-		// The wait ran out: answer with the job as it stands.
+		job, err := s.jobs.Get(r.Context(), id)
+		if err != nil {
+			writeError(w, s.storeError(r, "get", id, err))
+			return
+		}
+		writeJSON(w, http.StatusOK, public(job))
+		return
 	}
-	job, err := s.jobs.Get(r.Context(), id)
+	// A long poll answers within its wait plus lastKnownWithin, whatever
+	// etcd does: the checks and reads around the wait share that bound,
+	// and running past it is etcd not answering (a 503).
+	start := time.Now()
+	s.holdOpen(w, wait+lastKnownWithin)
+	bound, cancel := context.WithTimeoutCause(r.Context(), wait+lastKnownWithin, errNoAnswerInWait)
+	defer cancel()
+	br := r.WithContext(bound)
+	if !s.visible(w, br, id) {
+		return
+	}
+	wctx, wcancel := context.WithDeadline(bound, start.Add(wait))
+	job, err := s.jobs.Wait(wctx, id)
+	ranOut := wctx.Err() != nil // whatever error the store made of it
+	wcancel()
+	switch {
+	case err == nil:
+		writeJSON(w, http.StatusOK, public(job))
+		return
+	case r.Context().Err() != nil:
+		return // the client left; nobody to answer
+	case !ranOut:
+		writeError(w, s.storeError(br, "wait", id, err))
+		return
+	}
+	// The wait ran out: answer with the job as it stands.
+	job, err = s.jobs.Get(bound, id)
 	if err != nil {
-		writeError(w, s.storeError(r, "get", id, err))
+		writeError(w, s.storeError(br, "get", id, err))
 		return
 	}
 	writeJSON(w, http.StatusOK, public(job))
 }
+
+// lastKnownWithin is how long a long poll whose wait ran out may take to
+// read the job as it stands (and to check the caller may see it): with it,
+// ?wait=D answers within D plus a second.
+const lastKnownWithin = 900 * time.Millisecond
+
+// errNoAnswerInWait ends a long poll whose reads did not fit in its bound.
+var errNoAnswerInWait = fmt.Errorf("%w: no answer within the long poll's wait", jobs.ErrUnavailable)
 
 // visible answers 404, as for a job that does not exist, when tokens are
 // on and the caller's token neither created the job nor is an admin's, so
@@ -468,6 +494,12 @@ func (s *server) cancel(w http.ResponseWriter, r *http.Request, deleteFinished b
 // storeError maps an error from Jobs to an HTTP answer. Unknown errors are
 // logged and reported without detail.
 func (s *server) storeError(r *http.Request, op, id string, err error) *APIError {
+	if ctx := r.Context(); ctx.Err() != nil && errors.Is(context.Cause(ctx), jobs.ErrUnavailable) {
+		err = context.Cause(ctx) // a bound of ours on etcd ran out, whatever the call made of it
+	}
+	if !errors.Is(err, jobs.ErrUnavailable) && jobs.IsUnavailable(err) {
+		err = fmt.Errorf("%w: %v", jobs.ErrUnavailable, err) // an outage nobody named: a 503 all the same
+	}
 	var fe *engine.FieldError
 	switch {
 	case errors.Is(err, jobs.ErrNotFound):

@@ -70,7 +70,11 @@ type Agent struct {
 	queues map[jobs.Stage]*jobs.Queue
 	cstore *cache.Store       // this node's part of the pooled Store
 	alarms *jobs.AlarmWatcher // etcd's NOSPACE alarm
-	engine *engine.Engine
+	// health says whether etcd can serve this agent now; finished keeps
+	// the finished job records it can answer for while etcd cannot.
+	health   *jobs.Health
+	finished *jobs.Finished
+	engine   *engine.Engine
 	// runner runs the stages' math: the built-in engine, or the external
 	// engine registered on ext (the engine socket; nil without one).
 	runner  stageRunner
@@ -222,6 +226,9 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		a.committing[r] = &atomic.Int64{}
 	}
 	a.alarms = jobs.NewAlarmWatcher(cli, cfg.AlarmEvery, a.log)
+	a.health = jobs.NewHealth(cfg.EtcdHealth, jobs.LeaderProbe(cli, cfg.Prefix+"/health"), a.log)
+	a.alarms.ReportTo(a.health) // an idle agent learns of an outage from its poll
+	a.finished = jobs.NewFinished(finishedRecords)
 	if cfg.HTTPListen != "" {
 		if a.httpLn, err = net.Listen("tcp", cfg.HTTPListen); err != nil {
 			return nil, fmt.Errorf("agent: http listen: %w", err)
@@ -364,6 +371,7 @@ func (a *Agent) Start(ctx context.Context) error {
 	}
 	a.cstore.Start()
 	a.wg.Go(func() { a.alarms.Run(a.ctx) })
+	a.wg.Go(func() { a.health.Run(a.ctx) })
 	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.release, a.resyncHeld) })
 	for _, q := range a.queues {
 		a.wg.Go(func() { q.Run(a.ctx) })
@@ -432,9 +440,9 @@ func (a *Agent) serve(srv *http.Server, ln net.Listener, name string) {
 	}
 }
 
-// ready is /readyz: registered in etcd with a live lease, etcd answering
-// the alarm poll (no etcd call here: a probe must be cheap and fast), and
-// etcd able to take writes (no NOSPACE alarm).
+// ready is /readyz: registered in etcd with a live lease, etcd up (no
+// etcd call here: a probe must be cheap and fast), and etcd able to take
+// writes (no NOSPACE alarm).
 func (a *Agent) ready() error {
 	if a.draining.Load() {
 		return errors.New("draining: not taking work")
@@ -442,7 +450,7 @@ func (a *Agent) ready() error {
 	if a.member.Lease() == 0 {
 		return errors.New("not registered in etcd (no lease)")
 	}
-	if err := a.alarms.Unreachable(); err != nil {
+	if err := a.etcdDown(); err != nil {
 		return err
 	}
 	return a.alarms.NoSpace()
@@ -516,27 +524,43 @@ func (a *Agent) Close() error {
 
 // The httpapi.Jobs interface: the job store, counted in metrics. Each etcd
 // call made for a client request is bounded by EtcdTimeout, and refused at
-// once while the alarm poll finds etcd silent, so a client learns that etcd
-// is unreachable (503, jobs.ErrUnavailable) instead of waiting on gRPC.
+// once while etcd is down (etcdDown), so a client learns that etcd is
+// unreachable (503, jobs.ErrUnavailable) instead of waiting on gRPC; reads
+// are answered without quorum meanwhile (outage.go).
 
-// onEtcd runs f with ctx bounded by EtcdTimeout and names an unanswered
-// call as jobs.ErrUnavailable.
+// onEtcd runs f, etcd calls for a client request, with ctx bounded by
+// EtcdTimeout and needing a leader (a member without one refuses at once
+// instead of holding the call to its deadline). Health tracks the call: it
+// is cancelled as soon as etcd is found down. An unanswered call is named
+// jobs.ErrUnavailable.
 func (a *Agent) onEtcd(ctx context.Context, f func(context.Context) error) error {
-	if err := a.alarms.Unreachable(); err != nil {
+	if err := a.etcdDown(); err != nil {
 		return err
 	}
-	cctx, cancel := context.WithTimeout(ctx, a.cfg.EtcdTimeout)
+	cctx, cancel := context.WithTimeout(clientv3.WithRequireLeader(ctx), a.cfg.EtcdTimeout)
 	defer cancel()
-	return a.etcdErr(ctx, f(cctx))
+	tctx, done := a.health.Track(cctx)
+	err := a.etcdErr(ctx, tctx, f(tctx))
+	if ctx.Err() != nil {
+		done(ctx.Err()) // the caller gave up, whatever error the call made of it: no news of etcd
+	} else {
+		done(err)
+	}
+	return err
 }
 
-// etcdErr turns an error of a call made under ctx into jobs.ErrUnavailable
-// when etcd, not the caller, ran out of time or could not be reached.
-func (a *Agent) etcdErr(ctx context.Context, err error) error {
-	if err == nil || ctx.Err() != nil || errors.Is(err, jobs.ErrUnavailable) {
+// etcdErr turns an error of a call made under ctx (tracked as tctx) into
+// jobs.ErrUnavailable when etcd, not the caller, ran out of time, could not
+// be reached or refused for want of a leader, or was found down meanwhile.
+func (a *Agent) etcdErr(ctx, tctx context.Context, err error) error {
+	switch {
+	case err == nil, ctx.Err() != nil, errors.Is(err, jobs.ErrUnavailable):
 		return err
-	}
-	if errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err) {
+	case errors.Is(context.Cause(tctx), jobs.ErrUnavailable):
+		return context.Cause(tctx)
+	case jobs.IsUnavailable(err):
+		return fmt.Errorf("%w: %v", jobs.ErrUnavailable, err)
+	case errors.Is(err, context.DeadlineExceeded):
 		return fmt.Errorf("%w: no answer within %v: %v", jobs.ErrUnavailable, a.cfg.EtcdTimeout, err)
 	}
 	return err
@@ -569,23 +593,56 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 	return j, err
 }
 
-// Get reads a job.
+// Get reads a job; while etcd cannot answer with quorum, without it
+// (getWithoutQuorum).
 func (a *Agent) Get(ctx context.Context, id string) (j jobs.Job, err error) {
 	err = a.onEtcd(ctx, func(ctx context.Context) error {
 		j, err = a.store.Get(ctx, id)
 		return err
 	})
+	if errors.Is(err, jobs.ErrUnavailable) {
+		return a.getWithoutQuorum(ctx, id, err)
+	}
+	if err == nil {
+		a.finished.Note(j)
+	}
 	return j, err
 }
 
 // Wait blocks until the job finishes or ctx ends; ctx, not EtcdTimeout,
-// bounds it (it is a long poll).
+// bounds it (it is a long poll), and its end is ctx.Err() itself. While
+// etcd is down a finished job is answered without quorum at once, and one
+// not finished is waited for until etcd is back: nothing commits without
+// quorum.
 func (a *Agent) Wait(ctx context.Context, id string) (jobs.Job, error) {
-	if err := a.alarms.Unreachable(); err != nil {
-		return jobs.Job{}, err
+	for {
+		if why := a.etcdDown(); why != nil {
+			if j, err := a.getWithoutQuorum(ctx, id, why); err == nil && j.State.Terminal() {
+				return j, nil
+			}
+			if err := a.awaitEtcd(ctx); err != nil {
+				return jobs.Job{}, err
+			}
+			continue
+		}
+		tctx, done := a.health.TrackWait(ctx)
+		j, err := a.store.Wait(tctx, id)
+		switch {
+		case err == nil:
+			done(nil)
+			a.finished.Note(j)
+			return j, nil
+		case ctx.Err() != nil:
+			done(ctx.Err()) // the wait ran out: the caller answers with the job as it stands
+			return jobs.Job{}, ctx.Err()
+		}
+		err = a.etcdErr(ctx, tctx, err)
+		done(err)
+		if !errors.Is(err, jobs.ErrUnavailable) {
+			return jobs.Job{}, err
+		}
+		// etcd went down during the wait: wait on without it.
 	}
-	j, err := a.store.Wait(ctx, id)
-	return j, a.etcdErr(ctx, err)
 }
 
 // Cancel stops a job.
@@ -599,6 +656,7 @@ func (a *Agent) Cancel(ctx context.Context, id string) (j jobs.Job, err error) {
 
 // Delete removes a finished job and its Store objects.
 func (a *Agent) Delete(ctx context.Context, id string) error {
+	a.finished.Forget(id) // first: a delete that goes unanswered may still land
 	return a.onEtcd(ctx, func(ctx context.Context) error { return a.store.Delete(ctx, id) })
 }
 

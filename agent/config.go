@@ -80,6 +80,10 @@ type Config struct {
 	// attempt of a stage's commit: past it etcd counts as unreachable (503
 	// with Retry-After) rather than leaving the client waiting on gRPC.
 	EtcdTimeout time.Duration
+	// EtcdHealth tunes how fast the agent learns that etcd lost its
+	// quorum, and that it has it back (jobs.Health): while it is down,
+	// submissions are refused at once and reads are served without quorum.
+	EtcdHealth jobs.HealthConfig
 
 	Gossip   gossip.Config
 	Transfer transfer.Config
@@ -139,6 +143,7 @@ func DefaultConfig() Config {
 		PreviewTTL:       10 * time.Minute, // previews are for watching a decode, not for keeping
 		AlarmEvery:       5 * time.Second,  // a full etcd is noticed within seconds; one cheap read
 		EtcdTimeout:      5 * time.Second,  // a healthy etcd answers in milliseconds; a leader election takes ~1 s
+		EtcdHealth:       jobs.DefaultHealthConfig(),
 		Gossip:           gossip.DefaultConfig(),
 		Transfer:         tc,
 		Store:            cache.DefaultConfig(),

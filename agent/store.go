@@ -239,14 +239,19 @@ func (a *Agent) Result(ctx context.Context, id string) ([]byte, string, error) {
 		return nil, "", jobs.ErrNotReady
 	}
 	// The record is read from etcd under the etcd deadline (an unreachable
-	// etcd is a 503, not a hang); the bytes come from a holder under the
+	// etcd is a 503, not a hang), or without quorum from a live member
+	// while etcd has none; the bytes come from a holder under the
 	// request's own context, however long the file takes.
 	var rec cache.Record
 	lookup := func() error {
-		return a.onEtcd(ctx, func(ctx context.Context) (err error) {
+		err := a.onEtcd(ctx, func(ctx context.Context) (err error) {
 			rec, err = a.cstore.Lookup(ctx, job.Result.Object)
 			return err
 		})
+		if errors.Is(err, jobs.ErrUnavailable) {
+			rec, err = a.lookupWithoutQuorum(ctx, job.Result.Object, err)
+		}
+		return err
 	}
 	// Gone before its retention ended means lost, not expired.
 	gone := jobs.ErrExpired
@@ -282,7 +287,7 @@ func (a *Agent) checkSubmit(spec engine.Spec, opts jobs.Options) error {
 	if err := a.alarms.NoSpace(); err != nil {
 		return err
 	}
-	if err := a.alarms.Unreachable(); err != nil {
+	if err := a.etcdDown(); err != nil {
 		return err
 	}
 	// The built-in model is always accepted, served or not yet, as before

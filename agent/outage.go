@@ -1,0 +1,93 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/cache"
+)
+
+// While etcd cannot serve the agent with quorum (its members lost their
+// leader, or none answers), the client API refuses writes at once (503)
+// and answers reads from what is still true without quorum: a live
+// member's own data (a serializable read), or the agent's copy of a
+// finished job's record.
+
+const (
+	// staleReadTimeout bounds one read without quorum: a member answers
+	// one from its own data in milliseconds, so one that has not answered
+	// in half a second is frozen or cut off.
+	staleReadTimeout = 500 * time.Millisecond
+	// finishedRecords is how many finished job records an agent keeps to
+	// answer for without etcd: the jobs its clients read last (a few MB).
+	finishedRecords = 1024
+	// awaitEtcdEvery is how often a long poll waiting out an outage looks
+	// again whether etcd is back, besides each change of the health.
+	awaitEtcdEvery = time.Second
+)
+
+// etcdDown is nil while etcd can serve, else why not (jobs.ErrUnavailable):
+// the health says etcd is down, or the alarm poll found it silent.
+func (a *Agent) etcdDown() error {
+	if err := a.health.Err(); err != nil {
+		return err
+	}
+	return a.alarms.Unreachable()
+}
+
+// awaitEtcd waits until etcd may serve again (the health changed, or a
+// while passed) or ctx ends (ctx.Err()).
+func (a *Agent) awaitEtcd(ctx context.Context) error {
+	t := time.NewTimer(awaitEtcdEvery)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-a.health.Changed():
+	case <-t.C:
+	}
+	return nil
+}
+
+// getWithoutQuorum answers for job id while etcd cannot with quorum (why):
+// from a live member's own data, else from this agent's copy of the
+// finished record. A job neither knows of is why, not jobs.ErrNotFound: a
+// member without quorum may not have seen it yet.
+func (a *Agent) getWithoutQuorum(ctx context.Context, id string, why error) (jobs.Job, error) {
+	rctx, cancel := context.WithTimeout(ctx, staleReadTimeout)
+	j, err := a.store.GetSerializable(rctx, id)
+	cancel()
+	if err == nil {
+		a.finished.Note(j)
+		return j, nil
+	}
+	if j, ok := a.finished.Get(id); ok {
+		return j, nil
+	}
+	return jobs.Job{}, why
+}
+
+// lookupWithoutQuorum is cache.Store.Lookup from a live member's own data
+// (a serializable read), while etcd cannot answer with quorum (why). An
+// object's record changes as holders come and go; the holders one names
+// are tried in turn anyway, and a gone one is skipped.
+func (a *Agent) lookupWithoutQuorum(ctx context.Context, id string, why error) (cache.Record, error) {
+	rctx, cancel := context.WithTimeout(ctx, staleReadTimeout)
+	defer cancel()
+	resp, err := a.cli.Get(rctx, cache.ObjectKey(a.cfg.Prefix, id), clientv3.WithSerializable())
+	if err != nil || len(resp.Kvs) == 0 {
+		return cache.Record{}, why // absent here may be not yet seen: not "lost"
+	}
+	// cache.Store.Lookup reads linearizably and takes no options; this
+	// decodes its record the same way.
+	var rec cache.Record
+	if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil || !cache.ValidID(rec.ID) {
+		return cache.Record{}, fmt.Errorf("agent: decode store record %s: %v", id, err)
+	}
+	return rec, nil
+}

@@ -2,11 +2,7 @@ package agent
 
 import (
 	"context"
-	"encoding/json"
-	"fmt"
 	"time"
-
-	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/cache"
@@ -73,21 +69,15 @@ func (a *Agent) getWithoutQuorum(ctx context.Context, id string, why error) (job
 }
 
 // lookupWithoutQuorum is cache.Store.Lookup from a live member's own data
-// (a serializable read), while etcd cannot answer with quorum (why). An
-// object's record changes as holders come and go; the holders one names
-// are tried in turn anyway, and a gone one is skipped.
+// (cache.Store.LookupStale), while etcd cannot answer with quorum (why).
+// An object's record changes as holders come and go; the holders one
+// names are tried in turn anyway, and a gone one is skipped.
 func (a *Agent) lookupWithoutQuorum(ctx context.Context, id string, why error) (cache.Record, error) {
 	rctx, cancel := context.WithTimeout(ctx, staleReadTimeout)
 	defer cancel()
-	resp, err := a.cli.Get(rctx, cache.ObjectKey(a.cfg.Prefix, id), clientv3.WithSerializable())
-	if err != nil || len(resp.Kvs) == 0 {
+	rec, err := a.cstore.LookupStale(rctx, id)
+	if err != nil {
 		return cache.Record{}, why // absent here may be not yet seen: not "lost"
-	}
-	// cache.Store.Lookup reads linearizably and takes no options; this
-	// decodes its record the same way.
-	var rec cache.Record
-	if err := json.Unmarshal(resp.Kvs[0].Value, &rec); err != nil || !cache.ValidID(rec.ID) {
-		return cache.Record{}, fmt.Errorf("agent: decode store record %s: %v", id, err)
 	}
 	return rec, nil
 }

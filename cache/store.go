@@ -785,10 +785,23 @@ func (s *Store) PutBytes(ctx context.Context, spec PutSpec, data []byte) (Record
 
 // Lookup reads an object's record.
 func (s *Store) Lookup(ctx context.Context, id string) (Record, error) {
+	return s.lookup(ctx, id)
+}
+
+// LookupStale reads an object's record from the etcd member the client
+// talks to, without quorum (a serializable read): what a reader can still
+// learn while etcd has no leader. The record may lag (holders come and
+// go; a reader skips a gone one), and a record absent here may only not
+// have reached this member yet.
+func (s *Store) LookupStale(ctx context.Context, id string) (Record, error) {
+	return s.lookup(ctx, id, clientv3.WithSerializable())
+}
+
+func (s *Store) lookup(ctx context.Context, id string, opts ...clientv3.OpOption) (Record, error) {
 	if !ValidID(id) {
 		return Record{}, ErrNotFound
 	}
-	resp, err := s.cli.Get(ctx, ObjectKey(s.cfg.Prefix, id))
+	resp, err := s.cli.Get(ctx, ObjectKey(s.cfg.Prefix, id), opts...)
 	if err != nil {
 		return Record{}, fmt.Errorf("cache: lookup %s: %w", id, err)
 	}

@@ -3,6 +3,7 @@ package testbed
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"slices"
 	"strings"
 	"sync"
@@ -34,6 +35,7 @@ type repairWatch struct {
 	short   map[string]time.Time     // object id -> when it went short
 	times   []time.Duration          // completed repairs
 	results []time.Duration          // of which results
+	longest string                   // the object of the longest spell, and when it ended
 }
 
 // watchedObject is what the watch keeps of an object record.
@@ -132,6 +134,9 @@ func (w *repairWatch) evaluateLocked(now time.Time) {
 			w.short[id] = now
 		case live >= o.replicas && short:
 			delete(w.short, id)
+			if d := now.Sub(since); len(w.times) == 0 || d > slices.Max(w.times) {
+				w.longest = fmt.Sprintf("%s (%.1fs, ended %s)", id, d.Seconds(), now.UTC().Format("15:04:05.000"))
+			}
 			w.times = append(w.times, now.Sub(since))
 			if o.pinned {
 				w.results = append(w.results, now.Sub(since))
@@ -152,6 +157,9 @@ type RepairFigures struct {
 	// ShortAtEnd counts objects still short of live copies when the run
 	// ended.
 	ShortAtEnd int `json:"short_at_end"`
+	// Longest names the object of the longest spell, for reading the
+	// agents' logs.
+	Longest string `json:"longest,omitempty"`
 }
 
 func (w *repairWatch) figures() RepairFigures {
@@ -167,6 +175,6 @@ func (w *repairWatch) figures() RepairFigures {
 	}
 	return RepairFigures{
 		Measured: len(w.times), P50S: q(w.times, 0.5), P99S: q(w.times, 0.99), MaxS: q(w.times, 1),
-		ResultsMeasured: len(w.results), ResultsP99S: q(w.results, 0.99), ShortAtEnd: len(w.short),
+		ResultsMeasured: len(w.results), ResultsP99S: q(w.results, 0.99), ShortAtEnd: len(w.short), Longest: w.longest,
 	}
 }

@@ -30,12 +30,13 @@ type repairWatch struct {
 
 	mu sync.Mutex
 	// mu guards the fields below.
-	records map[string]watchedObject // by object id
-	nodes   map[string]bool          // registered node ids
-	short   map[string]time.Time     // object id -> when it went short
-	times   []time.Duration          // completed repairs
-	results []time.Duration          // of which results
-	longest string                   // the object of the longest spell, and when it ended
+	records  map[string]watchedObject // by object id
+	nodes    map[string]bool          // registered node ids
+	short    map[string]time.Time     // object id -> when it went short
+	times    []time.Duration          // completed repairs
+	results  []time.Duration          // of which results
+	longest  string                   // the object of the longest spell, and when it ended
+	maxSpell time.Duration            // its length
 }
 
 // watchedObject is what the watch keeps of an object record.
@@ -134,7 +135,8 @@ func (w *repairWatch) evaluateLocked(now time.Time) {
 			w.short[id] = now
 		case live >= o.replicas && short:
 			delete(w.short, id)
-			if d := now.Sub(since); len(w.times) == 0 || d > slices.Max(w.times) {
+			if d := now.Sub(since); d > w.maxSpell {
+				w.maxSpell = d
 				w.longest = fmt.Sprintf("%s (%.1fs, ended %s)", id, d.Seconds(), now.UTC().Format("15:04:05.000"))
 			}
 			w.times = append(w.times, now.Sub(since))

@@ -3,14 +3,11 @@ package testbed
 import (
 	"bytes"
 	"context"
-	"errors"
 	"fmt"
 	"os"
 	"testing"
 	"time"
 
-	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
-	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -206,35 +203,9 @@ func TestReclaimedDecodeKeepsResult(t *testing.T) {
 		}
 		return nil
 	})
-	node, err := cl.Client.Get(ctx, prefix+"/nodes/decode-1")
-	if err != nil || len(node.Kvs) != 1 {
-		t.Fatalf("decode-1's record: %v %v", node, err)
-	}
-	lease := clientv3.LeaseID(node.Kvs[0].Lease)
-	resume := pauseEtcd(t, etcd)
-	eventually(t, 30*time.Second, func() error {
-		if logs.FilterMessage("commit failed; keeping the output and retrying").FilterField(zap.String("job", job.ID)).Len() == 0 {
-			return fmt.Errorf("the decode's commit has not failed and backed off yet")
-		}
-		return nil
-	})
 	// The result's staged copies outlive their holders' stage timeout
 	// while etcd is away.
-	time.Sleep(2 * stageTimeout)
-	resume()
-	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
-	_, err = cl.Client.Revoke(rctx, lease)
-	rcancel()
-	if err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
-		t.Fatal(err)
-	}
-	var done jobs.Job
-	eventually(t, time.Minute, func() error {
-		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		defer cancel()
-		done, err = a.Wait(wctx, job.ID)
-		return err
-	})
+	done := loseLeaseInCommit(t, ctx, cl, etcd, logs, a, "decode-1", job.ID, 2*stageTimeout)
 	if done.State != jobs.Succeeded {
 		t.Fatalf("job ended %s: %+v", done.State, done.Error)
 	}

@@ -296,6 +296,44 @@ func TestEarlyHandoffCommitSurvivesEtcdOutage(t *testing.T) {
 	}
 }
 
+// loseLeaseInCommit freezes etcd under a running task of job on node, waits
+// until the task's commit has failed and backed off, keeps etcd frozen for
+// hold more, thaws it and revokes node's lease within that backoff, as an
+// etcd majority frozen past the TTL and thawed would expire it. It returns
+// the job once it has ended.
+func loseLeaseInCommit(t *testing.T, ctx context.Context, cl *Cluster, etcd *EtcdProcess, logs *observer.ObservedLogs, a *agent.Agent, node, job string, hold time.Duration) jobs.Job {
+	t.Helper()
+	rec, err := cl.Client.Get(ctx, prefix+"/nodes/"+node)
+	if err != nil || len(rec.Kvs) != 1 {
+		t.Fatalf("%s's record: %v %v", node, rec, err)
+	}
+	lease := clientv3.LeaseID(rec.Kvs[0].Lease)
+	resume := pauseEtcd(t, etcd)
+	eventually(t, 30*time.Second, func() error {
+		if logs.FilterMessage("commit failed; keeping the output and retrying").FilterField(zap.String("job", job)).Len() == 0 {
+			return fmt.Errorf("the commit has not failed and backed off yet")
+		}
+		return nil
+	})
+	time.Sleep(hold)
+	resume()
+	// Within the commit's backoff the lease goes (it may already have).
+	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
+	_, err = cl.Client.Revoke(rctx, lease)
+	rcancel()
+	if err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		t.Fatal(err)
+	}
+	var done jobs.Job
+	eventually(t, time.Minute, func() error {
+		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		done, err = a.Wait(wctx, job)
+		return err
+	})
+	return done
+}
+
 // A lease lost while a finished stage waits for etcd (a frozen etcd that
 // thaws past the TTL expires leases as it resumes; measured with etcd 3.4)
 // costs the claim but not the output: the agent takes the task back under
@@ -328,36 +366,7 @@ func TestClaimLostWithOutputFinished(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitDenoiseStep(t, ctx, a, job.ID, func(step int) bool { return step >= 3 })
-	node, err := cl.Client.Get(ctx, prefix+"/nodes/denoise-1")
-	if err != nil || len(node.Kvs) != 1 {
-		t.Fatalf("denoise-1's record: %v %v", node, err)
-	}
-	lease := clientv3.LeaseID(node.Kvs[0].Lease)
-	resume := pauseEtcd(t, etcd)
-	// The denoise finishes and its commit fails, then waits 5 s to retry.
-	eventually(t, 30*time.Second, func() error {
-		if n := logs.FilterMessage("commit failed; keeping the output and retrying").FilterField(zap.Duration("backoff", 5*time.Second)).Len(); n == 0 {
-			return fmt.Errorf("the commit has not failed and backed off yet")
-		}
-		return nil
-	})
-	resume()
-	// Within that backoff the lease goes, as a thawed etcd would expire it
-	// (it may already have).
-	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
-	_, err = cl.Client.Revoke(rctx, lease)
-	rcancel()
-	if err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
-		t.Fatal(err)
-	}
-
-	var done jobs.Job
-	eventually(t, time.Minute, func() error {
-		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-		defer cancel()
-		done, err = a.Wait(wctx, job.ID)
-		return err
-	})
+	done := loseLeaseInCommit(t, ctx, cl, etcd, logs, a, "denoise-1", job.ID, 0)
 	if done.State != jobs.Succeeded {
 		t.Fatalf("job ended %s: %+v", done.State, done.Error)
 	}

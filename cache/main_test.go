@@ -79,8 +79,9 @@ type cluster struct {
 	nodes  []*node // every node ever started, in order
 
 	mu sync.Mutex
-	// mu guards live.
-	live map[string]*node
+	// mu guards live and extra.
+	live  map[string]*node
+	extra []Member // members listed that are no node of the cluster (a stuck peer)
 }
 
 // clusterConfig shapes a test mesh.
@@ -213,7 +214,9 @@ func (c *cluster) members() []Member {
 	}
 	c.mu.Unlock()
 	slices.SortFunc(live, func(a, b *node) int { return cmpString(a.name, b.name) })
-	out := make([]Member, 0, len(live))
+	c.mu.Lock()
+	out := append(make([]Member, 0, len(live)+len(c.extra)), c.extra...)
+	c.mu.Unlock()
 	for _, n := range live {
 		mem, disk := n.s.Free()
 		m := Member{Node: n.name, PeerID: n.h.ID().String(), Host: n.x.HostID(), Free: mem + disk}

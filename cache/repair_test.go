@@ -1,8 +1,14 @@
 package cache
 
 import (
+	"fmt"
+	"slices"
 	"testing"
 	"time"
+
+	"github.com/libp2p/go-libp2p/core/network"
+
+	"github.com/latentmesh/latentmesh/transfer"
 )
 
 // Repair asks settled members first, then those that joined lately (a
@@ -53,5 +59,51 @@ func TestRepairTimes(t *testing.T) {
 	r.whole("b", t0.Add(time.Hour))
 	if q := r.quantile(0.99); q != 3*time.Second {
 		t.Fatalf("p99 %v, want 3s (one sample)", q)
+	}
+}
+
+// A repair whose first candidate takes the request and never answers (a
+// paused peer still in the member list) moves on to the next after
+// RepairTimeout, however long RequestTimeout is: one stuck peer costs an
+// object a repair timeout, not a request timeout.
+func TestRepairPastAStuckCandidate(t *testing.T) {
+	c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: func(cfg *Config) {
+		cfg.RequestTimeout = time.Minute
+		cfg.RepairTimeout = 300 * time.Millisecond
+	}})
+	h, err := transfer.NewHost("/ip4/127.0.0.1/tcp/0", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	t.Cleanup(func() { close(stop); h.Close() })
+	h.SetStreamHandler(ProtocolID, func(s network.Stream) { <-stop; s.Reset() })
+	stuck := Member{Node: "stuck", PeerID: h.ID().String(), Free: 1 << 30}
+	for _, a := range h.Addrs() {
+		stuck.P2PAddrs = append(stuck.P2PAddrs, a.String())
+	}
+	ctx := testCtx(t)
+	// An object whose holders leave one node, which the stuck peer
+	// outranks as the next holder.
+	var id string
+	for i := 0; id == ""; i++ {
+		cand := fmt.Sprintf("obj-%d", i)
+		r := rank(append(c.members(), stuck), cand)
+		// The put picks the first two nodes; the third is last among them.
+		if i := slices.IndexFunc(r, func(m Member) bool { return m.Node == "stuck" }); i < 3 {
+			id = cand // stuck outranks the third node
+		}
+	}
+	data := pattern(objSize, 31)
+	rec, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: id, Mode: Consume}, data)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.mu.Lock()
+	c.extra = []Member{stuck}
+	c.mu.Unlock()
+	now := c.killFirstHolder(t, ctx, rec) // waits 10 s at most, against a minute per request
+	if slices.Contains(holderNodes(now), "stuck") {
+		t.Fatalf("holders %v", holderNodes(now))
 	}
 }

@@ -277,6 +277,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	sc.Node, sc.Logger = a.id, a.log
 	sc.Registered = a.registeredNodes
 	sc.VerifyHolder = a.registeredAs
+	sc.IsMember = a.isMemberPeer
 	if a.cstore, err = cache.New(sc, cli, a.xfer, a.host, a.storeMembers, a.orphans); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
@@ -366,10 +367,12 @@ func (a *Agent) modelSteps(model string) int {
 // Start joins the mesh, starts the stage workers and serves HTTP.
 func (a *Agent) Start(ctx context.Context) error {
 	a.member.UpdateMeta(a.meta())
+	// The Store serves before the node registers: a member that finds it
+	// registered may ask it for a copy at once.
+	a.cstore.Start()
 	if err := a.member.Start(ctx); err != nil {
 		return fmt.Errorf("agent: join: %w", err)
 	}
-	a.cstore.Start()
 	a.wg.Go(func() { a.alarms.Run(a.ctx) })
 	a.wg.Go(func() { a.health.Run(a.ctx) })
 	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.release, a.resyncHeld) })

@@ -20,12 +20,16 @@ import (
 
 // admitPeer reports whether p is a member. Until the membership exists
 // (during New) nobody is.
-func (a *Agent) admitPeer(p peer.ID) bool {
+func (a *Agent) admitPeer(p peer.ID) bool { return a.isMemberPeer(p.String()) }
+
+// isMemberPeer is admitPeer for a peer id in its string form (the
+// Store's IsMember).
+func (a *Agent) isMemberPeer(pid string) bool {
 	m := a.members.Load()
 	if m == nil {
 		return false
 	}
-	_, ok := m.ByPeerID(p.String())
+	_, ok := m.ByPeerID(pid)
 	return ok
 }
 

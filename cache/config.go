@@ -108,6 +108,13 @@ type Config struct {
 	// whose view is stale (cut off by a partition, or just healed) cannot
 	// declare live copies lost. Nil trusts the members function alone.
 	Registered func(ctx context.Context) (map[string]bool, error)
+	// IsMember, when set, says whether a libp2p peer is a member of the
+	// mesh, and so may send store requests: the mesh's rule is a
+	// registration in etcd, whatever gossip says of its liveness (a peer
+	// back from a pause is registered before gossip has it alive again,
+	// and it is then the one repairing its objects). Nil admits the peers
+	// of the member list.
+	IsMember func(peerID string) bool
 	// Logger receives the Store's logs, named "store".
 	Logger *zap.Logger
 	// Now is the clock; tests may set it.
@@ -128,7 +135,7 @@ func DefaultConfig() Config {
 		StageTimeout:   2 * time.Minute,  // a put's copy plus a commit retried across an etcd hiccup
 		RequestTimeout: 60 * time.Second, // copying 4 GiB at ~1 GB/s on a busy link
 		MaintainEvery:  10 * time.Second, // a departure is kicked at once; this is the safety net
-		RepairTimeout:  5 * time.Second,  // an answering holder copies a small object in milliseconds
+		RepairTimeout:  3 * time.Second,  // an answering holder copies a small object in milliseconds
 		RepairRetry:    time.Second,      // a failed repair is tried again soon, not a period later
 		RepairParallel: 8,                // a departed holder's objects mend together
 		RecentJoin:     30 * time.Second, // longer than a restart loop's period

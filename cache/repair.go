@@ -150,6 +150,12 @@ func (s *Store) repairAll(ctx context.Context, ls []*listed, members []Member, a
 	if len(todo) == 0 {
 		return false
 	}
+	if s.cfg.IsMember != nil && !s.cfg.IsMember(s.h.ID().String()) {
+		// Not registered (back from a pause or a partition, its lease
+		// gone): the others refuse its requests until it is again.
+		s.log.Debug("repairs wait for this node's registration", zap.Int("objects", len(todo)))
+		return true
+	}
 	cands := s.repairCandidates(members, joined, now)
 	sem := make(chan struct{}, s.cfg.RepairParallel)
 	var wg sync.WaitGroup

@@ -734,6 +734,9 @@ func (s *Store) serve(remote peer.ID, req *request) response {
 
 func (s *Store) isMember(p peer.ID) bool {
 	id := p.String()
+	if s.cfg.IsMember != nil {
+		return s.cfg.IsMember(id)
+	}
 	for _, m := range s.members() {
 		if m.PeerID == id {
 			return true

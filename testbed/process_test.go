@@ -160,6 +160,9 @@ func (m *mesh) agentOn(h *Host, id, role string, extra ...string) (*Process, gos
 	if h != nil {
 		ip = h.IP
 	}
+	if m.state == "" {
+		m.t.Fatal("mesh without a state directory: build it with newMesh") // else agents would write beside the tests
+	}
 	args := append([]string{binary, "agent", "--etcd-endpoints", m.endpoint, "--roles", role, "--node-id", id,
 		"--http", ip + ":0", "--admin", ip + ":0", "--lease-ttl", "2s", "--log-format", "console",
 		"--gossip-keyring", m.keyring, "--state-dir", filepath.Join(m.state, id)}, append(append([]string(nil), m.args...), extra...)...)

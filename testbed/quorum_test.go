@@ -21,7 +21,7 @@ import (
 // the etcd cluster c, as a deployment's agents would.
 func meshOnCluster(t *testing.T, c *EtcdCluster) *mesh {
 	t.Helper()
-	m := &mesh{t: t, endpoint: strings.Join(c.Endpoints(), ","), keyring: writeGossipKeyring(t)}
+	m := &mesh{t: t, endpoint: strings.Join(c.Endpoints(), ","), keyring: writeGossipKeyring(t), state: t.TempDir()}
 	t.Cleanup(func() {
 		if t.Failed() {
 			for _, p := range m.procs {

@@ -9,7 +9,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"time"
 
 	"github.com/zeebo/xxh3"
 	"go.uber.org/zap"
@@ -49,7 +48,6 @@ type sidecar struct {
 	Mode     Mode                `json:"mode"`
 	Meta     transfer.TensorMeta `json:"meta"`
 	Checksum uint64              `json:"xxh3"`
-	StagedAt time.Time           `json:"staged_at"`
 }
 
 const sidecarVersion = 1
@@ -140,19 +138,19 @@ func (h *holdings) prepareSpill() error {
 	if err != nil {
 		return fmt.Errorf("cache: spill dir: %w", err)
 	}
-	var stale, recovered, bad int
-	sidecars := map[string]bool{}
+	names := make(map[string]bool, len(entries))
 	for _, e := range entries {
-		if strings.HasSuffix(e.Name(), sidecarExt) {
-			sidecars[strings.TrimSuffix(e.Name(), sidecarExt)] = true
-		}
+		names[e.Name()] = true
 	}
+	var stale, recovered, bad int
 	for _, e := range entries {
 		name, path := e.Name(), filepath.Join(dir, e.Name())
-		switch {
+		switch base, isCopy := strings.CutSuffix(name, durableExt); {
 		case strings.HasSuffix(name, sidecarExt):
-			continue // with its copy
-		case strings.HasSuffix(name, durableExt) && sidecars[strings.TrimSuffix(name, durableExt)]:
+			if !names[strings.TrimSuffix(name, sidecarExt)+durableExt] {
+				os.Remove(path) // its copy is gone
+			}
+		case isCopy && names[base+sidecarExt]:
 			if err := h.recover(path); err != nil {
 				h.log.Warn("durable copy not recovered; removed", zap.String("file", path), zap.Error(err))
 				removeCopyFiles(path)
@@ -165,11 +163,6 @@ func (h *holdings) prepareSpill() error {
 				return fmt.Errorf("cache: remove a previous run's spill file: %w", err)
 			}
 			stale++
-		}
-	}
-	for base := range sidecars { // sidecars whose copy is gone
-		if _, err := os.Stat(filepath.Join(dir, base+durableExt)); errors.Is(err, os.ErrNotExist) {
-			os.Remove(filepath.Join(dir, base+sidecarExt))
 		}
 	}
 	if stale+recovered+bad > 0 {
@@ -227,7 +220,7 @@ func (h *holdings) recover(path string) error {
 	if err != nil {
 		return err // PublishCopy freed it (and the files go with the caller's removal)
 	}
-	c := &copyOf{object: sc.Object, ref: ref, tier: Disk, size: size, mode: sc.Mode, stagedAt: h.cfg.Now(), recovered: true, path: path}
+	c := &copyOf{object: sc.Object, ref: ref, tier: Disk, size: size, mode: sc.Mode, stagedAt: h.cfg.Now(), recovered: true}
 	h.mu.Lock()
 	h.copies[ref.ID] = c
 	h.byObject[c.object] = append(h.byObject[c.object], c)

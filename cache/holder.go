@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -37,7 +36,6 @@ type copyOf struct {
 	// payload a previous run of this node served, under a new ref, until
 	// maintenance names it in the record (reannounce) or frees it.
 	recovered bool
-	path      string // the copy's file, for a disk copy
 }
 
 // holdings is what this node holds for the Store, and the room it has.
@@ -216,16 +214,11 @@ func (h *holdings) fill(ctx context.Context, object string, mode Mode, tier Tier
 	size := src.size()
 	var ref transfer.Ref
 	var err error
-	var path string
 	switch tier {
 	case Memory:
 		ref, err = h.fillMemory(ctx, src, overflow)
 	case Disk:
-		path = h.spillPath(object, spillExt)
-		if durable(mode) && src.ref.Checksum != 0 {
-			path = h.spillPath(object, durableExt)
-		}
-		ref, err = h.fillDisk(ctx, path, object, mode, src)
+		ref, err = h.fillDisk(ctx, object, mode, src)
 	}
 	if err != nil {
 		if tier == Memory {
@@ -233,7 +226,7 @@ func (h *holdings) fill(ctx context.Context, object string, mode Mode, tier Tier
 		}
 		return nil, err
 	}
-	c := &copyOf{object: object, ref: ref, tier: tier, size: size, mode: mode, stagedAt: h.cfg.Now(), path: path}
+	c := &copyOf{object: object, ref: ref, tier: tier, size: size, mode: mode, stagedAt: h.cfg.Now()}
 	h.mu.Lock()
 	h.copies[ref.ID] = c
 	h.byObject[object] = append(h.byObject[object], c)
@@ -264,13 +257,18 @@ func (h *holdings) fillMemory(ctx context.Context, src source, overflow bool) (t
 	return h.xfer.PublishCopy(meta, buf.Bytes(), src.ref.Checksum, sums, nil)
 }
 
-// fillDisk copies src into a new file at path in the spill directory,
-// mapped shared, and publishes the mapping; the file goes when the payload
-// is released and no transfer reads it. A durable copy (a .obj path) is
-// synced to disk with its sidecar before it is published.
-func (h *holdings) fillDisk(ctx context.Context, path, object string, mode Mode, src source) (transfer.Ref, error) {
+// fillDisk copies src into a new file of the spill directory, mapped
+// shared, and publishes the mapping; the file goes when the payload is
+// released and no transfer reads it. A durable copy (its mode's, with a
+// checksum to verify it by at the next start) is synced to disk with its
+// sidecar before it is published.
+func (h *holdings) fillDisk(ctx context.Context, object string, mode Mode, src source) (transfer.Ref, error) {
 	size := src.size()
-	isDurable := strings.HasSuffix(path, durableExt)
+	isDurable := durable(mode) && src.ref.Checksum != 0
+	path := h.spillPath(object, spillExt)
+	if isDurable {
+		path = h.spillPath(object, durableExt)
+	}
 	freeDisk := func() { h.unreserve(Disk, size) }
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
@@ -301,7 +299,7 @@ func (h *holdings) fillDisk(ctx context.Context, path, object string, mode Mode,
 		return fail(err)
 	}
 	if isDurable {
-		sc := sidecar{V: sidecarVersion, Object: object, Mode: mode, Meta: src.ref.Meta, Checksum: src.ref.Checksum, StagedAt: h.cfg.Now().UTC()}
+		sc := sidecar{V: sidecarVersion, Object: object, Mode: mode, Meta: src.ref.Meta, Checksum: src.ref.Checksum}
 		if err := h.syncDurable(f, mem, path, sc); err != nil {
 			return fail(err)
 		}

@@ -22,107 +22,42 @@ import (
 // gossip or joined only recently (Config.RecentJoin: a node that has just
 // come back from a crash, likely to be the next to go) are tried last.
 
-// repairs is the repair state a Store keeps across passes.
-type repairs struct {
+// joins is the repair state a Store keeps across passes: since when each
+// member has been one without a break, for RecentJoin.
+type joins struct {
 	mu sync.Mutex
-	// mu guards the fields below.
-	short  map[string]time.Time // object -> when a pass first saw it short of live copies
-	joined map[string]time.Time // node -> since when it has been a member without a break
-	times  []time.Duration      // the last RepairSamples repair times, a ring
-	next   int                  // where the ring is written next
+	// mu guards since.
+	since map[string]time.Time // node -> since when it has been a member
 }
-
-// RepairSamples is how many repair times LocalStats' percentile covers.
-const RepairSamples = 1024
 
 // observe notes the members of this pass, and returns since when each has
 // been a member: a node absent from one pass starts over when it returns.
-func (r *repairs) observe(members []Member, now time.Time) map[string]time.Time {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+func (j *joins) observe(members []Member, now time.Time) map[string]time.Time {
+	j.mu.Lock()
+	defer j.mu.Unlock()
 	next := make(map[string]time.Time, len(members))
 	for _, m := range members {
-		since, ok := r.joined[m.Node]
+		since, ok := j.since[m.Node]
 		if !ok {
 			since = now
-			if r.joined == nil { // the first pass: everyone was there before us
+			if j.since == nil { // the first pass: everyone was there before us
 				since = time.Time{}
 			}
 		}
 		next[m.Node] = since
 	}
-	r.joined = next
+	j.since = next
 	return next
 }
 
-// shortSince notes that object id is short of copies now and returns since
-// when a pass has seen it so.
-func (r *repairs) shortSince(id string, now time.Time) time.Time {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if r.short == nil {
-		r.short = map[string]time.Time{}
-	}
-	since, ok := r.short[id]
-	if !ok {
-		since = now
-		r.short[id] = since
-	}
-	return since
-}
-
-// whole notes that object id has its copies; if a pass had seen it short,
-// the time it took is a repair time.
-func (r *repairs) whole(id string, now time.Time) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	since, ok := r.short[id]
-	if !ok {
-		return
-	}
-	delete(r.short, id)
-	d := now.Sub(since)
-	if len(r.times) < RepairSamples {
-		r.times = append(r.times, d)
-		return
-	}
-	r.times[r.next] = d
-	r.next = (r.next + 1) % RepairSamples
-}
-
-// forget drops what is known of objects not in keep (deleted meanwhile).
-func (r *repairs) forget(keep func(id string) bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	for id := range r.short {
-		if !keep(id) {
-			delete(r.short, id)
-		}
-	}
-}
-
-// quantile returns the q-quantile of the repair times kept (0: none).
-func (r *repairs) quantile(q float64) time.Duration {
-	r.mu.Lock()
-	ts := slices.Clone(r.times)
-	r.mu.Unlock()
-	if len(ts) == 0 {
-		return 0
-	}
-	slices.Sort(ts)
-	return ts[min(len(ts)-1, int(q*float64(len(ts))))]
-}
-
 // repairAll repairs, side by side, the objects of ls this node is
-// responsible for, and keeps the repair times of those it watched mend.
-// pending reports that one of them is still short of copies.
+// responsible for. pending reports that one of them is still short of
+// copies.
 func (s *Store) repairAll(ctx context.Context, ls []*listed, members []Member, alive map[string]bool) (pending bool) {
 	now := s.cfg.Now()
-	joined := s.repairTimes.observe(members, now)
+	joined := s.joins.observe(members, now)
 	var todo []*listed
-	present := make(map[string]bool, len(ls))
 	for _, l := range ls {
-		present[l.ID] = true
 		if l.Mode == Cache { // losing one costs a recompute, not a job
 			continue
 		}
@@ -135,18 +70,10 @@ func (s *Store) repairAll(ctx context.Context, ls []*listed, members []Member, a
 				nlive++
 			}
 		}
-		if nlive >= l.Replicas && nlive == len(l.Holders) {
-			s.repairTimes.whole(l.ID, now)
-			continue
-		}
-		if nlive < l.Replicas {
-			s.repairTimes.shortSince(l.ID, now)
-		}
-		if nlive > 0 && first == s.cfg.Node {
+		if first == s.cfg.Node && (nlive < l.Replicas || nlive < len(l.Holders)) {
 			todo = append(todo, l)
 		}
 	}
-	s.repairTimes.forget(func(id string) bool { return present[id] })
 	if len(todo) == 0 {
 		return false
 	}
@@ -282,9 +209,6 @@ func (s *Store) repair(ctx context.Context, l *listed, cands func(string, int64,
 	}
 	s.repairs.Add(1)
 	done = len(live)+len(added) >= l.Replicas
-	if done {
-		s.repairTimes.whole(l.ID, s.cfg.Now())
-	}
 	s.log.Info("object re-replicated", zap.String("object", l.ID),
 		zap.Int("live", len(live)), zap.Int("added", len(added)), zap.Int("want", l.Replicas))
 	return done

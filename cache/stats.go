@@ -23,11 +23,6 @@ type LocalStats struct {
 	// it has named such a copy in again, ever.
 	Recovered   int   `json:"recovered"`
 	Reannounced int64 `json:"reannounced"`
-	// RepairP99 is the 99th percentile of this node's repair times (from
-	// first seeing an object short of copies to the record naming its R
-	// live copies again), over its last RepairSamples repairs; 0 before
-	// any.
-	RepairP99 time.Duration `json:"repair_p99_ns"`
 	// ByMode counts the copies held by lease mode and tier.
 	ByMode map[Mode]*TierCounts `json:"by_mode,omitempty"`
 }
@@ -79,7 +74,6 @@ func (s *Store) LocalStats() LocalStats {
 	st.Puts, st.Gets = s.puts.Load(), s.gets.Load()
 	st.Repairs, st.Collected, st.Lost = s.repairs.Load(), s.collected.Load(), s.lost.Load()
 	st.Reannounced = s.reannounced.Load()
-	st.RepairP99 = s.repairTimes.quantile(0.99)
 	return st
 }
 

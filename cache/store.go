@@ -33,17 +33,17 @@ type Orphans func(ctx context.Context, recs []Record) (ids []string, err error)
 // index of the records that its watch keeps current (maintenance works from
 // it), and the client side of puts and gets. Build it with New, then Start.
 type Store struct {
-	cfg         Config
-	log         *zap.Logger
-	cli         *clientv3.Client
-	xfer        *transfer.Service
-	h           host.Host
-	members     func() []Member
-	orphans     Orphans
-	hold        *holdings
-	ret         *Retention
-	idx         index // the records, fed by the watch; what maintenance reads
-	repairTimes repairs
+	cfg     Config
+	log     *zap.Logger
+	cli     *clientv3.Client
+	xfer    *transfer.Service
+	h       host.Host
+	members func() []Member
+	orphans Orphans
+	hold    *holdings
+	ret     *Retention
+	idx     index // the records, fed by the watch; what maintenance reads
+	joins   joins // members' join times, for repair
 
 	kick   chan struct{}
 	ctx    context.Context // ended by Close: every goroutine's stop signal
@@ -298,17 +298,25 @@ func (st *Staged) Keep(ctx context.Context) error {
 // does not know the request answers it as bad; its copy is taken to be
 // there.
 func (s *Store) keepOn(ctx context.Context, h Holder, id string) error {
-	for _, m := range s.members() {
-		if m.Node != h.Node {
-			continue
-		}
-		_, err := s.call(ctx, m, &request{V: baseVersion, Op: opKeep, Object: id, Payload: h.Ref.ID})
-		if errors.Is(err, ErrProtocol) {
-			return nil
-		}
-		return err
+	m, ok := s.member(h.Node)
+	if !ok {
+		return fmt.Errorf("%w: %s is not a live member", transfer.ErrUnreachable, h.Node)
 	}
-	return fmt.Errorf("%w: %s is not a live member", transfer.ErrUnreachable, h.Node)
+	_, err := s.call(ctx, m, &request{V: baseVersion, Op: opKeep, Object: id, Payload: h.Ref.ID})
+	if errors.Is(err, ErrProtocol) {
+		return nil
+	}
+	return err
+}
+
+// member returns the live member named node.
+func (s *Store) member(node string) (Member, bool) {
+	for _, m := range s.members() {
+		if m.Node == node {
+			return m, true
+		}
+	}
+	return Member{}, false
 }
 
 // Abort drops the staged copies (best effort: a holder that misses the
@@ -599,12 +607,9 @@ func (s *Store) dropOn(ctx context.Context, h Holder, id string) {
 		s.dropStaged(id, h.Ref.ID)
 		return
 	}
-	for _, m := range s.members() {
-		if m.Node == h.Node {
-			if _, err := s.call(ctx, m, &request{V: baseVersion, Op: opDrop, Object: id, Payload: h.Ref.ID}); err != nil {
-				s.log.Debug("drop request", zap.String("object", id), zap.String("on", h.Node), zap.Error(err))
-			}
-			return
+	if m, ok := s.member(h.Node); ok {
+		if _, err := s.call(ctx, m, &request{V: baseVersion, Op: opDrop, Object: id, Payload: h.Ref.ID}); err != nil {
+			s.log.Debug("drop request", zap.String("object", id), zap.String("on", h.Node), zap.Error(err))
 		}
 	}
 }

@@ -90,9 +90,9 @@ func writeStoreStat(w io.Writer, v agent.StoreView) {
 	}
 	tw.Flush()
 	l := v.Local
-	fmt.Fprintf(w, "\nagent %s: memory %d of %d bytes, disk %d of %d bytes, %d copies (%d staged, %d recovered from disk); puts=%d gets=%d spills=%d evictions=%d overflows=%d repairs=%d (p99 %v) reannounced=%d collected=%d lost=%d\n",
+	fmt.Fprintf(w, "\nagent %s: memory %d of %d bytes, disk %d of %d bytes, %d copies (%d staged, %d recovered from disk); puts=%d gets=%d spills=%d evictions=%d overflows=%d repairs=%d reannounced=%d collected=%d lost=%d\n",
 		v.Node, l.MemoryUsed, l.MemoryCapacity, l.DiskUsed, l.DiskCapacity, l.Copies, l.Staged, l.Recovered,
-		l.Puts, l.Gets, l.Spills, l.Evictions, l.Overflows, l.Repairs, l.RepairP99.Round(time.Millisecond), l.Reannounced, l.Collected, l.Lost)
+		l.Puts, l.Gets, l.Spills, l.Evictions, l.Overflows, l.Repairs, l.Reannounced, l.Collected, l.Lost)
 }
 
 // writeObjects prints one line per object record.

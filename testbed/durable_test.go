@@ -4,13 +4,10 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"os"
 	"testing"
 	"time"
 
 	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
-	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
@@ -156,24 +153,10 @@ func TestOnlyResultHolderRestarts(t *testing.T) {
 // names copies that exist, and they stay: the result is served, from the
 // first decode attempt, long after the holders' stage timeout.
 func TestReclaimedDecodeKeepsResult(t *testing.T) {
-	if _, err := EtcdBinaryAvailable(); err != nil {
-		if os.Geteuid() != 0 {
-			t.Skipf("no etcd binary and not root to install it: %v", err)
-		}
-		t.Fatal(err)
-	}
-	etcd := startEtcdProcess(t)
-	obs, logs := observer.New(zap.InfoLevel)
 	const stageTimeout = 2 * time.Second
-	cl := startCluster(t, Disaggregated, func(c *ClusterConfig) {
-		c.EtcdEndpoints = etcd.Endpoints()
-		c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), obs))
-		c.Agent.EtcdTimeout = time.Second
+	etcd, cl, logs := leaseLossCluster(t, func(c *ClusterConfig) {
 		c.Agent.Engine.DecodeCost = 1500 * time.Millisecond
 		c.Agent.Store.StageTimeout = stageTimeout // passes while the commit waits
-		// The lease is revoked during the commit's first backoff: long
-		// enough that a loaded machine still revokes it before the retry.
-		c.Agent.RetryBackoff = 5 * time.Second
 	})
 	a := cl.Agents[0]
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)

@@ -296,6 +296,30 @@ func TestEarlyHandoffCommitSurvivesEtcdOutage(t *testing.T) {
 	}
 }
 
+// leaseLossCluster starts a disaggregated in-process mesh on an etcd
+// process for loseLeaseInCommit, with its logs observed, tuned by tune.
+func leaseLossCluster(t *testing.T, tune func(*ClusterConfig)) (*EtcdProcess, *Cluster, *observer.ObservedLogs) {
+	t.Helper()
+	if _, err := EtcdBinaryAvailable(); err != nil {
+		if os.Geteuid() != 0 {
+			t.Skipf("no etcd binary and not root to install it: %v", err)
+		}
+		t.Fatal(err)
+	}
+	etcd := startEtcdProcess(t)
+	obs, logs := observer.New(zap.InfoLevel)
+	cl := startCluster(t, Disaggregated, func(c *ClusterConfig) {
+		c.EtcdEndpoints = etcd.Endpoints()
+		c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), obs))
+		c.Agent.EtcdTimeout = time.Second
+		// The lease is revoked during the commit's first backoff: long
+		// enough that a loaded machine still revokes it before the retry.
+		c.Agent.RetryBackoff = 5 * time.Second
+		tune(c)
+	})
+	return etcd, cl, logs
+}
+
 // loseLeaseInCommit freezes etcd under a running task of job on node, waits
 // until the task's commit has failed and backed off, keeps etcd frozen for
 // hold more, thaws it and revokes node's lease within that backoff, as an
@@ -340,23 +364,7 @@ func loseLeaseInCommit(t *testing.T, ctx context.Context, cl *Cluster, etcd *Etc
 // its new lease, since nobody claimed it meanwhile, and commits it as the
 // same attempt.
 func TestClaimLostWithOutputFinished(t *testing.T) {
-	if _, err := EtcdBinaryAvailable(); err != nil {
-		if os.Geteuid() != 0 {
-			t.Skipf("no etcd binary and not root to install it: %v", err)
-		}
-		t.Fatal(err)
-	}
-	etcd := startEtcdProcess(t)
-	obs, logs := observer.New(zap.InfoLevel)
-	cl := startCluster(t, Disaggregated, func(c *ClusterConfig) {
-		c.EtcdEndpoints = etcd.Endpoints()
-		c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), obs))
-		c.Agent.EtcdTimeout = time.Second
-		c.Agent.Engine.StepCost = 100 * time.Millisecond
-		// The lease is revoked during the commit's first backoff: long
-		// enough that a loaded machine still revokes it before the retry.
-		c.Agent.RetryBackoff = 5 * time.Second
-	})
+	etcd, cl, logs := leaseLossCluster(t, func(c *ClusterConfig) { c.Agent.Engine.StepCost = 100 * time.Millisecond })
 	a := cl.Agents[0]
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()

@@ -7,13 +7,14 @@ import (
 	"io"
 	"os"
 	"runtime/pprof"
+	"strconv"
 	"strings"
 
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/bench"
 )
 
-const benchUsage = `usage: latentmesh bench <transfer|overlap|store|serve|api> [flags]
+const benchUsage = `usage: latentmesh bench <transfer|overlap|store|serve|api|control> [flags]
 
   transfer   data-plane throughput against raw TCP (tcp) and memcpy (shm),
              producer and consumer in two processes
@@ -27,6 +28,9 @@ const benchUsage = `usage: latentmesh bench <transfer|overlap|store|serve|api> [
   api        tiny jobs through the client HTTP API: client latency, what
              the control plane adds to the stages, jobs/s, a per-job
              breakdown (an in-process dev mesh, or --server)
+  control    what one job and one idle agent cost etcd, counted by etcd
+             itself (/metrics), on fleets of 4 and 26 agents, each on its
+             own Debian etcd 3.4 (scripts/install-deps.sh installs it)
 
 Run 'latentmesh bench <command> -h' for its flags.
 `
@@ -47,6 +51,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return runBenchServe(ctx, args[1:], stdout, stderr)
 	case "api":
 		return runBenchAPI(ctx, args[1:], stdout, stderr)
+	case "control":
+		return runBenchControl(ctx, args[1:], stdout, stderr)
 	case "producer":
 		return runBenchProducer(ctx, args[1:], stderr)
 	case "-h", "--help", "help":
@@ -91,6 +97,29 @@ func (l *listFlag) Set(v string) error {
 	}
 	if len(*l) == 0 {
 		return fmt.Errorf("empty list %q", v)
+	}
+	return nil
+}
+
+// intsFlag is a comma-separated list of positive integers: --agents 4,26.
+type intsFlag []int
+
+func (l *intsFlag) String() string {
+	parts := make([]string, len(*l))
+	for i, n := range *l {
+		parts[i] = strconv.Itoa(n)
+	}
+	return strings.Join(parts, ",")
+}
+
+func (l *intsFlag) Set(v string) error {
+	*l = nil
+	for _, w := range strings.Split(v, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(w))
+		if err != nil || n <= 0 {
+			return fmt.Errorf("want positive integers, comma-separated, got %q", v)
+		}
+		*l = append(*l, n)
 	}
 	return nil
 }
@@ -218,6 +247,49 @@ func runBenchAPI(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	}
 	rep, err := testbed.RunAPIBench(ctx, cfg)
 	return report("api", rep, err, *asJSON, stdout, stderr)
+}
+
+func runBenchControl(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	cfg := testbed.DefaultControlBenchConfig()
+	fs := newFlagSet("bench control", "[flags]", stderr)
+	fs.Usage = func() {
+		fmt.Fprint(fs.Output(), `usage: latentmesh bench control [flags]
+
+What one job costs etcd, and what an idle agent does, at several fleet
+sizes, as etcd itself counts it: its /metrics are read before and after
+the jobs and after an idle window. Each fleet is 1 encode, N-2 denoise
+and 1 decode agents in this process (simulated GPU time, a few ms a
+stage), on a fresh etcd started with its default flags: Debian's etcd
+3.4 from PATH (scripts/install-deps.sh installs it), or --etcd-endpoints.
+Jobs go through the client HTTP API (submit, then long-poll). Per job:
+watch events sent, raft proposals, ranges, transactions and the gRPC
+requests; idle: per agent and second. The last line compares the largest
+fleet with the smallest, and both with the budget of issue 18.
+
+`)
+		fs.PrintDefaults()
+	}
+	agents := intsFlag(cfg.Agents)
+	var endpoints listFlag
+	fs.Var(&agents, "agents", "fleet `sizes` in agents, comma-separated: 1 encode + N-2 denoise + 1 decode each (N >= 3)")
+	fs.IntVar(&cfg.Jobs, "jobs", cfg.Jobs, "jobs per fleet, after one warm-up job")
+	fs.IntVar(&cfg.Steps, "steps", cfg.Steps, "denoise steps per job")
+	fs.IntVar(&cfg.Clients, "clients", cfg.Clients, "concurrent clients, each with one job at a time (the default keeps every job on a free denoise slot in a 4-agent fleet)")
+	fs.DurationVar(&cfg.Idle, "idle", cfg.Idle, "idle window measured after the jobs")
+	fs.DurationVar(&cfg.Sim.Step, "step-time", cfg.Sim.Step, "simulated GPU time of one denoise step")
+	fs.Var(&endpoints, "etcd-endpoints", "`URLs` of a one-member etcd to use instead of starting one per fleet (each fleet then gets a key prefix of its own)")
+	fs.StringVar(&cfg.EtcdMetrics, "etcd-metrics", "", "`URL` of that etcd's Prometheus endpoint (default: the first endpoint + /metrics)")
+	asJSON := fs.Bool("json", false, "print machine-readable results")
+	if code := parse(fs, args); code >= 0 {
+		return code
+	}
+	if cfg.EtcdMetrics != "" && len(endpoints) == 0 {
+		fmt.Fprintln(stderr, "latentmesh bench control: --etcd-metrics needs --etcd-endpoints")
+		return 2
+	}
+	cfg.Agents, cfg.EtcdEndpoints, cfg.Progress = agents, endpoints, stderr
+	rep, err := testbed.RunControlBench(ctx, cfg)
+	return report("control", rep, err, *asJSON, stdout, stderr)
 }
 
 // runBenchProducer is the hidden producer child of the benchmarks: it serves

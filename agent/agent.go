@@ -34,6 +34,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent/extengine"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/agent/progress"
 	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/routing"
@@ -68,8 +69,12 @@ type Agent struct {
 	// of the stages after them (admission reads those): workers scan them,
 	// and gauges and status read them, without ranging over etcd.
 	queues map[jobs.Stage]*jobs.Queue
-	cstore *cache.Store       // this node's part of the pooled Store
-	alarms *jobs.AlarmWatcher // etcd's NOSPACE alarm
+	cstore *cache.Store // this node's part of the pooled Store
+	// board holds the steps of the stages running here, which progSrv
+	// serves to other agents (live.go): progress never goes to etcd.
+	board   *progress.Board
+	progSrv *progress.Server
+	alarms  *jobs.AlarmWatcher // etcd's NOSPACE alarm
 	// health says whether etcd can serve this agent now; finished keeps
 	// the finished job records it can answer for while etcd cannot.
 	health   *jobs.Health
@@ -150,6 +155,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	a.running.init()
 	a.drained = make(chan struct{})
 	a.released = make(chan struct{})
+	a.board = progress.NewBoard()
 	defer func() {
 		if err != nil {
 			a.Close()
@@ -227,7 +233,6 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	}
 	a.alarms = jobs.NewAlarmWatcher(cli, cfg.AlarmEvery, a.log)
 	a.health = jobs.NewHealth(cfg.EtcdHealth, jobs.LeaderProbe(cli, cfg.Prefix+"/health"), a.log)
-	a.alarms.ReportTo(a.health) // an idle agent learns of an outage from its poll
 	a.finished = jobs.NewFinished(finishedRecords)
 	if cfg.HTTPListen != "" {
 		if a.httpLn, err = net.Listen("tcp", cfg.HTTPListen); err != nil {
@@ -370,11 +375,13 @@ func (a *Agent) Start(ctx context.Context) error {
 	// The Store serves before the node registers: a member that finds it
 	// registered may ask it for a copy at once.
 	a.cstore.Start()
+	a.progSrv = progress.Serve(a.host, a.board, a.admitPeer, a.log)
 	if err := a.member.Start(ctx); err != nil {
 		return fmt.Errorf("agent: join: %w", err)
 	}
 	a.wg.Go(func() { a.alarms.Run(a.ctx) })
 	a.wg.Go(func() { a.health.Run(a.ctx) })
+	a.wg.Go(a.watchLeaseContact)
 	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.release, a.resyncHeld) })
 	for _, q := range a.queues {
 		a.wg.Go(func() { q.Run(a.ctx) })
@@ -508,6 +515,9 @@ func (a *Agent) Close() error {
 			errs = append(errs, a.ext.Close()) // its waits end with the engine connection
 		}
 		a.wg.Wait()
+		if a.progSrv != nil {
+			a.progSrv.Close()
+		}
 		if a.cstore != nil {
 			errs = append(errs, a.cstore.Close()) // before the transfer service its copies live in
 		}
@@ -596,9 +606,19 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 	return j, err
 }
 
-// Get reads a job; while etcd cannot answer with quorum, without it
-// (getWithoutQuorum).
-func (a *Agent) Get(ctx context.Context, id string) (j jobs.Job, err error) {
+// Get reads a job, with a running denoise's step from the node running
+// it (withLiveStep).
+func (a *Agent) Get(ctx context.Context, id string) (jobs.Job, error) {
+	j, err := a.getRecord(ctx, id)
+	if err != nil {
+		return j, err
+	}
+	return a.withLiveStep(ctx, j), nil
+}
+
+// getRecord reads a job from etcd; while etcd cannot answer with quorum,
+// without it (getWithoutQuorum).
+func (a *Agent) getRecord(ctx context.Context, id string) (j jobs.Job, err error) {
 	err = a.onEtcd(ctx, func(ctx context.Context) error {
 		j, err = a.store.Get(ctx, id)
 		return err

@@ -41,13 +41,12 @@ func TestParseRoles(t *testing.T) {
 
 func TestConfigValidate(t *testing.T) {
 	tests := map[string]func(*Config){
-		"no roles":        func(c *Config) { c.Roles = nil },
-		"role twice":      func(c *Config) { c.Roles = []jobs.Stage{jobs.Decode, jobs.Decode} },
-		"no slots":        func(c *Config) { c.Slots = map[jobs.Stage]int{jobs.Encode: 1} },
-		"zero slots":      func(c *Config) { c.Slots[jobs.Denoise] = 0 },
-		"no retries":      func(c *Config) { c.TransientRetries = 0 },
-		"no backoff":      func(c *Config) { c.RetryBackoff = 0 },
-		"no progress gap": func(c *Config) { c.ProgressEvery = 0 },
+		"no roles":   func(c *Config) { c.Roles = nil },
+		"role twice": func(c *Config) { c.Roles = []jobs.Stage{jobs.Decode, jobs.Decode} },
+		"no slots":   func(c *Config) { c.Slots = map[jobs.Stage]int{jobs.Encode: 1} },
+		"zero slots": func(c *Config) { c.Slots[jobs.Denoise] = 0 },
+		"no retries": func(c *Config) { c.TransientRetries = 0 },
+		"no backoff": func(c *Config) { c.RetryBackoff = 0 },
 	}
 	for name, edit := range tests {
 		c := DefaultConfig()

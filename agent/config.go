@@ -55,8 +55,6 @@ type Config struct {
 	TransientRetries int
 	// RetryBackoff is the first backoff of a transiently failed task; it doubles per attempt.
 	RetryBackoff time.Duration
-	// ProgressEvery throttles denoise progress writes to etcd.
-	ProgressEvery time.Duration
 	// EarlyHandoff commits a chunked (video) denoise stage as soon as its
 	// first frame chunk is final, so decode overlaps the denoiser's tail.
 	// It applies to peer-to-peer handoffs; a Store relay copies the whole
@@ -135,7 +133,6 @@ func DefaultConfig() Config {
 		AdminListen:      "127.0.0.1:9090",       // loopback: admin is for the operator on the node
 		TransientRetries: 5,                      // a peer restarting, a network blip
 		RetryBackoff:     200 * time.Millisecond, // 0.2+0.4+0.8+1.6 s: rides out a restart
-		ProgressEvery:    200 * time.Millisecond, // a smooth progress bar; a few writes a second
 		EarlyHandoff:     true,                   // the RFC's chunked denoise->decode overlap
 		TransferMode:     jobs.Auto,              // p2p while a consumer has credit, else relay
 		StoreMemory:      StoreMemoryAuto,
@@ -197,8 +194,8 @@ func (c Config) validate() (Config, error) {
 		}
 		seen[r] = true
 	}
-	if c.TransientRetries < 1 || c.RetryBackoff <= 0 || c.ProgressEvery <= 0 {
-		return c, errors.New("agent: TransientRetries, RetryBackoff and ProgressEvery must be positive")
+	if c.TransientRetries < 1 || c.RetryBackoff <= 0 {
+		return c, errors.New("agent: TransientRetries and RetryBackoff must be positive")
 	}
 	if c.TransferMode == "" {
 		c.TransferMode = jobs.Auto

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"fmt"
 	"time"
 
 	"github.com/latentmesh/latentmesh/agent/jobs"
@@ -28,12 +29,59 @@ const (
 )
 
 // etcdDown is nil while etcd can serve, else why not (jobs.ErrUnavailable):
-// the health says etcd is down, or the alarm poll found it silent.
+// the health says etcd is down, or etcd has not renewed this node's lease
+// for longer than it should (leaseSilent).
 func (a *Agent) etcdDown() error {
 	if err := a.health.Err(); err != nil {
 		return err
 	}
-	return a.alarms.Unreachable()
+	return a.leaseSilent()
+}
+
+// An agent that calls etcd for nothing else (an idle one) learns of an
+// outage from its lease keepalives, which it sends anyway: they are
+// answered by etcd's leader every third of the lease TTL while etcd
+// serves. Nothing else is sent for it (an alarm poll used to be, a raft
+// proposal every 5 s per agent).
+
+// leaseSilentAfter is how long the lease may go unrenewed before etcd is
+// taken to be down: one renewal missed, and the next one late by at least
+// two seconds (so a busy etcd is not taken for a gone one).
+func (a *Agent) leaseSilentAfter() time.Duration {
+	every := a.cfg.Gossip.LeaseTTL / 3
+	return every + max(every, 2*time.Second)
+}
+
+// leaseSilent is nil while etcd renewed this node's lease within
+// leaseSilentAfter (or the node has not registered yet), else an error
+// wrapping jobs.ErrUnavailable.
+func (a *Agent) leaseSilent() error {
+	last := a.member.LeaseContact()
+	if last.IsZero() {
+		return nil
+	}
+	if age := time.Since(last); age > a.leaseSilentAfter() {
+		return fmt.Errorf("%w: etcd has not renewed this node's lease for %v", jobs.ErrUnavailable, age.Round(100*time.Millisecond))
+	}
+	return nil
+}
+
+// watchLeaseContact tells the health when the lease falls silent, so that
+// the client API refuses at once and the health probes until etcd is
+// back. It reads a clock and sends nothing.
+func (a *Agent) watchLeaseContact() {
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-a.ctx.Done():
+			return
+		case <-t.C:
+		}
+		if err := a.leaseSilent(); err != nil && a.health.Err() == nil {
+			a.health.Observe(err)
+		}
+	}
 }
 
 // awaitEtcd waits until etcd may serve again (the health changed, or a

@@ -990,8 +990,8 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 	// under us (a cancel after an early handoff), so the sampler's last
 	// writes never land in memory handed to another payload.
 	defer p.Done()
-	report, stopProgress := a.progress(ctx, c)
-	defer stopProgress() // before the commit, which the caller makes
+	report, endProgress := a.board.Start(c.Task.JobID, string(jobs.Denoise), spec.Steps)
+	defer endProgress()
 	if relay {
 		if err := a.runner.Denoise(ctx, spec, cond, p.Buf(), report, func(k int) {
 			if err := p.ChunkReady(k); err != nil {
@@ -1229,61 +1229,6 @@ func (a *Agent) pullFailed(ctx context.Context, in jobs.Input, err error) error 
 		return fmt.Errorf("%w: producer %s left the mesh: %v", errInputLost, in.Node, err)
 	}
 	return fmt.Errorf("%w: pull %s from %s: %v", errTransient, in.Payload, in.Node, err)
-}
-
-// progress returns the denoise step callback, throttled to ProgressEvery,
-// and stop, which ends its writer and must be called before the stage
-// commits. The callback never blocks a sampler step on etcd: it leaves the
-// latest step in a one-value slot that a single goroutine writes out, so a
-// slow or unreachable etcd costs skipped progress updates, not GPU time.
-func (a *Agent) progress(ctx context.Context, c *jobs.Claim) (report func(step, total int), stop func()) {
-	type stepOf struct{ step, total int }
-	var (
-		mu      sync.Mutex // guards pending
-		pending *stepOf
-		last    time.Time // only the sampler's goroutine touches it
-	)
-	wake := make(chan struct{}, 1)
-	ctx, cancel := context.WithCancel(ctx)
-	var wg sync.WaitGroup
-	wg.Go(func() {
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-wake:
-			}
-			mu.Lock()
-			p := pending
-			pending = nil
-			mu.Unlock()
-			if p == nil {
-				continue
-			}
-			wctx, wcancel := context.WithTimeout(ctx, a.cfg.EtcdTimeout)
-			err := a.store.SetProgress(wctx, c, p.step, p.total)
-			wcancel()
-			if err != nil && ctx.Err() == nil {
-				a.log.Debug("progress write", zap.String("job", c.Task.JobID), zap.Error(err))
-			}
-		}
-	})
-	report = func(step, total int) {
-		if now := time.Now(); step == total || now.Sub(last) >= a.cfg.ProgressEvery {
-			last = now
-			mu.Lock()
-			pending = &stepOf{step, total} // replaces an unwritten older step
-			mu.Unlock()
-			select {
-			case wake <- struct{}{}:
-			default: // the writer is already due to look
-			}
-		}
-	}
-	return report, func() {
-		cancel()
-		wg.Wait()
-	}
 }
 
 // pullTime sums the time a task spent pulling its inputs, for its stage

@@ -69,6 +69,10 @@ type Membership struct {
 	started bool
 	closed  bool
 	ml      *memberlist.Memberlist // set once Start succeeds
+	// contact is when etcd last answered for this node's lease (a grant
+	// or a renewal), in Unix nanoseconds: the agent's sign that etcd
+	// serves it, which costs etcd nothing beyond the keepalives.
+	contact atomic.Int64
 
 	// mu guards the fields below.
 	mu        sync.Mutex
@@ -382,6 +386,19 @@ func (m *Membership) LeaseChanged() <-chan struct{} {
 	defer m.mu.Unlock()
 	return m.leaseCh
 }
+
+// LeaseContact is when etcd last answered for this node's lease: granted
+// it, or renewed it (every third of the lease TTL while etcd serves). Zero
+// before the first registration. A keepalive is answered by etcd's leader,
+// so a contact that grows old means this node cannot reach a leader.
+func (m *Membership) LeaseContact() time.Time {
+	if n := m.contact.Load(); n != 0 {
+		return time.Unix(0, n)
+	}
+	return time.Time{}
+}
+
+func (m *Membership) touchLease() { m.contact.Store(time.Now().UnixNano()) }
 
 func (m *Membership) setLease(l clientv3.LeaseID) {
 	m.mu.Lock()

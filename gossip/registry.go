@@ -34,6 +34,7 @@ func (m *Membership) registerOnce(ctx context.Context, prev clientv3.LeaseID) (c
 		return 0, fmt.Errorf("gossip: grant lease: %w", err)
 	}
 	lease := g.ID
+	m.touchLease()
 	ok := false
 	defer func() {
 		if !ok {
@@ -152,6 +153,9 @@ func (m *Membership) renew(lease clientv3.LeaseID) (reason string, gone bool) {
 		case <-m.ctx.Done():
 			return "closing", true
 		case _, ok := <-ka:
+			if ok {
+				m.touchLease()
+			}
 			if !ok {
 				// The client closes the channel when etcd answered that
 				// the lease is not found, and when no renewal was answered
@@ -185,6 +189,7 @@ func (m *Membership) renewOnce(lease clientv3.LeaseID) (reason string, gone bool
 		cancel()
 		switch {
 		case err == nil:
+			m.touchLease()
 			return "", false
 		case errors.Is(err, rpctypes.ErrLeaseNotFound):
 			return "lease not found", true

@@ -217,8 +217,10 @@ func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool)
 	}
 }
 
-// TestIdleAgentEtcdLoad: an idle agent of every role asks etcd for nothing
-// but its alarm poll (its queue gauges come from its watch-fed views).
+// TestIdleAgentEtcdLoad: an agent of every role idle for 60 s makes no raft
+// proposal (it renews its lease, which is none) and asks etcd for nothing
+// but the membership's safety-net read (its queue gauges come from its
+// watch-fed views).
 func TestIdleAgentEtcdLoad(t *testing.T) {
 	ctx := context.Background()
 	srv, err := etcdembed.Start(ctx, etcdembed.DefaultConfig())
@@ -235,9 +237,8 @@ func TestIdleAgentEtcdLoad(t *testing.T) {
 	cfg := agent.DefaultLocalConfig()
 	cfg.NodeID = "idle"
 	def := agent.DefaultConfig()
-	cfg.AlarmEvery = def.AlarmEvery                   // the default's polls, not the test config's
 	cfg.Store.MaintainEvery = def.Store.MaintainEvery // the default's pass period
-	const idle = 10 * time.Second
+	const idle = 60 * time.Second
 	cfg.HTTPListen, cfg.AdminListen = "", ""
 	cfg.Logger = zaptest.NewLogger(t)
 	a, err := agent.New(cfg, cli)
@@ -249,14 +250,20 @@ func TestIdleAgentEtcdLoad(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(3 * time.Second) // start-up reads and writes done (queue views loaded)
-	start := ops.Snap()
+	start, proposals := ops.Snap(), raftProposals()
 	time.Sleep(idle)
-	d := ops.Snap().Minus(start)
+	d, proposals := ops.Snap().Minus(start), raftProposals()-proposals
 	perSec := float64(d.Requests()) / idle.Seconds()
-	t.Logf("idle agent (all roles): %.2f etcd requests/s (%d reads, %d writes, %d txns, %d watches opened in %v)", perSec, d.Reads, d.Writes, d.Txns, d.Watches, idle)
+	t.Logf("idle agent (all roles): %.0f raft proposals and %.2f etcd requests/s (%d reads, %d writes, %d txns, %d watches opened) in %v",
+		proposals, perSec, d.Reads, d.Writes, d.Txns, d.Watches, idle)
+	// Its lease keepalives are not raft proposals; nothing else may be
+	// (the alarm poll was one every 5 s).
+	if proposals != 0 {
+		t.Errorf("an agent idle for %v made %.0f raft proposals, want none beyond its keepalives", idle, proposals)
+	}
 	// Nothing per stage, and the Store's pass works from its watch-fed
 	// index: what remains is the membership's safety-net read of nodes/
-	// (one per 10 s) and the alarm poll (a Maintenance call, not counted).
+	// (one per 10 s).
 	if limit := 2 / cfg.Store.MaintainEvery.Seconds(); perSec > limit {
 		t.Errorf("idle agent sends %.2f requests/s to etcd, want <= %.2f", perSec, limit)
 	}

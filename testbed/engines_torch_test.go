@@ -386,10 +386,10 @@ func (w lineTap) Write(p []byte) (int, error) {
 // Criterion: cancel a 50-step torch job at step 10 through the API: the
 // engine stops at a step boundary. The exact "within one step" bound is
 // TestEngineCheck's (it sees every step the engine reports); through the
-// mesh the test sees the step via etcd progress, which lags the engine by
-// up to ProgressEvery (two 100 ms steps here), so this bounds the overrun
-// by that lag plus one step, and the stop by one step's time plus the
-// cancel's way through etcd and the socket.
+// mesh the test sees the step as the agent reports it (live progress,
+// polled), which lags the engine by up to a poll, so this bounds the
+// overrun by that lag plus one step, and the stop by one step's time plus
+// the cancel's way through etcd and the socket.
 func TestCancelTorchJobMidDenoise(t *testing.T) {
 	weights := torchWeights(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)

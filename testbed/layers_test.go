@@ -59,6 +59,8 @@ func TestLayering(t *testing.T) {
 		// The engine protocol knows stages and tensors, not the mesh: an
 		// engine never reaches etcd, gossip or other agents through it.
 		"agent/extengine": {module + "/agent/jobs", module + "/agent/httpapi", module + "/gossip", module + "/cache", module + "/routing"},
+		// Live progress is peer to peer: nothing of it reaches etcd.
+		"agent/progress": {module + "/agent/jobs", module + "/gossip", module + "/cache", module + "/routing", "go.etcd.io/"},
 	}
 	// Leaves any layer may use: they import nothing of latentmesh.
 	leaves := map[string]bool{

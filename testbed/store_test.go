@@ -252,7 +252,8 @@ func TestStoreSpillsThenRefuses(t *testing.T) {
 }
 
 // etcd's NOSPACE alarm: submissions get a 503 saying what to do, /readyz
-// turns 503, and both recover once the operator frees space and disarms.
+// turns 503 once a write was refused, and both recover once the operator
+// frees space and disarms.
 func TestNoSpaceAlarmRefusesJobs(t *testing.T) {
 	cl := startCluster(t, Colocated, func(c *ClusterConfig) { c.Etcd.QuotaBackendBytes = 16 << 20 })
 	a := cl.Agents[0]
@@ -278,16 +279,21 @@ func TestNoSpaceAlarmRefusesJobs(t *testing.T) {
 		resp.Body.Close()
 		return resp.StatusCode
 	}
-	eventually(t, 10*time.Second, func() error {
-		if code := readyz(); code != http.StatusServiceUnavailable {
-			return fmt.Errorf("/readyz %d under NOSPACE", code)
-		}
-		return nil
-	})
+	// The agent has written nothing since etcd filled up, so it does not
+	// know yet (it polls the alarm only once a write was refused): its
+	// first submission is refused by etcd, answered 503 with what to do,
+	// and from then on /readyz says so too.
 	_, err := api.Submit(ctx, httpapi.JobRequest{Prompt: "a full disk"})
 	var apiErr *httpapi.APIError
 	if !errors.As(err, &apiErr) || apiErr.Status != http.StatusServiceUnavailable || !strings.Contains(apiErr.Message, "etcdctl alarm disarm") {
 		t.Fatalf("submit under NOSPACE: %v", err)
+	}
+	if code := readyz(); code != http.StatusServiceUnavailable {
+		t.Fatalf("/readyz %d once a write was refused for NOSPACE", code)
+	}
+	_, err = api.Submit(ctx, httpapi.JobRequest{Prompt: "still full"})
+	if !errors.As(err, &apiErr) || apiErr.Status != http.StatusServiceUnavailable || !strings.Contains(apiErr.Message, "etcdctl alarm disarm") {
+		t.Fatalf("second submit under NOSPACE: %v", err)
 	}
 
 	// The operator's recovery, as etcdctl makes it (over gRPC): delete,

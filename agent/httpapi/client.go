@@ -1,6 +1,7 @@
 package httpapi
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -95,9 +96,11 @@ func (c *Client) Delete(ctx context.Context, id string) error {
 }
 
 // Generate submits req, follows the job to its end and returns its output.
-// With progress set, it polls every 200ms and reports each poll; without,
-// it long-polls. On failure the returned job is the last one seen, so a
-// caller can tell whether anything was submitted.
+// With progress set, it follows the job's event stream and reports the job
+// at each change and each denoise step (polling every 200ms a server
+// without the stream); without, it long-polls. On failure the returned job
+// is the last one seen, so a caller can tell whether anything was
+// submitted.
 func (c *Client) Generate(ctx context.Context, req JobRequest, progress func(jobs.Job)) (jobs.Job, []byte, error) {
 	job, err := c.Submit(ctx, req)
 	if err != nil {
@@ -105,28 +108,13 @@ func (c *Client) Generate(ctx context.Context, req JobRequest, progress func(job
 	}
 	if progress != nil {
 		progress(job)
+		job, err = c.follow(ctx, job, progress)
 	}
-	tick := time.NewTicker(pollInterval)
-	defer tick.Stop()
-	for !job.State.Terminal() {
-		var next jobs.Job
-		if progress == nil {
-			next, err = c.Wait(ctx, job.ID, longPoll)
-		} else {
-			select {
-			case <-ctx.Done():
-				return job, nil, ctx.Err()
-			case <-tick.C:
-			}
-			next, err = c.Get(ctx, job.ID)
-		}
-		if err != nil {
-			return job, nil, err
-		}
-		job = next
-		if progress != nil {
-			progress(job)
-		}
+	for err == nil && !job.State.Terminal() {
+		job, err = c.Wait(ctx, job.ID, longPoll)
+	}
+	if err != nil {
+		return job, nil, err
 	}
 	// A failed or cancelled job answers with its reason as an *APIError.
 	data, _, err := c.Result(ctx, job.ID)
@@ -134,6 +122,47 @@ func (c *Client) Generate(ctx context.Context, req JobRequest, progress func(job
 		return job, nil, err
 	}
 	return job, data, nil
+}
+
+// follow reports the job to progress at each change and step until it is
+// terminal: from its event stream, or by polling a server without one.
+func (c *Client) follow(ctx context.Context, job jobs.Job, progress func(jobs.Job)) (jobs.Job, error) {
+	last := job
+	done, err := c.Events(ctx, job.ID, func(j jobs.Job) {
+		last = j
+		progress(j)
+	}, func(st jobs.Step) {
+		if p := last.Progress; p != nil && p.Stage == st.Stage {
+			cp := *p
+			cp.Step, cp.Total = st.Step, st.Total
+			last.Progress = &cp
+			progress(last)
+		}
+	})
+	var apiErr *APIError
+	if err == nil || !errors.As(err, &apiErr) || (apiErr.Status != http.StatusNotImplemented && apiErr.Code != CodeNotFound) {
+		if err == nil {
+			progress(done)
+			return done, nil
+		}
+		return last, err
+	}
+	tick := time.NewTicker(pollInterval)
+	defer tick.Stop()
+	for !job.State.Terminal() {
+		select {
+		case <-ctx.Done():
+			return job, ctx.Err()
+		case <-tick.C:
+		}
+		next, err := c.Get(ctx, job.ID)
+		if err != nil {
+			return job, err
+		}
+		job = next
+		progress(job)
+	}
+	return job, nil
 }
 
 func jobPath(id string) string { return "/v1/jobs/" + url.PathEscape(id) }
@@ -204,4 +233,63 @@ func readAPIError(resp *http.Response) *APIError {
 		msg = http.StatusText(resp.StatusCode)
 	}
 	return &APIError{Status: resp.StatusCode, Type: "http_error", Message: msg}
+}
+
+// Events follows the job's event stream (GET /v1/jobs/{id}/events): onJob
+// with the job at each change, onStep (may be nil) with each denoise step,
+// until the stream's "done" event, whose job it returns. Each event's data
+// is bounded like a job body.
+func (c *Client) Events(ctx context.Context, id string, onJob func(jobs.Job), onStep func(jobs.Step)) (jobs.Job, error) {
+	path := jobPath(id) + "/events"
+	resp, err := c.do(ctx, http.MethodGet, path, nil)
+	if err != nil {
+		return jobs.Job{}, err
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 0, 64<<10), maxJobBody)
+	var event string
+	for sc.Scan() {
+		line := sc.Text()
+		switch {
+		case strings.HasPrefix(line, "event: "):
+			event = strings.TrimPrefix(line, "event: ")
+		case strings.HasPrefix(line, "data: "):
+			data := []byte(strings.TrimPrefix(line, "data: "))
+			switch event {
+			case "job", "done":
+				var j jobs.Job
+				if err := json.Unmarshal(data, &j); err != nil {
+					return jobs.Job{}, fmt.Errorf("httpapi: %s: %s event: %w", path, event, err)
+				}
+				if event == "done" {
+					return j, nil
+				}
+				if onJob != nil {
+					onJob(j)
+				}
+			case "progress":
+				var st jobs.Step
+				if err := json.Unmarshal(data, &st); err != nil {
+					return jobs.Job{}, fmt.Errorf("httpapi: %s: progress event: %w", path, err)
+				}
+				if onStep != nil {
+					onStep(st)
+				}
+			case "error":
+				var env errorEnvelope
+				if json.Unmarshal(data, &env) == nil && env.Error != nil {
+					return jobs.Job{}, env.Error
+				}
+				return jobs.Job{}, fmt.Errorf("httpapi: %s: error event: %s", path, data)
+			}
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return jobs.Job{}, fmt.Errorf("httpapi: %s: %w", path, err)
+	}
+	if err := ctx.Err(); err != nil {
+		return jobs.Job{}, err
+	}
+	return jobs.Job{}, fmt.Errorf("httpapi: %s: stream ended before the job finished", path)
 }

@@ -51,28 +51,7 @@ func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
 		writeError(w, s.storeError(r, "get", id, err))
 		return
 	}
-	// The stream lasts as long as the job: no read deadline (a GET has no
-	// body), and each event, not the stream, must be written within
-	// WriteTimeout, so a client that stops reading is dropped.
-	rc := http.NewResponseController(w)
-	_ = rc.SetReadDeadline(time.Time{})
-	_ = rc.SetWriteDeadline(time.Now().Add(s.cfg.Server.WriteTimeout))
-	h := w.Header()
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-store")
-	h.Set("X-Accel-Buffering", "no")
-	w.WriteHeader(http.StatusOK)
-	send := func(event string, v any) error {
-		b, err := json.Marshal(v)
-		if err != nil {
-			return err
-		}
-		_ = rc.SetWriteDeadline(time.Now().Add(s.cfg.Server.WriteTimeout))
-		if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", event, b); err != nil {
-			return err
-		}
-		return rc.Flush()
-	}
+	send := s.openStream(w)
 	job, err := fs.StreamFrames(r.Context(), id, func(f jobs.Frame) error {
 		return send("frame", frameEvent{Index: f.Index, ContentType: "image/png", B64: base64.StdEncoding.EncodeToString(f.PNG)})
 	})
@@ -84,4 +63,31 @@ func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	_ = send("done", public(job))
+}
+
+// openStream starts a text/event-stream answer and returns its sender: one
+// event, written and flushed, per call. The stream lasts as long as the
+// job: no read deadline (a GET has no body), and each event, not the
+// stream, must be written within WriteTimeout, so a client that stops
+// reading is dropped.
+func (s *server) openStream(w http.ResponseWriter) (send func(event string, v any) error) {
+	rc := http.NewResponseController(w)
+	_ = rc.SetReadDeadline(time.Time{})
+	_ = rc.SetWriteDeadline(time.Now().Add(s.cfg.Server.WriteTimeout))
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-store")
+	h.Set("X-Accel-Buffering", "no")
+	w.WriteHeader(http.StatusOK)
+	return func(event string, v any) error {
+		b, err := json.Marshal(v)
+		if err != nil {
+			return err
+		}
+		_ = rc.SetWriteDeadline(time.Now().Add(s.cfg.Server.WriteTimeout))
+		if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", event, b); err != nil {
+			return err
+		}
+		return rc.Flush()
+	}
 }

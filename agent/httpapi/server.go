@@ -126,6 +126,7 @@ func NewHandler(cfg Config, j Jobs) http.Handler {
 	rt.handle("/v1/jobs/{id}/cancel", methods{http.MethodPost: s.cancelOnly})
 	rt.handle("/v1/jobs/{id}/result", methods{http.MethodGet: s.getResult})
 	rt.handle("/v1/jobs/{id}/frames", methods{http.MethodGet: s.streamFrames})
+	rt.handle("/v1/jobs/{id}/events", methods{http.MethodGet: s.streamEvents})
 	rt.handle("/", methods{"*": notFound})
 	var h http.Handler = mux
 	if cfg.Tokens != nil {

@@ -35,29 +35,33 @@ const alarmPollErrorEvery = time.Minute
 
 // AlarmWatcher reports whether etcd raised its NOSPACE alarm (the database
 // hit its quota; etcd then refuses every write but deletes).
+//
+// It reads the alarm list only after a write was refused with NOSPACE, and
+// then every `every` until the alarm is gone: an alarm list is a raft
+// proposal, and an agent polling it all the time cost etcd 0.2 proposals
+// a second per idle agent. So an agent learns of a full etcd from the
+// first of its writes that etcd refuses (which answers its client 503
+// either way), and of the disarm within a poll.
 type AlarmWatcher struct {
 	cli   *clientv3.Client
 	every time.Duration
 	log   *zap.Logger
 	now   func() time.Time
 	kick  chan struct{} // Observe asks Run for a poll now; buffered 1
-	// health, when set, is told of every poll's outcome (ReportTo).
-	health *Health
 
 	mu          sync.Mutex // guards the fields below
 	noSpace     error      // nil, or wraps ErrNoSpace
 	observed    uint64     // counts Observe calls that saw NOSPACE
 	lastErrLog  time.Time  // when a poll error was last logged
 	errsSkipped int        // poll errors not logged since lastErrLog
-	lastContact time.Time  // when a poll last got an answer (construction time before the first)
-	lastErr     error      // the last poll's error, nil after an answer
+	failing     bool       // the last poll got no answer
 }
 
 // defaultAlarmEvery replaces a non-positive poll period.
 const defaultAlarmEvery = 5 * time.Second
 
 // NewAlarmWatcher watches cli's cluster, polling every `every` (5s if not
-// positive) once Run runs. log may be nil.
+// positive) while the alarm is raised, once Run runs. log may be nil.
 func NewAlarmWatcher(cli *clientv3.Client, every time.Duration, log *zap.Logger) *AlarmWatcher {
 	if log == nil {
 		log = zap.NewNop()
@@ -66,12 +70,11 @@ func NewAlarmWatcher(cli *clientv3.Client, every time.Duration, log *zap.Logger)
 		every = defaultAlarmEvery
 	}
 	return &AlarmWatcher{
-		cli:         cli,
-		every:       every,
-		log:         log.Named("alarms"),
-		now:         time.Now,
-		kick:        make(chan struct{}, 1),
-		lastContact: time.Now(), // the caller just reached etcd, or will say so itself
+		cli:   cli,
+		every: every,
+		log:   log.Named("alarms"),
+		now:   time.Now,
+		kick:  make(chan struct{}, 1),
 	}
 }
 
@@ -80,34 +83,6 @@ func NewAlarmWatcher(cli *clientv3.Client, every time.Duration, log *zap.Logger)
 // goes through raft) is not taken for an unreachable one.
 func (w *AlarmWatcher) pollTimeout() time.Duration {
 	return min(max(w.every, 2*time.Second), 5*time.Second)
-}
-
-// UnreachableAfter is how long etcd may go without answering a poll before
-// Unreachable reports it: one missed poll, and the one after it timing out.
-func (w *AlarmWatcher) UnreachableAfter() time.Duration { return w.every + w.pollTimeout() }
-
-// LastContact is when a poll last got an answer from etcd.
-func (w *AlarmWatcher) LastContact() time.Time {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.lastContact
-}
-
-// Unreachable is nil while etcd answered a poll within UnreachableAfter,
-// else an error wrapping ErrUnavailable with the last poll's error. It
-// costs no etcd call, so a request path can refuse at once.
-func (w *AlarmWatcher) Unreachable() error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	age := w.now().Sub(w.lastContact)
-	if age <= w.UnreachableAfter() {
-		return nil
-	}
-	why := "no answer"
-	if w.lastErr != nil {
-		why = w.lastErr.Error()
-	}
-	return fmt.Errorf("%w: no answer for %v (%s)", ErrUnavailable, age.Round(100*time.Millisecond), why)
 }
 
 // IsUnavailable reports whether err says etcd could not be reached or did
@@ -142,33 +117,26 @@ func IsUnavailable(err error) bool {
 	return false
 }
 
-// Run polls etcd's alarm list now, every `every`, whenever Observe saw a
-// NOSPACE error, and whenever the health it reports to changes (so that
-// Unreachable clears as soon as etcd is back), until ctx is done. The
-// caller owns the goroutine.
+// Run polls etcd's alarm list whenever Observe saw a NOSPACE error, and
+// every `every` while the alarm is raised, until ctx is done. The caller
+// owns the goroutine.
 func (w *AlarmWatcher) Run(ctx context.Context) {
 	ticker := time.NewTicker(w.every)
 	defer ticker.Stop()
 	for {
-		var changed <-chan struct{}
-		if w.health != nil {
-			changed = w.health.Changed() // before the poll, whose answer may change it
+		var tick <-chan time.Time
+		if w.NoSpace() != nil {
+			tick = ticker.C // raised: poll until it clears
 		}
-		w.poll(ctx)
 		select {
 		case <-ctx.Done():
 			return
-		case <-ticker.C:
+		case <-tick:
 		case <-w.kick:
-		case <-changed:
 		}
+		w.poll(ctx)
 	}
 }
-
-// ReportTo makes every poll tell h whether etcd answered: an idle agent,
-// which calls etcd for nothing else, learns of an outage from its poll.
-// Call it before Run.
-func (w *AlarmWatcher) ReportTo(h *Health) { w.health = h }
 
 // NoSpace is nil, or an error wrapping ErrNoSpace that says what to do.
 func (w *AlarmWatcher) NoSpace() error {
@@ -222,16 +190,7 @@ func (w *AlarmWatcher) poll(ctx context.Context) {
 
 	pctx, cancel := context.WithTimeout(ctx, w.pollTimeout())
 	resp, err := w.cli.AlarmList(pctx)
-	timedOut := pctx.Err() != nil
 	cancel()
-	if w.health != nil && ctx.Err() == nil {
-		// An alarm list is answered only with quorum.
-		if err != nil && timedOut {
-			w.health.Observe(fmt.Errorf("%w: alarm poll: no answer within %v: %v", ErrUnavailable, w.pollTimeout(), err))
-		} else {
-			w.health.Observe(err)
-		}
-	}
 
 	w.mu.Lock()
 	defer w.mu.Unlock()
@@ -239,10 +198,10 @@ func (w *AlarmWatcher) poll(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		if w.lastErr == nil {
-			w.log.Warn("etcd did not answer the alarm poll", zap.Time("last_contact", w.lastContact), zap.Error(err))
+		if !w.failing {
+			w.log.Warn("etcd did not answer the alarm poll", zap.Error(err))
 		}
-		w.lastErr = err
+		w.failing = true
 		if now := w.now(); now.Sub(w.lastErrLog) >= alarmPollErrorEvery {
 			w.log.Warn("cannot read etcd alarms; keeping the last state",
 				zap.Bool("no_space", w.noSpace != nil), zap.Int("errors_not_logged", w.errsSkipped), zap.Error(err))
@@ -252,10 +211,10 @@ func (w *AlarmWatcher) poll(ctx context.Context) {
 		}
 		return
 	}
-	if w.lastErr != nil {
-		w.log.Info("etcd answers again", zap.Duration("silent_for", w.now().Sub(w.lastContact)))
+	if w.failing {
+		w.log.Info("etcd answers the alarm poll again")
 	}
-	w.lastContact, w.lastErr = w.now(), nil
+	w.failing = false
 	for _, a := range resp.Alarms {
 		if a.Alarm == etcdserverpb.AlarmType_NOSPACE {
 			if w.noSpace == nil {

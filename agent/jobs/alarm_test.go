@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -190,5 +191,40 @@ func TestIsNoSpace(t *testing.T) {
 		if got := IsNoSpace(c.err); got != c.want {
 			t.Errorf("IsNoSpace(%v) = %v, want %v", c.err, got, c.want)
 		}
+	}
+}
+
+// countingMaintenance counts alarm lists: each is a raft proposal.
+type countingMaintenance struct {
+	clientv3.Maintenance
+	lists atomic.Int64
+}
+
+func (m *countingMaintenance) AlarmList(ctx context.Context) (*clientv3.AlarmResponse, error) {
+	m.lists.Add(1)
+	return m.Maintenance.AlarmList(ctx)
+}
+
+// An idle agent's watcher asks etcd nothing: the alarm is read only after a
+// write was refused, and then until it clears.
+func TestAlarmWatcherPollsOnlyAfterRefusal(t *testing.T) {
+	_, cli := startSmallEtcd(t)
+	m := &countingMaintenance{Maintenance: cli.Maintenance}
+	cli.Maintenance = m
+	w := NewAlarmWatcher(cli, 10*time.Millisecond, zaptest.NewLogger(t))
+	runWatcher(t, w)
+	time.Sleep(300 * time.Millisecond) // thirty poll periods
+	if n := m.lists.Load(); n != 0 {
+		t.Fatalf("an idle watcher read the alarms %d times, want 0", n)
+	}
+	w.Observe(rpctypes.ErrGRPCNoSpace) // no alarm is raised: the poll clears it
+	eventually(t, 10*time.Second, func() error { return w.NoSpace() })
+	after := m.lists.Load()
+	if after == 0 {
+		t.Fatal("a refused write did not make the watcher read the alarms")
+	}
+	time.Sleep(300 * time.Millisecond)
+	if n := m.lists.Load(); n != after {
+		t.Fatalf("the watcher kept reading the alarms once they cleared: %d more", n-after)
 	}
 }

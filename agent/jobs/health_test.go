@@ -270,48 +270,23 @@ func TestHealthRun(t *testing.T) {
 	}
 }
 
-// LeaderProbe against a real etcd with a leader, and the alarm poll
-// reporting to a Health.
-func TestLeaderProbeAndAlarmReport(t *testing.T) {
+// LeaderProbe against a real etcd with a leader.
+func TestLeaderProbe(t *testing.T) {
 	_, cli := startSmallEtcd(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	if err := LeaderProbe(cli, "/latentmesh/test/health")(ctx); err != nil {
 		t.Fatalf("probe of an etcd with a leader: %v", err)
 	}
-	h := NewHealth(DefaultHealthConfig(), nil, zaptest.NewLogger(t))
-	h.Observe(rpctypes.ErrNoLeader)
-	w := NewAlarmWatcher(cli, time.Hour, zaptest.NewLogger(t))
-	w.ReportTo(h)
-	w.poll(ctx)
-	if err := h.Err(); err != nil {
-		t.Fatalf("after an answered alarm poll: Err %v, want up", err)
-	}
-
-	// A change of the health makes the watcher poll at once (not an hour
-	// later): a down health that etcd answers is up again.
-	made := w.LastContact()
-	runWatcher(t, w)
-	eventually(t, 10*time.Second, func() error { // Run's first poll
-		if !w.LastContact().After(made) {
-			return errors.New("no poll answered yet")
-		}
-		return nil
-	})
-	h.Observe(rpctypes.ErrNoLeader)
-	eventually(t, 10*time.Second, func() error { return h.Err() })
-
-	// A poll that gets no answer reports etcd down.
 	dead, err := clientv3.New(clientv3.Config{Endpoints: []string{"127.0.0.1:1"}, DialTimeout: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer dead.Close()
-	w = NewAlarmWatcher(dead, time.Millisecond, zaptest.NewLogger(t)) // polls time out after 2 s
-	w.ReportTo(h)
-	w.poll(ctx)
-	if err := h.Err(); !errors.Is(err, ErrUnavailable) || !strings.Contains(err.Error(), "alarm poll") {
-		t.Fatalf("after an unanswered alarm poll: Err %v, want down", err)
+	pctx, pcancel := context.WithTimeout(ctx, time.Second)
+	defer pcancel()
+	if err := LeaderProbe(dead, "/latentmesh/test/health")(pctx); err == nil {
+		t.Fatal("a probe of an etcd nobody serves succeeded")
 	}
 }
 

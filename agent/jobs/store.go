@@ -459,6 +459,41 @@ func (s *Store) Wait(ctx context.Context, id string) (Job, error) {
 	}
 }
 
+// Changes signals, until ctx ends, each time the job's record or its
+// progress key (which node runs which stage) may have changed: a read of
+// Get after a signal sees the change. It signals once when its watches are
+// in place, and again whenever they had to start over (a broken or
+// compacted watch), since a change may have been missed then. One signal
+// may stand for several changes. The job's event stream follows it.
+func (s *Store) Changes(ctx context.Context, id string) <-chan struct{} {
+	ch := make(chan struct{}, 1)
+	signal := func() {
+		select {
+		case ch <- struct{}{}:
+		default:
+		}
+	}
+	follow := func(key string) {
+		for ctx.Err() == nil {
+			wctx, cancel := context.WithCancel(ctx)
+			for wr := range s.cli.Watch(wctx, key, clientv3.WithCreatedNotify()) {
+				if wr.Canceled || wr.Err() != nil {
+					break
+				}
+				signal() // created (the read after it misses nothing) or an event
+			}
+			cancel()
+			select { // a watch that ends at once is not tried in a loop
+			case <-ctx.Done():
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+	}
+	go follow(s.jobKey(id))
+	go follow(s.progressKey(id))
+	return ch
+}
+
 // waitOnce is one watch of Wait: done when the job is terminal; neither
 // done nor an error when the watch ended first.
 func (s *Store) waitOnce(ctx context.Context, id string) (job Job, done bool, err error) {
@@ -738,23 +773,6 @@ func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (
 		return &n, nil
 	}
 	return nil, ErrTaken
-}
-
-// SetProgress records the running stage's step count (advisory, on the
-// lease). It is fenced like a commit: a write that arrives after the stage
-// committed (progress is written asynchronously) is refused, so it cannot
-// bring back a progress key the commit deleted.
-func (s *Store) SetProgress(ctx context.Context, c *Claim, step, total int) error {
-	p := Progress{Stage: c.Task.Stage, Step: step, Total: total, Node: c.Node}
-	resp, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(
-		clientv3.OpPut(s.progressKey(c.Task.JobID), mustJSON(p), clientv3.WithLease(c.Lease))).Commit()
-	if err != nil {
-		return err
-	}
-	if !resp.Succeeded {
-		return ErrFenced
-	}
-	return nil
 }
 
 // fenced are the conditions every write by a claim holder carries.

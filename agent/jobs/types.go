@@ -139,6 +139,16 @@ type Progress struct {
 	Node  string `json:"node"`
 }
 
+// Step is one denoise step as the node running it reported it, for a
+// job's event stream: live progress, which never goes through etcd.
+type Step struct {
+	Stage Stage     `json:"stage"`
+	Step  int       `json:"step"`
+	Total int       `json:"total"`
+	Node  string    `json:"node"`
+	At    time.Time `json:"at,omitzero"` // when the node reached the step
+}
+
 // Result describes the committed output file. The bytes are a Store object
 // (cache), pinned with a retention; etcd holds only this description.
 type Result struct {

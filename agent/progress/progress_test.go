@@ -1,0 +1,250 @@
+package progress
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/libp2p/go-libp2p"
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/p2p/transport/tcp"
+	"github.com/vmihailenco/msgpack/v5"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/transfer"
+)
+
+func TestBoardNextWakesOnStepAndEnd(t *testing.T) {
+	b := NewBoard()
+	b.linger = 50 * time.Millisecond
+	if _, ok := b.Get("j"); ok {
+		t.Fatal("an empty board has a job")
+	}
+	report, end := b.Start("j", "denoise", 50)
+	got := make(chan Step, 1)
+	go func() {
+		st, ok := b.Next(context.Background(), "j", 0)
+		if !ok {
+			t.Error("Next: not running")
+		}
+		got <- st
+	}()
+	time.Sleep(10 * time.Millisecond) // let it wait (a race here only makes the test weaker)
+	report(1, 50)
+	st := <-got
+	if st.Step != 1 || st.Total != 50 || st.Stage != "denoise" || st.At.IsZero() {
+		t.Fatalf("Next = %+v, want step 1 of 50 with a time", st)
+	}
+	// A step already past after is answered at once.
+	if st, ok := b.Next(context.Background(), "j", 0); !ok || st.Step != 1 {
+		t.Fatalf("Next(after 0) = %+v %v", st, ok)
+	}
+	done := make(chan bool, 1)
+	go func() {
+		_, ok := b.Next(context.Background(), "j", 1)
+		done <- ok
+	}()
+	time.Sleep(10 * time.Millisecond)
+	end()
+	if <-done {
+		t.Fatal("Next woken by the end says more steps will come")
+	}
+	report(2, 50) // after end: ignored, no panic
+	if b.Running() != 0 {
+		t.Fatal("an ended stage still counts as running")
+	}
+	// A follower that asks after the end still gets the last step.
+	if st, ok := b.Next(context.Background(), "j", 0); !ok || st.Step != 1 {
+		t.Fatalf("Next(after 0) once ended = %+v %v, want the last step", st, ok)
+	}
+	if st, ok := b.Get("j"); !ok || st.Step != 1 {
+		t.Fatalf("Get once ended = %+v %v, want the last step while it lingers", st, ok)
+	}
+	end() // twice: a no-op
+	time.Sleep(200 * time.Millisecond)
+	if _, ok := b.Get("j"); ok {
+		t.Fatal("an ended stage stayed on the board past its linger")
+	}
+}
+
+func TestBoardNextHonoursContext(t *testing.T) {
+	b := NewBoard()
+	report, end := b.Start("j", "denoise", 3)
+	defer end()
+	report(2, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	st, ok := b.Next(ctx, "j", 2)
+	if !ok || st.Step != 2 {
+		t.Fatalf("Next at the deadline = %+v %v, want step 2 still running", st, ok)
+	}
+}
+
+func TestBoardRestartReplacesAttempt(t *testing.T) {
+	b := NewBoard()
+	report1, end1 := b.Start("j", "denoise", 10)
+	report1(7, 10)
+	report2, end2 := b.Start("j", "denoise", 10) // attempt 2 on the same node
+	report1(8, 10)                               // the old attempt's late step: ignored
+	if st, _ := b.Get("j"); st.Step != 0 {
+		t.Fatalf("after a restart the step is %d, want 0", st.Step)
+	}
+	end1() // the old attempt's end must not remove the new one
+	if _, ok := b.Get("j"); !ok || b.Running() != 1 {
+		t.Fatal("the old attempt's end removed the new attempt")
+	}
+	report2(1, 10)
+	if st, _ := b.Get("j"); st.Step != 1 {
+		t.Fatalf("step %d, want the new attempt's 1", st.Step)
+	}
+	end2()
+	if b.Running() != 0 {
+		t.Fatal("an ended stage still counts as running")
+	}
+}
+
+func newHost(t *testing.T) host.Host {
+	t.Helper()
+	h, err := libp2p.New(libp2p.ListenAddrStrings("/ip4/127.0.0.1/tcp/0"),
+		libp2p.Transport(tcp.NewTCPTransport), libp2p.DisableRelay())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Close() })
+	return h
+}
+
+func peerOf(h host.Host) Peer {
+	p := Peer{ID: h.ID()}
+	for _, a := range h.Addrs() {
+		p.Addrs = append(p.Addrs, a.String())
+	}
+	return p
+}
+
+func TestAskLongPollsTheWorker(t *testing.T) {
+	worker, asker := newHost(t), newHost(t)
+	b := NewBoard()
+	srv := Serve(worker, b, func(peer.ID) bool { return true }, zap.NewNop())
+	defer srv.Close()
+	ctx := context.Background()
+	if _, ok, err := Ask(ctx, asker, peerOf(worker), "j", -1, 0); err != nil || ok {
+		t.Fatalf("Ask before the stage = %v %v, want not running", ok, err)
+	}
+	report, end := b.Start("j", "denoise", 50)
+	defer end()
+	report(3, 50)
+	st, ok, err := Ask(ctx, asker, peerOf(worker), "j", -1, 0)
+	if err != nil || !ok || st.Step != 3 || st.Total != 50 || st.Stage != "denoise" {
+		t.Fatalf("Ask = %+v %v %v, want step 3 of 50", st, ok, err)
+	}
+	// A long poll is answered by the next step, not by its wait running out.
+	go func() {
+		time.Sleep(50 * time.Millisecond)
+		report(4, 50)
+	}()
+	start := time.Now()
+	st, ok, err = Ask(ctx, asker, peerOf(worker), "j", 3, MaxWait)
+	if err != nil || !ok || st.Step != 4 {
+		t.Fatalf("long poll = %+v %v %v, want step 4", st, ok, err)
+	}
+	if waited := time.Since(start); waited >= MaxWait {
+		t.Fatalf("the long poll waited out its %v (%v) instead of answering the step", MaxWait, waited)
+	}
+	if got := st.At; got.IsZero() || time.Since(got) > time.Minute {
+		t.Fatalf("step time %v", got)
+	}
+}
+
+func TestAskRefusedToNonMember(t *testing.T) {
+	worker, asker := newHost(t), newHost(t)
+	b := NewBoard()
+	_, end := b.Start("j", "denoise", 5)
+	defer end()
+	srv := Serve(worker, b, func(p peer.ID) bool { return p != asker.ID() }, zap.NewNop())
+	defer srv.Close()
+	if _, _, err := Ask(context.Background(), asker, peerOf(worker), "j", -1, 0); !errors.Is(err, ErrDenied) {
+		t.Fatalf("Ask from a non-member = %v, want ErrDenied", err)
+	}
+}
+
+func TestRequestBounds(t *testing.T) {
+	for _, r := range []request{
+		{V: 2, Job: "j"},
+		{V: wireVersion},
+		{V: wireVersion, Job: string(make([]byte, maxJobLen+1))},
+		{V: wireVersion, Job: "j", After: -2},
+		{V: wireVersion, Job: "j", WaitMs: int(MaxWait/time.Millisecond) + 1},
+		{V: wireVersion, Job: "j", WaitMs: -1},
+	} {
+		if err := r.Validate(); err == nil {
+			t.Errorf("request %+v passed Validate", r)
+		}
+	}
+	// A frame over maxFrame is refused before its body is read.
+	var buf bytes.Buffer
+	if err := transfer.WriteFrame(&buf, &request{V: wireVersion, Job: string(bytes.Repeat([]byte("x"), maxFrame))}); err != nil {
+		t.Fatal(err)
+	}
+	var r request
+	if err := transfer.ReadFrame(&buf, maxFrame, &r); !errors.Is(err, transfer.ErrFrameTooLarge) {
+		t.Fatalf("oversized frame: %v", err)
+	}
+}
+
+func frame(t testing.TB, v any) []byte {
+	var buf bytes.Buffer
+	if err := transfer.WriteFrame(&buf, v); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+func seed(f *testing.F) {
+	f.Add(frame(f, &request{V: wireVersion, Job: "job-1", After: 3, WaitMs: 1000}))
+	f.Add(frame(f, &response{V: wireVersion, Running: true, Stage: "denoise", Step: 4, Total: 50, AtNanos: 1}))
+	raw, _ := msgpack.Marshal(map[string]any{"v": 1, "job": "x", "after": -5})
+	f.Add(append([]byte{0, 0, 0, byte(len(raw))}, raw...))
+	f.Add([]byte{0, 0, 0, 5, 0xdd, 0xff, 0xff, 0xff, 0xff}) // a huge array header
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff})                   // a huge length
+}
+
+// FuzzRequestFrame checks that no frame panics the request decoder, that
+// whatever decodes is within the bounds, and that it survives a round trip.
+func FuzzRequestFrame(f *testing.F) {
+	seed(f)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var m request
+		if err := transfer.ReadFrame(bytes.NewReader(b), maxFrame, &m); err != nil {
+			return
+		}
+		if len(m.Job) > maxJobLen || m.WaitMs > int(MaxWait/time.Millisecond) || m.After < -1 || m.V != wireVersion {
+			t.Fatalf("accepted an out-of-bounds request %+v", m)
+		}
+		var again request
+		if err := transfer.ReadFrame(bytes.NewReader(frame(t, &m)), maxFrame, &again); err != nil || again != m {
+			t.Fatalf("round trip: %+v -> %+v (%v)", m, again, err)
+		}
+	})
+}
+
+// FuzzResponseFrame is FuzzRequestFrame for answers.
+func FuzzResponseFrame(f *testing.F) {
+	seed(f)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var m response
+		if err := transfer.ReadFrame(bytes.NewReader(b), maxFrame, &m); err != nil {
+			return
+		}
+		if len(m.Stage) > maxStageLen || m.Step < 0 || m.Total < 0 || m.V != wireVersion {
+			t.Fatalf("accepted an out-of-bounds response %+v", m)
+		}
+		var again response
+		if err := transfer.ReadFrame(bytes.NewReader(frame(t, &m)), maxFrame, &again); err != nil || again != m {
+			t.Fatalf("round trip: %+v -> %+v (%v)", m, again, err)
+		}
+	})
+}

@@ -136,8 +136,6 @@ type Config struct {
 	NetDelay time.Duration
 	// Bandwidth is one pull's rate, bytes/s.
 	Bandwidth float64
-	// ProgressEvery throttles denoise progress writes (agent.Config).
-	ProgressEvery time.Duration
 	// ScanPerClass bounds the unclaimed tasks a scan hands to
 	// routing.QueuePolicy.Order, per class. The agent orders its whole
 	// queue view (jobs.Queue); Order ranks by class, then age within a
@@ -159,23 +157,22 @@ type Config struct {
 // hour on the mesh.
 func DefaultConfig() Config {
 	return Config{
-		Mode:          Mesh,
-		Model:         "flux.1-dev",
-		GPUs:          1000,
-		Duration:      time.Hour,
-		Load:          0.8,                       // busy but not saturated: queues stay short
-		Seed:          1,                         // runs are deterministic per seed
-		ClassMix:      [3]float64{0.3, 0.5, 0.2}, // mostly people waiting, some batch
-		Queue:         routing.DefaultQueuePolicy(),
-		Admission:     routing.DefaultAdmission(),
-		Etcd:          DefaultEtcdCosts(),
-		GossipDelay:   500 * time.Millisecond, // memberlist: 200 ms rounds, a few to spread
-		NetDelay:      100 * time.Microsecond, // one datacentre
-		Bandwidth:     12.5e9,                 // 100 Gbit/s per pull
-		ProgressEvery: 200 * time.Millisecond, // agent.DefaultConfig
-		ScanPerClass:  256,                    // more than any herd below 30,000 GPUs races for
-		DispatchCost:  50 * time.Microsecond,  // an in-memory decision plus its log line
-		CheckJobs:     false,
+		Mode:         Mesh,
+		Model:        "flux.1-dev",
+		GPUs:         1000,
+		Duration:     time.Hour,
+		Load:         0.8,                       // busy but not saturated: queues stay short
+		Seed:         1,                         // runs are deterministic per seed
+		ClassMix:     [3]float64{0.3, 0.5, 0.2}, // mostly people waiting, some batch
+		Queue:        routing.DefaultQueuePolicy(),
+		Admission:    routing.DefaultAdmission(),
+		Etcd:         DefaultEtcdCosts(),
+		GossipDelay:  500 * time.Millisecond, // memberlist: 200 ms rounds, a few to spread
+		NetDelay:     100 * time.Microsecond, // one datacentre
+		Bandwidth:    12.5e9,                 // 100 Gbit/s per pull
+		ScanPerClass: 256,                    // more than any herd below 30,000 GPUs races for
+		DispatchCost: 50 * time.Microsecond,  // an in-memory decision plus its log line
+		CheckJobs:    false,
 	}
 }
 
@@ -186,8 +183,8 @@ func (c Config) check() error {
 	if c.Duration <= 0 || !(c.Load > 0) {
 		return errors.New("sim: duration and load must be positive")
 	}
-	if c.Bandwidth <= 0 || c.ProgressEvery <= 0 || c.ScanPerClass <= 0 || c.DispatchCost <= 0 || c.GossipDelay < 0 || c.NetDelay < 0 {
-		return errors.New("sim: bandwidth, progress interval, scan bound and dispatch cost must be positive")
+	if c.Bandwidth <= 0 || c.ScanPerClass <= 0 || c.DispatchCost <= 0 || c.GossipDelay < 0 || c.NetDelay < 0 {
+		return errors.New("sim: bandwidth, scan bound and dispatch cost must be positive")
 	}
 	sum := 0.0
 	for _, f := range c.ClassMix {

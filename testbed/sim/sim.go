@@ -2,7 +2,6 @@ package sim
 
 import (
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"strconv"
 	"time"
@@ -14,14 +13,10 @@ import (
 // Per-agent background etcd traffic that does not depend on jobs. The
 // queue views, the Store's record index and the membership follow watches
 // and read nothing idle (TestIdleAgentEtcdLoad); what each agent still
-// sends is its lease keepalives and the alarm poll, an AlarmList, which
-// etcd serves through raft (EtcdServer.Alarm: raftRequestOnce), so it is
-// counted as a write. The collector's read of nodes/ each 10 s is one
-// agent's, not modelled.
-const (
-	alarmEvery     = 5 * time.Second      // agent.DefaultConfig().AlarmEvery
-	keepAliveEvery = 10 * time.Second / 3 // gossip: lease TTL 10 s, renewed about every third
-)
+// sends is its lease keepalives, which are no raft proposal. (The NOSPACE
+// alarm is read only after a refused write, so an agent polls it no more.)
+// The collector's read of nodes/ each 10 s is one agent's, not modelled.
+const keepAliveEvery = 10 * time.Second / 3 // gossip: lease TTL 10 s, renewed about every third
 
 // Result is what one run measured.
 type Result struct {
@@ -139,11 +134,10 @@ type sim struct {
 	conflicts, claimTxns, giveBacks         uint64
 	pushes                                  uint64    // tasks created with a pushed claim
 	pushedStarts, claimedStarts             [3]uint64 // by stage: tasks started from a pushed claim, and from a claim txn
-	bgReads, bgWrites                       uint64    // the agents' background (evTick)
+	bgReads                                 uint64    // the agents' background (evTick)
 	overhead                                time.Duration
 	queueing                                histogram
 	busy                                    time.Duration // compute inside [0, Duration]
-	progressWrites                          int
 
 	snap          etcdModel // the counters when arrivals stop
 	snapped       bool
@@ -271,15 +265,11 @@ func (s *sim) handle(e event) {
 	switch e.kind {
 	case evTick:
 		if !s.central() {
-			// Every agent's lease renewals (each keepAliveEvery) and alarm
-			// poll (each alarmEvery, through raft). Its views cost nothing idle.
-			n := float64(s.cfg.GPUs)
-			reads := int(n/keepAliveEvery.Seconds() + 0.5)
-			writes := int(n/alarmEvery.Seconds() + 0.5)
+			// Every agent's lease renewals (each keepAliveEvery). Its views
+			// cost nothing idle.
+			reads := int(float64(s.cfg.GPUs)/keepAliveEvery.Seconds() + 0.5)
 			s.etcd.read(now, reads)
-			s.etcd.write(now, writes)
 			s.bgReads += uint64(reads)
-			s.bgWrites += uint64(writes)
 		}
 	case evArrive:
 		s.arrive()
@@ -797,11 +787,7 @@ func (s *sim) done(st *stage, w int32, t *task) {
 		s.clk.at(now+s.cfg.NetDelay, event{kind: evCommitted, stage: int8(st.i), worker: w, task: t})
 		return
 	}
-	if st.i == 1 {
-		n := s.progressWritesPerDenoise()
-		s.progressWrites += n
-		s.etcd.write(now, n)
-	}
+	// Denoise progress costs etcd nothing (agent/progress): no write here.
 	t.doneAt = now
 	if st.i < 2 && s.hints() {
 		next := s.st[st.i+1]
@@ -830,19 +816,6 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	st.committing++
 	s.addWaiting(st, w)
 	s.requestWake(st, now)
-}
-
-// progressWritesPerDenoise counts agent.progress's writes for one denoise:
-// the first step, then one each ProgressEvery, and the last step.
-func (s *sim) progressWritesPerDenoise() int {
-	step := time.Duration(s.model.StepMs * float64(time.Millisecond))
-	every := int(math.Ceil(float64(s.cfg.ProgressEvery) / float64(step)))
-	every = max(every, 1)
-	n := 1 + (s.model.Steps-1)/every
-	if (s.model.Steps-1)%every != 0 {
-		n++
-	}
-	return n
 }
 
 func (s *sim) committed(st *stage, w int32, t *task) {

@@ -759,12 +759,15 @@ func (rep ControlBenchReport) Verdict() string {
 		}
 		return "no"
 	}
-	re := ratio(large.PerJob.Events, small.PerJob.Events)
-	rp := ratio(large.PerJob.Proposals, small.PerJob.Proposals)
-	return fmt.Sprintf("%d agents against %d: events/job x%.2f, proposals/job x%.2f (within %.0f%%: %s); "+
-		"budget: events/job <= %d: %s (%.1f at most), proposals/job <= %d: %s (%.2f at most)",
-		large.Agents, small.Agents, re, rp, 100*ControlBudgetSpread,
-		within(math.Abs(re-1) < ControlBudgetSpread && math.Abs(rp-1) < ControlBudgetSpread),
+	budget := fmt.Sprintf("budget: events/job <= %d: %s (%.1f at most), proposals/job <= %d: %s (%.2f at most)",
 		ControlBudgetEvents, within(worst.Events <= ControlBudgetEvents), worst.Events,
 		ControlBudgetProposals, within(worst.Proposals <= ControlBudgetProposals), worst.Proposals)
+	if large.Agents == small.Agents {
+		return budget // one size: nothing to compare it with
+	}
+	re := ratio(large.PerJob.Events, small.PerJob.Events)
+	rp := ratio(large.PerJob.Proposals, small.PerJob.Proposals)
+	return fmt.Sprintf("%d agents against %d: events/job x%.2f, proposals/job x%.2f (within %.0f%%: %s); %s",
+		large.Agents, small.Agents, re, rp, 100*ControlBudgetSpread,
+		within(math.Abs(re-1) < ControlBudgetSpread && math.Abs(rp-1) < ControlBudgetSpread), budget)
 }

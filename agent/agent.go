@@ -737,18 +737,23 @@ func (a *Agent) meta() gossip.NodeMeta {
 
 // gossipEngine republishes this node's meta whenever its engine registers
 // or goes away, and wakes the workers (via Changed) to claim or stop.
+//
+// It publishes after taking the change channel, never before: an engine
+// that registered between Start's first meta and this loop's first wait
+// (an engine started with its agent registers within milliseconds) was
+// never advertised, and its model never appeared until it reconnected.
 func (a *Agent) gossipEngine() {
 	for {
 		ch := a.runner.Changed()
 		if ch == nil {
 			return // the built-in engine never changes
 		}
+		a.publishMeta()
 		select {
 		case <-a.ctx.Done():
 			return
 		case <-ch:
 		}
-		a.publishMeta()
 	}
 }
 

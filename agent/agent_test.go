@@ -8,11 +8,13 @@ import (
 	"slices"
 	"sort"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/etcdembed"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/cache"
@@ -227,5 +229,51 @@ func TestAdminBeyondLoopbackNeedsToken(t *testing.T) {
 	}
 	if !strings.Contains(err.Error(), "beyond loopback") {
 		t.Fatalf("%v", err)
+	}
+}
+
+// lateEngine is the built-in engine as an external one that registers at
+// the worst moment: right after the agent first read what it serves (the
+// meta Start publishes), before anyone waits on Changed.
+type lateEngine struct {
+	builtinRunner
+	mu         sync.Mutex
+	registered bool
+	changed    chan struct{}
+}
+
+func (l *lateEngine) Changed() <-chan struct{} {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.changed
+}
+
+func (l *lateEngine) Models() map[string][]jobs.Stage {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.registered {
+		l.registered = true // registers as this first answer is read
+		close(l.changed)
+		l.changed = make(chan struct{})
+		return nil
+	}
+	return map[string][]jobs.Stage{"late-model": jobs.Stages()}
+}
+
+// Issue 20's startup race: an engine that registers within milliseconds of
+// its agent starting must still be advertised.
+func TestEngineRegisteredAtStartIsGossiped(t *testing.T) {
+	a, _, _ := startAgent(t, "late-1")
+	a.runner = &lateEngine{builtinRunner: builtinRunner{a.engine}, changed: make(chan struct{})}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := a.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for !a.member.Self().Meta.Serves(string(jobs.Denoise), "late-model", engine.DefaultModel) {
+		if ctx.Err() != nil {
+			t.Fatalf("the engine's model was never gossiped: %+v", a.member.Self().Meta.Models)
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -700,8 +700,7 @@ func (a *Agent) meta() gossip.NodeMeta {
 		// slot. Producers hint and push only to those.
 		if !a.blocked[st].Load() && !a.draining.Load() && a.runner.Slots(st) > 0 {
 			m.Roles = append(m.Roles, string(st))
-			// An external engine's declared slots bound the agent's own.
-			free := max(0, min(c.Free(), a.runner.Slots(st)-c.InUse()))
+			_, free := a.slots(st)
 			m.Free.Set(string(st), uint32(free))
 		}
 		m.Running += uint32(c.InUse())
@@ -839,14 +838,23 @@ func (a *Agent) reportLoop() {
 			queued, _ := q.Depth()
 			a.metrics.SetQueueDepth(st, queued)
 		}
-		for st, c := range a.credits {
-			a.metrics.SetFreeCredits(st, c.Free())
+		for st := range a.credits {
+			_, free := a.slots(st)
+			a.metrics.SetFreeCredits(st, free)
 		}
 		a.sleep(every)
 		if a.ctx.Err() != nil {
 			return
 		}
 	}
+}
+
+// slots is what stage st can run here: the agent's credits (--slots),
+// bounded by the engine's declared slots (an external engine's; none while
+// it is not registered). Gossip, status and metrics all show this.
+func (a *Agent) slots(st jobs.Stage) (total, free int) {
+	c, engine := a.credits[st], a.runner.Slots(st)
+	return min(c.Total(), engine), max(0, min(c.Free(), engine-c.InUse()))
 }
 
 // Status is the admin view of this node and what it sees of the mesh.
@@ -916,8 +924,9 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 		Credits: map[jobs.Stage]CreditInfo{},
 		Queues:  map[jobs.Stage]QueueInfo{},
 	}
-	for s, c := range a.credits {
-		st.Credits[s] = CreditInfo{Total: c.Total(), Free: c.Free()}
+	for s := range a.credits {
+		total, free := a.slots(s)
+		st.Credits[s] = CreditInfo{Total: total, Free: free}
 	}
 	for _, p := range a.member.Peers() {
 		st.Peers = append(st.Peers, PeerStatus{

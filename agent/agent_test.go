@@ -277,3 +277,28 @@ func TestEngineRegisteredAtStartIsGossiped(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// noSlotsEngine serves nothing yet: an external engine not registered.
+type noSlotsEngine struct{ builtinRunner }
+
+func (noSlotsEngine) Slots(jobs.Stage) int { return 0 }
+
+// Status shows the credits the engine allows, not the agent's --slots
+// alone (issue 20: an unregistered engine showed the agent's slots free).
+func TestStatusCreditsAreTheEngines(t *testing.T) {
+	a, _, _ := startAgent(t, "slots-1")
+	st, err := a.Status(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c := st.Credits[jobs.Denoise]; c.Total < 1 || c.Free != c.Total {
+		t.Fatalf("built-in engine: denoise credits %+v, want the agent's slots, all free", c)
+	}
+	a.runner = noSlotsEngine{builtinRunner{a.engine}}
+	if st, err = a.Status(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if c := st.Credits[jobs.Denoise]; c.Total != 0 || c.Free != 0 {
+		t.Fatalf("engine with no slots: denoise credits %+v, want none", c)
+	}
+}

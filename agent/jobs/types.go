@@ -1,6 +1,7 @@
 package jobs
 
 import (
+	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -114,6 +115,46 @@ type Job struct {
 	Owner     string    `json:"owner,omitempty"`
 	CreatedAt time.Time `json:"created_at"`
 	UpdatedAt time.Time `json:"updated_at"`
+}
+
+// Input is a payload a task consumes: which payload, who produced it, and the
+// transport's reference to it (opaque here; the agent decodes it). A Store
+// input (Store true) is a Store object: Payload is its object id, Node the
+// node that put it, and Ref is empty (readers look the holders up).
+type Input struct {
+	Payload string          `json:"payload"`
+	Node    string          `json:"node"`
+	Ref     json.RawMessage `json:"ref,omitempty"`
+	Store   bool            `json:"store,omitempty"`
+	// Ticket is the producer's ticket for the worker its task was pushed
+	// to (transfer.Service.Issue), so that worker pulls without asking
+	// for one; opaque here, and only that worker uses it.
+	Ticket []byte `json:"ticket,omitempty"`
+}
+
+// Task is one runnable stage of a job, stored as JSON at its task key.
+type Task struct {
+	ID         string        `json:"id"`
+	JobID      string        `json:"job"`
+	Stage      Stage         `json:"stage"`
+	Class      routing.Class `json:"class"`
+	Transfer   TransferMode  `json:"transfer_mode,omitempty"`
+	Deadline   time.Time     `json:"deadline,omitzero"` // the job's, for earliest deadline first
+	Spec       engine.Spec   `json:"spec"`              // carried so a worker need not read the job
+	Inputs     []Input       `json:"inputs,omitempty"`
+	Hint       string        `json:"hint,omitempty"` // preferred worker node
+	EnqueuedAt time.Time     `json:"enqueued_at"`
+	NotBefore  time.Time     `json:"not_before,omitempty"` // backoff after a failed attempt
+	Attempt    int           `json:"attempt"`              // claims taken so far
+	// Requeues counts claims given back without a failure (preempted,
+	// drained): they do not use up the task's transient retries.
+	Requeues int `json:"requeues,omitempty"`
+	// PreemptedAt is when the task was last given back for interactive
+	// work (Yield): the slot it freed is on its way to that work.
+	PreemptedAt time.Time `json:"preempted_at,omitzero"`
+
+	Key string `json:"-"` // etcd key, set on read
+	Rev int64  `json:"-"` // ModRevision seen, set on read
 }
 
 // StageRecord is what one committed stage left behind.

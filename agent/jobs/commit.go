@@ -1,0 +1,281 @@
+package jobs
+
+// This file holds how a claim ends a stage: Commit, Fail and Rewind, each
+// one fenced read-modify-write of the job record (update) that also deletes
+// the task and its claim, and renews retention leases etcd forgot.
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/latentmesh/latentmesh/cache"
+)
+
+// Output is what a stage commits.
+type Output struct {
+	// Payloads are the stage's outputs, inputs of the next stage. Each
+	// peer-to-peer payload is recorded under payloads/ until the next stage
+	// commits; a Store payload's record is among Records.
+	Payloads []Input
+	// Hint names the preferred worker for the next stage ("" = anyone).
+	Hint string
+	// Push, if set, claims the next stage's task for Push.Node in the
+	// commit (Push); its Node is then the Hint.
+	Push *Push
+	// Result describes the finished file (last stage only); its Store
+	// object's record is among Records.
+	Result *Result
+	// Records are written in the commit's transaction: the records of the
+	// Store objects the stage staged (a *cache.Staged), so they become
+	// visible exactly when the stage commits.
+	Records []StagedRecord
+	// Work is how long the stage's work took on the worker; Pull is the
+	// part of it spent pulling the input.
+	Work, Pull time.Duration
+}
+
+// StagedRecord is a record a commit writes in its transaction. A record
+// may live on a retention lease; when etcd no longer knows that lease (an
+// etcd replaced or restored), Renew takes a fresh one and Op is asked again.
+// *cache.Staged is one.
+type StagedRecord interface {
+	Op() clientv3.Op
+	Renew(ctx context.Context) error
+}
+
+// leaseRenewals bounds how often one update renews leases etcd forgot: a
+// lease granted a moment ago cannot be gone again unless etcd keeps
+// losing them, and then the caller's retry (with backoff) is the place
+// to wait, not a loop here.
+const leaseRenewals = 3
+
+// renewLeases forgets the job record's retention lease (the next putRecord
+// grants a fresh one) and renews those of the staged records.
+func (s *Store) renewLeases(ctx context.Context, lease clientv3.LeaseID, records []StagedRecord) error {
+	if lease != 0 {
+		s.ret.Forget(lease)
+	}
+	for _, r := range records {
+		if err := r.Renew(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// finishOps delete the task, its claim, its progress and, after the
+// decode stage (which makes them), its frame previews.
+func (s *Store) finishOps(c *Claim) []clientv3.Op {
+	ops := []clientv3.Op{
+		clientv3.OpDelete(c.Task.Key),
+		clientv3.OpDelete(s.claimKey(&c.Task)),
+		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
+	}
+	if _, last := c.Task.Stage.Next(); last {
+		ops = append(ops, clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()))
+	}
+	return ops
+}
+
+// update runs a fenced read-modify-write of the claim's job record: mutate
+// edits the record and returns the extra ops of the transaction. It retries
+// when only the job record changed under it (another writer, e.g. Cancel
+// racing a commit), returns ErrFenced when the claim is gone, and ErrFinished
+// (after dropping the claim) when the job was cancelled meanwhile.
+//
+// leaseGone, if not nil, is asked first when etcd refuses the transaction
+// for a lease it does not know: true means it dropped what named that lease
+// (a push to a worker whose lease ended), and the update goes again.
+func (s *Store) update(ctx context.Context, c *Claim, what string, records []StagedRecord, leaseGone func() bool, mutate func(*record) ([]clientv3.Op, error)) error {
+	renewals := 0
+	known, knownRev := c.job, c.jobRev // the record as last seen, if any
+	for {
+		var rec record
+		var rev int64
+		if known == nil || json.Unmarshal(known, &rec) != nil {
+			var err error
+			rec, rev, err = s.getRecord(ctx, c.Task.JobID)
+			if errors.Is(err, ErrNotFound) {
+				return s.dropFinished(ctx, c)
+			}
+			if err != nil {
+				return err
+			}
+		} else {
+			rev = knownRev
+		}
+		known = nil
+		if rec.State.Terminal() {
+			return s.dropFinished(ctx, c)
+		}
+		extra, err := mutate(&rec)
+		if err != nil {
+			return err
+		}
+		rec.UpdatedAt = s.cfg.Now()
+		put, lease, err := s.putRecord(ctx, rec)
+		if err != nil {
+			return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, err)
+		}
+		ops := append(s.finishOps(c), put)
+		ops = append(ops, extra...)
+		for _, r := range records {
+			ops = append(ops, r.Op())
+		}
+		ops = putsReplaceDeletes(ops)
+		cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(s.jobKey(rec.ID)), "=", rev))
+		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).
+			Else(clientv3.OpGet(s.claimKey(&c.Task)), clientv3.OpGet(s.jobKey(rec.ID))).Commit()
+		if cache.LeaseGone(err) && leaseGone != nil && leaseGone() {
+			continue // (rare) the record is read again, since mutate edited this copy
+		}
+		if cache.LeaseGone(err) && renewals < leaseRenewals {
+			// The error does not say whose lease is gone: renew them all.
+			renewals++
+			if rerr := s.renewLeases(ctx, lease, records); rerr != nil {
+				return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, rerr)
+			}
+			continue
+		}
+		if err != nil {
+			return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, err)
+		}
+		if resp.Succeeded {
+			c.CommitRev = resp.Header.Revision
+			return nil
+		}
+		kvs := resp.Responses[0].GetResponseRange().Kvs
+		if len(kvs) == 0 || kvs[0].CreateRevision != c.Rev || kvs[0].Lease != int64(c.Lease) {
+			return ErrFenced
+		}
+		// Claim intact: only the job record moved (or the claim's copy was
+		// stale). Go again on the record the answer carries.
+		if jk := resp.Responses[1].GetResponseRange().Kvs; len(jk) == 1 {
+			known, knownRev = jk[0].Value, jk[0].ModRevision
+		}
+	}
+}
+
+// putsReplaceDeletes drops the deletes of single keys that ops also put
+// (a commit's push writes the progress key that finishing a stage
+// deletes): etcd refuses a transaction that names one key twice.
+func putsReplaceDeletes(ops []clientv3.Op) []clientv3.Op {
+	put := map[string]bool{}
+	for _, op := range ops {
+		if op.IsPut() {
+			put[string(op.KeyBytes())] = true
+		}
+	}
+	out := ops[:0]
+	for _, op := range ops {
+		if op.IsDelete() && len(op.RangeBytes()) == 0 && put[string(op.KeyBytes())] {
+			continue
+		}
+		out = append(out, op)
+	}
+	return out
+}
+
+// dropFinished ends a claim on a task of a finished (or vanished) job: the
+// claim and the task itself go, so an orphan task left by a race with
+// Cancel cannot be claimed again. It returns ErrFinished.
+func (s *Store) dropFinished(ctx context.Context, c *Claim) error {
+	if _, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(s.finishOps(c)...).Commit(); err != nil {
+		return fmt.Errorf("jobs: drop claim: %w", err)
+	}
+	return ErrFinished
+}
+
+// Commit finishes the claimed stage with out, atomically: the stage record, the
+// next task or the result, the output payload records, and the release of the
+// consumed inputs. ErrFenced means the claim was lost (lease expired): nothing
+// was written and the caller must discard its output. ErrFinished means the job
+// was cancelled meanwhile: the claim was dropped; discard the output too.
+func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
+	next, last := c.Task.Stage.Next()
+	if last && (out.Result == nil || out.Result.Object == "") {
+		return errors.New("jobs: commit of the last stage without a result object")
+	}
+	if !last && len(out.Payloads) == 0 {
+		return fmt.Errorf("jobs: commit of %s without output payloads", c.Task.Stage)
+	}
+	push := out.Push
+	dropPush := func() bool {
+		if push == nil {
+			return false
+		}
+		push = nil // the worker's lease ended: queue the task for anyone
+		return true
+	}
+	return s.update(ctx, c, "commit", out.Records, dropPush, func(rec *record) ([]clientv3.Op, error) {
+		now := s.cfg.Now()
+		if rec.Stages == nil {
+			rec.Stages = map[Stage]*StageRecord{}
+		}
+		rec.Stages[c.Task.Stage] = &StageRecord{
+			Node: c.Node, Attempt: c.Task.Attempt, StartedAt: c.StartedAt, FinishedAt: now,
+			Millis:      millis(out.Work),
+			ClaimMillis: millis(c.ClaimedAt.Sub(c.StartedAt)),
+			PullMillis:  millis(out.Pull),
+		}
+		ops := s.releaseOps(c.Task.Inputs)
+		if last {
+			rec.State, rec.Stage, rec.TaskKey = Succeeded, "", ""
+			res := *out.Result
+			rec.Result = &res
+			return ops, nil
+		}
+		t := Task{
+			ID: newID(), JobID: rec.ID, Stage: next, Class: rec.Class, Transfer: rec.Transfer, Deadline: rec.Deadline, Spec: rec.Spec,
+			Inputs: out.Payloads, Hint: out.Hint, EnqueuedAt: now,
+		}
+		t.Key = s.taskKey(&t)
+		if push != nil {
+			t.Attempt, t.Hint = 1, push.Node
+			ops = append(ops, s.pushOps(&t, push, now)...)
+		}
+		for _, p := range out.Payloads {
+			if !p.Store {
+				ops = append(ops, clientv3.OpPut(s.payloadKey(p.Node, p.Payload), mustJSON(PayloadRecord{Input: p, Job: rec.ID, Stage: c.Task.Stage})))
+			}
+		}
+		rec.State, rec.Stage, rec.TaskKey = Running, next, t.Key
+		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil
+	})
+}
+
+// Fail ends the job with an error (a deterministic failure: retrying would
+// fail the same way). Inputs are released.
+func (s *Store) Fail(ctx context.Context, c *Claim, code, msg string) error {
+	return s.update(ctx, c, "fail", nil, nil, func(rec *record) ([]clientv3.Op, error) {
+		rec.State, rec.Stage, rec.TaskKey = Failed, "", ""
+		rec.Error = &Error{Code: code, Message: msg}
+		return s.releaseOps(c.Task.Inputs), nil
+	})
+}
+
+// Rewind restarts the job from its first stage because an input payload was
+// lost with its producer. The engine is deterministic, so the output is the
+// same. After MaxRewinds the job fails instead.
+func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
+	return s.update(ctx, c, "rewind", nil, nil, func(rec *record) ([]clientv3.Op, error) {
+		ops := s.releaseOps(c.Task.Inputs)
+		if rec.Rewinds >= s.cfg.MaxRewinds {
+			rec.State, rec.Stage, rec.TaskKey = Failed, "", ""
+			rec.Error = &Error{Code: "payload_lost", Message: fmt.Sprintf("input lost %d times; last: %s", rec.Rewinds+1, reason)}
+			return ops, nil
+		}
+		rec.Rewinds++
+		t := Task{ID: newID(), JobID: rec.ID, Stage: Encode, Class: rec.Class, Transfer: rec.Transfer, Deadline: rec.Deadline, Spec: rec.Spec, EnqueuedAt: s.cfg.Now()}
+		t.Key = s.taskKey(&t)
+		rec.Stage, rec.TaskKey = Encode, t.Key
+		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil
+	})
+}
+
+func millis(d time.Duration) float64 { return float64(max(d, 0).Microseconds()) / 1000 }

@@ -1,0 +1,84 @@
+package jobs
+
+// This file is the job store's etcd key schema: every key and prefix the
+// Store names, all under Config.Prefix, and the check that keeps a
+// caller's id inside its key. In brief (docs/ARCHITECTURE.md, "etcd
+// layout", has the full table):
+//
+//	key                                       value          lifetime
+//	jobs/<job>                                record (Job)   until finished; then a retention lease
+//	progress/<job>                            Progress       the worker's lease
+//	queues/<stage>/tasks/<class>/<ns>-<task>  Task           until its stage commits
+//	queues/<stage>/claims/<task>              claimRecord    the worker's lease
+//	payloads/<producer>/<payload>             PayloadRecord  until its consumer commits
+//	objects/<job>.<name>                      cache.Record   package cache's: ResultID, PreviewID, relayed payloads
+//
+// <ns> is the enqueue time in nanoseconds, 16 hex digits, so task keys
+// sort by class, then age.
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/latentmesh/latentmesh/cache"
+)
+
+// Key layout. Values are JSON (except result parts) so etcdctl shows them.
+func (s *Store) jobKey(id string) string      { return s.cfg.Prefix + "/jobs/" + id }
+func (s *Store) progressKey(id string) string { return s.cfg.Prefix + "/progress/" + id }
+
+// A stage's tasks and claims share one prefix, so that one watch sees both
+// in revision order (Queue): a commit's deletion of a task and of its claim
+// then arrive together, never the claim's first.
+func (s *Store) queuePrefix(st Stage) string { return s.cfg.Prefix + "/queues/" + string(st) + "/" }
+func (s *Store) taskPrefix(st Stage) string  { return s.queuePrefix(st) + "tasks/" }
+func (s *Store) claimPrefix(st Stage) string { return s.queuePrefix(st) + "claims/" }
+func (s *Store) claimKey(t *Task) string     { return s.claimPrefix(t.Stage) + t.ID }
+
+// Payload records are keyed by their producer, so that a producer follows
+// the releases of its own payloads and no others'.
+func (s *Store) payloadPrefix() string             { return s.cfg.Prefix + "/payloads/" }
+func (s *Store) producerPrefix(node string) string { return s.payloadPrefix() + node + "/" }
+func (s *Store) payloadKey(node, id string) string { return s.producerPrefix(node) + id }
+
+// objectsOf is the key prefix of every Store object a job owns (its result,
+// previews and relayed latents are named cache.JobObjectID(job, ...)).
+func (s *Store) objectsOf(id string) string {
+	return cache.ObjectKey(s.cfg.Prefix, cache.JobObjectID(id, ""))
+}
+
+// PreviewID names frame f's preview object of job id.
+func PreviewID(id string, f int) string { return fmt.Sprintf("%s%04d", previewsOf(id), f) }
+
+// previewsOf is the id prefix of job id's preview objects.
+func previewsOf(id string) string { return cache.JobObjectID(id, "frame.") }
+
+// IsPreview reports whether a Store object id names a frame preview of job
+// id (PreviewID).
+func IsPreview(id, obj string) bool { return strings.HasPrefix(obj, previewsOf(id)) }
+
+// ResultID names the result object of job id.
+func ResultID(id string) string { return cache.JobObjectID(id, "result") }
+
+// previewPrefix is the key prefix of a job's preview objects.
+func (s *Store) previewPrefix(id string) string {
+	return cache.ObjectKey(s.cfg.Prefix, previewsOf(id))
+}
+
+// taskKey orders by class, then enqueue time; the task id makes it unique.
+func (s *Store) taskKey(t *Task) string {
+	return fmt.Sprintf("%s%d/%016x-%s", s.taskPrefix(t.Stage), t.Class, t.EnqueuedAt.UnixNano(), t.ID)
+}
+
+// validID keeps user-supplied ids from escaping their key (no '/').
+func validID(id string) bool {
+	if id == "" || len(id) > 64 {
+		return false
+	}
+	for _, c := range id {
+		if !(c >= '0' && c <= '9' || c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c == '-' || c == '_') {
+			return false
+		}
+	}
+	return true
+}

@@ -13,12 +13,12 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent"
+	"github.com/latentmesh/latentmesh/agent/bytesize"
+	"github.com/latentmesh/latentmesh/agent/etcdclient"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/routing"
-	"github.com/latentmesh/latentmesh/testbed"
-	"github.com/latentmesh/latentmesh/testbed/bench"
 )
 
 func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -101,7 +101,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	}
 	cfg.External.Socket = *engineSock
 	cfg.Transfer.Transport, cfg.Transfer.TCPCongestion = *transport, *congestion
-	if cfg.Transfer.Arena.Size, err = bench.ParseSize(*arenaSize); err != nil {
+	if cfg.Transfer.Arena.Size, err = bytesize.Parse(*arenaSize); err != nil {
 		fmt.Fprintf(stderr, "latentmesh agent: --arena-size: %v\n", err)
 		return 2
 	}
@@ -140,7 +140,7 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	cfg.Queue.Push = !*noPush
 	cfg.Logger = log
 
-	ecc := testbed.EtcdClientConfig{
+	ecc := etcdclient.Config{
 		Endpoints: strings.Split(*endpoints, ","),
 		CertFile:  *etcdCert, KeyFile: *etcdKey, CAFile: *etcdCA,
 		Username: *etcdUser,
@@ -238,7 +238,7 @@ func defaultStateDir() string {
 
 func applyStoreFlags(cfg *agent.Config, capacity, spillDir, spillCap, mode string) error {
 	if capacity != "" {
-		n, err := bench.ParseSize(capacity)
+		n, err := bytesize.Parse(capacity)
 		if err != nil {
 			return fmt.Errorf("--store-capacity: %w", err)
 		}
@@ -247,7 +247,7 @@ func applyStoreFlags(cfg *agent.Config, capacity, spillDir, spillCap, mode strin
 	var n int64
 	if spillCap != "" {
 		var err error
-		if n, err = bench.ParseSize(spillCap); err != nil {
+		if n, err = bytesize.Parse(spillCap); err != nil {
 			return fmt.Errorf("--store-spill-capacity: %w", err)
 		}
 	}

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/latentmesh/latentmesh/agent/bytesize"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/bench"
 )
@@ -69,13 +70,13 @@ type sizesFlag []int64
 func (s *sizesFlag) String() string {
 	parts := make([]string, len(*s))
 	for i, n := range *s {
-		parts[i] = bench.FormatSize(n)
+		parts[i] = bytesize.Format(n)
 	}
 	return strings.Join(parts, ",")
 }
 
 func (s *sizesFlag) Set(v string) error {
-	n, err := bench.ParseSizes(v)
+	n, err := bytesize.ParseList(v)
 	if err != nil {
 		return err
 	}

@@ -10,6 +10,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/latentmesh/latentmesh/agent/bytesize"
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/transfer"
 )
@@ -284,7 +285,7 @@ func (o *overlapRun) run(ctx context.Context, chunked bool) (first, total time.D
 func (rep *OverlapReport) WriteTable(w io.Writer) error {
 	r := rep.Overlap
 	fmt.Fprintf(w, "video %dx%d x %d frames, latent %s in %d chunks; producer finishes a frame every %.1f ms; decode %.1f ms/frame; %d reps (medians)\n",
-		r.Width, r.Height, r.Frames, FormatSize(r.LatentBytes), r.Frames, r.ChunkIntervalMS, r.DecodeFrameMS, r.Reps)
+		r.Width, r.Height, r.Frames, bytesize.Format(r.LatentBytes), r.Frames, r.ChunkIntervalMS, r.DecodeFrameMS, r.Reps)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	fmt.Fprintln(tw, "path\tfirst frame ms\ttotal ms\t")
 	fmt.Fprintf(tw, "chunked (pull chunks, decode as they land)\t%.1f\t%.1f\t\n", r.Chunked.TimeToFirstFrameMS, r.Chunked.TotalMS)

@@ -15,6 +15,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
+	"github.com/latentmesh/latentmesh/agent/bytesize"
 	"github.com/latentmesh/latentmesh/agent/etcdembed"
 	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/transfer"
@@ -205,7 +206,7 @@ func runStoreTransport(ctx context.Context, cfg StoreConfig, endpoints []string,
 	for _, size := range cfg.Sizes {
 		res, err := r.measure(ctx, size)
 		if err != nil {
-			return nil, fmt.Errorf("bench: store %s %s: %w", transport, FormatSize(size), err)
+			return nil, fmt.Errorf("bench: store %s %s: %w", transport, bytesize.Format(size), err)
 		}
 		rows = append(rows, res)
 	}
@@ -526,7 +527,7 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 	}
 	// Warm up: dial every pair's pools and shm mappings both ways, fault in
 	// the pages, and run one verified cycle.
-	r.progress("%s %s: warm-up", r.transport, FormatSize(size))
+	r.progress("%s %s: warm-up", r.transport, bytesize.Format(size))
 	for _, n := range r.m.nodes[1:] {
 		if err := n.x.PullInto(ctx, s.src, s.into[n.name]); err != nil {
 			return StoreResult{}, err
@@ -539,7 +540,7 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 		return StoreResult{}, errors.New("a p2p pull delivered other bytes than were published")
 	}
 	objectID := func(rep string) string {
-		return fmt.Sprintf("bench-%s-%s-%s", r.transport, FormatSize(size), rep)
+		return fmt.Sprintf("bench-%s-%s-%s", r.transport, bytesize.Format(size), rep)
 	}
 	if _, err := r.cycle(ctx, s, objectID("warm"), true); err != nil {
 		return StoreResult{}, err
@@ -547,7 +548,7 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 
 	var puts, gets, getsLookup, p2ps, p2pPuts, lookups []float64
 	for i := range r.cfg.Reps {
-		r.progress("%s %s: rep %d/%d", r.transport, FormatSize(size), i+1, r.cfg.Reps)
+		r.progress("%s %s: rep %d/%d", r.transport, bytesize.Format(size), i+1, r.cfg.Reps)
 		smp, err := r.cycle(ctx, s, objectID(fmt.Sprint(i)), false)
 		if err != nil {
 			return StoreResult{}, err
@@ -595,7 +596,7 @@ func (rep *StoreReport) WriteTable(w io.Writer) error {
 	}
 	for _, x := range rep.Results {
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%s\t%s\t\n",
-			x.Transport, FormatSize(x.SizeBytes), x.Replicas, x.PutGbpsMedian, x.GetGbpsMedian,
+			x.Transport, bytesize.Format(x.SizeBytes), x.Replicas, x.PutGbpsMedian, x.GetGbpsMedian,
 			x.P2PGbpsMedian, x.P2PPutGbpsMedian, x.RatioGet, x.RatioPut, x.LookupMSMedian, x.RatioGetWithLookup,
 			verdict(x.GetMeetsTarget, x.GetTarget), verdict(x.PutMeetsTarget, x.PutTarget))
 	}

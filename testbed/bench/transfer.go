@@ -13,6 +13,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/latentmesh/latentmesh/agent/bytesize"
 	"github.com/latentmesh/latentmesh/transfer"
 	"github.com/latentmesh/latentmesh/transfer/arena"
 )
@@ -200,7 +201,7 @@ func runTransport(ctx context.Context, cfg TransferConfig, c *child, raw, tuned 
 	for _, size := range cfg.Sizes {
 		res, err := r.measure(ctx, transport, size)
 		if err != nil {
-			return nil, fmt.Errorf("bench: %s %s: %w", transport, FormatSize(size), err)
+			return nil, fmt.Errorf("bench: %s %s: %w", transport, bytesize.Format(size), err)
 		}
 		rows = append(rows, res...)
 	}
@@ -329,7 +330,7 @@ func (r *transferRun) measure(ctx context.Context, transport string, size int64)
 	}
 
 	// Warm up: dial the pools and shm peers, fault in both ends' pages.
-	r.progress("%s %s: warm-up", transport, FormatSize(size))
+	r.progress("%s %s: warm-up", transport, bytesize.Format(size))
 	if _, err := pull(); err != nil {
 		return nil, err
 	}
@@ -366,7 +367,7 @@ func (r *transferRun) measure(ctx context.Context, transport string, size int64)
 		return d, err
 	}
 	for i := range r.cfg.Reps {
-		r.progress("%s %s: rep %d/%d", transport, FormatSize(size), i+1, r.cfg.Reps)
+		r.progress("%s %s: rep %d/%d", transport, bytesize.Format(size), i+1, r.cfg.Reps)
 		d, err := counted(pull, &mallocs)
 		if err != nil {
 			return nil, err
@@ -450,7 +451,7 @@ func (rep *TransferReport) WriteTable(w io.Writer) error {
 			handoff = fmt.Sprintf("%.3f", x.HandoffMSMedian)
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%s\t%s\t%.0f\t%s\t%s\t%s\t%s\t\n",
-			x.Transport, FormatSize(x.SizeBytes), x.Conns, x.GbpsMedian, x.GbpsMin, x.GbpsMax,
+			x.Transport, bytesize.Format(x.SizeBytes), x.Conns, x.GbpsMedian, x.GbpsMin, x.GbpsMax,
 			x.BaselineGbpsMedian, x.RatioVsBaseline, tuned, tunedRatio, x.AllocsPerOp, chunks, first, whole, handoff)
 	}
 	return tw.Flush()

@@ -1,4 +1,6 @@
-package bench
+// Package bytesize parses and writes byte counts as people type them in
+// flags and config ("4MiB", "16GiB", "64MB").
+package bytesize
 
 import (
 	"errors"
@@ -20,43 +22,43 @@ var sizeUnits = map[string]int64{
 	"gb":  1e9,
 }
 
-// ParseSize parses a byte count such as "4MiB", "256MiB", "1GiB", "64MB" or
+// Parse parses a byte count such as "4MiB", "256MiB", "1GiB", "64MB" or
 // "1048576". Units are case-insensitive; KiB/MiB/GiB are binary, KB/MB/GB
 // decimal. The size must be positive.
-func ParseSize(s string) (int64, error) {
+func Parse(s string) (int64, error) {
 	t := strings.TrimSpace(s)
 	i := strings.IndexFunc(t, func(r rune) bool { return r < '0' || r > '9' })
 	if i < 0 {
 		i = len(t)
 	}
 	if i == 0 {
-		return 0, fmt.Errorf("bench: size %q: want a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB)", s)
+		return 0, fmt.Errorf("bytesize: size %q: want a number with an optional unit (B, KiB, MiB, GiB, KB, MB, GB)", s)
 	}
 	mult, ok := sizeUnits[strings.ToLower(strings.TrimSpace(t[i:]))]
 	if !ok {
-		return 0, fmt.Errorf("bench: size %q: unknown unit %q (want B, KiB, MiB, GiB, KB, MB or GB)", s, t[i:])
+		return 0, fmt.Errorf("bytesize: size %q: unknown unit %q (want B, KiB, MiB, GiB, KB, MB or GB)", s, t[i:])
 	}
 	n, err := strconv.ParseInt(t[:i], 10, 64)
 	if err != nil {
-		return 0, fmt.Errorf("bench: size %q: %w", s, err)
+		return 0, fmt.Errorf("bytesize: size %q: %w", s, err)
 	}
 	if n <= 0 {
-		return 0, fmt.Errorf("bench: size %q: must be positive", s)
+		return 0, fmt.Errorf("bytesize: size %q: must be positive", s)
 	}
 	if n > math.MaxInt64/mult {
-		return 0, fmt.Errorf("bench: size %q: too large", s)
+		return 0, fmt.Errorf("bytesize: size %q: too large", s)
 	}
 	return n * mult, nil
 }
 
-// ParseSizes parses a comma-separated list of sizes, e.g. "4MiB,64MiB,1GiB".
-func ParseSizes(s string) ([]int64, error) {
+// ParseList parses a comma-separated list of sizes, e.g. "4MiB,64MiB,1GiB".
+func ParseList(s string) ([]int64, error) {
 	if strings.TrimSpace(s) == "" {
-		return nil, errors.New("bench: empty size list")
+		return nil, errors.New("bytesize: empty size list")
 	}
 	var out []int64
 	for _, f := range strings.Split(s, ",") {
-		n, err := ParseSize(f)
+		n, err := Parse(f)
 		if err != nil {
 			return nil, err
 		}
@@ -65,8 +67,8 @@ func ParseSizes(s string) ([]int64, error) {
 	return out, nil
 }
 
-// FormatSize writes n in the largest binary unit that divides it exactly.
-func FormatSize(n int64) string {
+// Format writes n in the largest binary unit that divides it exactly.
+func Format(n int64) string {
 	for _, u := range []struct {
 		name string
 		mult int64

@@ -177,10 +177,15 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		a.Close()
 		return 1
 	}
+	// Registered and in gossip: systemd may count the unit started.
+	nctx, stopNotify := context.WithCancel(ctx)
+	go notifyReady(nctx, log, a)
 	select {
 	case <-ctx.Done(): // SIGTERM or SIGINT: drain, then leave
 	case <-a.Drained(): // drained through the admin endpoint
 	}
+	stopNotify()
+	notifyStopping(log)
 	log.Info("shutting down")
 	// The drain's own deadline is DrainTimeout; requeuing what still runs
 	// then takes an etcd write per task.

@@ -41,9 +41,6 @@ import (
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
-// Version is reported in node records and `latentmesh version`.
-const Version = "0.1.0"
-
 // Agent is one running node. Build it with New, then Start; Close stops it.
 type Agent struct {
 	cfg Config

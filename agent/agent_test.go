@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"runtime/debug"
 	"slices"
 	"sort"
 	"strings"
@@ -300,5 +301,22 @@ func TestStatusCreditsAreTheEngines(t *testing.T) {
 	}
 	if c := st.Credits[jobs.Denoise]; c.Total != 0 || c.Free != 0 {
 		t.Fatalf("engine with no slots: denoise credits %+v, want none", c)
+	}
+}
+
+// The version names the commit a binary was built from when the toolchain
+// stamped one, and whether its tree had changes.
+func TestBuildVersion(t *testing.T) {
+	if v := buildVersion(nil, false); v != release {
+		t.Fatalf("no build info: %q, want %q", v, release)
+	}
+	info := &debug.BuildInfo{Main: debug.Module{Version: "(devel)"}, Settings: []debug.BuildSetting{
+		{Key: "vcs.revision", Value: "0123456789abcdef0123"}, {Key: "vcs.modified", Value: "true"}}}
+	if v := buildVersion(info, true); v != release+"+0123456789ab.dirty" {
+		t.Fatalf("devel build of a changed tree: %q", v)
+	}
+	info = &debug.BuildInfo{Main: debug.Module{Version: "v1.2.3"}}
+	if v := buildVersion(info, true); v != "v1.2.3" {
+		t.Fatalf("module build: %q", v)
 	}
 }

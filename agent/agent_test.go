@@ -315,8 +315,8 @@ func TestBuildVersion(t *testing.T) {
 	if v := buildVersion(info, true); v != release+"+0123456789ab.dirty" {
 		t.Fatalf("devel build of a changed tree: %q", v)
 	}
-	info = &debug.BuildInfo{Main: debug.Module{Version: "v1.2.3"}}
-	if v := buildVersion(info, true); v != "v1.2.3" {
-		t.Fatalf("module build: %q", v)
+	info = &debug.BuildInfo{Main: debug.Module{Version: "v0.0.0-20261202140516-b123d07abd3c+dirty"}, Settings: info.Settings}
+	if v := buildVersion(info, true); v != info.Main.Version {
+		t.Fatalf("build with a VCS pseudo-version: %q, want it alone", v)
 	}
 }

@@ -9,9 +9,9 @@ import (
 const release = "0.1.0"
 
 // Version is reported in node records and `latentmesh version`: the
-// release, then the commit it was built from and whether the tree had
-// changes, as the Go toolchain stamps them into the binary (go build in a
-// git checkout; absent in test binaries and `go run`).
+// commit the binary was built from and whether its tree had changes, as
+// the Go toolchain stamps them (go build in a git checkout, unless
+// -buildvcs=false), else the release alone.
 var Version = buildVersion(debug.ReadBuildInfo())
 
 func buildVersion(info *debug.BuildInfo, ok bool) string {
@@ -20,7 +20,10 @@ func buildVersion(info *debug.BuildInfo, ok bool) string {
 		return v
 	}
 	if mv := info.Main.Version; mv != "" && mv != "(devel)" {
-		v = mv // installed from a module version (go install …@v1.2.3)
+		// A module version (go install …@v1.2.3), or the pseudo-version
+		// Go 1.24+ derives from the checkout, which names the commit and
+		// ends in +dirty for a changed tree.
+		return mv
 	}
 	var rev string
 	dirty := false

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"slices"
+	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -27,64 +28,105 @@ type CheckConfig struct {
 	// set to Socket) and enables the crash-restart check; without it the
 	// check waits for an engine to connect.
 	Command []string
-	// Steps is the denoise step count of the cancellation check, and
+	// Steps is the least denoise step count of the cancellation check, and
 	// CancelAt the step after which it cancels: the engine must stop
-	// within one step.
+	// within one step. With fast steps the check runs more (up to the
+	// model's max_steps), so that a correct engine is still running when
+	// the cancel reaches it.
 	Steps, CancelAt int
+	// CancelLands is how long a cancel may take to reach a correct engine
+	// (the socket and the engine's reader thread). Steps reported later
+	// than that after the cancel was sent count against the engine; an
+	// engine that ran past the cancel only sooner than that was too fast
+	// to tell, and the check says so (inconclusive) rather than pass it.
+	CancelLands time.Duration
 	// RegisterTimeout bounds the wait for the engine to register (model
 	// loading included); TaskTimeout bounds each task.
 	RegisterTimeout, TaskTimeout time.Duration
-	// Server configures the socket side (heartbeats, cancel grace).
+	// Server configures the socket side as an agent's: HeartbeatEvery is
+	// the heartbeat_ms told to the engine and HeartbeatTimeout the silence
+	// after which an agent drops it. The heartbeat check allows a gap of
+	// HeartbeatTimeout less one HeartbeatEvery (a beat of margin).
 	Server Config
 	Logger *zap.Logger
 }
 
-// DefaultCheckConfig checks the engine listening... on socket.
+// DefaultCheckConfig checks the engine listening... on socket, with an
+// agent's own heartbeat period and timeout.
 func DefaultCheckConfig(socket string) CheckConfig {
 	sc := DefaultConfig(socket)
 	sc.CancelGrace = 10 * time.Second
-	return CheckConfig{Socket: socket, Steps: 50, CancelAt: 10, RegisterTimeout: time.Minute, TaskTimeout: time.Minute, Server: sc, Logger: zap.NewNop()}
+	return CheckConfig{
+		Socket:          socket,
+		Steps:           50,
+		CancelAt:        10,
+		CancelLands:     100 * time.Millisecond, // a Python reader thread under a busy GIL, with room to spare
+		RegisterTimeout: time.Minute,
+		TaskTimeout:     time.Minute,
+		Server:          sc,
+		Logger:          zap.NewNop(),
+	}
 }
 
-// CheckResult is one check's outcome.
+// CheckResult is one check's outcome: Pass, Skip (not applicable) or
+// Inconclusive (the engine was too fast, or too limited, for the check to
+// tell); none of them is a failure.
 type CheckResult struct {
-	Name   string
-	Pass   bool
-	Skip   bool
-	Detail string
+	Name         string
+	Pass         bool
+	Skip         bool
+	Inconclusive bool
+	Detail       string
 	// LastStep and CancelStep are filled by the cancellation check.
 	LastStep, CancelStep int
 }
+
+// Failed reports whether the check found the engine at fault.
+func (r CheckResult) Failed() bool { return !r.Pass && !r.Skip && !r.Inconclusive }
 
 func (r CheckResult) String() string {
 	switch {
 	case r.Skip:
 		return fmt.Sprintf("skip  %s: %s", r.Name, r.Detail)
+	case r.Inconclusive:
+		return fmt.Sprintf("inconclusive  %s: %s", r.Name, r.Detail)
 	case r.Pass:
 		return fmt.Sprintf("pass  %s: %s", r.Name, r.Detail)
 	}
 	return fmt.Sprintf("FAIL  %s: %s", r.Name, r.Detail)
 }
 
+const (
+	// taskSteps is the denoise step count of a stage task check.
+	taskSteps = 4
+	// maxCheckSteps bounds the steps the check asks of a model without a
+	// max_steps of its own.
+	maxCheckSteps = 1000
+	// maxBeats bounds the heartbeat times kept (a hostile engine may flood).
+	maxBeats = 4096
+)
+
 // Check drives an engine through the protocol, the way an agent does:
-// registration, one task per stage it serves, cancellation mid-denoise, a
-// malformed input, and (with a Command) a crash and restart. It writes
-// one line per check to out and returns the results; ok is false if any
-// check failed.
+// registration, each stage it serves twice (the whole output written,
+// deterministically), heartbeats while idle and while a task runs,
+// cancellation mid-denoise, a malformed input, and (with a Command) a
+// crash and restart. It writes one line per check to out and returns the
+// results; ok is false if any check failed.
 func Check(ctx context.Context, cfg CheckConfig, out io.Writer) (results []CheckResult, ok bool, err error) {
 	ar, err := arena.New(arena.Config{Name: "latentmesh-engine-check", Size: 64 << 20, Align: 4096})
 	if err != nil {
 		return nil, false, err
 	}
 	defer ar.Close()
+	ch := &checker{cfg: cfg, ar: ar, out: out, beats: newBeats(), stepTime: map[string]time.Duration{}}
 	sc := cfg.Server
-	sc.Socket, sc.Logger = cfg.Socket, cfg.Logger
+	sc.Socket, sc.Logger, sc.OnFrame = cfg.Socket, cfg.Logger, ch.beats.frame
 	srv, err := Listen(sc, checkArena{ar})
 	if err != nil {
 		return nil, false, err
 	}
 	defer srv.Close()
-	ch := &checker{cfg: cfg, srv: srv, ar: ar, out: out}
+	ch.srv = srv
 	if len(cfg.Command) > 0 {
 		if err := ch.start(); err != nil {
 			return nil, false, err
@@ -94,7 +136,7 @@ func Check(ctx context.Context, cfg CheckConfig, out io.Writer) (results []Check
 	ch.run(ctx)
 	ok = true
 	for _, r := range ch.results {
-		ok = ok && (r.Pass || r.Skip)
+		ok = ok && !r.Failed()
 	}
 	return ch.results, ok, nil
 }
@@ -106,7 +148,79 @@ type checker struct {
 	out     io.Writer
 	cmd     *exec.Cmd
 	exited  chan struct{}
+	beats   *beats
 	results []CheckResult
+	// stepTime is each model's denoise step time, measured by its task
+	// check (the run loop's goroutine only).
+	stepTime map[string]time.Duration
+}
+
+// beats records when the engine's heartbeats arrive (Server.OnFrame, on
+// the connection's reader goroutine).
+type beats struct {
+	arrived chan struct{} // buffered: a beat came since the last receive
+	mu      sync.Mutex
+	// mu guards the field below.
+	at []time.Time
+}
+
+func newBeats() *beats { return &beats{arrived: make(chan struct{}, 1)} }
+
+func (b *beats) frame(t string) {
+	if t != TypeHeartbeat {
+		return
+	}
+	b.mu.Lock()
+	if len(b.at) >= maxBeats {
+		b.at = append(b.at[:0], b.at[len(b.at)/2:]...)
+	}
+	b.at = append(b.at, time.Now())
+	b.mu.Unlock()
+	select {
+	case b.arrived <- struct{}{}:
+	default:
+	}
+}
+
+// between returns the beats that arrived in [from, to].
+func (b *beats) between(from, to time.Time) []time.Time {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	var in []time.Time
+	for _, t := range b.at {
+		if !t.Before(from) && !t.After(to) {
+			in = append(in, t)
+		}
+	}
+	return in
+}
+
+// firstAfter waits up to d for a beat arriving after from.
+func (b *beats) firstAfter(ctx context.Context, from time.Time, d time.Duration) (time.Time, bool) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		if in := b.between(from, time.Now()); len(in) > 0 {
+			return in[0], true
+		}
+		select {
+		case <-b.arrived:
+		case <-t.C:
+			return time.Time{}, false
+		case <-ctx.Done():
+			return time.Time{}, false
+		}
+	}
+}
+
+// longestSilence is the longest span of [from, to] without a beat.
+func longestSilence(at []time.Time, from, to time.Time) time.Duration {
+	longest, prev := time.Duration(0), from
+	for _, t := range append(at, to) {
+		longest = max(longest, t.Sub(prev))
+		prev = t
+	}
+	return longest
 }
 
 func (c *checker) report(r CheckResult) {
@@ -173,9 +287,28 @@ func (c *checker) run(ctx context.Context) {
 			}
 		}
 	}
+	c.report(c.heartbeats(ctx, reg))
 	c.report(c.cancel(ctx, reg))
 	c.report(c.malformed(ctx, reg))
 	c.report(c.crash(ctx, reg))
+}
+
+// denoiser is the first model the engine denoises.
+func denoiser(reg *Registration) (Model, bool) {
+	for _, m := range reg.Models {
+		if slices.Contains(m.Stages, StageDenoise) {
+			return m, true
+		}
+	}
+	return Model{}, false
+}
+
+// stepLimit is the most denoise steps the check asks of m.
+func stepLimit(m Model) int {
+	if m.MaxSteps > 0 {
+		return min(int(m.MaxSteps), maxCheckSteps)
+	}
+	return maxCheckSteps
 }
 
 func (c *checker) spec(m Model, steps int) engine.Spec {
@@ -238,68 +371,198 @@ func (c *checker) request(m Model, st string, steps int, inFill byte) (Request, 
 	return r, nil
 }
 
-// written reports whether the engine wrote out: no float left NaN (the
-// fill), or, for pixels, not every byte left 0xff.
-func written(t Tensor) bool {
-	if t.DType == "float32" {
-		v := unsafe.Slice((*float32)(unsafe.Pointer(&t.Data[0])), len(t.Data)/4)
-		for _, f := range v {
-			if math.IsNaN(float64(f)) || math.IsInf(float64(f), 0) {
-				return false
-			}
-		}
-		return true
+// canary fills b with the check's canary pattern, or (flip) its
+// complement: every byte differs between the two, so a byte the engine
+// never wrote differs between a run over one and a run over the other.
+func canary(b []byte, flip bool) {
+	for i := range b {
+		b[i] = canaryAt(i, flip)
 	}
-	for _, b := range t.Data {
-		if b != 0xff {
-			return true
-		}
-	}
-	return false
 }
 
+func canaryAt(i int, flip bool) byte {
+	v := byte(i*167 + 0x3b)
+	if flip {
+		return ^v
+	}
+	return v
+}
+
+// compareRuns compares the outputs of two runs of one task, the first
+// over the canary and the second over its complement: unwritten counts
+// bytes that kept the canary in both, differ the other differing bytes;
+// first is the offset of the first byte counted.
+func compareRuns(a, b []byte) (unwritten, differ, first int) {
+	first = -1
+	for i := range a {
+		if a[i] == b[i] {
+			continue
+		}
+		if first < 0 {
+			first = i
+		}
+		if a[i] == canaryAt(i, false) && b[i] == canaryAt(i, true) {
+			unwritten++
+		} else {
+			differ++
+		}
+	}
+	return unwritten, differ, first
+}
+
+// finite reports whether a float32 output holds no NaN or infinity.
+func finite(t Tensor) bool {
+	if t.DType != "float32" || len(t.Data) < 4 {
+		return true
+	}
+	for _, f := range unsafe.Slice((*float32)(unsafe.Pointer(&t.Data[0])), len(t.Data)/4) {
+		if math.IsNaN(float64(f)) || math.IsInf(float64(f), 0) {
+			return false
+		}
+	}
+	return true
+}
+
+// task runs stage st of m twice, the same task (seed, inputs) over two
+// complementary canary fills of its output: the outputs must be equal
+// byte for byte. A byte the engine did not write keeps its fill and
+// differs, whatever values a legitimate output holds (all white, all
+// zero), so no partial write passes. Denoise must report every step; its
+// step time is kept for the heartbeat and cancellation checks.
 func (c *checker) task(ctx context.Context, m Model, st string) CheckResult {
 	name := fmt.Sprintf("task %s %s", st, m.Name)
-	r, err := c.request(m, st, 4, 0)
+	var outs [2][]byte
+	var took time.Duration
+	for run, flip := range []bool{false, true} {
+		r, err := c.request(m, st, taskSteps, 0)
+		if err != nil {
+			return CheckResult{Name: name, Detail: err.Error()}
+		}
+		canary(r.Output.Data, flip)
+		var at []time.Time
+		last, total := 0, 0
+		r.Progress = func(step, t int) {
+			last, total = step, t
+			if len(at) < taskSteps {
+				at = append(at, time.Now())
+			}
+		}
+		tctx, cancel := context.WithTimeout(ctx, c.cfg.TaskTimeout)
+		start := time.Now()
+		err = c.srv.Run(tctx, r)
+		cancel()
+		if err != nil {
+			return CheckResult{Name: name, Detail: fmt.Sprintf("failed: %v", err)}
+		}
+		took = max(took, time.Since(start).Round(time.Millisecond))
+		if st == StageDenoise && (last != r.Spec.Steps || total != r.Spec.Steps) {
+			return CheckResult{Name: name, Detail: fmt.Sprintf("done, but progress reached step %d of %d, want %d of %d", last, total, r.Spec.Steps, r.Spec.Steps)}
+		}
+		if st == StageDenoise && len(at) > 1 {
+			d := at[len(at)-1].Sub(at[0]) / time.Duration(len(at)-1)
+			if run == 0 || d < c.stepTime[m.Name] {
+				c.stepTime[m.Name] = max(d, time.Microsecond)
+			}
+		}
+		if !finite(r.Output) {
+			return CheckResult{Name: name, Detail: "done, but the output holds NaN or infinities"}
+		}
+		outs[run] = r.Output.Data
+	}
+	n := len(outs[0])
+	switch unwritten, differ, first := compareRuns(outs[0], outs[1]); {
+	case unwritten > 0:
+		return CheckResult{Name: name, Detail: fmt.Sprintf("done, but %d of the output's %d bytes were never written (first at byte %d%s): they kept the check's fill in two runs over different fills; the engine must write its whole output region", unwritten, n, first, where(st, first, n))}
+	case differ > 0:
+		return CheckResult{Name: name, Detail: fmt.Sprintf("done, but two runs of the same task (same seed, spec and inputs) wrote outputs differing in %d of %d bytes (first at byte %d): the engine must be deterministic, so that the check can see it wrote its whole output and a retried task gives the same bytes", differ, n, first)}
+	}
+	return CheckResult{Name: name, Pass: true, Detail: fmt.Sprintf("done in %v, whole output written, the same bytes in two runs", took)}
+}
+
+// where places a byte offset of a decode's output in the image.
+func where(st string, off, n int) string {
+	if st != StageDecode {
+		return ""
+	}
+	return fmt.Sprintf(", %d%% into the image", 100*off/n)
+}
+
+// heartbeats waits, once, for a heartbeat while the engine is idle, then
+// runs a denoise long enough to need one and measures the longest silence
+// while it runs. Progress frames do not count: a decode reports none, and
+// a step may outlast the timeout. The bound is the agent's timeout less
+// one heartbeat period.
+func (c *checker) heartbeats(ctx context.Context, reg *Registration) CheckResult {
+	const name = "heartbeats"
+	every, timeout := c.cfg.Server.HeartbeatEvery, c.cfg.Server.HeartbeatTimeout
+	bound := timeout - every
+	drops := fmt.Sprintf("the agent drops an engine silent for %v", timeout)
+	ms := time.Millisecond
+	start := time.Now()
+	first, ok := c.beats.firstAfter(ctx, start, bound)
+	if !ok {
+		return CheckResult{Name: name, Detail: fmt.Sprintf("no heartbeat in %v while idle: %s; send one every heartbeat_ms (%d) from a thread of its own", bound, drops, every.Milliseconds())}
+	}
+	idle := fmt.Sprintf("idle: one %v into the wait", first.Sub(start).Round(ms))
+	m, ok := denoiser(reg)
+	if !ok {
+		return CheckResult{Name: name, Pass: true, Detail: idle + "; not checked while a task runs: the engine serves no denoise, the one task the check can make last long enough"}
+	}
+	want := timeout // a beat of margin over the bound, so a late last beat still shows
+	steps := c.cfg.Steps
+	if d := c.stepTime[m.Name]; d > 0 {
+		steps = int(want/d) + 1
+	}
+	steps = max(1, min(steps, stepLimit(m)))
+	r, err := c.request(m, StageDenoise, steps, 0)
 	if err != nil {
 		return CheckResult{Name: name, Detail: err.Error()}
 	}
-	last, total := 0, 0
-	r.Progress = func(step, t int) { last, total = step, t }
 	tctx, cancel := context.WithTimeout(ctx, c.cfg.TaskTimeout)
 	defer cancel()
-	start := time.Now()
-	if err := c.srv.Run(tctx, r); err != nil {
-		return CheckResult{Name: name, Detail: fmt.Sprintf("failed: %v", err)}
+	s := time.Now()
+	err = c.srv.Run(tctx, r)
+	e := time.Now()
+	if err != nil {
+		return CheckResult{Name: name, Detail: fmt.Sprintf("%s; a %d-step denoise run to watch heartbeats while busy failed: %v (%s)", idle, steps, err, drops)}
 	}
-	took := time.Since(start).Round(time.Millisecond)
+	in := c.beats.between(s, e)
+	silent := longestSilence(in, s, e)
+	busy := fmt.Sprintf("busy: %d during a %d-step denoise of %v, longest silence %v", len(in), steps, e.Sub(s).Round(ms), silent.Round(ms))
 	switch {
-	case !written(r.Output):
-		return CheckResult{Name: name, Detail: "done, but the output region was not (fully) written: NaN, infinities or untouched bytes remain"}
-	case st == StageDenoise && (last != r.Spec.Steps || total != r.Spec.Steps):
-		return CheckResult{Name: name, Detail: fmt.Sprintf("done, but progress reached step %d of %d, want %d of %d", last, total, r.Spec.Steps, r.Spec.Steps)}
+	case silent > bound:
+		return CheckResult{Name: name, Detail: fmt.Sprintf("%s; no heartbeat for %v while a %d-step denoise ran (%v in all): %s, and progress does not stand in for heartbeats (a decode sends none, a step may outlast it); heartbeat from a thread of its own, also while a task runs", idle, silent.Round(ms), steps, e.Sub(s).Round(ms), drops)}
+	case len(in) == 0:
+		return CheckResult{Name: name, Inconclusive: true, Detail: fmt.Sprintf("%s; not checked while a task runs: the longest denoise the check may ask (%d steps) took %v, too short to need a heartbeat (the check allows %v without one); give the model a larger max_steps or slower steps", idle, steps, e.Sub(s).Round(ms), bound)}
 	}
-	return CheckResult{Name: name, Pass: true, Detail: fmt.Sprintf("done in %v", took)}
+	return CheckResult{Name: name, Pass: true, Detail: fmt.Sprintf("%s; %s (the check allows %v; %s)", idle, busy, bound, drops)}
 }
 
 // cancel runs a long denoise and cancels it after CancelAt steps: the
 // engine must stop at the next step boundary, so at most one more step.
+// That needs the engine still running when the cancel reaches it: the
+// check runs enough steps, at the step time measured by the task check,
+// that the steps after the cancel take three times CancelLands. An engine
+// that ran past the cancel only within CancelLands of it was too fast to
+// judge, and the check says so with what to change.
 func (c *checker) cancel(ctx context.Context, reg *Registration) CheckResult {
 	const name = "cancel mid-denoise"
-	var m Model
-	found := false
-	for _, mo := range reg.Models {
-		if slices.Contains(mo.Stages, StageDenoise) {
-			m, found = mo, true
-			break
-		}
-	}
+	m, found := denoiser(reg)
 	if !found {
 		return CheckResult{Name: name, Skip: true, Detail: "the engine serves no denoise stage"}
 	}
+	cancelAt, lands := c.cfg.CancelAt, c.cfg.CancelLands
+	// need is the step count whose steps after cancelAt+1 last 3*lands at d a step.
+	need := func(d time.Duration) int {
+		return cancelAt + 1 + int(math.Ceil(float64(3*lands)/float64(max(d, time.Microsecond))))
+	}
 	steps := c.cfg.Steps
-	if m.MaxSteps > 0 {
-		steps = min(steps, int(m.MaxSteps))
+	if d := c.stepTime[m.Name]; d > 0 {
+		steps = max(steps, need(d))
+	}
+	steps = min(steps, stepLimit(m))
+	if steps < cancelAt+2 {
+		return CheckResult{Name: name, Inconclusive: true, Detail: fmt.Sprintf("the model allows %d steps, which leaves no step after a cancel at step %d to stop short of; run with a smaller --cancel-at", steps, cancelAt)}
 	}
 	r, err := c.request(m, StageDenoise, steps, 0)
 	if err != nil {
@@ -307,12 +570,27 @@ func (c *checker) cancel(ctx context.Context, reg *Registration) CheckResult {
 	}
 	tctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	last := make(chan int, steps+1) // every step reported, in order (the reader goroutine)
-	cancelAt := -1
+	type report struct {
+		step int
+		at   time.Time
+	}
+	var (
+		mu sync.Mutex
+		// mu guards the fields below: Progress runs on the reader
+		// goroutine, which may still call it as Run gives up.
+		reports    []report
+		cancelStep = -1
+		sentAt     time.Time
+	)
 	r.Progress = func(step, total int) {
-		last <- step
-		if step >= c.cfg.CancelAt && cancelAt < 0 {
-			cancelAt = step
+		now := time.Now()
+		mu.Lock()
+		defer mu.Unlock()
+		if len(reports) < 2*maxCheckSteps {
+			reports = append(reports, report{step, now})
+		}
+		if step >= cancelAt && cancelStep < 0 {
+			cancelStep, sentAt = step, now
 			cancel()
 		}
 	}
@@ -320,28 +598,54 @@ func (c *checker) cancel(ctx context.Context, reg *Registration) CheckResult {
 	done := make(chan error, 1)
 	go func() { done <- c.srv.Run(tctx, r) }()
 	var runErr error
+	t := time.NewTimer(c.cfg.TaskTimeout)
 	select {
 	case runErr = <-done:
-	case <-time.After(c.cfg.TaskTimeout):
+	case <-t.C:
 		cancel()
 		runErr = <-done
 	}
-	close(last)
-	maxStep := 0
-	for s := range last {
-		maxStep = max(maxStep, s)
+	t.Stop()
+	mu.Lock()
+	defer mu.Unlock()
+	maxStep, firstStep, firstAt := 0, 0, time.Time{}
+	var late *report // the first step past cancelStep+1 reported after the cancel had time to land
+	for i, rp := range reports {
+		if i == 0 {
+			firstStep, firstAt = rp.step, rp.at
+		}
+		maxStep = max(maxStep, rp.step)
+		if cancelStep >= 0 && rp.step > cancelStep+1 && rp.at.Sub(sentAt) > lands && late == nil {
+			late = &reports[i]
+		}
 	}
-	res := CheckResult{Name: name, LastStep: maxStep, CancelStep: cancelAt}
+	res := CheckResult{Name: name, LastStep: maxStep, CancelStep: cancelStep}
+	ms := time.Millisecond
 	switch {
-	case cancelAt < 0:
-		res.Detail = fmt.Sprintf("the engine reported no step %d of %d (last %d; %v)", c.cfg.CancelAt, steps, maxStep, runErr)
+	case cancelStep < 0:
+		res.Detail = fmt.Sprintf("the engine reported no step %d of %d (last %d; %v)", cancelAt, steps, maxStep, runErr)
 	case errors.Is(runErr, ErrEngineLost):
 		res.Detail = fmt.Sprintf("the engine did not answer the cancel: %v", runErr)
-	case maxStep > cancelAt+1:
-		res.Detail = fmt.Sprintf("cancelled after step %d of %d, but the engine went on to step %d (it must stop within one step)", cancelAt, steps, maxStep)
-	default:
+	case maxStep <= cancelStep+1:
 		res.Pass = true
-		res.Detail = fmt.Sprintf("cancelled after step %d of %d; stopped at step %d, within one step (%v)", cancelAt, steps, maxStep, time.Since(start).Round(time.Millisecond))
+		res.Detail = fmt.Sprintf("cancelled after step %d of %d; stopped at step %d, within one step (%v)", cancelStep, steps, maxStep, time.Since(start).Round(ms))
+	case late != nil:
+		res.Detail = fmt.Sprintf("cancelled after step %d of %d, but the engine went on to step %d (it must stop within one step); step %d came %v after the cancel was sent", cancelStep, steps, maxStep, late.step, late.at.Sub(sentAt).Round(ms))
+	default:
+		d := time.Duration(0)
+		if cancelStep > firstStep {
+			d = sentAt.Sub(firstAt) / time.Duration(cancelStep-firstStep)
+		}
+		res.Inconclusive = true
+		slower := (3 * lands / time.Duration(steps-cancelStep-1)).Round(time.Millisecond)
+		advice := fmt.Sprintf("run with --steps %d", need(d))
+		if n := need(d); n > stepLimit(m) {
+			advice = fmt.Sprintf("the check may run at most %d steps of this model (its max_steps, at most %d), so give it steps of %v or more (a test option, as the torch worker's --step-ms)", stepLimit(m), maxCheckSteps, slower)
+			if n <= maxCheckSteps {
+				advice += fmt.Sprintf(" or a max_steps of %d", n)
+			}
+		}
+		res.Detail = fmt.Sprintf("cancelled after step %d of %d, but the engine ran on to step %d within %v of the cancel (%v a step), sooner than a cancel can be counted on to reach it (%v): the check cannot tell whether it stops; %s", cancelStep, steps, maxStep, reports[len(reports)-1].at.Sub(sentAt).Round(time.Microsecond), d.Round(time.Microsecond), lands, advice)
 	}
 	return res
 }

@@ -57,8 +57,12 @@ type Config struct {
 	Node string
 	// Check vets the connecting process's credentials; nil accepts
 	// processes of this process's uid (as the shm transport does).
-	Check  func(unix.Ucred) error
-	Logger *zap.Logger
+	Check func(unix.Ucred) error
+	// OnFrame, if set, is called on the connection's reader goroutine (it
+	// must not block) with the type of every frame the registered engine
+	// sends: `engine check` times the engine's heartbeats with it.
+	OnFrame func(t string)
+	Logger  *zap.Logger
 }
 
 // DefaultConfig suits a real engine: a denoise step of a large model may
@@ -533,6 +537,9 @@ func (c *conn) read() error {
 				return fmt.Errorf("no heartbeat for %v: engine hung", c.s.cfg.HeartbeatTimeout)
 			}
 			return err
+		}
+		if c.s.cfg.OnFrame != nil {
+			c.s.cfg.OnFrame(m.T)
 		}
 		switch m.T {
 		case TypeHeartbeat:

@@ -231,13 +231,18 @@ func TestCheckPassesCorrectEngine(t *testing.T) {
 // would do.
 func TestCheckFailsMissingHeartbeats(t *testing.T) {
 	for _, tc := range []struct {
-		beats, want string
+		name, beats string
+		maxSteps    int32
+		want        string
 	}{
-		{"never", "FAIL  heartbeats: no heartbeat in 500ms while idle: the agent drops an engine silent for 600ms"},
-		{"idle", "-step denoise ran"},
+		{"none", "never", 0, "FAIL  heartbeats: no heartbeat in 500ms while idle: the agent drops an engine silent for 600ms"},
+		{"none while busy", "idle", 0, "while tasks ran (1 "},
+		// max_steps caps each task at 160 ms: the check runs several back
+		// to back, and beats between them do not count.
+		{"none while busy, short tasks", "idle", 8, "while tasks ran ("},
 	} {
-		t.Run(tc.beats, func(t *testing.T) {
-			res, ok, out := runCheck(t, fakeEngine{beats: tc.beats, step: 20 * time.Millisecond})
+		t.Run(tc.name, func(t *testing.T) {
+			res, ok, out := runCheck(t, fakeEngine{beats: tc.beats, step: 20 * time.Millisecond, maxSteps: tc.maxSteps})
 			hb := result(t, res, "heartbeats")
 			if ok || !hb.Failed() {
 				t.Fatalf("an engine sending heartbeats %q passes:\n%s", tc.beats, out)

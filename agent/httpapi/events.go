@@ -4,8 +4,6 @@ import (
 	"context"
 	"net/http"
 
-	"go.uber.org/zap"
-
 	"github.com/latentmesh/latentmesh/agent/jobs"
 )
 
@@ -26,33 +24,14 @@ type EventStreamer interface {
 // event carrying the finished job. Steps come from the node running the
 // stage, not from etcd, within milliseconds of the step.
 func (s *server) streamEvents(w http.ResponseWriter, r *http.Request) {
-	id, ok := jobID(w, r)
-	if !ok {
-		return
-	}
 	es, ok := s.jobs.(EventStreamer)
 	if !ok {
 		writeError(w, apiErr(http.StatusNotImplemented, typeServer, CodeUnavailable, "this server cannot stream job events"))
 		return
 	}
-	// Fail with a proper JSON error before committing to a stream.
-	if !s.visible(w, r, id) {
-		return
-	}
-	if _, err := s.jobs.Get(r.Context(), id); err != nil {
-		writeError(w, s.storeError(r, "get", id, err))
-		return
-	}
-	send := s.openStream(w)
-	job, err := es.StreamEvents(r.Context(), id,
-		func(j jobs.Job) error { return send("job", public(j)) },
-		func(st jobs.Step) error { return send("progress", st) })
-	if err != nil {
-		if r.Context().Err() == nil {
-			s.log.Warn("event stream ended", zap.String("job", id), zap.Error(err))
-			_ = send("error", errorEnvelope{Error: apiErr(http.StatusInternalServerError, typeServer, CodeInternal, "stream interrupted")})
-		}
-		return
-	}
-	_ = send("done", public(job))
+	s.streamJob(w, r, "event", func(id string, send sender) (jobs.Job, error) {
+		return es.StreamEvents(r.Context(), id,
+			func(j jobs.Job) error { return send("job", public(j)) },
+			func(st jobs.Step) error { return send("progress", st) })
+	})
 }

@@ -34,17 +34,28 @@ type frameEvent struct {
 // agent produces it, then one "done" event carrying the finished job. A
 // client sees the first frames of a video while the rest still decodes.
 func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
-	id, ok := jobID(w, r)
-	if !ok {
-		return
-	}
 	fs, ok := s.jobs.(FrameStreamer)
 	if !ok {
 		writeError(w, apiErr(http.StatusNotImplemented, typeServer, CodeUnavailable, "this server cannot stream frames"))
 		return
 	}
-	// Fail with a proper JSON error before committing to a stream.
-	if !s.visible(w, r, id) {
+	s.streamJob(w, r, "frame", func(id string, send sender) (jobs.Job, error) {
+		return fs.StreamFrames(r.Context(), id, func(f jobs.Frame) error {
+			return send("frame", frameEvent{Index: f.Index, ContentType: "image/png", B64: base64.StdEncoding.EncodeToString(f.PNG)})
+		})
+	})
+}
+
+// sender writes one server-sent event.
+type sender func(event string, v any) error
+
+// streamJob answers a GET of one of a job's event streams: it checks the
+// job as any GET does (a proper JSON error before committing to a stream),
+// opens the stream, runs follow on it, and ends it with a "done" event
+// carrying the finished job, or an "error" event if follow broke off.
+func (s *server) streamJob(w http.ResponseWriter, r *http.Request, what string, follow func(id string, send sender) (jobs.Job, error)) {
+	id, ok := jobID(w, r)
+	if !ok || !s.visible(w, r, id) {
 		return
 	}
 	if _, err := s.jobs.Get(r.Context(), id); err != nil {
@@ -52,12 +63,10 @@ func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	send := s.openStream(w)
-	job, err := fs.StreamFrames(r.Context(), id, func(f jobs.Frame) error {
-		return send("frame", frameEvent{Index: f.Index, ContentType: "image/png", B64: base64.StdEncoding.EncodeToString(f.PNG)})
-	})
+	job, err := follow(id, send)
 	if err != nil {
 		if r.Context().Err() == nil {
-			s.log.Warn("frame stream ended", zap.String("job", id), zap.Error(err))
+			s.log.Warn(what+" stream ended", zap.String("job", id), zap.Error(err))
 			_ = send("error", errorEnvelope{Error: apiErr(http.StatusInternalServerError, typeServer, CodeInternal, "stream interrupted")})
 		}
 		return
@@ -70,7 +79,7 @@ func (s *server) streamFrames(w http.ResponseWriter, r *http.Request) {
 // job: no read deadline (a GET has no body), and each event, not the
 // stream, must be written within WriteTimeout, so a client that stops
 // reading is dropped.
-func (s *server) openStream(w http.ResponseWriter) (send func(event string, v any) error) {
+func (s *server) openStream(w http.ResponseWriter) sender {
 	rc := http.NewResponseController(w)
 	_ = rc.SetReadDeadline(time.Time{})
 	_ = rc.SetWriteDeadline(time.Now().Add(s.cfg.Server.WriteTimeout))

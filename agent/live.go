@@ -31,7 +31,7 @@ func (a *Agent) withLiveStep(ctx context.Context, j jobs.Job) jobs.Job {
 	}
 	ctx, cancel := context.WithTimeout(ctx, liveAsk)
 	defer cancel()
-	st, ok, err := a.askStep(ctx, p.Node, j.ID, -1, 0)
+	st, ok, err := a.askStep(ctx, p.Node, j.ID, progress.Cursor{}, 0)
 	if err != nil {
 		a.log.Debug("live progress", zap.String("job", j.ID), zap.String("node", p.Node), zap.Error(err))
 	}
@@ -45,7 +45,7 @@ func (a *Agent) withLiveStep(ctx context.Context, j jobs.Job) jobs.Job {
 
 // askStep asks node, this one included, for job's step once it passes
 // after, waiting at most wait for that.
-func (a *Agent) askStep(ctx context.Context, node, job string, after int, wait time.Duration) (progress.Step, bool, error) {
+func (a *Agent) askStep(ctx context.Context, node, job string, after progress.Cursor, wait time.Duration) (progress.Step, bool, error) {
 	if node == a.id {
 		wctx, cancel := context.WithTimeout(ctx, wait)
 		defer cancel()
@@ -68,8 +68,13 @@ func (a *Agent) askStep(ctx context.Context, node, job string, after int, wait t
 }
 
 // followWait is how long one question of a step stream is held open at
-// the running node; the follower asks again when it runs out.
-const followWait = time.Second
+// the running node; the follower asks again when it runs out. finishWait
+// bounds how long a stream waits, once the stage has moved on, for its
+// follower to deliver the last steps.
+const (
+	followWait = time.Second
+	finishWait = time.Second
+)
 
 // StreamEvents calls onJob with the job as it stands and again at each
 // change of its state or running stage, and onStep with each denoise step
@@ -81,18 +86,60 @@ func (a *Agent) StreamEvents(ctx context.Context, id string, onJob func(jobs.Job
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	changes := a.store.Changes(ctx, id)
-	steps := make(chan jobs.Step)
+	steps := make(chan followed)
 	var (
 		last       jobs.Job
 		following  string // the node followed now, "" for none
 		stopFollow = func() {}
 		ended      = make(chan string, 1) // a follower whose node stopped running the job
+		// seen is, per node, the last step sent: a follower started again
+		// for a node (its stage's record changed) goes on from there, and
+		// a retry there, a new run, from its start.
+		seen = map[string]progress.Cursor{}
 	)
+	send := func(f followed) error {
+		seen[f.step.Node] = f.cur
+		return onStep(f.step)
+	}
 	defer func() { stopFollow() }()
+	// finish lets the follower of a stage that moved on deliver what it
+	// still has (the last step often lands with the stage's commit) until
+	// it ends, or finishWait passes.
+	finish := func() error {
+		defer stopFollow()
+		if following == "" {
+			return nil
+		}
+		t := time.NewTimer(finishWait)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-t.C:
+				return nil
+			case node := <-ended:
+				if node == following {
+					return nil
+				}
+			case f := <-steps:
+				if err := send(f); err != nil {
+					return err
+				}
+			}
+		}
+	}
 	for first := true; ; first = false {
 		j, err := a.getRecord(ctx, id)
 		if err != nil {
 			return jobs.Job{}, err
+		}
+		node := runningDenoise(j)
+		if node != following || j.State.Terminal() {
+			if err := finish(); err != nil {
+				return jobs.Job{}, err
+			}
+			following, stopFollow = "", func() {}
 		}
 		if first || jobChanged(last, j) {
 			if err := onJob(j); err != nil {
@@ -103,18 +150,15 @@ func (a *Agent) StreamEvents(ctx context.Context, id string, onJob func(jobs.Job
 		if j.State.Terminal() {
 			return j, nil
 		}
-		if node := runningDenoise(j); node != following {
-			stopFollow()
-			following, stopFollow = node, func() {}
-			if node != "" {
-				fctx, fcancel := context.WithCancel(ctx)
-				done := make(chan struct{})
-				go func() {
-					defer close(done)
-					a.followSteps(fctx, node, id, steps, ended)
-				}()
-				stopFollow = func() { fcancel(); <-done }
-			}
+		if node != "" && node != following {
+			following = node
+			fctx, fcancel := context.WithCancel(ctx)
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				a.followSteps(fctx, node, id, seen[node], steps, ended)
+			}()
+			stopFollow = func() { fcancel(); <-done }
 		}
 	wait:
 		for {
@@ -127,8 +171,8 @@ func (a *Agent) StreamEvents(ctx context.Context, id string, onJob func(jobs.Job
 				if node == following {
 					following = "" // followed again if the record still names it
 				}
-			case st := <-steps:
-				if err := onStep(st); err != nil {
+			case f := <-steps:
+				if err := send(f); err != nil {
 					return jobs.Job{}, err
 				}
 			}
@@ -136,14 +180,20 @@ func (a *Agent) StreamEvents(ctx context.Context, id string, onJob func(jobs.Job
 	}
 }
 
-// followSteps sends each step of job that node reaches to steps, until ctx
-// ends or node says it no longer runs the job (then it sends node to
-// ended). A node that cannot be asked is asked again a little later: the
-// job's record, not this follower, says when the stage moved.
-func (a *Agent) followSteps(ctx context.Context, node, job string, steps chan<- jobs.Step, ended chan<- string) {
-	after := -1
+// followed is one step a follower found, and the cursor it reached.
+type followed struct {
+	step jobs.Step
+	cur  progress.Cursor
+}
+
+// followSteps sends each step of job that node reaches past from to steps,
+// until ctx ends or node says nothing more will come (then it sends node
+// to ended). A node that cannot be asked is asked again a little later:
+// the job's record, not this follower, says when the stage moved.
+func (a *Agent) followSteps(ctx context.Context, node, job string, from progress.Cursor, steps chan<- followed, ended chan<- string) {
+	cur := from
 	for ctx.Err() == nil {
-		st, ok, err := a.askStep(ctx, node, job, after, followWait)
+		st, ok, err := a.askStep(ctx, node, job, cur, followWait)
 		switch {
 		case err != nil:
 			a.log.Debug("following progress", zap.String("job", job), zap.String("node", node), zap.Error(err))
@@ -158,12 +208,15 @@ func (a *Agent) followSteps(ctx context.Context, node, job string, steps chan<- 
 			case <-ctx.Done():
 			}
 			return
-		case st.Step <= after || st.Step == 0:
-			continue // the wait ran out with nothing new
 		}
-		after = st.Step
+		next := progress.Cursor{Run: st.Run, Step: st.Step}
+		if next == cur || st.Step == 0 {
+			cur = next // the wait ran out with nothing new, or a new run not yet at its first step
+			continue
+		}
+		cur = next
 		select {
-		case steps <- jobs.Step{Stage: jobs.Stage(st.Stage), Step: st.Step, Total: st.Total, Node: node, At: st.At}:
+		case steps <- followed{step: jobs.Step{Stage: jobs.Stage(st.Stage), Step: st.Step, Total: st.Total, Node: node, At: st.At}, cur: cur}:
 		case <-ctx.Done():
 		}
 	}

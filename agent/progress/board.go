@@ -13,6 +13,7 @@ package progress
 import (
 	"context"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -22,6 +23,17 @@ type Step struct {
 	Step  int       // steps done, 1-based once the first is done; 0 before
 	Total int       // steps in all (0 for a stage without steps)
 	At    time.Time // when Step was reached (zero before the first)
+	// Run tells runs of the job on this node apart (a retry starts a new
+	// one, at step 0): when it started, in Unix nanoseconds.
+	Run int64
+}
+
+// Cursor is how far an asker has seen a job's steps on a node: step Step
+// of run Run. The zero Cursor has seen nothing; a Cursor of another run
+// than the node's current one has seen none of its steps.
+type Cursor struct {
+	Run  int64
+	Step int
 }
 
 // Board is the running stages of one agent, by job id. The zero value is
@@ -43,6 +55,20 @@ type entry struct {
 // NewBoard returns an empty board.
 func NewBoard() *Board { return &Board{jobs: map[string]*entry{}, linger: linger} }
 
+// lastRun is the last run id handed out: a run is named by when it
+// started (unique across restarts of the process), and ids only grow.
+var lastRun atomic.Int64
+
+func newRun() int64 {
+	for {
+		last, now := lastRun.Load(), time.Now().UnixNano()
+		next := max(now, last+1)
+		if lastRun.CompareAndSwap(last, next) {
+			return next
+		}
+	}
+}
+
 // linger is how long an ended stage stays on the board, so that a
 // follower asking after the last step still gets it.
 const linger = 10 * time.Second
@@ -54,7 +80,7 @@ const linger = 10 * time.Second
 // board for a while (linger). A second Start for the same job replaces the
 // first (a new attempt on this node).
 func (b *Board) Start(job, stage string, total int) (report func(step, total int), end func()) {
-	e := &entry{step: Step{Stage: stage, Total: total}, changed: make(chan struct{})}
+	e := &entry{step: Step{Stage: stage, Total: total, Run: newRun()}, changed: make(chan struct{})}
 	b.mu.Lock()
 	if old := b.jobs[job]; old != nil && !old.ended {
 		old.ended = true
@@ -102,11 +128,12 @@ func (b *Board) Get(job string) (Step, bool) {
 	return Step{}, false
 }
 
-// Next waits until the job's step passes after, its stage ends here, or
-// ctx is done, and returns the step as it then is. more is false when
+// Next waits until the job's step passes after (at once when after is of
+// another run: all of this one is new to the asker), its stage ends here,
+// or ctx is done, and returns the step as it then is. more is false when
 // nothing past after will come from this node: no stage of the job runs
-// here, or it ended at or before step after.
-func (b *Board) Next(ctx context.Context, job string, after int) (st Step, more bool) {
+// here, or it ended at or before after.
+func (b *Board) Next(ctx context.Context, job string, after Cursor) (st Step, more bool) {
 	b.mu.Lock()
 	e := b.jobs[job]
 	b.mu.Unlock()
@@ -118,7 +145,9 @@ func (b *Board) Next(ctx context.Context, job string, after int) (st Step, more 
 		st, ended, ch := e.step, e.ended, e.changed
 		b.mu.Unlock()
 		switch {
-		case st.Step > after:
+		case st.Run != after.Run:
+			return st, !ended || st.Step > 0
+		case st.Step > after.Step:
 			return st, true
 		case ended:
 			return st, false

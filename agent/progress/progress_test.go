@@ -24,9 +24,19 @@ func TestBoardNextWakesOnStepAndEnd(t *testing.T) {
 		t.Fatal("an empty board has a job")
 	}
 	report, end := b.Start("j", "denoise", 50)
+	first, _ := b.Get("j")
+	run := first.Run
+	if run == 0 {
+		t.Fatal("a run without an id")
+	}
+	at := func(step int) Cursor { return Cursor{Run: run, Step: step} }
+	// A cursor of another run has seen nothing: answered at once.
+	if st, ok := b.Next(context.Background(), "j", Cursor{}); !ok || st.Step != 0 || st.Run != run {
+		t.Fatalf("Next(zero cursor) = %+v %v, want step 0 of the run at once", st, ok)
+	}
 	got := make(chan Step, 1)
 	go func() {
-		st, ok := b.Next(context.Background(), "j", 0)
+		st, ok := b.Next(context.Background(), "j", at(0))
 		if !ok {
 			t.Error("Next: not running")
 		}
@@ -39,12 +49,12 @@ func TestBoardNextWakesOnStepAndEnd(t *testing.T) {
 		t.Fatalf("Next = %+v, want step 1 of 50 with a time", st)
 	}
 	// A step already past after is answered at once.
-	if st, ok := b.Next(context.Background(), "j", 0); !ok || st.Step != 1 {
+	if st, ok := b.Next(context.Background(), "j", at(0)); !ok || st.Step != 1 {
 		t.Fatalf("Next(after 0) = %+v %v", st, ok)
 	}
 	done := make(chan bool, 1)
 	go func() {
-		_, ok := b.Next(context.Background(), "j", 1)
+		_, ok := b.Next(context.Background(), "j", at(1))
 		done <- ok
 	}()
 	time.Sleep(10 * time.Millisecond)
@@ -57,8 +67,14 @@ func TestBoardNextWakesOnStepAndEnd(t *testing.T) {
 		t.Fatal("an ended stage still counts as running")
 	}
 	// A follower that asks after the end still gets the last step.
-	if st, ok := b.Next(context.Background(), "j", 0); !ok || st.Step != 1 {
+	if st, ok := b.Next(context.Background(), "j", at(0)); !ok || st.Step != 1 {
 		t.Fatalf("Next(after 0) once ended = %+v %v, want the last step", st, ok)
+	}
+	if st, ok := b.Next(context.Background(), "j", Cursor{}); !ok || st.Step != 1 {
+		t.Fatalf("Next(zero cursor) once ended = %+v %v, want the last step", st, ok)
+	}
+	if _, ok := b.Next(context.Background(), "j", at(1)); ok {
+		t.Fatal("Next past the last step of an ended run says more will come")
 	}
 	if st, ok := b.Get("j"); !ok || st.Step != 1 {
 		t.Fatalf("Get once ended = %+v %v, want the last step while it lingers", st, ok)
@@ -77,7 +93,8 @@ func TestBoardNextHonoursContext(t *testing.T) {
 	report(2, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
-	st, ok := b.Next(ctx, "j", 2)
+	cur, _ := b.Get("j")
+	st, ok := b.Next(ctx, "j", Cursor{Run: cur.Run, Step: 2})
 	if !ok || st.Step != 2 {
 		t.Fatalf("Next at the deadline = %+v %v, want step 2 still running", st, ok)
 	}
@@ -87,6 +104,7 @@ func TestBoardRestartReplacesAttempt(t *testing.T) {
 	b := NewBoard()
 	report1, end1 := b.Start("j", "denoise", 10)
 	report1(7, 10)
+	r1, _ := b.Get("j")
 	report2, end2 := b.Start("j", "denoise", 10) // attempt 2 on the same node
 	report1(8, 10)                               // the old attempt's late step: ignored
 	if st, _ := b.Get("j"); st.Step != 0 {
@@ -96,9 +114,14 @@ func TestBoardRestartReplacesAttempt(t *testing.T) {
 	if _, ok := b.Get("j"); !ok || b.Running() != 1 {
 		t.Fatal("the old attempt's end removed the new attempt")
 	}
+	old := Cursor{Run: r1.Run, Step: 7}
+	if st, _ := b.Get("j"); st.Run <= r1.Run {
+		t.Fatalf("the new attempt's run %d does not follow the old one's %d", st.Run, r1.Run)
+	}
 	report2(1, 10)
-	if st, _ := b.Get("j"); st.Step != 1 {
-		t.Fatalf("step %d, want the new attempt's 1", st.Step)
+	st, ok := b.Next(context.Background(), "j", old)
+	if !ok || st.Step != 1 {
+		t.Fatalf("step %+v, want the new attempt's 1 even to a cursor at step 7 of the old run", st)
 	}
 	end2()
 	if b.Running() != 0 {
@@ -131,13 +154,13 @@ func TestAskLongPollsTheWorker(t *testing.T) {
 	srv := Serve(worker, b, func(peer.ID) bool { return true }, zap.NewNop())
 	defer srv.Close()
 	ctx := context.Background()
-	if _, ok, err := Ask(ctx, asker, peerOf(worker), "j", -1, 0); err != nil || ok {
+	if _, ok, err := Ask(ctx, asker, peerOf(worker), "j", Cursor{}, 0); err != nil || ok {
 		t.Fatalf("Ask before the stage = %v %v, want not running", ok, err)
 	}
 	report, end := b.Start("j", "denoise", 50)
 	defer end()
 	report(3, 50)
-	st, ok, err := Ask(ctx, asker, peerOf(worker), "j", -1, 0)
+	st, ok, err := Ask(ctx, asker, peerOf(worker), "j", Cursor{}, 0)
 	if err != nil || !ok || st.Step != 3 || st.Total != 50 || st.Stage != "denoise" {
 		t.Fatalf("Ask = %+v %v %v, want step 3 of 50", st, ok, err)
 	}
@@ -147,7 +170,7 @@ func TestAskLongPollsTheWorker(t *testing.T) {
 		report(4, 50)
 	}()
 	start := time.Now()
-	st, ok, err = Ask(ctx, asker, peerOf(worker), "j", 3, MaxWait)
+	st, ok, err = Ask(ctx, asker, peerOf(worker), "j", Cursor{Run: st.Run, Step: 3}, MaxWait)
 	if err != nil || !ok || st.Step != 4 {
 		t.Fatalf("long poll = %+v %v %v, want step 4", st, ok, err)
 	}
@@ -166,7 +189,7 @@ func TestAskRefusedToNonMember(t *testing.T) {
 	defer end()
 	srv := Serve(worker, b, func(p peer.ID) bool { return p != asker.ID() }, zap.NewNop())
 	defer srv.Close()
-	if _, _, err := Ask(context.Background(), asker, peerOf(worker), "j", -1, 0); !errors.Is(err, ErrDenied) {
+	if _, _, err := Ask(context.Background(), asker, peerOf(worker), "j", Cursor{}, 0); !errors.Is(err, ErrDenied) {
 		t.Fatalf("Ask from a non-member = %v, want ErrDenied", err)
 	}
 }

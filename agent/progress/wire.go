@@ -44,6 +44,7 @@ const (
 type request struct {
 	V      int    `msgpack:"v"`
 	Job    string `msgpack:"job"`
+	Run    int64  `msgpack:"run,omitempty"` // the run After counts in (Cursor)
 	After  int    `msgpack:"after"`
 	WaitMs int    `msgpack:"wait_ms,omitempty"`
 }
@@ -55,8 +56,8 @@ func (r *request) Validate() error {
 		return fmt.Errorf("%w: progress request version %d", transfer.ErrVersion, r.V)
 	case r.Job == "" || len(r.Job) > maxJobLen:
 		return fmt.Errorf("%w: job id of %d bytes", transfer.ErrProtocol, len(r.Job))
-	case r.After < -1:
-		return fmt.Errorf("%w: after %d", transfer.ErrProtocol, r.After)
+	case r.After < -1 || r.Run < 0:
+		return fmt.Errorf("%w: after step %d of run %d", transfer.ErrProtocol, r.After, r.Run)
 	case r.WaitMs < 0 || time.Duration(r.WaitMs)*time.Millisecond > MaxWait:
 		return fmt.Errorf("%w: wait of %d ms (at most %v)", transfer.ErrProtocol, r.WaitMs, MaxWait)
 	}
@@ -73,6 +74,7 @@ type response struct {
 	Step    int    `msgpack:"step,omitempty"`
 	Total   int    `msgpack:"total,omitempty"`
 	AtNanos int64  `msgpack:"at,omitempty"` // Unix nanoseconds; 0 before the first step
+	Run     int64  `msgpack:"run,omitempty"`
 	Denied  bool   `msgpack:"denied,omitempty"`
 }
 
@@ -83,7 +85,7 @@ func (r *response) Validate() error {
 		return fmt.Errorf("%w: progress response version %d", transfer.ErrVersion, r.V)
 	case len(r.Stage) > maxStageLen:
 		return fmt.Errorf("%w: stage of %d bytes", transfer.ErrProtocol, len(r.Stage))
-	case r.Step < 0 || r.Total < 0:
+	case r.Step < 0 || r.Total < 0 || r.Run < 0:
 		return fmt.Errorf("%w: step %d of %d", transfer.ErrProtocol, r.Step, r.Total)
 	}
 	return nil
@@ -144,10 +146,10 @@ func (s *Server) handle(str network.Stream) {
 	}
 	ctx, cancel := context.WithTimeout(s.ctx, wait)
 	defer cancel()
-	st, ok := s.board.Next(ctx, req.Job, req.After)
+	st, ok := s.board.Next(ctx, req.Job, Cursor{Run: req.Run, Step: req.After})
 	resp := response{V: wireVersion, Running: ok}
 	if ok {
-		resp.Stage, resp.Step, resp.Total = st.Stage, st.Step, st.Total
+		resp.Stage, resp.Step, resp.Total, resp.Run = st.Stage, st.Step, st.Total, st.Run
 		if !st.At.IsZero() {
 			resp.AtNanos = st.At.UnixNano()
 		}
@@ -162,11 +164,11 @@ type Peer struct {
 	Addrs []string
 }
 
-// Ask asks p for job's step once it passes after (-1: as it stands),
-// waiting at most wait (capped at MaxWait) for that. ok is false when
+// Ask asks p for job's step once it passes after (the zero Cursor: as it
+// stands), waiting at most wait (capped at MaxWait) for that. ok is false when
 // nothing past after will come from p (Board.Next). ctx bounds the whole
 // exchange.
-func Ask(ctx context.Context, h host.Host, p Peer, job string, after int, wait time.Duration) (st Step, ok bool, err error) {
+func Ask(ctx context.Context, h host.Host, p Peer, job string, after Cursor, wait time.Duration) (st Step, ok bool, err error) {
 	wait = min(max(wait, 0), MaxWait)
 	for _, a := range p.Addrs {
 		if ma, err := multiaddr.NewMultiaddr(a); err == nil {
@@ -181,7 +183,7 @@ func Ask(ctx context.Context, h host.Host, p Peer, job string, after int, wait t
 	stop := context.AfterFunc(ctx, func() { str.Reset() })
 	defer stop()
 	str.SetDeadline(time.Now().Add(wait + 2*ioTimeout))
-	if err := transfer.WriteFrame(str, &request{V: wireVersion, Job: job, After: after, WaitMs: int(wait / time.Millisecond)}); err != nil {
+	if err := transfer.WriteFrame(str, &request{V: wireVersion, Job: job, Run: after.Run, After: after.Step, WaitMs: int(wait / time.Millisecond)}); err != nil {
 		return Step{}, false, fmt.Errorf("%w: progress of %s: %v", transfer.ErrUnreachable, job, err)
 	}
 	var resp response
@@ -194,7 +196,7 @@ func Ask(ctx context.Context, h host.Host, p Peer, job string, after int, wait t
 	if !resp.Running {
 		return Step{}, false, nil
 	}
-	st = Step{Stage: resp.Stage, Step: resp.Step, Total: resp.Total}
+	st = Step{Stage: resp.Stage, Step: resp.Step, Total: resp.Total, Run: resp.Run}
 	if resp.AtNanos != 0 {
 		st.At = time.Unix(0, resp.AtNanos)
 	}

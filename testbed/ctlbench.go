@@ -87,7 +87,7 @@ func DefaultControlBenchConfig() ControlBenchConfig {
 		// fleet (every handoff is a pushed claim), so the fleets differ
 		// in size only, not in queueing.
 		Clients: 2,
-		Idle:    10 * time.Second, // two alarm polls and a Store pass per agent
+		Idle:    10 * time.Second, // three lease renewals and a Store pass per agent
 		Sim: agent.SimModel{
 			// A few ms of simulated GPU time per stage: 120 jobs take
 			// seconds, and the CPU is left to the control plane.
@@ -141,7 +141,7 @@ type ControlBenchFleet struct {
 	// to a quiet mesh), divided by the jobs.
 	PerJob EtcdCost `json:"per_job"`
 	// PerJobLessIdle is PerJob less what the fleet costs idle over the
-	// same window (the alarm polls and the Store's passes).
+	// same window (lease renewals and the Store's passes).
 	PerJobLessIdle EtcdCost `json:"per_job_less_idle"`
 	// EventsByWatch splits PerJob.Events by the watch that received them
 	// (its key, ids left out), as the agents' client counted them.

@@ -24,7 +24,7 @@ commands:
   status     show an agent's view: node, peers and credits, queues, data plane
   drain      take an agent out of service: stop pulling, finish or requeue its tasks, leave, exit 0
   store      the pooled Store: 'store stat' (by mode and tier), 'store ls [--job ID]'
-  version    print the version
+  version    print the version (also --version)
   engine     'engine check': drive an external engine through the worker protocol, pass/fail per check
   bench      benchmark the data plane (transfer), chunked decode (overlap) and the Store (store)
   testbed    fault-injection runs on hosts in network namespaces ('testbed chaos', as root)
@@ -66,6 +66,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	case "-h", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return 0
+	case "--version", "-version":
+		return runVersion(ctx, nil, stdout, stderr)
 	}
 	cmd, ok := cmds[args[0]]
 	if !ok {

@@ -68,8 +68,10 @@ func TestUsageErrors(t *testing.T) {
 }
 
 func TestVersionAndHelp(t *testing.T) {
-	if code, out, _ := runCmd("version"); code != 0 || !strings.Contains(out, agent.Version) {
-		t.Fatalf("version: %d %q", code, out)
+	for _, arg := range []string{"version", "--version"} {
+		if code, out, _ := runCmd(arg); code != 0 || !strings.Contains(out, agent.Version) {
+			t.Fatalf("%s: %d %q", arg, code, out)
+		}
 	}
 	if code, out, _ := runCmd("help"); code != 0 || !strings.Contains(out, "generate") || !strings.Contains(out, "testbed") {
 		t.Fatalf("help: %d %q", code, out)

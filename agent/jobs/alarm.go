@@ -198,9 +198,6 @@ func (w *AlarmWatcher) poll(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		if !w.failing {
-			w.log.Warn("etcd did not answer the alarm poll", zap.Error(err))
-		}
 		w.failing = true
 		if now := w.now(); now.Sub(w.lastErrLog) >= alarmPollErrorEvery {
 			w.log.Warn("cannot read etcd alarms; keeping the last state",

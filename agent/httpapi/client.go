@@ -140,13 +140,15 @@ func (c *Client) follow(ctx context.Context, job jobs.Job, progress func(jobs.Jo
 		}
 	})
 	var apiErr *APIError
-	if err == nil || !errors.As(err, &apiErr) || (apiErr.Status != http.StatusNotImplemented && apiErr.Code != CodeNotFound) {
-		if err == nil {
-			progress(done)
-			return done, nil
-		}
+	switch {
+	case err == nil:
+		progress(done)
+		return done, nil
+	case !errors.As(err, &apiErr) || (apiErr.Status != http.StatusNotImplemented && apiErr.Code != CodeNotFound):
 		return last, err
 	}
+	// A server without the stream (501, or an older one's 404 for the
+	// endpoint): poll.
 	tick := time.NewTicker(pollInterval)
 	defer tick.Stop()
 	for !job.State.Terminal() {

@@ -117,17 +117,6 @@ func (b *Board) Start(job, stage string, total int) (report func(step, total int
 	return report, end
 }
 
-// Get returns the job's latest step on this node, and false when no stage
-// of it runs or just ran here.
-func (b *Board) Get(job string) (Step, bool) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if e := b.jobs[job]; e != nil {
-		return e.step, true
-	}
-	return Step{}, false
-}
-
 // Next waits until the job's step passes after (at once when after is of
 // another run: all of this one is new to the asker), its stage ends here,
 // or ctx is done, and returns the step as it then is. more is false when
@@ -158,17 +147,4 @@ func (b *Board) Next(ctx context.Context, job string, after Cursor) (st Step, mo
 			return st, true
 		}
 	}
-}
-
-// Running is how many stages run on this node now.
-func (b *Board) Running() int {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	n := 0
-	for _, e := range b.jobs {
-		if !e.ended {
-			n++
-		}
-	}
-	return n
 }

@@ -17,14 +17,38 @@ import (
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
+// get is the job's latest step on b, false when no stage of it runs or
+// just ran there; running counts the stages not ended. The agent asks a
+// board only through Next; these look inside.
+func get(b *Board, job string) (Step, bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if e := b.jobs[job]; e != nil {
+		return e.step, true
+	}
+	return Step{}, false
+}
+
+func running(b *Board) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	n := 0
+	for _, e := range b.jobs {
+		if !e.ended {
+			n++
+		}
+	}
+	return n
+}
+
 func TestBoardNextWakesOnStepAndEnd(t *testing.T) {
 	b := NewBoard()
 	b.linger = 50 * time.Millisecond
-	if _, ok := b.Get("j"); ok {
+	if _, ok := get(b, "j"); ok {
 		t.Fatal("an empty board has a job")
 	}
 	report, end := b.Start("j", "denoise", 50)
-	first, _ := b.Get("j")
+	first, _ := get(b, "j")
 	run := first.Run
 	if run == 0 {
 		t.Fatal("a run without an id")
@@ -63,7 +87,7 @@ func TestBoardNextWakesOnStepAndEnd(t *testing.T) {
 		t.Fatal("Next woken by the end says more steps will come")
 	}
 	report(2, 50) // after end: ignored, no panic
-	if b.Running() != 0 {
+	if running(b) != 0 {
 		t.Fatal("an ended stage still counts as running")
 	}
 	// A follower that asks after the end still gets the last step.
@@ -76,12 +100,12 @@ func TestBoardNextWakesOnStepAndEnd(t *testing.T) {
 	if _, ok := b.Next(context.Background(), "j", at(1)); ok {
 		t.Fatal("Next past the last step of an ended run says more will come")
 	}
-	if st, ok := b.Get("j"); !ok || st.Step != 1 {
+	if st, ok := get(b, "j"); !ok || st.Step != 1 {
 		t.Fatalf("Get once ended = %+v %v, want the last step while it lingers", st, ok)
 	}
 	end() // twice: a no-op
 	time.Sleep(200 * time.Millisecond)
-	if _, ok := b.Get("j"); ok {
+	if _, ok := get(b, "j"); ok {
 		t.Fatal("an ended stage stayed on the board past its linger")
 	}
 }
@@ -93,7 +117,7 @@ func TestBoardNextHonoursContext(t *testing.T) {
 	report(2, 3)
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
 	defer cancel()
-	cur, _ := b.Get("j")
+	cur, _ := get(b, "j")
 	st, ok := b.Next(ctx, "j", Cursor{Run: cur.Run, Step: 2})
 	if !ok || st.Step != 2 {
 		t.Fatalf("Next at the deadline = %+v %v, want step 2 still running", st, ok)
@@ -104,18 +128,18 @@ func TestBoardRestartReplacesAttempt(t *testing.T) {
 	b := NewBoard()
 	report1, end1 := b.Start("j", "denoise", 10)
 	report1(7, 10)
-	r1, _ := b.Get("j")
+	r1, _ := get(b, "j")
 	report2, end2 := b.Start("j", "denoise", 10) // attempt 2 on the same node
 	report1(8, 10)                               // the old attempt's late step: ignored
-	if st, _ := b.Get("j"); st.Step != 0 {
+	if st, _ := get(b, "j"); st.Step != 0 {
 		t.Fatalf("after a restart the step is %d, want 0", st.Step)
 	}
 	end1() // the old attempt's end must not remove the new one
-	if _, ok := b.Get("j"); !ok || b.Running() != 1 {
+	if _, ok := get(b, "j"); !ok || running(b) != 1 {
 		t.Fatal("the old attempt's end removed the new attempt")
 	}
 	old := Cursor{Run: r1.Run, Step: 7}
-	if st, _ := b.Get("j"); st.Run <= r1.Run {
+	if st, _ := get(b, "j"); st.Run <= r1.Run {
 		t.Fatalf("the new attempt's run %d does not follow the old one's %d", st.Run, r1.Run)
 	}
 	report2(1, 10)
@@ -124,7 +148,7 @@ func TestBoardRestartReplacesAttempt(t *testing.T) {
 		t.Fatalf("step %+v, want the new attempt's 1 even to a cursor at step 7 of the old run", st)
 	}
 	end2()
-	if b.Running() != 0 {
+	if running(b) != 0 {
 		t.Fatal("an ended stage still counts as running")
 	}
 }

@@ -102,25 +102,33 @@ func (a *Agent) StreamEvents(ctx context.Context, id string, onJob func(jobs.Job
 		return onStep(f.step)
 	}
 	defer func() { stopFollow() }()
-	// finish lets the follower of a stage that moved on deliver what it
-	// still has (the last step often lands with the stage's commit) until
-	// it ends, or finishWait passes.
-	finish := func() error {
-		defer stopFollow()
-		if following == "" {
-			return nil
+	// pump forwards the follower's steps until the record may have changed
+	// or, draining a stage that moved on, until its follower ends or
+	// finishWait passes: the last step often lands with the commit.
+	pump := func(drain bool) error {
+		recordChanged, timeout := changes, (<-chan time.Time)(nil)
+		if drain {
+			if following == "" {
+				return nil
+			}
+			t := time.NewTimer(finishWait)
+			defer t.Stop()
+			recordChanged, timeout = nil, t.C
 		}
-		t := time.NewTimer(finishWait)
-		defer t.Stop()
 		for {
 			select {
 			case <-ctx.Done():
 				return ctx.Err()
-			case <-t.C:
+			case <-recordChanged:
+				return nil
+			case <-timeout:
 				return nil
 			case node := <-ended:
 				if node == following {
-					return nil
+					following = "" // followed again if the record still names it
+					if drain {
+						return nil
+					}
 				}
 			case f := <-steps:
 				if err := send(f); err != nil {
@@ -136,7 +144,9 @@ func (a *Agent) StreamEvents(ctx context.Context, id string, onJob func(jobs.Job
 		}
 		node := runningDenoise(j)
 		if node != following || j.State.Terminal() {
-			if err := finish(); err != nil {
+			err := pump(true)
+			stopFollow()
+			if err != nil {
 				return jobs.Job{}, err
 			}
 			following, stopFollow = "", func() {}
@@ -160,22 +170,8 @@ func (a *Agent) StreamEvents(ctx context.Context, id string, onJob func(jobs.Job
 			}()
 			stopFollow = func() { fcancel(); <-done }
 		}
-	wait:
-		for {
-			select {
-			case <-ctx.Done():
-				return jobs.Job{}, ctx.Err()
-			case <-changes:
-				break wait
-			case node := <-ended:
-				if node == following {
-					following = "" // followed again if the record still names it
-				}
-			case f := <-steps:
-				if err := send(f); err != nil {
-					return jobs.Job{}, err
-				}
-			}
+		if err := pump(false); err != nil {
+			return jobs.Job{}, err
 		}
 	}
 }

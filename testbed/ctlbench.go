@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"math"
 	"net/http"
 	"slices"
@@ -655,11 +656,7 @@ func (t *watchTally) Watch(ctx context.Context, key string, opts ...clientv3.OpO
 func (t *watchTally) snap() map[string]int64 {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	out := make(map[string]int64, len(t.events))
-	for k, v := range t.events {
-		out[k] = v
-	}
-	return out
+	return maps.Clone(t.events)
 }
 
 // watchKind names a watch by its key under prefix, job and node ids left

@@ -17,12 +17,15 @@
 #                      pipeline on CPU); its tests skip, saying why, without it
 #   python3-pip        `pip install sdk/python` of the SDK itself, and venv for
 #   python3-venv       installing it in isolation
+#   prometheus         promtool: `check metrics` on a live agent's /metrics and
+#                      `check rules` on docs/alerts.yml (agent/httpapi tests)
 #
 # Run as root (CI does). Exits non-zero with a message when anything fails.
 set -euo pipefail
 
 PACKAGES=(libibverbs-dev ibverbs-providers iproute2 iptables etcd-server
-	python3-numpy python3-msgpack python3-torch python3-pip python3-venv)
+	python3-numpy python3-msgpack python3-torch python3-pip python3-venv
+	prometheus)
 
 log() { printf 'install-deps: %s\n' "$*"; }
 die() { printf 'install-deps: error: %s\n' "$*" >&2; exit 1; }

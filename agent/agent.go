@@ -442,7 +442,14 @@ func (a *Agent) apiConfig() httpapi.Config {
 }
 
 func (a *Agent) serve(srv *http.Server, ln net.Listener, name string) {
-	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+	var err error
+	if a.cfg.TLS != nil {
+		srv.TLSConfig = a.cfg.TLS.Clone()
+		err = srv.ServeTLS(ln, "", "") // the certificate comes from TLSConfig
+	} else {
+		err = srv.Serve(ln)
+	}
+	if err != nil && !errors.Is(err, http.ErrServerClosed) {
 		a.log.Error("server stopped", zap.String("server", name), zap.Error(err))
 	}
 }

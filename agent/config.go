@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"os"
@@ -50,6 +51,10 @@ type Config struct {
 	AdminListen string
 	// AdminToken, when set, is required as a bearer token on admin paths but /livez.
 	AdminToken string
+	// TLS, when set, serves the client API and the admin endpoint over
+	// HTTPS with it (cmd/latentmesh gives it an httpapi.CertReloader's
+	// GetCertificate, which picks up replaced files); nil: plain HTTP.
+	TLS *tls.Config
 	// TransientRetries bounds attempts of a task failing for transient reasons
 	// (transfer errors) before the job fails.
 	TransientRetries int
@@ -222,6 +227,9 @@ func (c Config) validate() (Config, error) {
 	}
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()
+	}
+	if c.TLS != nil && len(c.TLS.Certificates) == 0 && c.TLS.GetCertificate == nil {
+		return c, errors.New("agent: TLS has no certificate")
 	}
 	if c.External.Socket != "" && c.Transfer.Arena.Size <= 0 {
 		return c, errors.New("agent: an engine socket needs an arena: the engine reads and writes tensors in it")

@@ -64,7 +64,7 @@ func TestAPIOnRealCluster(t *testing.T) {
 		"n too large":     `{"prompt":"x","n":100}`,
 		"steps too many":  `{"prompt":"x","num_inference_steps":100000}`,
 		"empty prompt":    `{"prompt":""}`,
-		"url format":      `{"prompt":"x","response_format":"url"}`,
+		"bad format":      `{"prompt":"x","response_format":"png"}`,
 		"negative n":      `{"prompt":"x","n":-1}`,
 		"guidance string": `{"prompt":"x","guidance_scale":"high"}`,
 	}

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -62,7 +63,8 @@ func (s *server) streamJob(w http.ResponseWriter, r *http.Request, what string, 
 		writeError(w, s.storeError(r, "get", id, err))
 		return
 	}
-	send := s.openStream(w)
+	send, stop := s.openStream(w)
+	defer stop()
 	job, err := follow(id, send)
 	if err != nil {
 		if r.Context().Err() == nil {
@@ -78,8 +80,11 @@ func (s *server) streamJob(w http.ResponseWriter, r *http.Request, what string, 
 // event, written and flushed, per call. The stream lasts as long as the
 // job: no read deadline (a GET has no body), and each event, not the
 // stream, must be written within WriteTimeout, so a client that stops
-// reading is dropped.
-func (s *server) openStream(w http.ResponseWriter) sender {
+// reading is dropped. While no event goes for StreamKeepAlive, a comment
+// line (": keep-alive") does, so that proxies and clients see the stream
+// alive while a job waits in a queue; stop ends that before the handler
+// returns.
+func (s *server) openStream(w http.ResponseWriter) (send sender, stop func()) {
 	rc := http.NewResponseController(w)
 	_ = rc.SetReadDeadline(time.Time{})
 	_ = rc.SetWriteDeadline(time.Now().Add(s.cfg.Server.WriteTimeout))
@@ -88,15 +93,48 @@ func (s *server) openStream(w http.ResponseWriter) sender {
 	h.Set("Cache-Control", "no-store")
 	h.Set("X-Accel-Buffering", "no")
 	w.WriteHeader(http.StatusOK)
-	return func(event string, v any) error {
-		b, err := json.Marshal(v)
-		if err != nil {
-			return err
-		}
+	var mu sync.Mutex // serializes events and keep-alives on w
+	write := func(format string, a ...any) error {
+		mu.Lock()
+		defer mu.Unlock()
 		_ = rc.SetWriteDeadline(time.Now().Add(s.cfg.Server.WriteTimeout))
-		if _, err := fmt.Fprintf(w, "event: %s\ndata: %s\n\n", event, b); err != nil {
+		if _, err := fmt.Fprintf(w, format, a...); err != nil {
 			return err
 		}
 		return rc.Flush()
 	}
+	sent := make(chan struct{}, 1)
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		t := time.NewTicker(s.cfg.StreamKeepAlive)
+		defer t.Stop()
+		for {
+			select {
+			case <-done:
+				return
+			case <-sent:
+				t.Reset(s.cfg.StreamKeepAlive) // an event went: idle from now
+			case <-t.C:
+				if write(": keep-alive\n\n") != nil {
+					return // the client left; the next event says so to follow
+				}
+			}
+		}
+	})
+	send = func(event string, v any) error {
+		b, err := json.Marshal(v)
+		if err != nil {
+			return err
+		}
+		if err := write("event: %s\ndata: %s\n\n", event, b); err != nil {
+			return err
+		}
+		select {
+		case sent <- struct{}{}:
+		default: // a reset is pending already
+		}
+		return nil
+	}
+	return send, sync.OnceFunc(func() { close(done); wg.Wait() })
 }

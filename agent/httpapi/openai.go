@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -25,6 +26,17 @@ type imagesRequest struct {
 	Model          string `json:"model"` // "" or "latentmesh-reference": the built-in engine
 	User           string `json:"user"`  // accepted and ignored
 
+	// OpenAI's other fields: applied where they mean something here,
+	// otherwise accepted and ignored with one logged warning (openaiExtras).
+	Quality           string `json:"quality"`            // low, medium, high, standard, hd, auto: the step count
+	Style             string `json:"style"`              // vivid, natural: ignored
+	OutputFormat      string `json:"output_format"`      // png; jpeg re-encodes; webp is ignored
+	OutputCompression *int   `json:"output_compression"` // 0-100: the JPEG quality
+	Background        string `json:"background"`         // auto, opaque; transparent is ignored
+	Moderation        string `json:"moderation"`         // low, auto: ignored, nothing is moderated here
+	PartialImages     *int   `json:"partial_images"`     // ignored: no streaming here
+	Stream            *bool  `json:"stream"`             // true is refused: see /v1/jobs/{id}/events
+
 	NegativePrompt    string   `json:"negative_prompt"`
 	NumInferenceSteps *int     `json:"num_inference_steps"`
 	GuidanceScale     *float64 `json:"guidance_scale"`
@@ -37,14 +49,18 @@ type imagesRequest struct {
 
 // ImagesResponse is the body of a successful POST /v1/images/generations.
 type ImagesResponse struct {
-	Created int64        `json:"created"`
-	Data    []ImageDatum `json:"data"`
+	Created      int64        `json:"created"`
+	Data         []ImageDatum `json:"data"`
+	OutputFormat string       `json:"output_format,omitempty"` // png, jpeg or gif: what data holds
+	Quality      string       `json:"quality,omitempty"`       // as asked
+	Size         string       `json:"size,omitempty"`          // "WxH"
 }
 
 // ImageDatum is one generated image in OpenAI's shape, with the job that
 // made it under "latentmesh".
 type ImageDatum struct {
-	B64JSON       string    `json:"b64_json"`
+	B64JSON       string    `json:"b64_json,omitempty"`
+	URL           string    `json:"url,omitempty"` // with response_format url: the job's result
 	RevisedPrompt string    `json:"revised_prompt,omitempty"`
 	Latentmesh    ImageInfo `json:"latentmesh"`
 }
@@ -67,11 +83,12 @@ func (q imagesRequest) specs(l engine.Limits, maxN int, modelSteps func(string) 
 		return nil, JobRequest{}, &engine.FieldError{Field: "n", Msg: "must be in [1," + strconv.Itoa(maxN) + "]"}
 	}
 	switch q.ResponseFormat {
-	case "", "b64_json":
-	case "url":
-		return nil, JobRequest{}, errURLFormat
+	case "", "b64_json", "url":
 	default:
-		return nil, JobRequest{}, &engine.FieldError{Field: "response_format", Msg: "must be b64_json"}
+		return nil, JobRequest{}, &engine.FieldError{Field: "response_format", Msg: "must be b64_json or url"}
+	}
+	if err := q.checkExtras(); err != nil {
+		return nil, JobRequest{}, err
 	}
 	req := JobRequest{
 		Model:          q.Model,
@@ -85,12 +102,17 @@ func (q imagesRequest) specs(l engine.Limits, maxN int, modelSteps func(string) 
 		TransferMode:   q.TransferMode,
 		DeadlineMS:     q.DeadlineMS,
 	}
-	if q.Size != "" {
+	if q.Size != "" && q.Size != "auto" {
 		w, h, err := parseSize(q.Size)
 		if err != nil {
 			return nil, JobRequest{}, err
 		}
 		req.Width, req.Height = &w, &h
+	}
+	if req.Steps == nil {
+		if n, ok := qualitySteps(q.Quality, q.Model, l, modelSteps); ok {
+			req.Steps = &n
+		}
 	}
 	spec, _, err := req.spec(l, modelSteps)
 	if err != nil {
@@ -114,8 +136,6 @@ func (q imagesRequest) specs(l engine.Limits, maxN int, modelSteps func(string) 
 	return specs, req, nil
 }
 
-var errURLFormat = errors.New(`response_format "url" is not supported: this server does not host images; use "b64_json"`)
-
 func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 	var q imagesRequest
 	if e := decodeBody(w, r, s.cfg.MaxBodyBytes, &q); e != nil {
@@ -123,9 +143,10 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	specs, req, err := q.specs(s.cfg.Limits, s.cfg.MaxN, s.cfg.ModelSteps)
-	if errors.Is(err, errURLFormat) {
-		e := apiErr(http.StatusBadRequest, typeInvalidRequest, CodeUnsupportedFormat, "%s", err.Error())
-		e.Param = "response_format"
+	var fe *engine.FieldError
+	if errors.As(err, &fe) && fe.Field == "stream" {
+		e := apiErr(http.StatusBadRequest, typeInvalidRequest, CodeUnsupportedFormat, "%s", fe.Error())
+		e.Param = "stream"
 		writeError(w, e)
 		return
 	}
@@ -135,6 +156,7 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 	}
 	_, opts, _ := req.spec(s.cfg.Limits, s.cfg.ModelSteps) // validated by specs
 	opts.Owner = owner(r)
+	s.warnIgnored(q)
 
 	s.holdOpen(w, s.cfg.SyncTimeout)
 	ctx, cancel := context.WithTimeout(r.Context(), s.cfg.SyncTimeout)
@@ -154,7 +176,8 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 
 	// Waiting in turn costs no more than waiting in parallel: the answer
 	// needs every job, so it takes as long as the slowest.
-	out := ImagesResponse{Created: time.Now().Unix(), Data: make([]ImageDatum, 0, len(submitted))}
+	out := ImagesResponse{Created: time.Now().Unix(), Data: make([]ImageDatum, 0, len(submitted)),
+		Quality: q.Quality, Size: fmt.Sprintf("%dx%d", specs[0].Width, specs[0].Height)}
 	for i, job := range submitted {
 		done, err := s.jobs.Wait(ctx, job.ID)
 		if err != nil {
@@ -179,15 +202,32 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 			writeError(w, e)
 			return
 		}
+		info := ImageInfo{JobID: job.ID, Seed: specs[i].Seed}
+		if q.ResponseFormat == "url" {
+			// The result is hosted already; nothing to fetch here.
+			if done.Result != nil {
+				info.ContentType = done.Result.ContentType
+			}
+			out.Data = append(out.Data, ImageDatum{URL: resultURL(r, job.ID), Latentmesh: info})
+			out.OutputFormat = formatOf(info.ContentType)
+			continue
+		}
 		data, ct, err := s.jobs.Result(ctx, job.ID)
 		if err != nil {
 			writeError(w, s.storeError(r, "result", job.ID, err))
 			return
 		}
-		out.Data = append(out.Data, ImageDatum{
-			B64JSON:    base64.StdEncoding.EncodeToString(data),
-			Latentmesh: ImageInfo{JobID: job.ID, Seed: specs[i].Seed, ContentType: ct},
-		})
+		if q.OutputFormat == "jpeg" && ct == engine.ContentTypePNG {
+			if data, err = toJPEG(data, q.OutputCompression, s.cfg.Limits); err != nil {
+				s.log.Error("jpeg conversion", zap.String("job", job.ID), zap.Error(err))
+				writeError(w, apiErr(http.StatusInternalServerError, typeServer, CodeInternal, "converting job %s's image to JPEG failed", job.ID))
+				return
+			}
+			ct = "image/jpeg"
+		}
+		info.ContentType = ct
+		out.OutputFormat = formatOf(ct)
+		out.Data = append(out.Data, ImageDatum{B64JSON: base64.StdEncoding.EncodeToString(data), Latentmesh: info})
 	}
 	writeJSON(w, http.StatusOK, out)
 }

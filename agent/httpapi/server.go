@@ -16,6 +16,7 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/agent/videoenc"
 	"github.com/latentmesh/latentmesh/cache"
 )
 
@@ -61,6 +62,13 @@ type Config struct {
 	RateBurst    int
 	Logger       *zap.Logger
 	Metrics      *Metrics // optional: counts requests by route and status
+	// FFmpeg is the ffmpeg that makes /v1/videos' MP4s: a path, or a name
+	// looked up in $PATH ("" is "ffmpeg"); "none", or none found, serves
+	// the engine's GIF instead.
+	FFmpeg string
+	// StreamKeepAlive is how often an idle event stream sends a comment, so
+	// that proxies and clients see it alive while a job waits.
+	StreamKeepAlive time.Duration
 }
 
 // DefaultConfig returns a Config with every field set.
@@ -75,6 +83,9 @@ func DefaultConfig() Config {
 		RatePerToken: 20, // a client polling a few jobs; a runaway script is slowed, not the mesh
 		RateBurst:    40, // a page of submissions and their first polls at once
 		Logger:       zap.NewNop(),
+		FFmpeg:       "ffmpeg", // Debian's, on $PATH
+		// Below the 30 s idle timeouts of common proxies and of WriteTimeout.
+		StreamKeepAlive: 15 * time.Second,
 	}
 }
 
@@ -100,6 +111,12 @@ func (c Config) withDefaults() Config {
 	if c.Logger == nil {
 		c.Logger = d.Logger
 	}
+	if c.FFmpeg == "" {
+		c.FFmpeg = d.FFmpeg
+	}
+	if c.StreamKeepAlive <= 0 {
+		c.StreamKeepAlive = d.StreamKeepAlive
+	}
 	return c
 }
 
@@ -107,6 +124,8 @@ type server struct {
 	cfg  Config
 	jobs Jobs
 	log  *zap.Logger
+	enc  *videoenc.Encoder // nil: no ffmpeg, videos are served as GIF
+	warn *ignoredFields    // the OpenAI fields already warned about
 }
 
 // NewHandler returns the client API. Unset fields of cfg take their
@@ -117,7 +136,8 @@ func NewHandler(cfg Config, j Jobs) http.Handler {
 		panic("httpapi: NewHandler needs a Jobs")
 	}
 	cfg = cfg.withDefaults()
-	s := &server{cfg: cfg, jobs: j, log: cfg.Logger.Named("httpapi")}
+	s := &server{cfg: cfg, jobs: j, log: cfg.Logger.Named("httpapi"), warn: &ignoredFields{}}
+	s.enc = newEncoder(cfg.FFmpeg, s.log)
 	mux := http.NewServeMux()
 	rt := router{mux: mux, log: s.log, metrics: cfg.Metrics}
 	rt.handle("/v1/images/generations", methods{http.MethodPost: s.imagesGenerations})
@@ -127,6 +147,11 @@ func NewHandler(cfg Config, j Jobs) http.Handler {
 	rt.handle("/v1/jobs/{id}/result", methods{http.MethodGet: s.getResult})
 	rt.handle("/v1/jobs/{id}/frames", methods{http.MethodGet: s.streamFrames})
 	rt.handle("/v1/jobs/{id}/events", methods{http.MethodGet: s.streamEvents})
+	rt.handle("/v1/videos", methods{http.MethodPost: s.createVideo, http.MethodGet: s.listVideos})
+	rt.handle("/v1/videos/{id}", methods{http.MethodGet: s.getVideo, http.MethodDelete: s.deleteVideo})
+	rt.handle("/v1/videos/{id}/content", methods{http.MethodGet: s.videoContent})
+	rt.handle("/v1/models", methods{http.MethodGet: s.listModels})
+	rt.handle("/v1/models/{model...}", methods{http.MethodGet: s.getModel})
 	rt.handle("/", methods{"*": notFound})
 	var h http.Handler = mux
 	if cfg.Tokens != nil {

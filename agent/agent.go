@@ -79,7 +79,7 @@ type Agent struct {
 	engine   *engine.Engine
 	// runner runs the stages' math: the built-in engine, or the external
 	// engine registered on ext (the engine socket; nil without one).
-	runner  stageRunner
+	runner  StageRunner
 	ext     *extengine.Server
 	credits map[jobs.Stage]*routing.Credits
 	metrics *httpapi.Metrics
@@ -186,9 +186,9 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
 	a.runner = builtinRunner{a.engine}
-	if cfg.Sim != nil {
-		if a.runner, err = newSimRunner(a.id, *cfg.Sim); err != nil {
-			return nil, err
+	if cfg.NewRunner != nil {
+		if a.runner, err = cfg.NewRunner(a.id); err != nil {
+			return nil, fmt.Errorf("agent: %w", err)
 		}
 	}
 	if cfg.External.Socket != "" {

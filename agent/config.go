@@ -100,10 +100,12 @@ type Config struct {
 	// agent's stages instead of the built-in engine, serving the models it
 	// registers; until one registers the agent claims nothing.
 	External extengine.Config
-	// Sim, when set, replaces the built-in engine with simulated GPU time
-	// and model-sized payloads (bench serve); nil in production.
-	Sim *SimEngine
-	API httpapi.Config
+	// NewRunner, when set, builds the runner of this agent's stages, given
+	// its node id, in place of the built-in engine: the benches' simulated
+	// GPU (testbed/simgpu's Config.Runner); nil in production. An engine
+	// socket (External.Socket) takes precedence.
+	NewRunner func(node string) (StageRunner, error)
+	API       httpapi.Config
 	// AdminServer bounds the admin endpoint's connections (timeouts, in-flight cap).
 	AdminServer httpapi.ServerConfig
 	// Queue orders each stage's queue (priority or fifo, aging, deadlines)

@@ -12,11 +12,12 @@ import (
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
-// stageRunner is what runs a stage's math for the worker: the built-in
-// engine in this process, or an external engine process on the engine
-// socket. The worker keeps everything else (claims, credits, transfers,
-// commits), whichever runs the math.
-type stageRunner interface {
+// StageRunner is what runs a stage's math for the worker: the built-in
+// engine in this process, an external engine process on the engine socket,
+// or one given by Config.NewRunner (the benches' simulated GPU,
+// testbed/simgpu). The worker keeps everything else (claims, credits,
+// transfers, commits), whichever runs the math.
+type StageRunner interface {
 	// Serves reports whether stage st of model can run here now.
 	Serves(st jobs.Stage, model string) bool
 	// Slots is how many tasks of st may run at once (beside the agent's
@@ -33,12 +34,12 @@ type stageRunner interface {
 	LatentMeta(s engine.Spec) (transfer.TensorMeta, error)
 	Encode(ctx context.Context, s engine.Spec, dst []byte) error
 	Denoise(ctx context.Context, s engine.Spec, cond engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error
-	NewDecoder(s engine.Spec) (frameDecoder, error)
+	NewDecoder(s engine.Spec) (FrameDecoder, error)
 }
 
-// frameDecoder decodes a latent frame range by frame range and assembles the
+// FrameDecoder decodes a latent frame range by frame range and assembles the
 // file (engine.FrameDecoder is one).
-type frameDecoder interface {
+type FrameDecoder interface {
 	FrameBytes() int
 	DecodeFrames(ctx context.Context, first int, frames []byte) error
 	FramePreview(f int) ([]byte, error)
@@ -70,7 +71,7 @@ func (b builtinRunner) Denoise(ctx context.Context, s engine.Spec, cond engine.T
 	_, err := b.e.DenoiseInto(ctx, s, cond, dst, progress, chunkDone)
 	return err
 }
-func (b builtinRunner) NewDecoder(s engine.Spec) (frameDecoder, error) { return b.e.NewFrameDecoder(s) }
+func (b builtinRunner) NewDecoder(s engine.Spec) (FrameDecoder, error) { return b.e.NewFrameDecoder(s) }
 
 // externalRunner runs stages on the engine registered on the engine socket.
 // Tensors go to the engine as arena offsets; one that landed on the heap
@@ -263,7 +264,7 @@ func (x *externalRunner) Denoise(ctx context.Context, s engine.Spec, cond engine
 	return nil
 }
 
-func (x *externalRunner) NewDecoder(s engine.Spec) (frameDecoder, error) {
+func (x *externalRunner) NewDecoder(s engine.Spec) (FrameDecoder, error) {
 	m, err := x.model(jobs.Decode, s)
 	if err != nil {
 		return nil, err

@@ -1203,7 +1203,7 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 
 // previewFrames publishes decoded frames [first, first+n) as previews. They
 // are advisory: a failure is logged, never fails the task.
-func (a *Agent) previewFrames(ctx context.Context, c *jobs.Claim, fd frameDecoder, first, n int) {
+func (a *Agent) previewFrames(ctx context.Context, c *jobs.Claim, fd FrameDecoder, first, n int) {
 	for f := first; f < first+n; f++ {
 		png, err := fd.FramePreview(f)
 		if err == nil {

@@ -24,6 +24,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/testbed/simgpu"
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
@@ -58,7 +59,7 @@ type ControlBenchConfig struct {
 	Idle time.Duration
 	// Sim is the model every agent serves: simulated GPU time per stage
 	// and its tensors' shapes.
-	Sim agent.SimModel
+	Sim simgpu.Model
 	// Agent is every agent's base config; node id, roles, prefix and the
 	// engine are set per agent.
 	Agent agent.Config
@@ -89,7 +90,7 @@ func DefaultControlBenchConfig() ControlBenchConfig {
 		// in size only, not in queueing.
 		Clients: 2,
 		Idle:    10 * time.Second, // three lease renewals and a Store pass per agent
-		Sim: agent.SimModel{
+		Sim: simgpu.Model{
 			// A few ms of simulated GPU time per stage: 120 jobs take
 			// seconds, and the CPU is left to the control plane.
 			Encode: 2 * time.Millisecond,
@@ -276,7 +277,7 @@ func runControlFleet(ctx context.Context, cfg ControlBenchConfig, i, n int) (f C
 			ac.NodeID, ac.Roles = fmt.Sprintf("denoise-%02d", k), []jobs.Stage{jobs.Denoise}
 		}
 		ac.Logger = cfg.Logger.Named(ac.NodeID)
-		ac.Sim = &agent.SimEngine{Models: map[string]agent.SimModel{controlBenchModel: cfg.Sim}}
+		ac.NewRunner = simgpu.Config{Models: map[string]simgpu.Model{controlBenchModel: cfg.Sim}}.Runner
 		if _, err := cl.AddAgentConfig(ctx, ac); err != nil {
 			return f, "", fmt.Errorf("start %s: %w", ac.NodeID, err)
 		}

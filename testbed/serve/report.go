@@ -10,9 +10,9 @@ import (
 	"strings"
 	"time"
 
-	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/testbed"
+	"github.com/latentmesh/latentmesh/testbed/simgpu"
 )
 
 // Report is a run's outcome. Times are simulated seconds: wall time
@@ -58,7 +58,7 @@ type Report struct {
 	Breakdown []Breakdown `json:"breakdown"`
 	Jobs      []JobRecord `json:"jobs"`
 
-	spans []agent.GPUSpan
+	spans []simgpu.Span
 }
 
 // Payload is what one model's stages hand on, as simulated.
@@ -165,7 +165,7 @@ func (r *run) report(results []*result) *Report {
 		tag string
 		st  jobs.Stage
 	}
-	byJob := map[key][]agent.GPUSpan{}
+	byJob := map[key][]simgpu.Span{}
 	for _, s := range spans {
 		byJob[key{s.Tag, s.Stage}] = append(byJob[key{s.Tag, s.Stage}], s)
 	}
@@ -301,7 +301,7 @@ func (r *run) report(results []*result) *Report {
 	}
 
 	// The GPU model's own accounting: no two spans overlap on one GPU.
-	byNode := map[string][]agent.GPUSpan{}
+	byNode := map[string][]simgpu.Span{}
 	for _, s := range spans {
 		byNode[s.Node] = append(byNode[s.Node], s)
 	}

@@ -26,6 +26,7 @@ import (
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
+	"github.com/latentmesh/latentmesh/testbed/simgpu"
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
@@ -247,7 +248,7 @@ func (r *run) agentConfig(i int, roles []jobs.Stage) (agent.Config, Agent, error
 	if len(roles) == 3 {
 		a.Node = fmt.Sprintf("gpu%02d-all", i)
 	}
-	sim := &agent.SimEngine{Models: map[string]agent.SimModel{}, Observe: r.spans.add}
+	sim := &simgpu.Config{Models: map[string]simgpu.Model{}, Observe: r.spans.add}
 	largest := int64(0)
 	seen := map[string]bool{}
 	for _, c := range cfg.Mix {
@@ -279,7 +280,7 @@ func (r *run) agentConfig(i int, roles []jobs.Stage) (agent.Config, Agent, error
 	ac.Admission.Slack = r.slack()
 	ac.Queue.AgingStep = time.Duration(float64(cfg.Queue.AgingStep) / cfg.Compression)
 	ac.Queue.PreemptAfter = time.Duration(float64(cfg.Queue.PreemptAfter) / cfg.Compression)
-	ac.Sim = sim
+	ac.NewRunner = sim.Runner
 	// Room for the slots' outputs and pulls several times over, and the
 	// Store's quarter: what a GPU host's pinned buffer would hold.
 	ac.Transfer.Arena.Size = max(ac.Transfer.Arena.Size, (16*largest+(1<<20)-1)&^((1<<20)-1))
@@ -308,7 +309,7 @@ func AutoSlack(gpus int) int { return 2 * gpus }
 // simModel is m on one simulated GPU: stage times divided by the
 // compression, payload sizes by the byte scale (along the last dimension),
 // and a colocated GPU's video decode slowed by tiling.
-func simModel(m costmodel.Model, cfg Config, colocated bool) (agent.SimModel, error) {
+func simModel(m costmodel.Model, cfg Config, colocated bool) (simgpu.Model, error) {
 	scale := func(d time.Duration) time.Duration { return time.Duration(float64(d) / cfg.Compression) }
 	decode := m.StageTime("decode")
 	if colocated && m.Kind == "video" {
@@ -316,7 +317,7 @@ func simModel(m costmodel.Model, cfg Config, colocated bool) (agent.SimModel, er
 	}
 	cond, err := meta(m.Cond, cfg.ByteScale)
 	if err != nil {
-		return agent.SimModel{}, err
+		return simgpu.Model{}, err
 	}
 	shape := append([]int(nil), m.Latent.Shape...)
 	switch len(shape) {
@@ -325,18 +326,18 @@ func simModel(m costmodel.Model, cfg Config, colocated bool) (agent.SimModel, er
 	case 3: // image [C, H, W] -> [1, C, H, W]
 		shape = append([]int{1}, shape...)
 	default:
-		return agent.SimModel{}, fmt.Errorf("serve: %s latent shape %v", m.Name, m.Latent.Shape)
+		return simgpu.Model{}, fmt.Errorf("serve: %s latent shape %v", m.Name, m.Latent.Shape)
 	}
 	lat, err := meta(costmodel.Tensor{Shape: shape, DType: m.Latent.DType}, cfg.ByteScale)
 	if err != nil {
-		return agent.SimModel{}, err
+		return simgpu.Model{}, err
 	}
 	lat.NumChunks = shape[0]
 	result := 1 << 20 // a stand-in file: a 1024px PNG is about 1 MiB,
 	if m.Kind == "video" {
 		result = 2 << 20 // a 5 s 480p MP4 about 2 MiB (not a cited figure)
 	}
-	return agent.SimModel{
+	return simgpu.Model{
 		Encode: scale(m.StageTime("encode")), Step: scale(time.Duration(m.StepMs * float64(time.Millisecond))), Decode: scale(decode),
 		Cond: cond, Latent: lat, ResultBytes: max(1024, int(float64(result)/cfg.ByteScale)),
 	}, nil
@@ -504,10 +505,10 @@ func (o *opCounter) snapshot() map[string]int64 {
 // spanLog collects the GPU spans of a run.
 type spanLog struct {
 	mu    sync.Mutex // guards spans
-	spans []agent.GPUSpan
+	spans []simgpu.Span
 }
 
-func (l *spanLog) add(s agent.GPUSpan) {
+func (l *spanLog) add(s simgpu.Span) {
 	l.mu.Lock()
 	l.spans = append(l.spans, s)
 	l.mu.Unlock()
@@ -519,10 +520,10 @@ func (l *spanLog) reset() {
 	l.mu.Unlock()
 }
 
-func (l *spanLog) all() []agent.GPUSpan {
+func (l *spanLog) all() []simgpu.Span {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return append([]agent.GPUSpan(nil), l.spans...)
+	return append([]simgpu.Span(nil), l.spans...)
 }
 
 // classOf names the class of a result for reports.

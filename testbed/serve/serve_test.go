@@ -8,11 +8,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
+	"github.com/latentmesh/latentmesh/testbed/simgpu"
 )
 
 // shortConfig is a small, fast run: images and videos on a few GPUs, time
@@ -191,7 +191,7 @@ func TestBreakdownOfRedoneStage(t *testing.T) {
 	t0 := time.Unix(1000, 0)
 	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
 	span := func(st jobs.Stage, q, s, e int) {
-		r.spans.add(agent.GPUSpan{Node: "gpu-0", Tag: "req-000000", Stage: st, Frame: -1, Queued: at(q), Start: at(s), End: at(e)})
+		r.spans.add(simgpu.Span{Node: "gpu-0", Tag: "req-000000", Stage: st, Frame: -1, Queued: at(q), Start: at(s), End: at(e)})
 	}
 	span(jobs.Encode, 2, 2, 22)
 	span(jobs.Denoise, 30, 30, 530)      // first attempt: preempted after 500 ms

@@ -1,4 +1,10 @@
-package agent
+// Package simgpu is a simulated GPU for the benches (`latentmesh-dev bench
+// serve`, `bench control`): an agent.StageRunner that spends a model's GPU
+// time, from a cost model, on one simulated accelerator per agent and writes
+// payloads of the model's real sizes. Agents take it through
+// agent.Config.NewRunner; the daemon never links it. Only testbed and its
+// benches use it.
+package simgpu
 
 import (
 	"context"
@@ -9,12 +15,13 @@ import (
 	"sort"
 	"time"
 
+	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
-// SimEngine stands in for a GPU engine in `latentmesh bench serve`: each
+// Config stands in for a GPU engine in `latentmesh-dev bench serve`: each
 // stage spends a model's GPU time (from a cost model) on this agent's one
 // simulated GPU and writes payloads of the model's latent and conditioning
 // sizes. The agent is one GPU: every stage it runs, of every model, takes
@@ -24,16 +31,16 @@ import (
 //
 // The built-in engine's math is not run: at a real model's latent sizes it
 // would cost more CPU than the simulated GPU time it stands beside.
-type SimEngine struct {
+type Config struct {
 	// Models are the models served, by name, on every role of the agent.
-	Models map[string]SimModel
+	Models map[string]Model
 	// Observe, when set, is told of each stretch of GPU time, from the
 	// task's goroutine: it must be quick and safe for concurrent use.
-	Observe func(GPUSpan)
+	Observe func(Span)
 }
 
-// SimModel is one model's cost on one GPU and its tensors' shapes.
-type SimModel struct {
+// Model is one model's cost on one GPU and its tensors' shapes.
+type Model struct {
 	Encode time.Duration // one encode
 	Step   time.Duration // one denoise step (Spec.Steps of them)
 	Decode time.Duration // decoding the whole latent
@@ -44,9 +51,9 @@ type SimModel struct {
 	ResultBytes int
 }
 
-// GPUSpan is a stretch of simulated GPU time: Queued when the stage asked
+// Span is a stretch of simulated GPU time: Queued when the stage asked
 // for the GPU, Start when it got it, End when it gave it back.
-type GPUSpan struct {
+type Span struct {
 	Node  string
 	Tag   string // the request's prompt: a benchmark names its jobs by it
 	Stage jobs.Stage
@@ -59,7 +66,7 @@ type GPUSpan struct {
 type gpu struct {
 	node    string
 	turn    chan struct{} // a token; holding it is owning the GPU
-	observe func(GPUSpan)
+	observe func(Span)
 }
 
 // run holds the GPU for d on behalf of stage st of s. debt is time
@@ -78,36 +85,39 @@ func (g *gpu) run(ctx context.Context, s engine.Spec, st jobs.Stage, frame int, 
 	end := time.Now()
 	<-g.turn
 	if g.observe != nil {
-		g.observe(GPUSpan{Node: g.node, Tag: s.Prompt, Stage: st, Frame: frame, Queued: queued, Start: start, End: end})
+		g.observe(Span{Node: g.node, Tag: s.Prompt, Stage: st, Frame: frame, Queued: queued, Start: start, End: end})
 	}
 	return max(0, end.Sub(start)-want), err
 }
 
-// simRunner is the stageRunner of a SimEngine.
-type simRunner struct {
-	cfg SimEngine
+// runner is the agent.StageRunner of one agent's simulated GPU.
+type runner struct {
+	cfg Config
 	gpu *gpu
 }
 
-func newSimRunner(node string, cfg SimEngine) (*simRunner, error) {
-	for name, m := range cfg.Models {
+// Runner returns the stage runner of node's own simulated GPU, with the
+// models checked; as a method value it is an agent.Config.NewRunner, so
+// every agent built with it gets a GPU of its own.
+func (c Config) Runner(node string) (agent.StageRunner, error) {
+	for name, m := range c.Models {
 		if err := engine.ValidModel(name); err != nil {
-			return nil, fmt.Errorf("agent: sim model %q: %w", name, err)
+			return nil, fmt.Errorf("simgpu: model %q: %w", name, err)
 		}
 		if m.Encode < 0 || m.Step < 0 || m.Decode < 0 || m.ResultBytes <= 0 {
-			return nil, fmt.Errorf("agent: sim model %q: negative cost or no result size", name)
+			return nil, fmt.Errorf("simgpu: model %q: negative cost or no result size", name)
 		}
 		if err := m.Cond.Validate(math.MaxInt64); err != nil {
-			return nil, fmt.Errorf("agent: sim model %q cond: %w", name, err)
+			return nil, fmt.Errorf("simgpu: model %q cond: %w", name, err)
 		}
 		if err := m.Latent.Validate(math.MaxInt64); err != nil || len(m.Latent.Shape) != 4 || m.Latent.NumChunks != int(m.Latent.Shape[0]) {
-			return nil, fmt.Errorf("agent: sim model %q latent %+v: want [frames, c, h, w] with a chunk per frame (%v)", name, m.Latent, err)
+			return nil, fmt.Errorf("simgpu: model %q latent %+v: want [frames, c, h, w] with a chunk per frame (%v)", name, m.Latent, err)
 		}
 	}
-	return &simRunner{cfg: cfg, gpu: &gpu{node: node, turn: make(chan struct{}, 1), observe: cfg.Observe}}, nil
+	return &runner{cfg: c, gpu: &gpu{node: node, turn: make(chan struct{}, 1), observe: c.Observe}}, nil
 }
 
-func (r *simRunner) model(s engine.Spec) (SimModel, error) {
+func (r *runner) model(s engine.Spec) (Model, error) {
 	m, ok := r.cfg.Models[s.ModelName()]
 	if !ok {
 		return m, fmt.Errorf("%w: model %q is not simulated here", engine.ErrBadSpec, s.ModelName())
@@ -115,14 +125,14 @@ func (r *simRunner) model(s engine.Spec) (SimModel, error) {
 	return m, nil
 }
 
-func (r *simRunner) Serves(_ jobs.Stage, model string) bool { _, ok := r.cfg.Models[model]; return ok }
-func (r *simRunner) Slots(jobs.Stage) int                   { return math.MaxInt } // the GPU lock serialises
-func (r *simRunner) Changed() <-chan struct{}               { return nil }
+func (r *runner) Serves(_ jobs.Stage, model string) bool { _, ok := r.cfg.Models[model]; return ok }
+func (r *runner) Slots(jobs.Stage) int                   { return math.MaxInt } // the GPU lock serialises
+func (r *runner) Changed() <-chan struct{}               { return nil }
 
 // DefaultSteps is 0: bench serve names the steps of every job it submits.
-func (r *simRunner) DefaultSteps(string) int { return 0 }
+func (r *runner) DefaultSteps(string) int { return 0 }
 
-func (r *simRunner) Models() map[string][]jobs.Stage {
+func (r *runner) Models() map[string][]jobs.Stage {
 	out := map[string][]jobs.Stage{}
 	names := make([]string, 0, len(r.cfg.Models))
 	for n := range r.cfg.Models {
@@ -135,17 +145,17 @@ func (r *simRunner) Models() map[string][]jobs.Stage {
 	return out
 }
 
-func (r *simRunner) CondMeta(s engine.Spec) (transfer.TensorMeta, error) {
+func (r *runner) CondMeta(s engine.Spec) (transfer.TensorMeta, error) {
 	m, err := r.model(s)
 	return m.Cond, err
 }
 
-func (r *simRunner) LatentMeta(s engine.Spec) (transfer.TensorMeta, error) {
+func (r *runner) LatentMeta(s engine.Spec) (transfer.TensorMeta, error) {
 	m, err := r.model(s)
 	return m.Latent, err
 }
 
-func (r *simRunner) Encode(ctx context.Context, s engine.Spec, dst []byte) error {
+func (r *runner) Encode(ctx context.Context, s engine.Spec, dst []byte) error {
 	m, err := r.model(s)
 	if err != nil {
 		return err
@@ -157,7 +167,7 @@ func (r *simRunner) Encode(ctx context.Context, s engine.Spec, dst []byte) error
 	return nil
 }
 
-func (r *simRunner) Denoise(ctx context.Context, s engine.Spec, _ engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error {
+func (r *runner) Denoise(ctx context.Context, s engine.Spec, _ engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error {
 	m, err := r.model(s)
 	if err != nil {
 		return err
@@ -181,29 +191,29 @@ func (r *simRunner) Denoise(ctx context.Context, s engine.Spec, _ engine.Tensor,
 	return nil
 }
 
-func (r *simRunner) NewDecoder(s engine.Spec) (frameDecoder, error) {
+func (r *runner) NewDecoder(s engine.Spec) (agent.FrameDecoder, error) {
 	m, err := r.model(s)
 	if err != nil {
 		return nil, err
 	}
 	frames := int(m.Latent.Shape[0])
-	return &simDecoder{r: r, s: s, m: m, frames: frames, frameBytes: int(m.Latent.Bytes()) / frames}, nil
+	return &decoder{r: r, s: s, m: m, frames: frames, frameBytes: int(m.Latent.Bytes()) / frames}, nil
 }
 
-// simDecoder spends the model's decode time in proportion to the latent
+// decoder spends the model's decode time in proportion to the latent
 // frames it is given.
-type simDecoder struct {
-	r          *simRunner
+type decoder struct {
+	r          *runner
 	s          engine.Spec
-	m          SimModel
+	m          Model
 	frames     int
 	frameBytes int
 	debt       time.Duration
 }
 
-func (d *simDecoder) FrameBytes() int { return d.frameBytes }
+func (d *decoder) FrameBytes() int { return d.frameBytes }
 
-func (d *simDecoder) DecodeFrames(ctx context.Context, first int, frames []byte) error {
+func (d *decoder) DecodeFrames(ctx context.Context, first int, frames []byte) error {
 	if len(frames) == 0 || len(frames)%d.frameBytes != 0 {
 		return fmt.Errorf("%w: %d bytes is not whole %d-byte frames", engine.ErrBadTensor, len(frames), d.frameBytes)
 	}
@@ -214,13 +224,13 @@ func (d *simDecoder) DecodeFrames(ctx context.Context, first int, frames []byte)
 }
 
 // FramePreview is a small stand-in for a frame's PNG.
-func (d *simDecoder) FramePreview(f int) ([]byte, error) {
+func (d *decoder) FramePreview(f int) ([]byte, error) {
 	b := make([]byte, 1024)
 	fill(b, d.s, uint64(100+f))
 	return b, nil
 }
 
-func (d *simDecoder) Finish() ([]byte, string, error) {
+func (d *decoder) Finish() ([]byte, string, error) {
 	b := make([]byte, d.m.ResultBytes)
 	fill(b, d.s, 3)
 	return b, "application/octet-stream", nil

@@ -19,6 +19,14 @@ require (
 	golang.org/x/sys v0.50.0
 )
 
+require go.yaml.in/yaml/v3 v3.0.6 // indirect
+
+require (
+	github.com/chromedp/cdproto v0.160.1 // indirect
+	github.com/chromedp/chromedp v0.23.1
+	github.com/go-json-experiment/json v0.0.0-20260213210345-44df1a37e875 // indirect
+)
+
 require (
 	filippo.io/bigmod v0.1.1-0.20260103110540-f8a47775ebe5 // indirect
 	filippo.io/keygen v1.0.0 // indirect

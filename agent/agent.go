@@ -76,6 +76,7 @@ type Agent struct {
 	// the finished job records it can answer for while etcd cannot.
 	health   *jobs.Health
 	finished *jobs.Finished
+	recent   recentJobs // the last jobs it saw, for the status page
 	engine   *engine.Engine
 	// runner runs the stages' math: the built-in engine, or the external
 	// engine registered on ext (the engine socket; nil without one).
@@ -406,6 +407,7 @@ func (a *Agent) Start(ctx context.Context) error {
 			Store: func(ctx context.Context, job string, objects bool) (any, error) {
 				return a.StoreStatus(ctx, job, objects)
 			},
+			Jobs: func(ctx context.Context, limit int) (any, error) { return a.RecentJobs(ctx, limit) },
 			Drain: func(ctx context.Context, wait bool) error {
 				a.wg.Go(func() { a.Drain(a.ctx) })
 				if !wait {
@@ -604,6 +606,7 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 	}
 	if err == nil {
 		a.metrics.JobSubmitted(opts.Class)
+		a.recent.note(j.ID)
 	} else if errors.Is(err, jobs.ErrUnavailable) {
 		a.metrics.JobRefused()
 	}
@@ -913,12 +916,21 @@ type PeerStatus struct {
 	Free    map[string]uint32 `json:"free_credits"`
 	Load    float32           `json:"load"`
 	HTTP    string            `json:"http_addr,omitempty"`
+	// Slots is each role's total credits; Models the models its engine
+	// serves (empty: the built-in model); StoreFree the largest object its
+	// Store can take now, all as the peer registered or gossiped them.
+	Slots     map[string]int `json:"slots,omitempty"`
+	Models    []string       `json:"models,omitempty"`
+	StoreFree uint64         `json:"store_free"`
 }
 
 // QueueInfo is one stage's queue.
 type QueueInfo struct {
 	Queued  int64 `json:"queued"`
 	Running int64 `json:"running"`
+	// ByClass counts the stage's tasks of each priority class, queued or
+	// running.
+	ByClass map[routing.Class]int64 `json:"by_class"`
 }
 
 // Status reports this node, its peers and the queues.
@@ -937,19 +949,24 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 			ID: p.Record.ID, Roles: p.Record.Roles, Alive: p.Alive, Suspect: p.Suspect,
 			Free: freeByRole(p.Meta.Free),
 			Load: p.Meta.Load, HTTP: p.Record.HTTPAddr,
+			Slots: p.Record.Slots, Models: modelNames(p.Meta.Models), StoreFree: p.Meta.StoreFree,
 		})
 	}
 	for _, s := range jobs.Stages() {
 		if v := a.queues[s]; v != nil && v.Synced() {
 			q, r := v.Depth()
-			st.Queues[s] = QueueInfo{Queued: int64(q), Running: int64(r)}
+			st.Queues[s] = QueueInfo{Queued: int64(q), Running: int64(r), ByClass: v.ClassDepth()}
 			continue
 		}
 		q, r, _, err := a.store.Depth(ctx, s) // on demand: a stage this agent does not follow
 		if err != nil {
 			return Status{}, err
 		}
-		st.Queues[s] = QueueInfo{Queued: q, Running: r}
+		byClass, err := a.store.ClassDepth(ctx, s)
+		if err != nil {
+			return Status{}, err
+		}
+		st.Queues[s] = QueueInfo{Queued: q, Running: r, ByClass: byClass}
 	}
 	xs := a.xfer.Stats()
 	st.Data = DataInfo{
@@ -961,6 +978,15 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 	st.EtcdResets = a.guard.Resets()
 	st.Preempted = a.preempted.Load()
 	return st, nil
+}
+
+// modelNames lists the names of gossiped models.
+func modelNames(ms []gossip.ModelStages) []string {
+	out := make([]string, 0, len(ms))
+	for _, m := range ms {
+		out = append(out, m.Name)
+	}
+	return out
 }
 
 // freeByRole lists gossiped free credits by stage name.

@@ -454,6 +454,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	st := c.Task.Stage
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
 	log.Debug("task claimed")
+	a.recent.note(c.Task.JobID)
 	defer a.untrack(c)
 	var handedOff atomic.Bool // set once an early handoff committed the stage
 	var ran atomic.Bool       // set once run returned: no work is left to stop

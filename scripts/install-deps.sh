@@ -19,13 +19,15 @@
 #   python3-venv       installing it in isolation
 #   prometheus         promtool: `check metrics` on a live agent's /metrics and
 #                      `check rules` on docs/alerts.yml (agent/httpapi tests)
+#   chromium           headless browser the status page's end-to-end test drives
+#                      (testbed TestStatusPageInBrowser, through chromedp)
 #
 # Run as root (CI does). Exits non-zero with a message when anything fails.
 set -euo pipefail
 
 PACKAGES=(libibverbs-dev ibverbs-providers iproute2 iptables etcd-server
 	python3-numpy python3-msgpack python3-torch python3-pip python3-venv
-	prometheus)
+	prometheus chromium)
 
 log() { printf 'install-deps: %s\n' "$*"; }
 die() { printf 'install-deps: error: %s\n' "$*" >&2; exit 1; }

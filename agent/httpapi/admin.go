@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/httpapi/statuspage"
 )
 
 // AdminConfig configures the admin endpoint. Nil funcs and a nil Metrics
@@ -22,6 +24,9 @@ type AdminConfig struct {
 	// summary (a job's objects only, with job), with the records listed
 	// when objects is true.
 	Store func(ctx context.Context, job string, objects bool) (any, error)
+	// Jobs serves /v1/admin/jobs[?limit=N]: the last jobs the agent saw,
+	// newest first, at most N (default 20, at most MaxAdminJobs).
+	Jobs func(ctx context.Context, limit int) (any, error)
 	// Drain serves POST /v1/admin/drain[?wait=true]: the agent stops
 	// taking work and leaves once its running tasks are done or requeued.
 	// With wait it returns when the drain has finished (the process then
@@ -36,6 +41,13 @@ type AdminConfig struct {
 	Logger *zap.Logger
 }
 
+// MaxAdminJobs is the most jobs /v1/admin/jobs lists; defaultAdminJobs
+// how many without ?limit.
+const (
+	MaxAdminJobs     = 64
+	defaultAdminJobs = 20
+)
+
 // DefaultAdminServerConfig is DefaultServerConfig with room for CPU
 // profiles and traces: net/http/pprof refuses a profile as long as the
 // server's WriteTimeout, and operators commonly take 30 s ones.
@@ -46,8 +58,9 @@ func DefaultAdminServerConfig() ServerConfig {
 	return c
 }
 
-// NewAdminHandler returns the admin endpoint: probes, metrics, status and
-// net/http/pprof under /debug/pprof/, all on a private mux.
+// NewAdminHandler returns the admin endpoint: probes, metrics, status, the
+// status page under /ui/ (package statuspage) and net/http/pprof under
+// /debug/pprof/, all on a private mux.
 func NewAdminHandler(cfg AdminConfig) http.Handler {
 	log := cfg.Logger
 	if log == nil {
@@ -60,6 +73,10 @@ func NewAdminHandler(cfg AdminConfig) http.Handler {
 		mux.Handle(pattern, instrument(log, nil, pattern, h))
 	}
 	handle("GET /livez", probe(cfg.Live))
+	// The status page's own files carry no data: they load without the
+	// token, then ask for it and send it with every read.
+	handle("GET /ui/", http.StripPrefix("/ui", statuspage.Handler()))
+	handle("GET /{$}", http.RedirectHandler("/ui/", http.StatusFound))
 	// Everything below may need the token.
 	auth := func(h http.Handler) http.Handler { return requireToken(cfg.Token, cfg.Tokens, h) }
 	handle("GET /readyz", auth(probe(cfg.Ready)))
@@ -79,6 +96,20 @@ func NewAdminHandler(cfg AdminConfig) http.Handler {
 			}
 			objects, _ := strconv.ParseBool(q.Get("objects"))
 			statusHandler(log, func(ctx context.Context) (any, error) { return cfg.Store(ctx, job, objects) }).ServeHTTP(w, r)
+		})))
+	}
+	if cfg.Jobs != nil {
+		handle("GET /v1/admin/jobs", auth(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			limit := defaultAdminJobs
+			if v := r.URL.Query().Get("limit"); v != "" {
+				n, err := strconv.Atoi(v)
+				if err != nil || n < 1 || n > MaxAdminJobs {
+					writeError(w, apiErr(http.StatusBadRequest, typeInvalidRequest, codeInvalidFieldPrefix+"limit", "limit: %q is not a number in [1,%d]", v, MaxAdminJobs))
+					return
+				}
+				limit = n
+			}
+			statusHandler(log, func(ctx context.Context) (any, error) { return cfg.Jobs(ctx, limit) }).ServeHTTP(w, r)
 		})))
 	}
 	if cfg.Drain != nil {

@@ -167,7 +167,6 @@ func (s *Service) checkDst(ref Ref, dst []byte) error {
 // nil it returns the published buffer (a heap copy of it when it lives in the
 // arena, which Release may reuse), else it copies into dst.
 func (s *Service) pullLocal(ctx context.Context, ref Ref, dst []byte, onChunk func(int)) ([]byte, error) {
-	start := time.Now()
 	e := s.reg.get(ref.ID)
 	if e == nil {
 		return nil, fmt.Errorf("%w: %s", ErrNotFound, ref.ID)
@@ -194,7 +193,7 @@ func (s *Service) pullLocal(ctx context.Context, ref Ref, dst []byte, onChunk fu
 			onChunk(k)
 		}
 	}
-	s.countPull(ctx, TransportLocal, e.meta.Bytes(), start)
+	s.countPull(ctx, TransportLocal)
 	if dst == nil {
 		return e.buf, nil
 	}
@@ -237,7 +236,6 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 	if s.isClosed() {
 		return ErrClosed
 	}
-	start := time.Now()
 	pid, err := peer.Decode(ref.Producer.PeerID)
 	if err != nil {
 		return fmt.Errorf("%w: producer peer id %q: %v", ErrBadMeta, ref.Producer.PeerID, err)
@@ -267,7 +265,7 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 		t, err = TransportTCP, s.pullTCP(ctx, pid, ref, dst, onChunk)
 	}
 	if err == nil {
-		s.countPull(ctx, t, ref.Meta.Bytes(), start)
+		s.countPull(ctx, t)
 	}
 	return err
 }
@@ -283,13 +281,12 @@ func ForStore(ctx context.Context) context.Context {
 	return context.WithValue(ctx, storePullKey{}, true)
 }
 
-// countPull counts a completed pull of n bytes that began at start.
-func (s *Service) countPull(ctx context.Context, transport string, n int64, start time.Time) {
+func (s *Service) countPull(ctx context.Context, transport string) {
 	if ctx.Value(storePullKey{}) != nil {
-		s.storePulls.add(transport, n, time.Since(start))
+		s.storePulls.add(transport)
 		return
 	}
-	s.pulls.add(transport, n, time.Since(start))
+	s.pulls.add(transport)
 }
 
 // fallbackError is a transport failing before any byte moved, in a way tcp

@@ -180,6 +180,11 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	// Before anything watches: an etcd replaced under the agent ends every
 	// watch, and each watcher reads its state again from the new etcd.
 	a.guard = etcdguard.Install(cli, a.log)
+	if a.metrics, err = httpapi.NewMetrics(prometheus.NewRegistry()); err != nil {
+		return nil, fmt.Errorf("agent: metrics: %w", err)
+	}
+	cli = observedEtcd(cli, a.metrics) // this agent's etcd requests, timed
+	a.cli = cli
 	cfg.Transfer.Logger = a.log
 	cfg.Transfer.Admit = a.admitPeer
 	cfg.Transfer.AuthorizePayload = a.authorizePayload
@@ -195,6 +200,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg.External.Socket != "" {
 		ec := cfg.External
 		ec.Node, ec.Logger = a.id, a.log
+		ec.OnFrame = chainFrame(a.metrics.EngineFrame, ec.OnFrame) // engine health, for metrics
 		if a.ext, err = extengine.Listen(ec, a.xfer); err != nil {
 			return nil, fmt.Errorf("agent: %w", err)
 		}
@@ -217,11 +223,10 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 			}
 		}
 	}
-	reg := prometheus.NewRegistry()
-	if a.metrics, err = httpapi.NewMetrics(reg); err != nil {
+	if err = a.metrics.WatchStore(func() cache.LocalStats { return a.cstore.LocalStats() }); err != nil {
 		return nil, fmt.Errorf("agent: metrics: %w", err)
 	}
-	if err = a.metrics.WatchStore(func() cache.LocalStats { return a.cstore.LocalStats() }); err != nil {
+	if err = a.metrics.WatchAgent(a.agentStats); err != nil {
 		return nil, fmt.Errorf("agent: metrics: %w", err)
 	}
 	for _, r := range cfg.Roles {
@@ -438,6 +443,7 @@ func (a *Agent) Start(ctx context.Context) error {
 func (a *Agent) apiConfig() httpapi.Config {
 	c := a.cfg.API
 	c.ModelSteps = a.modelSteps
+	c.ModelLimits = a.modelLimits
 	c.Logger = a.log
 	c.Metrics = a.metrics
 	return c
@@ -754,11 +760,14 @@ func (a *Agent) gossipEngine() {
 		if ch == nil {
 			return // the built-in engine never changes
 		}
+		leaseChanged := a.member.LeaseChanged() // a registration may not carry the models
 		a.publishMeta()
+		a.publishModels()
 		select {
 		case <-a.ctx.Done():
 			return
 		case <-ch:
+		case <-leaseChanged:
 		}
 	}
 }
@@ -842,12 +851,11 @@ func (a *Agent) reportLoop() {
 				every = 50 * time.Millisecond // report a view as soon as its first read lands
 				continue
 			}
-			queued, _ := q.Depth()
-			a.metrics.SetQueueDepth(st, queued)
+			a.reportQueue(st, q)
 		}
 		for st := range a.credits {
 			_, free := a.slots(st)
-			a.metrics.SetFreeCredits(st, free)
+			a.metrics.SetCredits(st, free, a.credits[st].InUse())
 		}
 		a.sleep(every)
 		if a.ctx.Err() != nil {

@@ -214,6 +214,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			if !errors.Is(err, jobs.ErrTaken) {
 				return nil, err
 			}
+			a.metrics.ClaimConflict(st)
 		}
 		if tried > 0 {
 			continue // others won every race: the queue moved, scan it again
@@ -466,7 +467,9 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	start := time.Now()
 	var staged []*cache.Staged // Store objects the task staged; their records come with its commit
 	var pulled pullTime
-	out, published, committed, err := a.run(withPullTime(ctx, &pulled), c, &handedOff, &staged)
+	var first firstFrame // a video's first preview, for metrics
+	a.metrics.ObserveQueueWait(st, c.Task.Class, start.Sub(c.Task.EnqueuedAt))
+	out, published, committed, err := a.run(withFirstFrame(withPullTime(ctx, &pulled), &first), c, &handedOff, &staged)
 	ran.Store(true)
 	out.Work, out.Pull = time.Since(start), time.Duration(pulled.Load())
 	a.committing[st].Add(1) // before the credit goes back, so admission never counts it out
@@ -483,7 +486,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 		// Early handoff: the commit already happened inside run.
 		switch {
 		case err == nil:
-			a.metrics.ObserveStage(st, out.Work)
+			a.metrics.ObserveStage(st, c.Task.Class, out.Work)
 			log.Info("stage committed early", zap.Duration("took", out.Work))
 		case errors.Is(err, errMaybeCommitted):
 			// Refused after an attempt whose answer was lost, and etcd
@@ -520,9 +523,10 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 		}
 		switch {
 		case err == nil:
-			a.metrics.ObserveStage(st, out.Work)
+			a.metrics.ObserveStage(st, c.Task.Class, out.Work)
 			if st == jobs.Decode {
 				a.metrics.JobFinished(jobs.Succeeded)
+				a.observeJob(c, &first)
 			}
 			log.Info("stage committed", zap.Duration("took", out.Work))
 			return
@@ -559,9 +563,11 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 		// Preempted: back to the queue at once, dated, to start over on
 		// its next claim.
 		log.Info("task requeued", zap.NamedError("why", cause))
+		a.metrics.Requeued(st, reasonPreempted)
 		record = func() error { return a.store.Yield(a.ctx, c) }
 	case ctx.Err() != nil && errors.Is(cause, errDrained):
 		log.Info("task requeued", zap.NamedError("why", cause))
+		a.metrics.Requeued(st, reasonDrained)
 		record = func() error { return a.store.Requeue(a.ctx, c) }
 	case ctx.Err() != nil:
 		// Cancelled job or lost lease: give the claim up if it is still ours.
@@ -569,10 +575,12 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	case errors.Is(err, errInputLost):
 		log.Warn("input lost; restarting job from encode", zap.Error(err))
 		reason := err.Error()
+		a.metrics.Rewound(st, a.rewindReason(c, err))
 		record = func() error { return a.store.Rewind(a.ctx, c, reason) }
 	case errors.Is(err, errTransient) && tries < a.cfg.TransientRetries:
 		backoff := a.cfg.RetryBackoff << (max(tries, 1) - 1)
 		log.Warn("task failed; will retry", zap.Duration("backoff", backoff), zap.Error(err))
+		a.metrics.Requeued(st, reasonRetry)
 		record = func() error { return a.store.Abandon(a.ctx, c, backoff) }
 	default:
 		code := "engine_error"
@@ -650,6 +658,7 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, wait
 		actx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 		err = a.store.Commit(actx, c, out)
 		cancel()
+		a.commitRejected(c.Task.Stage, err)
 		if err == nil {
 			a.committedOutput(c)
 		}
@@ -1208,7 +1217,9 @@ func (a *Agent) previewFrames(ctx context.Context, c *jobs.Claim, fd FrameDecode
 	for f := first; f < first+n; f++ {
 		png, err := fd.FramePreview(f)
 		if err == nil {
-			err = a.putPreview(ctx, c, f, png)
+			if err = a.putPreview(ctx, c, f, png); err == nil {
+				markFirstFrame(ctx)
+			}
 		}
 		if err != nil && ctx.Err() == nil {
 			a.log.Debug("frame preview", zap.String("job", c.Task.JobID), zap.Int("frame", f), zap.Error(err))
@@ -1222,7 +1233,7 @@ func (a *Agent) previewFrames(ctx context.Context, c *jobs.Claim, fd FrameDecode
 func (a *Agent) pullFailed(ctx context.Context, in jobs.Input, err error) error {
 	switch {
 	case errors.Is(err, transfer.ErrNotFound):
-		return fmt.Errorf("%w: %s on %s: %v", errInputLost, in.Payload, in.Node, err)
+		return fmt.Errorf("%w: %s on %s: %w", errInputLost, in.Payload, in.Node, err)
 	case ctx.Err() != nil:
 		return ctx.Err()
 	}

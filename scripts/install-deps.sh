@@ -21,13 +21,19 @@
 #                      `check rules` on docs/alerts.yml (agent/httpapi tests)
 #   chromium           headless browser the status page's end-to-end test drives
 #                      (testbed TestStatusPageInBrowser, through chromedp)
+#   ffmpeg             H.264 MP4s for /v1/videos (ffmpeg), and ffprobe, which the
+#                      videoenc and testbed tests check the MP4s with
+#   nodejs, npm        the official OpenAI Node client (testbed/testdata/openai-node)
+#                      against a mesh; npm only where no npm is on PATH (NodeSource's
+#                      nodejs bundles it and conflicts with Debian's npm package)
 #
 # Run as root (CI does). Exits non-zero with a message when anything fails.
 set -euo pipefail
 
 PACKAGES=(libibverbs-dev ibverbs-providers iproute2 iptables etcd-server
 	python3-numpy python3-msgpack python3-torch python3-pip python3-venv
-	prometheus chromium)
+	prometheus chromium ffmpeg nodejs)
+command -v npm >/dev/null 2>&1 || PACKAGES+=(npm)
 
 log() { printf 'install-deps: %s\n' "$*"; }
 die() { printf 'install-deps: error: %s\n' "$*" >&2; exit 1; }

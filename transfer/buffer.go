@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 	"unsafe"
 
 	"go.uber.org/zap"
@@ -160,18 +161,26 @@ type Stats struct {
 	// IssuedPulls counts the pulls that used a ticket their producer issued
 	// ahead (WithIssued) instead of asking for one.
 	IssuedPulls int64
+	// Transfers and StoreTransfers are Pulls and StorePulls with the bytes
+	// moved and the time taken, by transport.
+	Transfers, StoreTransfers map[string]PullTotals
 }
 
 // transports indexes pull counters.
 var transports = [...]string{TransportLocal, TransportShm, TransportRDMA, TransportTCP}
 
-// pullCounters counts completed pulls per transport.
-type pullCounters [len(transports)]atomic.Int64
+// pullCounters counts completed pulls per transport, with the bytes they
+// moved and the time they took.
+type pullCounters [len(transports)]struct {
+	n, bytes, nanos atomic.Int64
+}
 
-func (p *pullCounters) add(t string) {
+func (p *pullCounters) add(t string, bytes int64, d time.Duration) {
 	for i, name := range transports {
 		if name == t {
-			p[i].Add(1)
+			p[i].n.Add(1)
+			p[i].bytes.Add(bytes)
+			p[i].nanos.Add(int64(d))
 			return
 		}
 	}
@@ -180,14 +189,32 @@ func (p *pullCounters) add(t string) {
 func (p *pullCounters) snapshot() map[string]int64 {
 	m := make(map[string]int64, len(transports))
 	for i, name := range transports {
-		m[name] = p[i].Load()
+		m[name] = p[i].n.Load()
+	}
+	return m
+}
+
+// PullTotals are the completed pulls of one transport since the service
+// started: how many, the bytes they moved and the time they took (from
+// the pull's start to its last byte).
+type PullTotals struct {
+	Pulls int64
+	Bytes int64
+	Time  time.Duration
+}
+
+func (p *pullCounters) totals() map[string]PullTotals {
+	m := make(map[string]PullTotals, len(transports))
+	for i, name := range transports {
+		m[name] = PullTotals{Pulls: p[i].n.Load(), Bytes: p[i].bytes.Load(), Time: time.Duration(p[i].nanos.Load())}
 	}
 	return m
 }
 
 // Stats returns a snapshot of the payloads and arena the service holds.
 func (s *Service) Stats() Stats {
-	st := Stats{HeapFallbacks: s.heapFallbacks.Load(), RDMA: s.rdma != nil, Pulls: s.pulls.snapshot(), StorePulls: s.storePulls.snapshot(), IssuedPulls: s.issuedPulls.Load()}
+	st := Stats{HeapFallbacks: s.heapFallbacks.Load(), RDMA: s.rdma != nil, Pulls: s.pulls.snapshot(), StorePulls: s.storePulls.snapshot(), IssuedPulls: s.issuedPulls.Load(),
+		Transfers: s.pulls.totals(), StoreTransfers: s.storePulls.totals()}
 	st.Payloads, st.PayloadBytes = s.reg.held()
 	s.mu.Lock()
 	defer s.mu.Unlock()

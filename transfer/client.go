@@ -167,6 +167,7 @@ func (s *Service) checkDst(ref Ref, dst []byte) error {
 // nil it returns the published buffer (a heap copy of it when it lives in the
 // arena, which Release may reuse), else it copies into dst.
 func (s *Service) pullLocal(ctx context.Context, ref Ref, dst []byte, onChunk func(int)) ([]byte, error) {
+	start := time.Now()
 	e := s.reg.get(ref.ID)
 	if e == nil {
 		return nil, fmt.Errorf("%w: %s", ErrNotFound, ref.ID)
@@ -193,7 +194,7 @@ func (s *Service) pullLocal(ctx context.Context, ref Ref, dst []byte, onChunk fu
 			onChunk(k)
 		}
 	}
-	s.countPull(ctx, TransportLocal)
+	s.countPull(ctx, TransportLocal, e.meta.Bytes(), start)
 	if dst == nil {
 		return e.buf, nil
 	}
@@ -236,6 +237,7 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 	if s.isClosed() {
 		return ErrClosed
 	}
+	start := time.Now()
 	pid, err := peer.Decode(ref.Producer.PeerID)
 	if err != nil {
 		return fmt.Errorf("%w: producer peer id %q: %v", ErrBadMeta, ref.Producer.PeerID, err)
@@ -265,7 +267,7 @@ func (s *Service) pull(ctx context.Context, ref Ref, dst []byte, onChunk func(in
 		t, err = TransportTCP, s.pullTCP(ctx, pid, ref, dst, onChunk)
 	}
 	if err == nil {
-		s.countPull(ctx, t)
+		s.countPull(ctx, t, ref.Meta.Bytes(), start)
 	}
 	return err
 }
@@ -281,12 +283,13 @@ func ForStore(ctx context.Context) context.Context {
 	return context.WithValue(ctx, storePullKey{}, true)
 }
 
-func (s *Service) countPull(ctx context.Context, transport string) {
+// countPull counts a completed pull of n bytes that began at start.
+func (s *Service) countPull(ctx context.Context, transport string, n int64, start time.Time) {
 	if ctx.Value(storePullKey{}) != nil {
-		s.storePulls.add(transport)
+		s.storePulls.add(transport, n, time.Since(start))
 		return
 	}
-	s.pulls.add(transport)
+	s.pulls.add(transport, n, time.Since(start))
 }
 
 // fallbackError is a transport failing before any byte moved, in a way tcp

@@ -24,6 +24,7 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -549,9 +550,9 @@ func TestMetrics(t *testing.T) {
 	m := mustMetrics(t)
 	m.JobSubmitted(1)
 	m.JobFinished(jobs.Succeeded)
-	m.ObserveStage(jobs.Denoise, 1500*time.Millisecond)
-	m.SetQueueDepth(jobs.Denoise, 3)
-	m.SetFreeCredits(jobs.Decode, 2)
+	m.ObserveStage(jobs.Denoise, routing.Standard, 1500*time.Millisecond)
+	m.SetQueueDepth(jobs.Denoise, map[routing.Class]int{routing.Batch: 3})
+	m.SetCredits(jobs.Decode, 2, 1)
 	cfg := testConfig(t)
 	cfg.Metrics = m
 	h := NewHandler(cfg, newFakeJobs(true))
@@ -561,8 +562,8 @@ func TestMetrics(t *testing.T) {
 	for _, want := range []string{
 		`latentmesh_jobs_submitted_total{class="standard"} 1`,
 		`latentmesh_jobs_finished_total{state="succeeded"} 1`,
-		`latentmesh_stage_duration_seconds_count{stage="denoise"} 1`,
-		`latentmesh_queue_depth{stage="denoise"} 3`,
+		`latentmesh_stage_duration_seconds_count{class="standard",stage="denoise"} 1`,
+		`latentmesh_queue_depth{class="batch",stage="denoise"} 3`,
 		`latentmesh_free_credits{stage="decode"} 2`,
 		`latentmesh_http_requests_total{code="404",route="/v1/jobs/{id}"} 1`,
 	} {
@@ -579,7 +580,7 @@ func TestMetrics(t *testing.T) {
 
 func TestAdmin(t *testing.T) {
 	m := mustMetrics(t)
-	m.SetQueueDepth(jobs.Encode, 1)
+	m.SetQueueDepth(jobs.Encode, map[routing.Class]int{routing.Standard: 1})
 	ready := errors.New("etcd session not established")
 	cfg := AdminConfig{
 		Live:  func() error { return nil },

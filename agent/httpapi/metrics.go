@@ -4,9 +4,11 @@ import (
 	"fmt"
 	"net/http"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/latentmesh/latentmesh/agent/jobs"
@@ -14,26 +16,56 @@ import (
 	"github.com/latentmesh/latentmesh/routing"
 )
 
-// Metrics are the agent's Prometheus series. The agent calls the methods;
-// Handler serves them. All methods are safe for concurrent use.
+// Metrics are the agent's Prometheus series (docs/metrics.md lists them).
+// The agent calls the methods; Handler serves them. All methods are safe
+// for concurrent use. Every series is this agent's own share, so a sum over
+// agents is the mesh's figure.
 type Metrics struct {
 	reg           *prometheus.Registry
 	jobsSubmitted *prometheus.CounterVec
 	jobsFinished  *prometheus.CounterVec
 	stageSeconds  *prometheus.HistogramVec
+	queueWait     *prometheus.HistogramVec
+	jobSeconds    *prometheus.HistogramVec
+	firstFrame    *prometheus.HistogramVec
 	queueDepth    *prometheus.GaugeVec
 	freeCredits   *prometheus.GaugeVec
+	usedCredits   *prometheus.GaugeVec
 	httpRequests  *prometheus.CounterVec
 	jobsRefused   prometheus.Counter
 	preempted     prometheus.Counter
 	pushedClaims  *prometheus.CounterVec
+	conflicts     *prometheus.CounterVec
+	requeues      *prometheus.CounterVec
+	rewinds       *prometheus.CounterVec
+	refused       *prometheus.CounterVec
+	etcdSeconds   *prometheus.HistogramVec
+	etcdErrors    *prometheus.CounterVec
+	engineBeat    atomic.Int64 // unix ns of the external engine's last frame; 0: none
 }
 
-// NewMetrics registers the series on reg (a fresh registry when nil).
+// Requeue and rewind reasons, commit refusals: the values of the reason
+// labels (a fixed set, so the series stay few).
+const (
+	ReasonPreempted    = "preempted"     // given back for waiting interactive work
+	ReasonDrained      = "drained"       // given back by a draining agent
+	ReasonRetry        = "retry"         // a transient failure, retried after a backoff
+	ReasonPayloadGone  = "payload_gone"  // the producer no longer has the input
+	ReasonProducerLeft = "producer_left" // the input's producer left the mesh
+	ReasonInvalidInput = "invalid_input" // the input's description could not be used
+	ReasonFenced       = "fenced"        // the claim's lease expired: another agent may hold it
+	ReasonFinished     = "finished"      // the job was cancelled or ended meanwhile
+)
+
+// NewMetrics registers the series on reg (a fresh registry when nil), with
+// the Go runtime, process and build-info collectors.
 func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 	if reg == nil {
 		reg = prometheus.NewRegistry()
 	}
+	// Latencies from a millisecond (a queued task taken at once) to about
+	// 17 minutes (a batch job behind a long queue).
+	latency := prometheus.ExponentialBuckets(0.001, 4, 11)
 	m := &Metrics{
 		reg: reg,
 		jobsSubmitted: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -42,21 +74,40 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 		}, []string{"class"}),
 		jobsFinished: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "latentmesh_jobs_finished_total",
-			Help: "Jobs that reached a terminal state, by state.",
+			Help: "Jobs that reached a terminal state on this agent (it ran their last stage, or failed them), by state.",
 		}, []string{"state"}),
 		stageSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "latentmesh_stage_duration_seconds",
-			Help: "Time to run one pipeline stage on this agent, by stage.",
+			Help: "Time to run one pipeline stage on this agent (input pull included, commit excluded), by stage and class.",
 			// 10ms (a cached encode) to about 4 minutes (a long CPU denoise).
 			Buckets: prometheus.ExponentialBuckets(0.01, 2.5, 12),
-		}, []string{"stage"}),
+		}, []string{"stage", "class"}),
+		queueWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "latentmesh_queue_wait_seconds",
+			Help:    "Time from a task's enqueue (or requeue) to this agent starting it, by stage and class.",
+			Buckets: latency,
+		}, []string{"stage", "class"}),
+		jobSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "latentmesh_job_duration_seconds",
+			Help:    "End-to-end latency of succeeded jobs, submission to the result committed, observed by the agent that ran the decode, by class.",
+			Buckets: latency,
+		}, []string{"class"}),
+		firstFrame: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "latentmesh_time_to_first_frame_seconds",
+			Help:    "Submission to the first output a client can read (a video's first preview frame, an image's result), for succeeded jobs, by class.",
+			Buckets: latency,
+		}, []string{"class"}),
 		queueDepth: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "latentmesh_queue_depth",
-			Help: "Tasks waiting in this agent's queue, by stage.",
-		}, []string{"stage"}),
+			Help: "Tasks waiting (unclaimed) in the mesh's queue, by stage and class; exported only by one agent per stage (the lowest node id serving it), so sum() over agents is the mesh's depth.",
+		}, []string{"stage", "class"}),
 		freeCredits: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "latentmesh_free_credits",
 			Help: "Credits this agent can still grant, by stage.",
+		}, []string{"stage"}),
+		usedCredits: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "latentmesh_credits_in_use",
+			Help: "Credits held by tasks running on this agent, by stage.",
 		}, []string{"stage"}),
 		httpRequests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "latentmesh_http_requests_total",
@@ -74,8 +125,41 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 			Name: "latentmesh_pushed_claims_total",
 			Help: "Claims pushed to this agent with their task, by stage and outcome: started, or given back to the queue.",
 		}, []string{"stage", "outcome"}),
+		conflicts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "latentmesh_claim_conflicts_total",
+			Help: "Claims etcd refused because another agent claimed the task first, by stage.",
+		}, []string{"stage"}),
+		requeues: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "latentmesh_task_requeues_total",
+			Help: "Tasks this agent gave back to their queue, by stage and reason (preempted, drained, retry).",
+		}, []string{"stage", "reason"}),
+		rewinds: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "latentmesh_job_rewinds_total",
+			Help: "Jobs this agent restarted from encode because an input was lost, by stage and reason (payload_gone, producer_left, invalid_input).",
+		}, []string{"stage", "reason"}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "latentmesh_commits_rejected_total",
+			Help: "Stage commits etcd refused, output discarded, by stage and reason (fenced: the claim was lost; finished: the job ended meanwhile).",
+		}, []string{"stage", "reason"}),
+		etcdSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "latentmesh_etcd_request_duration_seconds",
+			Help: "Latency of this agent's unary etcd requests (failed ones included), by operation.",
+			// 250us (an in-process get) to about 8 s (past the 5 s request deadline).
+			Buckets: prometheus.ExponentialBuckets(0.00025, 2, 16),
+		}, []string{"op"}),
+		etcdErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "latentmesh_etcd_request_errors_total",
+			Help: "This agent's etcd requests that failed, by operation and gRPC code (Unavailable, DeadlineExceeded, ResourceExhausted, ...).",
+		}, []string{"op", "code"}),
 	}
-	for _, c := range []prometheus.Collector{m.jobsSubmitted, m.jobsFinished, m.stageSeconds, m.queueDepth, m.freeCredits, m.httpRequests, m.jobsRefused, m.preempted, m.pushedClaims} {
+	for _, c := range []prometheus.Collector{
+		m.jobsSubmitted, m.jobsFinished, m.stageSeconds, m.queueWait, m.jobSeconds, m.firstFrame,
+		m.queueDepth, m.freeCredits, m.usedCredits, m.httpRequests, m.jobsRefused, m.preempted,
+		m.pushedClaims, m.conflicts, m.requeues, m.rewinds, m.refused, m.etcdSeconds, m.etcdErrors,
+		collectors.NewGoCollector(),
+		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
+		collectors.NewBuildInfoCollector(),
+	} {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("httpapi: registering metrics: %w", err)
 		}
@@ -106,18 +190,71 @@ func (m *Metrics) PushedClaim(s jobs.Stage, given bool) {
 func (m *Metrics) JobFinished(s jobs.State) { m.jobsFinished.WithLabelValues(string(s)).Inc() }
 
 // ObserveStage records how long one run of a stage took.
-func (m *Metrics) ObserveStage(s jobs.Stage, d time.Duration) {
-	m.stageSeconds.WithLabelValues(string(s)).Observe(d.Seconds())
+func (m *Metrics) ObserveStage(s jobs.Stage, c routing.Class, d time.Duration) {
+	m.stageSeconds.WithLabelValues(string(s), c.String()).Observe(d.Seconds())
 }
 
-// SetQueueDepth sets the number of tasks waiting for stage s.
-func (m *Metrics) SetQueueDepth(s jobs.Stage, n int) {
-	m.queueDepth.WithLabelValues(string(s)).Set(float64(n))
+// ObserveQueueWait records how long a task waited before this agent
+// started it.
+func (m *Metrics) ObserveQueueWait(s jobs.Stage, c routing.Class, d time.Duration) {
+	m.queueWait.WithLabelValues(string(s), c.String()).Observe(max(d, 0).Seconds())
 }
 
-// SetFreeCredits sets the credits this agent can still grant for stage s.
-func (m *Metrics) SetFreeCredits(s jobs.Stage, n int) {
-	m.freeCredits.WithLabelValues(string(s)).Set(float64(n))
+// ObserveJob records a succeeded job's end-to-end latency and its time to
+// first frame (both from submission).
+func (m *Metrics) ObserveJob(c routing.Class, latency, firstFrame time.Duration) {
+	m.jobSeconds.WithLabelValues(c.String()).Observe(max(latency, 0).Seconds())
+	m.firstFrame.WithLabelValues(c.String()).Observe(max(firstFrame, 0).Seconds())
+}
+
+// ClaimConflict counts one claim refused because another agent won it.
+func (m *Metrics) ClaimConflict(s jobs.Stage) { m.conflicts.WithLabelValues(string(s)).Inc() }
+
+// Requeued counts one task given back to its queue for reason (one of
+// ReasonPreempted, ReasonDrained, ReasonRetry).
+func (m *Metrics) Requeued(s jobs.Stage, reason string) {
+	m.requeues.WithLabelValues(string(s), reason).Inc()
+}
+
+// Rewound counts one job restarted from encode for reason
+// (ReasonPayloadGone, ReasonProducerLeft).
+func (m *Metrics) Rewound(s jobs.Stage, reason string) {
+	m.rewinds.WithLabelValues(string(s), reason).Inc()
+}
+
+// CommitRejected counts one commit etcd refused for reason (ReasonFenced,
+// ReasonFinished).
+func (m *Metrics) CommitRejected(s jobs.Stage, reason string) {
+	m.refused.WithLabelValues(string(s), reason).Inc()
+}
+
+// ObserveEtcd records one unary etcd request: op names it ("get", "txn",
+// "lease_grant", ...), code is "" on success, else the failure's gRPC code.
+func (m *Metrics) ObserveEtcd(op string, d time.Duration, code string) {
+	m.etcdSeconds.WithLabelValues(op).Observe(d.Seconds())
+	if code != "" {
+		m.etcdErrors.WithLabelValues(op, code).Inc()
+	}
+}
+
+// SetQueueDepth sets the tasks waiting for stage s, by class; this agent
+// reports the stage's queue for the mesh.
+func (m *Metrics) SetQueueDepth(s jobs.Stage, byClass map[routing.Class]int) {
+	for _, c := range routing.Classes() {
+		m.queueDepth.WithLabelValues(string(s), c.String()).Set(float64(byClass[c]))
+	}
+}
+
+// ClearQueueDepth removes stage s's depth: another agent reports it.
+func (m *Metrics) ClearQueueDepth(s jobs.Stage) {
+	m.queueDepth.DeletePartialMatch(prometheus.Labels{"stage": string(s)})
+}
+
+// SetCredits sets the credits this agent can still grant for stage s, and
+// those its running tasks hold.
+func (m *Metrics) SetCredits(s jobs.Stage, free, inUse int) {
+	m.freeCredits.WithLabelValues(string(s)).Set(float64(free))
+	m.usedCredits.WithLabelValues(string(s)).Set(float64(inUse))
 }
 
 func (m *Metrics) observeRequest(route string, code int) {

@@ -25,6 +25,9 @@ type Claim struct {
 	// CommitRev is the etcd revision of the claim's successful commit (or
 	// fail, or rewind): the next stage's task exists from there on.
 	CommitRev int64
+	// JobCreatedAt is the job's submission time as that commit read the
+	// job record (zero before one): end-to-end latency for metrics.
+	JobCreatedAt time.Time
 
 	// job is the job record as the claim read it, and jobRev its
 	// ModRevision: the first commit attempt writes on it without reading

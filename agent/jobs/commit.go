@@ -146,7 +146,7 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, err)
 		}
 		if resp.Succeeded {
-			c.CommitRev = resp.Header.Revision
+			c.CommitRev, c.JobCreatedAt = resp.Header.Revision, rec.CreatedAt
 			return nil
 		}
 		kvs := resp.Responses[0].GetResponseRange().Kvs

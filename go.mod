@@ -19,7 +19,7 @@ require (
 	golang.org/x/sys v0.50.0
 )
 
-require go.yaml.in/yaml/v3 v3.0.6 // indirect
+require go.yaml.in/yaml/v3 v3.0.6
 
 require (
 	github.com/chromedp/cdproto v0.160.1 // indirect

@@ -49,7 +49,7 @@ func TestEtcdReplacedUnderIdleMesh(t *testing.T) {
 	if err := m.procs[0].Stop(10 * time.Second); err != nil {
 		t.Fatal(err)
 	}
-	dev, err := StartProcess("dev2", devBinary, nil, "dev", "--agents", "0", "--etcd-listen", addr)
+	dev, err := StartProcess("dev2", binary, nil, "dev", "--agents", "0", "--etcd-listen", addr)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -23,9 +23,8 @@ import (
 	"github.com/latentmesh/latentmesh/gossip"
 )
 
-// binary is cmd/latentmesh, built once for the multi-process tests, and
-// devBinary cmd/latentmesh-dev beside it (dev, bench producer).
-var binary, devBinary string
+// binary is cmd/latentmesh, built once for the multi-process tests.
+var binary string
 
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "latentmesh-bin-")
@@ -35,7 +34,6 @@ func TestMain(m *testing.M) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	binary, err = BuildBinary(ctx, dir)
-	devBinary = DevBinary(binary)
 	cancel()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -88,7 +86,7 @@ func startMeshAt(t *testing.T, ip string) *mesh {
 // startMeshListen runs etcd listening on addr (host:port).
 func startMeshListen(t *testing.T, addr string) *mesh {
 	t.Helper()
-	dev, err := StartProcess("dev", devBinary, nil, "dev", "--agents", "0", "--etcd-listen", addr)
+	dev, err := StartProcess("dev", binary, nil, "dev", "--agents", "0", "--etcd-listen", addr)
 	if err != nil {
 		t.Fatal(err)
 	}

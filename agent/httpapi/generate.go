@@ -35,6 +35,7 @@ func RunGenerate(ctx context.Context, args []string, stdout, stderr io.Writer) i
 		priority = fs.String("priority", "", "interactive, standard or batch (default standard)")
 		out      = fs.String("o", "", "output `FILE` (required)")
 		token    = fs.String("token-file", "", "`FILE` holding the API bearer token (first line), for an agent run with --api-tokens")
+		caFile   = fs.String("ca-file", "", "CA `FILE` (PEM) that signed the agent's certificate, for an https:// --server (default: system roots)")
 	)
 	fs.Usage = func() {
 		fmt.Fprintf(stderr, "usage: latentmesh generate --prompt TEXT -o FILE [flags]\n\n")
@@ -92,6 +93,10 @@ func RunGenerate(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	// A transport of our own, so that idle connections die with the command.
 	tr := http.DefaultTransport.(*http.Transport).Clone()
 	defer tr.CloseIdleConnections()
+	var err error
+	if tr.TLSClientConfig, err = ClientTLS(*caFile); err != nil {
+		return usageErr("--ca-file: %v", err)
+	}
 	c := &Client{BaseURL: *server, HTTP: &http.Client{Transport: tr}}
 	if *token != "" {
 		b, err := os.ReadFile(*token)

@@ -13,30 +13,36 @@ import (
 // finish or requeue its running tasks and leave the mesh (its process then
 // exits 0), and waits until it has.
 func runDrain(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := newFlagSet("drain", "[--admin URL] [--token TOKEN] [--wait=false]", stderr)
+	fs := newFlagSet("drain", "[--admin URL] [--token-file FILE] [--ca-file FILE] [--wait=false]", stderr)
+	var admin adminFlags
+	admin.register(fs)
 	var (
-		admin   = fs.String("admin", "http://127.0.0.1:9090", "the agent's admin `URL`")
-		token   = fs.String("token", "", "admin bearer token, when the agent requires one")
 		wait    = fs.Bool("wait", true, "wait until the agent has drained (false: return once it started)")
 		timeout = fs.Duration("timeout", 2*time.Minute, "how long to wait for the drain (the agent's --drain-timeout plus the requeues)")
 	)
 	if code := parse(fs, args); code >= 0 {
 		return code
 	}
+	token, client, err := admin.client()
+	if err != nil {
+		fmt.Fprintf(stderr, "latentmesh drain: %v\n", err)
+		return 2
+	}
+	defer client.CloseIdleConnections()
 	ctx, cancel := context.WithTimeout(ctx, *timeout)
 	defer cancel()
-	url := fmt.Sprintf("%s/v1/admin/drain?wait=%t", strings.TrimRight(*admin, "/"), *wait)
+	url := fmt.Sprintf("%s/v1/admin/drain?wait=%t", strings.TrimRight(admin.url, "/"), *wait)
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, nil)
 	if err != nil {
 		fmt.Fprintf(stderr, "latentmesh drain: %v\n", err)
 		return 2
 	}
-	if *token != "" {
-		req.Header.Set("Authorization", "Bearer "+*token)
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := client.Do(req)
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh drain: cannot reach agent admin at %s: %v\n", *admin, err)
+		fmt.Fprintf(stderr, "latentmesh drain: cannot reach agent admin at %s: %v\n", admin.url, err)
 		return 1
 	}
 	defer resp.Body.Close()

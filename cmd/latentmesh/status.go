@@ -16,15 +16,13 @@ import (
 
 func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlagSet("status", "[--admin URL] [flags]", stderr)
-	var (
-		admin  = fs.String("admin", "http://127.0.0.1:9090", "the agent's admin `URL`")
-		token  = fs.String("token", "", "admin bearer token, when the agent requires one")
-		asJSON = fs.Bool("json", false, "print the status document as JSON")
-	)
+	var admin adminFlags
+	admin.register(fs)
+	asJSON := fs.Bool("json", false, "print the status document as JSON")
 	if code := parse(fs, args); code >= 0 {
 		return code
 	}
-	body, err := adminGet(ctx, *admin, *token, "/v1/admin/status")
+	body, err := adminGet(ctx, &admin, "/v1/admin/status")
 	if err != nil {
 		fmt.Fprintf(stderr, "latentmesh status: %v\n", err)
 		return 1
@@ -43,9 +41,15 @@ func runStatus(ctx context.Context, args []string, stdout, stderr io.Writer) int
 }
 
 // adminGet reads path from an agent's admin endpoint, with its bearer token.
-func adminGet(ctx context.Context, admin, token, path string) ([]byte, error) {
+func adminGet(ctx context.Context, af *adminFlags, path string) ([]byte, error) {
+	token, client, err := af.client()
+	if err != nil {
+		return nil, err
+	}
+	defer client.CloseIdleConnections()
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
+	admin := af.url
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, strings.TrimRight(admin, "/")+path, nil)
 	if err != nil {
 		return nil, err
@@ -53,7 +57,7 @@ func adminGet(ctx context.Context, admin, token, path string) ([]byte, error) {
 	if token != "" {
 		req.Header.Set("Authorization", "Bearer "+token)
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := client.Do(req)
 	if err != nil {
 		return nil, fmt.Errorf("cannot reach agent admin at %s: %w", admin, err)
 	}

@@ -34,9 +34,9 @@ func runStore(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	}
 	sub := args[0]
 	fs := newFlagSet("store "+sub, "[--admin URL] [flags]", stderr)
+	var admin adminFlags
+	admin.register(fs)
 	var (
-		admin  = fs.String("admin", "http://127.0.0.1:9090", "the agent's admin `URL`")
-		token  = fs.String("token", "", "admin bearer token, when the agent requires one")
 		job    = fs.String("job", "", "only the objects of job `ID`")
 		asJSON = fs.Bool("json", false, "print the answer as JSON")
 	)
@@ -50,7 +50,7 @@ func runStore(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	if sub == "ls" {
 		q.Set("objects", "true")
 	}
-	body, err := adminGet(ctx, *admin, *token, "/v1/admin/store?"+q.Encode())
+	body, err := adminGet(ctx, &admin, "/v1/admin/store?"+q.Encode())
 	if err != nil {
 		fmt.Fprintf(stderr, "latentmesh store %s: %v\n", sub, err)
 		return 1

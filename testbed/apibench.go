@@ -23,7 +23,7 @@ import (
 // API, to measure what the control plane adds to the stages' own time.
 type APIBenchConfig struct {
 	// Server is the client API to load ("http://host:port"); "" starts an
-	// in-process mesh as `latentmesh dev` does (embedded etcd, one agent
+	// in-process mesh as `latentmesh-dev dev` does (embedded etcd, one agent
 	// per stage) and loads its first agent.
 	Server  string
 	Clients int // concurrent clients, each submitting then long-polling one job at a time
@@ -44,7 +44,7 @@ type APIBenchConfig struct {
 	Slack int
 	// EtcdGRPC has the in-process mesh's agents reach its embedded etcd
 	// over loopback gRPC, as agents on other machines reach theirs,
-	// instead of by function calls (`latentmesh dev`'s default).
+	// instead of by function calls (`latentmesh-dev dev`'s default).
 	EtcdGRPC bool
 	// EtcdFsync keeps the embedded etcd's fsync of its (temporary) log,
 	// as an etcd whose data must survive a crash does

@@ -26,7 +26,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent/jobs"
 )
 
-// ChaosConfig is one run of `latentmesh testbed chaos`: agents on hosts in
+// ChaosConfig is one run of `latentmesh-dev testbed chaos`: agents on hosts in
 // network namespaces with a 3-member etcd, steady load while random
 // faults are injected, then invariant checks.
 type ChaosConfig struct {

@@ -124,7 +124,7 @@ func StartCluster(ctx context.Context, cfg ClusterConfig) (_ *Cluster, err error
 			}
 		}
 	case "":
-		// No agents: the caller adds them (latentmesh dev).
+		// No agents: the caller adds them (latentmesh-dev dev).
 	default:
 		err = fmt.Errorf("testbed: unknown topology %q", cfg.Topology)
 	}

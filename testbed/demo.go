@@ -73,7 +73,7 @@ func LoadPrompts(r io.Reader, limits engine.Limits) ([]engine.Spec, error) {
 	return specs, nil
 }
 
-// DemoConfig is one run of `latentmesh demo`.
+// DemoConfig is one run of `latentmesh-dev demo`.
 type DemoConfig struct {
 	Out     string        // directory for the output files (created)
 	Specs   []engine.Spec // nil: DefaultPrompts

@@ -14,7 +14,7 @@ import (
 )
 
 // The etcd under an idle mesh is replaced by an empty one at the same
-// address (`latentmesh dev --agents 0` restarted): the agents notice that
+// address (`latentmesh-dev dev --agents 0` restarted): the agents notice that
 // etcd's history went backwards, register again and watch the new etcd, so
 // a job submitted afterwards completes without restarting any agent.
 func TestEtcdReplacedUnderIdleMesh(t *testing.T) {
@@ -49,7 +49,7 @@ func TestEtcdReplacedUnderIdleMesh(t *testing.T) {
 	if err := m.procs[0].Stop(10 * time.Second); err != nil {
 		t.Fatal(err)
 	}
-	dev, err := StartProcess("dev2", binary, nil, "dev", "--agents", "0", "--etcd-listen", addr)
+	dev, err := StartProcess("dev2", devBinary, nil, "dev", "--agents", "0", "--etcd-listen", addr)
 	if err != nil {
 		t.Fatal(err)
 	}

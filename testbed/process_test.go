@@ -23,8 +23,9 @@ import (
 	"github.com/latentmesh/latentmesh/gossip"
 )
 
-// binary is cmd/latentmesh, built once for the multi-process tests.
-var binary string
+// binary is cmd/latentmesh, built once for the multi-process tests, and
+// devBinary cmd/latentmesh-dev beside it (dev, bench producer).
+var binary, devBinary string
 
 func TestMain(m *testing.M) {
 	dir, err := os.MkdirTemp("", "latentmesh-bin-")
@@ -34,6 +35,7 @@ func TestMain(m *testing.M) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	binary, err = BuildBinary(ctx, dir)
+	devBinary = DevBinary(binary)
 	cancel()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -63,7 +65,7 @@ func eventually(t *testing.T, timeout time.Duration, cond func() error) {
 	}
 }
 
-// mesh is `latentmesh dev --agents 0` (or an external etcd) plus agent
+// mesh is `latentmesh-dev dev --agents 0` (or an external etcd) plus agent
 // processes.
 type mesh struct {
 	t        *testing.T
@@ -86,7 +88,7 @@ func startMeshAt(t *testing.T, ip string) *mesh {
 // startMeshListen runs etcd listening on addr (host:port).
 func startMeshListen(t *testing.T, addr string) *mesh {
 	t.Helper()
-	dev, err := StartProcess("dev", binary, nil, "dev", "--agents", "0", "--etcd-listen", addr)
+	dev, err := StartProcess("dev", devBinary, nil, "dev", "--agents", "0", "--etcd-listen", addr)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -20,7 +20,7 @@ type Observer func(method string, req, resp any, err error)
 
 // Client returns a client of this server that calls its request handlers
 // directly, as etcd's own v3client does: no socket, no gRPC encoding, for
-// agents running in this process (`latentmesh dev`, the testbed, the
+// agents running in this process (`latentmesh-dev dev`, the testbed, the
 // benchmarks). Measured on the development machine, a put answers in
 // about half the time of one over loopback gRPC and a get in an eighth.
 // It is the same server: quotas, auth, leases and watches behave as they

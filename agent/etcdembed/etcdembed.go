@@ -1,6 +1,7 @@
 // Package etcdembed runs a single-member etcd inside the process: the default
-// control plane for `latentmesh demo`, `latentmesh dev` and the tests, so a
-// newcomer needs nothing but Go. Production clusters point agents at an
+// control plane for `latentmesh-dev demo`, `latentmesh-dev dev` and the
+// tests, so a newcomer needs nothing but Go. The latentmesh binary never
+// links it (cmd/latentmesh/deps_test.go). Production clusters point agents at an
 // external etcd instead (`latentmesh agent --etcd-endpoints`).
 package etcdembed
 

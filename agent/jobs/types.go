@@ -167,7 +167,7 @@ type StageRecord struct {
 	// ClaimMillis is how long the claim transaction took (StartedAt is
 	// when it was sent); PullMillis how much of Millis went to pulling
 	// the input (to its first chunk, for a decode). They make a job's
-	// control-plane overhead visible (latentmesh bench api).
+	// control-plane overhead visible (latentmesh-dev bench api).
 	ClaimMillis float64 `json:"claim_ms,omitempty"`
 	PullMillis  float64 `json:"pull_ms,omitempty"`
 }

@@ -1,4 +1,4 @@
-// Package bench is latentmesh's benchmark harness, behind `latentmesh bench`.
+// Package bench is latentmesh's benchmark harness, behind `latentmesh-dev bench`.
 //
 // RunTransfer measures the data plane: pulls of payloads of several sizes
 // from a producer in another process, interleaved repetition by repetition
@@ -14,6 +14,6 @@
 //
 // The consumer (the calling process) re-executes a producer command (by
 // default this binary's hidden `bench producer`), which runs ServeProducer and
-// takes requests as JSON lines on stdin. Only cmd/latentmesh and tests use
+// takes requests as JSON lines on stdin. Only cmd/latentmesh-dev and tests use
 // this package.
 package bench

@@ -1,7 +1,7 @@
 // Package costmodel holds what one GPU spends on each stage of published
 // diffusion models (models.json, with its sources), and sizes stage pools
-// from it: `latentmesh plan`, and the simulated GPU time of `bench serve`
-// and `latentmesh sim`.
+// from it: `latentmesh-dev plan`, and the simulated GPU time of `bench serve`
+// and `latentmesh-dev sim`.
 package costmodel
 
 import (

@@ -146,7 +146,7 @@ func round(d time.Duration) string {
 	return d.Round(100 * time.Microsecond).String()
 }
 
-// Text is the plan as `latentmesh plan` prints it.
+// Text is the plan as `latentmesh-dev plan` prints it.
 func (p Plan) Text() string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s on %d GPUs: pools E:D:V = %s\n", p.Model, p.GPUs, p.Pools)

@@ -1,4 +1,4 @@
-// Package serve is `latentmesh bench serve`: a whole mesh in this process,
+// Package serve is `latentmesh-dev bench serve`: a whole mesh in this process,
 // one agent per simulated GPU, serving an open-loop load of published
 // models on the GPU time of testbed/costmodel, with time compressed so a
 // run takes minutes. It reports per-class throughput, goodput and latency
@@ -127,7 +127,7 @@ func Run(ctx context.Context, cfg Config) (_ *Report, err error) {
 		return nil, err
 	}
 	// The agents reach the embedded etcd by function calls, as those of
-	// `latentmesh dev` do; r.ops sees every request.
+	// `latentmesh-dev dev` do; r.ops sees every request.
 	cl := &testbed.Cluster{Etcd: srv, Client: srv.Client(r.ops.observe)}
 	defer func() { err = errors.Join(err, cl.Close()) }()
 

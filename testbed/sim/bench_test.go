@@ -6,7 +6,7 @@ import (
 )
 
 // BenchmarkMesh1000 is one simulated minute of 1,000 GPUs on the mesh;
-// `latentmesh sim --gpus 10000` times the full hour.
+// `latentmesh-dev sim --gpus 10000` times the full hour.
 func BenchmarkMesh1000(b *testing.B) {
 	cfg := DefaultConfig()
 	cfg.Duration = time.Minute

@@ -1,4 +1,4 @@
-// Package sim is `latentmesh sim`: a discrete-event simulation of the mesh's
+// Package sim is `latentmesh-dev sim`: a discrete-event simulation of the mesh's
 // control plane at cluster sizes the testbed cannot reach (1,000 and 10,000
 // GPUs), against a central-dispatcher baseline. It runs the same routing
 // code as the agent (routing.QueuePolicy.Order, Push and GiveBack,
@@ -6,7 +6,7 @@
 // capacity, gossip delay and transfer bandwidth, with stage costs from
 // testbed/costmodel, and counts the etcd operations a job costs as
 // agent/worker.go, agent/push.go and agent/jobs issue them. MeasureEtcd measures the etcd figures on this machine (embedded
-// etcd), so the model's capacity is not a guess. Only cmd/latentmesh uses it.
+// etcd), so the model's capacity is not a guess. Only cmd/latentmesh-dev uses it.
 package sim
 
 import (
@@ -85,7 +85,7 @@ type EtcdCosts struct {
 }
 
 // DefaultEtcdCosts are figures measured on the development machine
-// (2 shared cores, embedded etcd, `latentmesh sim --measure-etcd`), for runs
+// (2 shared cores, embedded etcd, `latentmesh-dev sim --measure-etcd`), for runs
 // that do not measure again.
 func DefaultEtcdCosts() EtcdCosts {
 	return EtcdCosts{

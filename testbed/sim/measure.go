@@ -27,7 +27,7 @@ func DefaultMeasureConfig() MeasureConfig {
 	return MeasureConfig{Clients: 8, Concurrency: 64, For: 2 * time.Second, Watchers: 2000}
 }
 
-// MeasureEtcd starts an embedded etcd (agent/etcdembed, as `latentmesh dev`
+// MeasureEtcd starts an embedded etcd (agent/etcdembed, as `latentmesh-dev dev`
 // runs) and measures on this machine what the simulation's etcd model needs:
 // the latency of a claim-shaped write txn (compare, two puts) and of a
 // Pending-shaped read txn on an idle etcd, how many of each it serves with

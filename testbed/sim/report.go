@@ -13,7 +13,7 @@ import (
 	"time"
 )
 
-// Report is `latentmesh sim`'s answer: the etcd model used, a run per
+// Report is `latentmesh-dev sim`'s answer: the etcd model used, a run per
 // cluster size and mode, and where one etcd saturates.
 type Report struct {
 	Etcd EtcdCosts `json:"etcd"`

@@ -443,6 +443,7 @@ func (a *Agent) Start(ctx context.Context) error {
 func (a *Agent) apiConfig() httpapi.Config {
 	c := a.cfg.API
 	c.ModelSteps = a.modelSteps
+	c.ModelLimits = a.modelLimits
 	c.Logger = a.log
 	c.Metrics = a.metrics
 	return c
@@ -759,11 +760,14 @@ func (a *Agent) gossipEngine() {
 		if ch == nil {
 			return // the built-in engine never changes
 		}
+		leaseChanged := a.member.LeaseChanged() // a registration may not carry the models
 		a.publishMeta()
+		a.publishModels()
 		select {
 		case <-a.ctx.Done():
 			return
 		case <-ch:
+		case <-leaseChanged:
 		}
 	}
 }

@@ -120,17 +120,7 @@ func (x *externalRunner) model(st jobs.Stage, s engine.Spec) (extengine.Model, e
 	if !ok {
 		return m, fmt.Errorf("%w: %s of model %q", extengine.ErrNoEngine, st, s.ModelName())
 	}
-	l := x.limits
-	if m.MaxSide > 0 {
-		l.MaxSide = min(l.MaxSide, int(m.MaxSide))
-	}
-	if m.MaxFrames > 0 {
-		l.MaxFrames = min(l.MaxFrames, int(m.MaxFrames))
-	}
-	if m.MaxSteps > 0 {
-		l.MaxSteps = min(l.MaxSteps, int(m.MaxSteps))
-	}
-	if err := s.Validate(l); err != nil {
+	if err := s.Validate(m.Limits(x.limits)); err != nil {
 		return m, fmt.Errorf("%w: model %q: %w", engine.ErrBadSpec, m.Name, err)
 	}
 	if s.Width%int(m.Latent.Scale) != 0 || s.Height%int(m.Latent.Scale) != 0 {
@@ -269,7 +259,7 @@ func (x *externalRunner) NewDecoder(s engine.Spec) (FrameDecoder, error) {
 	if err != nil {
 		return nil, err
 	}
-	sink, err := engine.NewFrameSink(s, x.limits)
+	sink, err := engine.NewFrameSink(s, m.Limits(x.limits))
 	if err != nil {
 		return nil, err
 	}

@@ -1,7 +1,9 @@
 package gossip
 
 import (
+	"encoding/json"
 	"fmt"
+	"maps"
 	"strings"
 	"time"
 )
@@ -34,6 +36,11 @@ type NodeRecord struct {
 	Host      string         `json:"host,omitempty"` // host identity (hostname/boot id): equal means same host
 	Version   string         `json:"version,omitempty"`
 	StartedAt time.Time      `json:"started_at"`
+	// Models is what the node's engine says of each model it serves that
+	// a request needs before it is queued (its limits), as JSON the agent
+	// defines: gossip meta has no room for it (512 bytes), and it changes
+	// only when an engine registers (SetModels).
+	Models map[string]json.RawMessage `json:"models,omitempty"`
 }
 
 // HasRole reports whether the record lists role.
@@ -55,6 +62,9 @@ func (r NodeRecord) clone() NodeRecord {
 			slots[k] = v
 		}
 		r.Slots = slots
+	}
+	if r.Models != nil {
+		r.Models = maps.Clone(r.Models) // the values are never modified in place
 	}
 	return r
 }

@@ -57,7 +57,7 @@ func TestPartitionEndsPullWithinTimeout(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 
-	argv := prodHost.Command(binary, "bench", "producer", "--listen-ip", prodHost.IP).Args
+	argv := prodHost.Command(devBinary, "bench", "producer", "--listen-ip", prodHost.IP).Args
 	prod, err := bench.StartProducer(ctx, argv, nil, 0, "")
 	if err != nil {
 		t.Fatal(err)

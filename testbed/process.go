@@ -15,22 +15,25 @@ import (
 	"time"
 )
 
-// BuildBinary compiles cmd/latentmesh into dir and returns its path. It runs
-// `go build` from the module root, found from this source file.
+// BuildBinary compiles cmd/latentmesh and cmd/latentmesh-dev into dir and
+// returns the path of latentmesh; latentmesh-dev lies beside it (DevBinary).
+// It runs `go build` from the module root, found from this source file.
 func BuildBinary(ctx context.Context, dir string) (string, error) {
 	_, file, _, ok := runtime.Caller(0)
 	if !ok {
 		return "", errors.New("testbed: cannot locate the module root")
 	}
 	root := filepath.Dir(filepath.Dir(file))
-	out := filepath.Join(dir, "latentmesh")
-	cmd := exec.CommandContext(ctx, "go", "build", "-o", out, "./cmd/latentmesh")
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", dir+string(filepath.Separator), "./cmd/latentmesh", "./cmd/latentmesh-dev")
 	cmd.Dir = root
 	if b, err := cmd.CombinedOutput(); err != nil {
 		return "", fmt.Errorf("testbed: go build: %w\n%s", err, b)
 	}
-	return out, nil
+	return filepath.Join(dir, "latentmesh"), nil
 }
+
+// DevBinary is the latentmesh-dev that BuildBinary left beside bin.
+func DevBinary(bin string) string { return filepath.Join(filepath.Dir(bin), "latentmesh-dev") }
 
 // Process is a latentmesh subcommand running as its own OS process, with its
 // output captured for assertions.

@@ -57,14 +57,28 @@ func ValidModel(name string) error {
 
 // Limits bound what one request may ask for, so a single request cannot
 // exhaust an agent's memory or hold a denoise slot for hours.
+//
+// A model served by an external engine registers its own (extengine.Model):
+// a video model such as Wan2.1 takes 1280x720 frames, 81 of them, sides in
+// multiples of 16 and frame counts of the form 4k+1 (its VAE compresses time
+// 4x). The zero value of each field after MaxGuidance means no such rule.
 type Limits struct {
 	MaxPromptBytes int // UTF-8 bytes of prompt and of negative prompt, each
-	MinSide        int // pixels; sides must also be multiples of 8 (the VAE factor)
+	MinSide        int // pixels; sides must also be multiples of SideMultiple
 	MaxSide        int
 	MaxPixels      int // width*height*frames
 	MaxFrames      int
 	MaxSteps       int
 	MaxGuidance    float64
+	// MaxFramePixels bounds width*height (0: MaxSide squared), so a model
+	// can take 1280x720 and 720x1280 but not 1280x1280.
+	MaxFramePixels int
+	// SideMultiple is what width and height must be multiples of: the
+	// VAE's spatial factor times the patch size (0: 8).
+	SideMultiple int
+	// FrameStep and FrameOffset are a temporal VAE's rule for videos:
+	// frames = FrameStep*k + FrameOffset (Wan: 4k+1). FrameStep 0: any.
+	FrameStep, FrameOffset int
 }
 
 // DefaultLimits fit the built-in engine on a small CPU machine and keep a
@@ -117,6 +131,10 @@ func (s Spec) WithDefaults() Spec {
 
 // Validate reports the first field of s outside l, as a *FieldError.
 func (s Spec) Validate(l Limits) error {
+	mult := l.SideMultiple
+	if mult <= 0 {
+		mult = 8
+	}
 	bad := func(field, format string, a ...any) error {
 		return &FieldError{Field: field, Msg: fmt.Sprintf(format, a...)}
 	}
@@ -136,12 +154,16 @@ func (s Spec) Validate(l Limits) error {
 		return bad("negative_prompt", "longer than %d bytes", l.MaxPromptBytes)
 	case !utf8.ValidString(s.NegativePrompt):
 		return bad("negative_prompt", "not valid UTF-8")
-	case s.Width < l.MinSide || s.Width > l.MaxSide || s.Width%8 != 0:
-		return bad("width", "%d: must be a multiple of 8 in [%d,%d]", s.Width, l.MinSide, l.MaxSide)
-	case s.Height < l.MinSide || s.Height > l.MaxSide || s.Height%8 != 0:
-		return bad("height", "%d: must be a multiple of 8 in [%d,%d]", s.Height, l.MinSide, l.MaxSide)
+	case s.Width < l.MinSide || s.Width > l.MaxSide || s.Width%mult != 0:
+		return bad("width", "%d: must be a multiple of %d in [%d,%d]", s.Width, mult, l.MinSide, l.MaxSide)
+	case s.Height < l.MinSide || s.Height > l.MaxSide || s.Height%mult != 0:
+		return bad("height", "%d: must be a multiple of %d in [%d,%d]", s.Height, mult, l.MinSide, l.MaxSide)
+	case l.MaxFramePixels > 0 && s.Width*s.Height > l.MaxFramePixels:
+		return bad("size", "%dx%d is %d pixels a frame, more than %d", s.Width, s.Height, s.Width*s.Height, l.MaxFramePixels)
 	case s.Frames < 1 || s.Frames > l.MaxFrames:
 		return bad("frames", "%d: must be in [1,%d]", s.Frames, l.MaxFrames)
+	case l.FrameStep > 1 && s.Frames > 1 && s.Frames%l.FrameStep != l.FrameOffset%l.FrameStep:
+		return bad("frames", "%d: must be %dk+%d (the model's VAE compresses time %dx)", s.Frames, l.FrameStep, l.FrameOffset, l.FrameStep)
 	case s.Width*s.Height*s.Frames > l.MaxPixels:
 		return bad("frames", "%dx%dx%d is more than %d pixels", s.Width, s.Height, s.Frames, l.MaxPixels)
 	case s.Steps < 1 || s.Steps > l.MaxSteps:

@@ -121,16 +121,66 @@ type Model struct {
 	// the models served, it is what a request naming the model and no
 	// steps gets.
 	DefaultSteps int32 `msgpack:"default_steps,omitempty"`
-	// Limits the model accepts; 0 keeps the agent's limit. The agent
-	// refuses a task beyond them before sending it.
-	MaxSide   int32 `msgpack:"max_side,omitempty"`
-	MaxFrames int32 `msgpack:"max_frames,omitempty"`
-	MaxSteps  int32 `msgpack:"max_steps,omitempty"`
+	// Limits the model accepts (Limits): what each one given says
+	// replaces the agent's default for this model, so a video model can
+	// take more than the built-in engine does; 0 keeps the default. The
+	// agent answering a request checks them at submission (they travel in
+	// the node's etcd record), and the worker again before sending a task.
+	MaxSide        int32 `msgpack:"max_side,omitempty"`         // pixels, either side
+	MaxFrames      int32 `msgpack:"max_frames,omitempty"`       // video frames
+	MaxSteps       int32 `msgpack:"max_steps,omitempty"`        // denoise steps
+	MinSide        int32 `msgpack:"min_side,omitempty"`         // pixels, either side
+	MaxFramePixels int64 `msgpack:"max_frame_pixels,omitempty"` // width*height
+	MaxPixels      int64 `msgpack:"max_pixels,omitempty"`       // width*height*frames (0: max_frame_pixels (or max_side squared) times max_frames)
+	SideMultiple   int32 `msgpack:"side_multiple,omitempty"`    // sides must be multiples of it (0: the latent scale)
+	FrameStep      int32 `msgpack:"frame_step,omitempty"`       // frames = frame_step*k + frame_offset (Wan: 4, 1); 0: any
+	FrameOffset    int32 `msgpack:"frame_offset,omitempty"`
 	// Cond is the layout of encode's output (denoise's input), fixed per model.
 	Cond Layout `msgpack:"cond"`
 	// Latent is denoise's output (decode's input): [frames, channels,
 	// height/scale, width/scale], frame-major so each frame is a chunk.
 	Latent LatentLayout `msgpack:"latent"`
+}
+
+// Bounds on the limits a model may register: far beyond any model today,
+// they keep a registration from declaring sizes whose products overflow.
+const (
+	MaxLimitSide   = 16384
+	MaxLimitFrames = 10000
+	MaxLimitSteps  = 10000
+)
+
+// Limits returns the limits of this model: base (the agent's defaults) with
+// every limit the model registered in its place. A model that names its
+// sides or frames and no pixel budget gets the one they multiply out to;
+// its sides are multiples of its latent scale unless it says more.
+func (mo Model) Limits(base engine.Limits) engine.Limits {
+	l := base
+	set := func(dst *int, v int64) {
+		if v > 0 {
+			*dst = int(v)
+		}
+	}
+	set(&l.MaxSide, int64(mo.MaxSide))
+	set(&l.MaxFrames, int64(mo.MaxFrames))
+	set(&l.MaxSteps, int64(mo.MaxSteps))
+	set(&l.MinSide, int64(mo.MinSide))
+	set(&l.MaxFramePixels, mo.MaxFramePixels)
+	l.SideMultiple = max(int(mo.SideMultiple), int(mo.Latent.Scale), base.SideMultiple)
+	if mo.FrameStep > 1 {
+		l.FrameStep, l.FrameOffset = int(mo.FrameStep), int(mo.FrameOffset)
+	}
+	switch {
+	case mo.MaxPixels > 0:
+		l.MaxPixels = int(mo.MaxPixels)
+	case mo.MaxSide > 0 || mo.MaxFrames > 0 || mo.MaxFramePixels > 0:
+		frame := l.MaxFramePixels
+		if frame == 0 {
+			frame = l.MaxSide * l.MaxSide
+		}
+		l.MaxPixels = frame * l.MaxFrames
+	}
+	return l
 }
 
 // Layout is a fixed tensor layout.
@@ -313,8 +363,20 @@ func (mo *Model) validate() error {
 			return fmt.Errorf("unknown stage %q", s)
 		}
 	}
-	if mo.DefaultSteps < 0 || mo.MaxSide < 0 || mo.MaxFrames < 0 || mo.MaxSteps < 0 {
+	if mo.DefaultSteps < 0 || mo.MaxSide < 0 || mo.MaxFrames < 0 || mo.MaxSteps < 0 || mo.MinSide < 0 ||
+		mo.MaxFramePixels < 0 || mo.MaxPixels < 0 || mo.SideMultiple < 0 || mo.FrameStep < 0 || mo.FrameOffset < 0 {
 		return errors.New("negative limit")
+	}
+	if mo.MaxSide > MaxLimitSide || mo.MinSide > MaxLimitSide || mo.MaxFrames > MaxLimitFrames || mo.MaxSteps > MaxLimitSteps ||
+		mo.MaxFramePixels > MaxLimitSide*MaxLimitSide || mo.MaxPixels > MaxLimitSide*MaxLimitSide*MaxLimitFrames ||
+		mo.SideMultiple > 256 || mo.FrameStep > 64 {
+		return errors.New("limit out of range")
+	}
+	if mo.MaxSide > 0 && mo.MinSide > mo.MaxSide {
+		return fmt.Errorf("min_side %d above max_side %d", mo.MinSide, mo.MaxSide)
+	}
+	if mo.FrameStep > 0 && mo.FrameOffset >= mo.FrameStep {
+		return fmt.Errorf("frame_offset %d not below frame_step %d", mo.FrameOffset, mo.FrameStep)
 	}
 	if !validDType(mo.Cond.DType) || len(mo.Cond.Shape) == 0 || len(mo.Cond.Shape) > MaxDims {
 		return fmt.Errorf("cond layout %s %v", mo.Cond.DType, mo.Cond.Shape)

@@ -142,7 +142,7 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
-	specs, req, err := q.specs(s.cfg.Limits, s.cfg.MaxN, s.cfg.ModelSteps)
+	specs, req, err := q.specs(s.limitsFor(q.Model), s.cfg.MaxN, s.cfg.ModelSteps)
 	var fe *engine.FieldError
 	if errors.As(err, &fe) && fe.Field == "stream" {
 		e := apiErr(http.StatusBadRequest, typeInvalidRequest, CodeUnsupportedFormat, "%s", fe.Error())
@@ -154,7 +154,7 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fieldError(err))
 		return
 	}
-	_, opts, _ := req.spec(s.cfg.Limits, s.cfg.ModelSteps) // validated by specs
+	_, opts, _ := req.spec(s.limitsFor(q.Model), s.cfg.ModelSteps) // validated by specs
 	opts.Owner = owner(r)
 	s.warnIgnored(q)
 

@@ -47,7 +47,11 @@ type Config struct {
 	// ModelSteps, if set, is a model's default step count (0: none), for a
 	// request that names a model and no steps; otherwise the built-in
 	// default applies.
-	ModelSteps   func(model string) int
+	ModelSteps func(model string) int
+	// ModelLimits, if set, returns the limits an external engine
+	// registered for a model (ok false: none), which a request naming the
+	// model is checked against instead of Limits.
+	ModelLimits  func(model string) (l engine.Limits, ok bool)
 	MaxN         int           // images per /v1/images/generations request
 	MaxBodyBytes int64         // request bodies larger than this get 413
 	SyncTimeout  time.Duration // how long /v1/images/generations waits for its jobs
@@ -274,7 +278,7 @@ func (s *server) createJob(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
-	spec, opts, err := req.spec(s.cfg.Limits, s.cfg.ModelSteps)
+	spec, opts, err := req.spec(s.limitsFor(req.Model), s.cfg.ModelSteps)
 	if err != nil {
 		writeError(w, fieldError(err))
 		return
@@ -559,4 +563,16 @@ func (s *server) storeError(r *http.Request, op, id string, err error) *APIError
 	}
 	s.log.Error("job store error", zap.String("op", op), zap.String("job", id), zap.Error(err))
 	return apiErr(http.StatusInternalServerError, typeServer, CodeInternal, "internal error during %s", op)
+}
+
+// limitsFor is what a request for model is checked against: the limits its
+// engine registered, or the server's own for the built-in model and for a
+// model no engine registered limits for.
+func (s *server) limitsFor(model string) engine.Limits {
+	if s.cfg.ModelLimits != nil {
+		if l, ok := s.cfg.ModelLimits(model); ok {
+			return l
+		}
+	}
+	return s.cfg.Limits
 }

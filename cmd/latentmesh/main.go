@@ -1,6 +1,9 @@
-// Command latentmesh is the latentmesh binary: the agent daemon, a
-// single-process dev cluster, the demo, a client and benchmarks. Each
-// subcommand parses its flags and calls into a package.
+// Command latentmesh is the latentmesh binary that nodes run and packages
+// ship: the agent daemon and its client and operator commands. It links
+// neither the test harness (testbed, its benches and simulators) nor an
+// etcd server (deps_test.go keeps it so); the demo, the dev cluster and the
+// benchmarks are cmd/latentmesh-dev's. Each subcommand parses its flags and
+// calls into a package.
 package main
 
 import (
@@ -17,8 +20,6 @@ const usage = `latentmesh: disaggregated diffusion serving on a peer-to-peer mes
 usage: latentmesh <command> [flags]
 
 commands:
-  demo       run built-in (or given) prompts on an embedded cluster and write the files
-  dev        run an embedded etcd (and agents) for use through the HTTP API
   agent      run one agent daemon against an etcd cluster
   config     'config print': the agent's effective settings as YAML; 'config docs': docs/config.md
   generate   ask a running agent for one image or video, with a progress bar
@@ -27,12 +28,10 @@ commands:
   store      the pooled Store: 'store stat' (by mode and tier), 'store ls [--job ID]'
   version    print the version (also --version)
   engine     'engine check': drive an external engine through the worker protocol, pass/fail per check
-  bench      benchmark the data plane (transfer), chunked decode (overlap) and the Store (store)
-  testbed    fault-injection runs on hosts in network namespaces ('testbed chaos', as root)
-  plan       size encode:denoise:decode pools for a model, GPU count and rate, and say why
-  sim        simulate the control plane at 1,000-10,000 GPUs (mesh vs a central dispatcher): etcd load, conflicts, delays
 
-Run 'latentmesh <command> -h' for a command's flags.
+The demo, the dev cluster, the benchmarks, the testbed, plan and sim are
+latentmesh-dev's (go build ./cmd/latentmesh-dev). Run 'latentmesh <command>
+-h' for a command's flags.
 `
 
 func main() {
@@ -49,8 +48,6 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
-		"demo":     runDemo,
-		"dev":      runDev,
 		"agent":    runAgent,
 		"config":   runConfig,
 		"generate": runGenerate,
@@ -58,11 +55,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		"drain":    runDrain,
 		"store":    runStore,
 		"version":  runVersion,
-		"bench":    runBench,
 		"engine":   runEngine,
-		"testbed":  runTestbed,
-		"plan":     runPlan,
-		"sim":      runSim,
 	}
 	switch args[0] {
 	case "-h", "--help", "help":

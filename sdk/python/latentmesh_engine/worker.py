@@ -51,11 +51,21 @@ class Model:
     max_side: int = 0
     max_frames: int = 0
     max_steps: int = 0
+    # Limits beyond the sides, frames and steps (0: the agent's default or
+    # no such rule); see docs/engine-protocol.md, register.
+    min_side: int = 0
+    max_frame_pixels: int = 0  # width*height, e.g. 1280*720
+    max_pixels: int = 0  # width*height*frames (0: max_frame_pixels or max_side**2, times max_frames)
+    side_multiple: int = 0  # sides are multiples of it (0: the latent scale)
+    frame_step: int = 0  # frames = frame_step*k + frame_offset (Wan: 4k+1); 0: any count
+    frame_offset: int = 0
 
     def wire(self) -> Dict[str, Any]:
         return {
             "name": self.name, "stages": list(self.stages), "default_steps": self.default_steps,
             "max_side": self.max_side, "max_frames": self.max_frames, "max_steps": self.max_steps,
+            "min_side": self.min_side, "max_frame_pixels": self.max_frame_pixels, "max_pixels": self.max_pixels,
+            "side_multiple": self.side_multiple, "frame_step": self.frame_step, "frame_offset": self.frame_offset,
             "cond": {"dtype": self.cond.dtype, "shape": list(self.cond.shape)},
             "latent": {"dtype": self.latent.dtype, "channels": self.latent.channels, "scale": self.latent.scale},
         }

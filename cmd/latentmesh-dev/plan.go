@@ -7,13 +7,14 @@ import (
 	"io"
 	"strings"
 
+	"github.com/latentmesh/latentmesh/cmd/internal/cli"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
 )
 
 func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	models, err := costmodel.Load()
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh plan: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev plan: %v\n", err)
 		return 1
 	}
 	fs := newFlagSet("plan", "--model M --gpus N [--rate R] [--json]", stderr)
@@ -21,24 +22,24 @@ func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	gpus := fs.Int("gpus", 0, "GPUs to split into encode, denoise and decode pools (at least 3)")
 	rate := fs.Float64("rate", 0, "jobs a second the pools should sustain (0: just size them)")
 	asJSON := fs.Bool("json", false, "print the plan as JSON")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	m, err := models.Model(*model)
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh plan: --model: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev plan: --model: %v\n", err)
 		return 2
 	}
 	p, err := costmodel.PlanPools(m, *gpus, *rate)
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh plan: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev plan: %v\n", err)
 		return 2
 	}
 	if *asJSON {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
 		if err := enc.Encode(p); err != nil {
-			fmt.Fprintf(stderr, "latentmesh plan: %v\n", err)
+			fmt.Fprintf(stderr, "latentmesh-dev plan: %v\n", err)
 			return 1
 		}
 		return 0

@@ -11,11 +11,12 @@ import (
 	"strings"
 
 	"github.com/latentmesh/latentmesh/agent/bytesize"
+	"github.com/latentmesh/latentmesh/cmd/internal/cli"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/bench"
 )
 
-const benchUsage = `usage: latentmesh bench <transfer|overlap|store|serve|api|control> [flags]
+const benchUsage = `usage: latentmesh-dev bench <transfer|overlap|store|serve|api|control> [flags]
 
   transfer   data-plane throughput against raw TCP (tcp) and memcpy (shm),
              producer and consumer in two processes
@@ -33,7 +34,7 @@ const benchUsage = `usage: latentmesh bench <transfer|overlap|store|serve|api|co
              itself (/metrics), on fleets of 4 and 26 agents, each on its
              own Debian etcd 3.4 (scripts/install-deps.sh installs it)
 
-Run 'latentmesh bench <command> -h' for its flags.
+Run 'latentmesh-dev bench <command> -h' for its flags.
 `
 
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -60,7 +61,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprint(stdout, benchUsage)
 		return 0
 	}
-	fmt.Fprintf(stderr, "latentmesh bench: unknown benchmark %q\n\n%s", args[0], benchUsage)
+	fmt.Fprintf(stderr, "latentmesh-dev bench: unknown benchmark %q\n\n%s", args[0], benchUsage)
 	return 2
 }
 
@@ -156,7 +157,7 @@ func runBenchTransfer(ctx context.Context, args []string, stdout, stderr io.Writ
 	fs.BoolVar(&cfg.Transfer.ChecksumTCP, "checksum", cfg.Transfer.ChecksumTCP, "verify XXH3 block checksums on TCP pulls (the service default)")
 	fs.StringVar(&cfg.Transfer.TCPCongestion, "tcp-congestion", cfg.Transfer.TCPCongestion, "congestion control of the data plane's senders and of the tuned raw-TCP baseline (empty: the system default, no tuned baseline)")
 	asJSON := fs.Bool("json", false, "print machine-readable results")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	cfg.Sizes, cfg.Transports, cfg.Progress = sizes, transports, stderr
@@ -168,7 +169,7 @@ func runBenchTransfer(ctx context.Context, args []string, stdout, stderr io.Writ
 // returns the exit code.
 func report(name string, rep interface{ WriteTable(io.Writer) error }, err error, asJSON bool, stdout, stderr io.Writer) int {
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh bench %s: %v\n", name, err)
+		fmt.Fprintf(stderr, "latentmesh-dev bench %s: %v\n", name, err)
 		return 1
 	}
 	if asJSON {
@@ -192,7 +193,7 @@ func runBenchOverlap(ctx context.Context, args []string, stdout, stderr io.Write
 	fs.DurationVar(&cfg.ChunkInterval, "chunk-interval", cfg.ChunkInterval, "how often the producer finishes a frame; 0: one frame's measured decode time (a balanced pipeline)")
 	fs.IntVar(&cfg.Reps, "reps", cfg.Reps, "measured repetitions of each path, after one warm-up")
 	asJSON := fs.Bool("json", false, "print machine-readable results")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	cfg.Width, cfg.Height, cfg.Progress = size.w, size.h, stderr
@@ -210,7 +211,7 @@ func runBenchStore(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.IntVar(&cfg.Reps, "reps", cfg.Reps, "measured repetitions per size, after one warm-up")
 	fs.IntVar(&cfg.Replicas, "replicas", cfg.Replicas, "copies of each put (R), on as many holders")
 	asJSON := fs.Bool("json", false, "print machine-readable results")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	cfg.Sizes, cfg.Transports, cfg.Progress = sizes, transports, stderr
@@ -229,19 +230,19 @@ func runBenchAPI(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.BoolVar(&cfg.EtcdFsync, "etcd-fsync", false, "in-process mesh: the embedded etcd fsyncs its log, as an etcd whose data must survive a crash (default: not, since its temporary directory is removed on exit)")
 	fs.BoolVar(&cfg.NoPush, "no-push", false, "in-process mesh: workers claim every task themselves instead of taking claims pushed to them (a baseline)")
 	fs.IntVar(&cfg.Slack, "backpressure-slack", cfg.Slack, "in-process mesh: the agents' backpressure slack (negative: the agent default, 1)")
-	fs.BoolVar(&cfg.EtcdGRPC, "etcd-grpc", false, "in-process mesh: agents reach the embedded etcd over loopback gRPC, as remote agents do (default: function calls, as 'latentmesh dev')")
+	fs.BoolVar(&cfg.EtcdGRPC, "etcd-grpc", false, "in-process mesh: agents reach the embedded etcd over loopback gRPC, as remote agents do (default: function calls, as 'latentmesh-dev dev')")
 	size := frameSize{cfg.Width, cfg.Height}
 	fs.Var(&size, "size", "image size `WxH` in pixels (multiples of 8)")
 	asJSON := fs.Bool("json", false, "print machine-readable results")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (mesh included) to `FILE`")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	cfg.Width, cfg.Height = size.w, size.h
 	if *cpuProfile != "" {
 		stop, err := startCPUProfile(*cpuProfile)
 		if err != nil {
-			fmt.Fprintf(stderr, "latentmesh bench api: %v\n", err)
+			fmt.Fprintf(stderr, "latentmesh-dev bench api: %v\n", err)
 			return 1
 		}
 		defer stop()
@@ -254,7 +255,7 @@ func runBenchControl(ctx context.Context, args []string, stdout, stderr io.Write
 	cfg := testbed.DefaultControlBenchConfig()
 	fs := newFlagSet("bench control", "[flags]", stderr)
 	fs.Usage = func() {
-		fmt.Fprint(fs.Output(), `usage: latentmesh bench control [flags]
+		fmt.Fprint(fs.Output(), `usage: latentmesh-dev bench control [flags]
 
 What one job costs etcd, and what an idle agent does, at several fleet
 sizes, as etcd itself counts it: its /metrics are read before and after
@@ -281,11 +282,11 @@ fleet with the smallest, and both with the budget of issue 18.
 	fs.Var(&endpoints, "etcd-endpoints", "`URLs` of a one-member etcd to use instead of starting one per fleet (each fleet then gets a key prefix of its own)")
 	fs.StringVar(&cfg.EtcdMetrics, "etcd-metrics", "", "`URL` of that etcd's Prometheus endpoint (default: the first endpoint + /metrics)")
 	asJSON := fs.Bool("json", false, "print machine-readable results")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	if cfg.EtcdMetrics != "" && len(endpoints) == 0 {
-		fmt.Fprintln(stderr, "latentmesh bench control: --etcd-metrics needs --etcd-endpoints")
+		fmt.Fprintln(stderr, "latentmesh-dev bench control: --etcd-metrics needs --etcd-endpoints")
 		return 2
 	}
 	cfg.Agents, cfg.EtcdEndpoints, cfg.Progress = agents, endpoints, stderr
@@ -299,11 +300,11 @@ func runBenchProducer(ctx context.Context, args []string, stderr io.Writer) int 
 	cfg := bench.DefaultProducerConfig()
 	fs := newFlagSet("bench producer", "(started by bench transfer and bench overlap)", stderr)
 	fs.StringVar(&cfg.ListenIP, "listen-ip", cfg.ListenIP, "IPv4 `address` the producer's libp2p host, data plane and raw-TCP server listen on")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	if err := bench.ServeProducer(ctx, cfg, os.Stdin, os.Stdout); err != nil {
-		fmt.Fprintf(stderr, "latentmesh bench producer: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev bench producer: %v\n", err)
 		return 1
 	}
 	return 0

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/latentmesh/latentmesh/cmd/internal/cli"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
@@ -17,14 +18,14 @@ import (
 func runBenchServe(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	models, err := costmodel.Load()
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh bench serve: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev bench serve: %v\n", err)
 		return 1
 	}
 	cfg := serve.DefaultConfig()
 	fs := newFlagSet("bench serve", "[flags]", stderr)
 	topology := fs.String("topology", string(cfg.Topology), "colocated (every GPU runs every stage) or disaggregated (a pool per stage)")
 	fs.IntVar(&cfg.GPUs, "gpus", cfg.GPUs, "simulated GPUs, one agent each")
-	pools := fs.String("pools", "", "disaggregated pools `E:D:V` (default: planned from the mix's stage times, as 'latentmesh plan')")
+	pools := fs.String("pools", "", "disaggregated pools `E:D:V` (default: planned from the mix's stage times, as 'latentmesh-dev plan')")
 	mix := fs.String("mix", "wan2.1-t2v-1.3b:standard", "load mix: comma-separated `model[:class[:weight[:slo]]]`; models: "+strings.Join(models.Names(), ", "))
 	rate := fs.Float64("rate", 0, "arrivals a second, simulated time (0: --load of what the GPUs can do)")
 	load := fs.Float64("load", 0.9, "with --rate 0: offered load as a share of the GPUs' capacity (GPUs / mean GPU time per job)")
@@ -44,11 +45,11 @@ func runBenchServe(ctx context.Context, args []string, stdout, stderr io.Writer)
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	plot := fs.String("plot", "", "write a PNG `file`: latency CDF per class and a Gantt chart of sample jobs")
 	sample := fs.Int("jobs", 8, "sample jobs whose breakdown is printed")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	fail := func(code int, err error) int {
-		fmt.Fprintf(stderr, "latentmesh bench serve: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev bench serve: %v\n", err)
 		return code
 	}
 	if cfg.Topology, err = testbed.ParseTopology(*topology); err != nil {

@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/cmd/internal/cli"
 	"github.com/latentmesh/latentmesh/testbed"
 )
 
@@ -20,17 +21,17 @@ func runDev(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		etcdListen = fs.String("etcd-listen", "127.0.0.1:2379", "embedded etcd client address (port 0: any free port)")
 		prefix     = fs.String("prefix", "/latentmesh/default", "etcd key prefix of the mesh")
 		verbose    = fs.Bool("v", false, "debug logs")
-		cost       simCost
+		cost       cli.SimCost
 	)
 	fs.Var(&cost, "sim-cost", "simulated GPU time, e.g. `encode=5ms,step=20ms,decode=50ms`")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	if *n < 0 || *n == 2 {
-		fmt.Fprintf(stderr, "latentmesh dev: --agents %d: want 0, 1, or 3 or more (every stage needs an agent)\n", *n)
+		fmt.Fprintf(stderr, "latentmesh-dev dev: --agents %d: want 0, 1, or 3 or more (every stage needs an agent)\n", *n)
 		return 2
 	}
-	log, err := newLogger("console", *verbose, stderr)
+	log, err := cli.NewLogger("console", *verbose, stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return 1
@@ -39,11 +40,11 @@ func runDev(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	cfg.Logger = log
 	cfg.Etcd.ClientURL = "http://" + *etcdListen
 	cfg.Agent.Prefix, cfg.Agent.AdminToken = *prefix, *adminToken
-	cost.apply(&cfg.Agent.Engine)
+	cost.Apply(&cfg.Agent.Engine)
 	cfg.Topology = "" // agents are added below
 	cl, err := testbed.StartCluster(ctx, cfg)
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh dev: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev dev: %v\n", err)
 		return 1
 	}
 	defer cl.Close()
@@ -63,7 +64,7 @@ func runDev(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		a, err := cl.AddAgentConfig(ctx, ac)
 		if err != nil {
-			fmt.Fprintf(stderr, "latentmesh dev: agent %s: %v\n", ac.NodeID, err)
+			fmt.Fprintf(stderr, "latentmesh-dev dev: agent %s: %v\n", ac.NodeID, err)
 			return 1
 		}
 		fmt.Fprintf(stdout, "agent %-16s roles=%-24s http=%s admin=%s\n", a.ID(), fmt.Sprint(ac.Roles), a.HTTPAddr(), a.AdminAddr())

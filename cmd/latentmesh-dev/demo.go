@@ -10,8 +10,8 @@ import (
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 
-	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/cmd/internal/cli"
 	"github.com/latentmesh/latentmesh/testbed"
 )
 
@@ -23,35 +23,35 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		topology = fs.String("topology", "disaggregated", "disaggregated (one agent per stage) or colocated (one agent, all roles)")
 		asJSON   = fs.Bool("json", false, "print the report as JSON on stdout")
 		verbose  = fs.Bool("v", false, "log agent events (console format, stderr)")
-		cost     simCost
+		cost     cli.SimCost
 	)
 	fs.Var(&cost, "sim-cost", "simulated GPU time, e.g. `encode=5ms,step=20ms,decode=50ms`")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	if *out == "" {
-		fmt.Fprintln(stderr, "latentmesh demo: --out DIR is required")
+		fmt.Fprintln(stderr, "latentmesh-dev demo: --out DIR is required")
 		fs.Usage()
 		return 2
 	}
 	top, err := testbed.ParseTopology(*topology)
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh demo: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev demo: %v\n", err)
 		return 2
 	}
 	cfg := testbed.DemoConfig{Out: *out, Cluster: testbed.DefaultClusterConfig()}
 	cfg.Cluster.Topology = top
-	cost.apply(&cfg.Cluster.Agent.Engine)
+	cost.Apply(&cfg.Cluster.Agent.Engine)
 	if *prompts != "" {
 		f, err := os.Open(*prompts)
 		if err != nil {
-			fmt.Fprintf(stderr, "latentmesh demo: %v\n", err)
+			fmt.Fprintf(stderr, "latentmesh-dev demo: %v\n", err)
 			return 1
 		}
 		cfg.Specs, err = testbed.LoadPrompts(f, engine.DefaultLimits())
 		f.Close()
 		if err != nil {
-			fmt.Fprintf(stderr, "latentmesh demo: %s: %v\n", *prompts, err)
+			fmt.Fprintf(stderr, "latentmesh-dev demo: %s: %v\n", *prompts, err)
 			return 1
 		}
 	}
@@ -59,7 +59,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *verbose {
 		level = zapcore.InfoLevel
 	}
-	log, err := newLogger("console", false, stderr)
+	log, err := cli.NewLogger("console", false, stderr)
 	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return 1
@@ -72,7 +72,7 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	rep, err := testbed.RunDemo(ctx, cfg)
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh demo: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev demo: %v\n", err)
 		return 1
 	}
 	if *asJSON {
@@ -82,14 +82,5 @@ func runDemo(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return 1
 		}
 	}
-	return 0
-}
-
-func runVersion(_ context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := newFlagSet("version", "", stderr)
-	if code := parse(fs, args); code >= 0 {
-		return code
-	}
-	fmt.Fprintln(stdout, "latentmesh", agent.Version)
 	return 0
 }

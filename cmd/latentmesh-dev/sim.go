@@ -9,6 +9,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/latentmesh/latentmesh/cmd/internal/cli"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
 	"github.com/latentmesh/latentmesh/testbed/sim"
 )
@@ -17,7 +18,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	def := sim.DefaultConfig()
 	models, err := costmodel.Load()
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh sim: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev sim: %v\n", err)
 		return 1
 	}
 	fs := newFlagSet("sim", "[--gpus N] [--duration D] [--model M] [--measure-etcd] [--json]", stderr)
@@ -32,18 +33,18 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	gossip := fs.Duration("gossip-delay", def.GossipDelay, "age of gossiped free credits")
 	dispatch := fs.Duration("dispatch-cost", def.DispatchCost, "central dispatcher's time per decision")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
-	if code := parse(fs, args); code >= 0 {
+	if code := cli.Parse(fs, args); code >= 0 {
 		return code
 	}
 	if _, err := models.Model(*model); err != nil {
-		fmt.Fprintf(stderr, "latentmesh sim: --model: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev sim: --model: %v\n", err)
 		return 2
 	}
 	var swept []sim.Mode
 	for _, name := range strings.Split(*sweepModes, ",") {
 		m, err := sim.ParseMode(strings.TrimSpace(name))
 		if err != nil {
-			fmt.Fprintf(stderr, "latentmesh sim: --sweep-modes: %v\n", err)
+			fmt.Fprintf(stderr, "latentmesh-dev sim: --sweep-modes: %v\n", err)
 			return 2
 		}
 		swept = append(swept, m)
@@ -54,7 +55,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *measure {
 		fmt.Fprintln(stderr, "measuring the embedded etcd...")
 		if base.Etcd, err = sim.MeasureEtcd(ctx, sim.DefaultMeasureConfig()); err != nil {
-			fmt.Fprintf(stderr, "latentmesh sim: measure etcd: %v\n", err)
+			fmt.Fprintf(stderr, "latentmesh-dev sim: measure etcd: %v\n", err)
 			return 1
 		}
 	}
@@ -91,7 +92,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "  %d GPUs %s for %v: %.1f s\n", r.GPUs, r.Mode, r.Duration, r.WallSeconds)
 	})
 	if err != nil {
-		fmt.Fprintf(stderr, "latentmesh sim: %v\n", err)
+		fmt.Fprintf(stderr, "latentmesh-dev sim: %v\n", err)
 		if ctx.Err() != nil {
 			return 1
 		}
@@ -104,7 +105,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		enc := json.NewEncoder(stdout)
 		enc.SetIndent("", "  ")
 		if err := enc.Encode(rep); err != nil {
-			fmt.Fprintf(stderr, "latentmesh sim: %v\n", err)
+			fmt.Fprintf(stderr, "latentmesh-dev sim: %v\n", err)
 			return 1
 		}
 		return 0

@@ -1,0 +1,103 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"strings"
+	"testing"
+)
+
+func runCmd(args ...string) (code int, stdout, stderr string) {
+	var o, e bytes.Buffer
+	code = run(context.Background(), args, &o, &e)
+	return code, o.String(), e.String()
+}
+
+func TestUsageErrors(t *testing.T) {
+	tests := []struct {
+		args []string
+		code int
+		want string // in stderr
+	}{
+		{nil, 2, "usage: latentmesh-dev"},
+		{[]string{"agent"}, 2, `unknown command "agent"`},
+		{[]string{"demo"}, 2, "--out DIR is required"},
+		{[]string{"demo", "--out", "x", "--topology", "ring"}, 2, "unknown topology"},
+		{[]string{"demo", "--out", "x", "extra"}, 2, `unexpected argument "extra"`},
+		{[]string{"dev", "--agents", "2"}, 2, "want 0, 1, or 3 or more"},
+		{[]string{"bench", "transfer", "--sizes", "big"}, 2, "big"},
+		{[]string{"bench", "control", "--agents", "4,many"}, 2, "want positive integers"},
+		{[]string{"bench", "control", "--etcd-metrics", "http://127.0.0.1:1/metrics"}, 2, "--etcd-metrics needs --etcd-endpoints"},
+		{[]string{"bench", "control", "--agents", "2"}, 1, "at least 3"},
+		{[]string{"testbed"}, 2, "usage: latentmesh-dev testbed"},
+		{[]string{"testbed", "storm"}, 2, `unknown command "storm"`},
+		{[]string{"testbed", "chaos", "--agents", "2"}, 2, "want at least 3"},
+		{[]string{"testbed", "chaos", "--duration", "soon"}, 2, "--duration"},
+		{[]string{"plan", "--model", "sd9", "--gpus", "8"}, 2, "flux.1-dev"},
+		{[]string{"plan", "--model", "flux.1-dev", "--gpus", "2"}, 2, "cannot give each of 3 stages"},
+		{[]string{"sim", "--model", "sd9"}, 2, "flux.1-dev"},
+		{[]string{"sim", "--gpus", "2"}, 2, "at least one per stage"},
+	}
+	for _, tt := range tests {
+		code, _, stderr := runCmd(tt.args...)
+		if code != tt.code || !strings.Contains(stderr, tt.want) {
+			t.Errorf("%q: exit %d, stderr %q; want exit %d and %q", tt.args, code, stderr, tt.code, tt.want)
+		}
+	}
+}
+
+func TestHelp(t *testing.T) {
+	if code, out, _ := runCmd("help"); code != 0 || !strings.Contains(out, "bench") || !strings.Contains(out, "testbed") {
+		t.Fatalf("help: %d %q", code, out)
+	}
+	if code, out, _ := runCmd("testbed", "help"); code != 0 || !strings.Contains(out, "chaos") {
+		t.Fatalf("testbed help: %d %q", code, out)
+	}
+	if code, _, errOut := runCmd("testbed", "chaos", "-h"); code != 0 || !strings.Contains(errOut, "-agent-binary") {
+		t.Fatalf("testbed chaos -h: %d %q", code, errOut)
+	}
+}
+
+// plan sizes pools from the cost model and says why.
+func TestPlan(t *testing.T) {
+	code, out, errOut := runCmd("plan", "--model", "wan2.1-t2v-1.3b", "--gpus", "16", "--rate", "1")
+	if code != 0 || !strings.Contains(out, "E:D:V = 2:13:1") || !strings.Contains(out, "denoise sets the pace") {
+		t.Fatalf("plan: %d %q %q", code, out, errOut)
+	}
+	code, out, _ = runCmd("plan", "--model", "qwen-image", "--gpus", "8", "--rate", "5", "--json")
+	var p struct {
+		Pools    string  `json:"pools"`
+		Capacity float64 `json:"capacity"`
+	}
+	if code != 0 || json.Unmarshal([]byte(out), &p) != nil || p.Pools != "1:6:1" || p.Capacity <= 0 {
+		t.Fatalf("plan --json: %d %q", code, out)
+	}
+}
+
+// sim runs the table and the sweep and reports where etcd saturates.
+func TestSim(t *testing.T) {
+	code, out, errOut := runCmd("sim", "--gpus", "30", "--duration", "30s", "--sweep-duration", "10s", "--json")
+	var rep struct {
+		Runs []struct {
+			Mode      string  `json:"mode"`
+			Completed int     `json:"completed"`
+			Util      float64 `json:"gpu_utilisation"`
+		} `json:"runs"`
+		Sweep []json.RawMessage `json:"sweep"`
+	}
+	if code != 0 || json.Unmarshal([]byte(out), &rep) != nil || len(rep.Runs) != 4 || len(rep.Sweep) == 0 {
+		t.Fatalf("sim --json: %d %q %q", code, out, errOut)
+	}
+	for i, r := range rep.Runs {
+		if want := []string{"mesh", "mesh-nopush", "mesh-nohints", "central"}[i]; r.Mode != want {
+			t.Fatalf("run %d is %s, want %s", i, r.Mode, want)
+		}
+		if r.Completed == 0 || r.Util <= 0 || r.Util > 1 {
+			t.Fatalf("sim run %+v", r)
+		}
+	}
+	if code, out, _ := runCmd("sim", "--gpus", "30", "--duration", "30s", "--sweep-duration", "0"); code != 0 || !strings.Contains(out, "mesh-nohints") || !strings.Contains(out, "etcd saturates") {
+		t.Fatalf("sim: %d %q", code, out)
+	}
+}

@@ -103,7 +103,7 @@ func TestCertReloaderServesReplacedCert(t *testing.T) {
 		t.Fatal(err)
 	}
 	// A connection per request: each one is a handshake.
-	tr := &http.Transport{TLSClientConfig: tc, DisableKeepAlives: true}
+	tr := &http.Transport{TLSClientConfig: tc, DisableKeepAlives: true, ForceAttemptHTTP2: true}
 	defer tr.CloseIdleConnections()
 	url := "https://" + ln.Addr().String() + "/"
 	servedSerial := func() int64 {
@@ -115,6 +115,9 @@ func TestCertReloaderServesReplacedCert(t *testing.T) {
 		defer resp.Body.Close()
 		if b, _ := io.ReadAll(resp.Body); string(b) != "ok" {
 			t.Fatalf("body %q", b)
+		}
+		if resp.ProtoMajor != 2 {
+			t.Errorf("served %s, want HTTP/2 offered", resp.Proto)
 		}
 		return resp.TLS.PeerCertificates[0].SerialNumber.Int64()
 	}

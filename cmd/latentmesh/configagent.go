@@ -89,7 +89,7 @@ func newAgentSettings() *agentSettings {
 		{name: "http", value: stringValue{&c.HTTPListen}, help: "client API listen address (empty: off)"},
 		{name: "admin", value: stringValue{&c.AdminListen}, help: "admin listen address: health, metrics, status (empty: off)"},
 		{name: "admin-token", value: stringValue{&s.adminToken}, secret: true,
-			help: "bearer token required on admin paths except /livez (required when admin is not loopback, unless api-tokens has an admin: token); prefer admin-token-file"},
+			help: "bearer token required on admin paths except /livez (required when admin is not loopback, unless api-tokens has an admin: token); prefer admin-token-file."},
 		{name: "admin-token-file", value: stringValue{&s.adminTokenFile}, help: "`FILE` holding admin-token (first line), so that it is not on the command line"},
 		{name: "api-tokens", value: stringValue{&s.apiTokens}, help: "`FILE` of client API bearer tokens, one a line, \"admin:\" before an admin token; when set every client request needs one and sees only its own jobs (default: off)"},
 		{name: "api-rate", value: floatValue{&s.apiRate}, help: "requests a second per API token (burst: twice that); 0: no limit"},

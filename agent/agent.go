@@ -130,6 +130,10 @@ type Agent struct {
 	// that landed on the heap because the arena was full.
 	relayed, heapPulls atomic.Int64
 
+	// live holds the heartbeats of the pull loops and of the etcd session
+	// (Alive: the watchdog's and /livez's answer).
+	live *liveness
+
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -154,6 +158,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	a.drained = make(chan struct{})
 	a.released = make(chan struct{})
 	a.board = progress.NewBoard()
+	a.live = newLiveness(cfg.Roles, stuckAfter(cfg), time.Now)
 	defer func() {
 		if err != nil {
 			a.Close()
@@ -277,6 +282,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	}
 	gc := cfg.Gossip
 	gc.Logger = cfg.Logger // gossip names the node in its own fields
+	gc.SessionHeartbeat = a.live.session
 	if a.member, err = gossip.New(gc, cli, rec); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
@@ -406,7 +412,7 @@ func (a *Agent) Start(ctx context.Context) error {
 	}
 	if a.adminLn != nil {
 		a.adminSrv = httpapi.NewServer(httpapi.NewAdminHandler(httpapi.AdminConfig{
-			Live:   func() error { return nil },
+			Live:   a.Alive,
 			Ready:  a.ready,
 			Status: func(ctx context.Context) (any, error) { return a.Status(ctx) },
 			Store: func(ctx context.Context, job string, objects bool) (any, error) {

@@ -43,7 +43,9 @@ var (
 // free before the claim is still free after it.
 func (a *Agent) worker(st jobs.Stage) {
 	credits := a.credits[st]
+	hb := a.live.pull[st] // the watchdog's view of this loop (liveness.go)
 	for a.pullCtx.Err() == nil {
+		hb.Beat()
 		freed := credits.Freed() // before Free, so a release in between is not missed
 		engineChanged := a.runner.Changed()
 		if credits.Free() == 0 || credits.InUse() >= a.runner.Slots(st) {
@@ -58,6 +60,7 @@ func (a *Agent) worker(st jobs.Stage) {
 				timer = time.NewTimer(time.Until(next))
 				due = timer.C
 			}
+			hb.Wait()
 			select {
 			case <-freed:
 			case <-engineChanged:
@@ -115,7 +118,9 @@ func (a *Agent) sleep(d time.Duration) {
 // claimNext blocks until this node holds a claim on a task of stage st.
 // It gives up when the agent stops pulling (a.pullCtx: drain or close).
 func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
+	hb := a.live.pull[st]
 	for {
+		hb.Beat()
 		if err := a.pullCtx.Err(); err != nil {
 			return nil, err
 		}
@@ -129,6 +134,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		changed := a.member.LeaseChanged()  // before Lease, so a change in between is not missed
 		lease := a.member.Lease()
 		if lease == 0 { // re-registering after a lost lease
+			hb.Wait()
 			select {
 			case <-changed:
 			case <-a.pullCtx.Done():
@@ -138,6 +144,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		q := a.queues[st]
 		queueChanged := q.Changed() // before the view is read, so a change in between is not missed
 		if !q.Synced() {
+			hb.Wait()
 			select { // the view's first read is on its way
 			case <-queueChanged:
 			case <-a.pullCtx.Done():
@@ -153,6 +160,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			// which etcd cannot watch, so look again within a second. A
 			// claim pushed here meanwhile may go to a worker that can start it.
 			wake := earliest(time.Now().Add(time.Second), a.returnPushes(st, q))
+			hb.Wait()
 			a.waitView(a.queues[down].Changed(), settled, wake)
 			continue
 		}
@@ -202,7 +210,9 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 				continue
 			}
 			tried++
+			hb.Wait() // on etcd: a claim sent in an outage is answered when it ends
 			claim, err := a.store.TryClaim(a.ctx, t, a.id, lease)
+			hb.Beat()
 			if err == nil {
 				a.setBlocked(st, false)
 				return claim, nil
@@ -228,6 +238,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		}
 		// An engine registering (or going) changes which tasks are ours:
 		// look again then too, not only when etcd's queue moves.
+		hb.Wait()
 		a.waitView(queueChanged, engineChanged, wake)
 	}
 }

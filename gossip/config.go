@@ -72,6 +72,9 @@ type Config struct {
 	// RetryMin and RetryMax bound the backoff between failed attempts to
 	// register or to re-establish the watch.
 	RetryMin, RetryMax time.Duration
+	// SessionHeartbeat, when set, hears the etcd session goroutine beat
+	// and wait (a watchdog's view of it); nil: nobody watches.
+	SessionHeartbeat Heartbeat
 }
 
 // DefaultConfig is for a LAN deployment.

@@ -83,6 +83,7 @@ func (m *Membership) registerRetry(ctx context.Context, prev clientv3.LeaseID) (
 	b := m.newBackoff()
 	var last error // the last failure not caused by ctx ending
 	for {
+		m.beat()
 		lease, err := m.registerOnce(ctx, prev)
 		if err == nil {
 			return lease, nil
@@ -102,6 +103,7 @@ func (m *Membership) registerRetry(ctx context.Context, prev clientv3.LeaseID) (
 func (m *Membership) leaseLoop(lease clientv3.LeaseID) {
 	defer m.wg.Done()
 	for {
+		m.beat()
 		reason := m.holdLease(lease)
 		if m.ctx.Err() != nil {
 			return
@@ -149,6 +151,7 @@ func (m *Membership) renew(lease clientv3.LeaseID) (reason string, gone bool) {
 		return "keepalive: " + err.Error(), errors.Is(err, rpctypes.ErrLeaseNotFound)
 	}
 	for {
+		m.waiting() // on etcd's renewals, however long an outage lasts
 		select {
 		case <-m.ctx.Done():
 			return "closing", true
@@ -163,6 +166,7 @@ func (m *Membership) renew(lease clientv3.LeaseID) (reason string, gone bool) {
 				return "keepalive ended", false
 			}
 		case <-m.selfGone:
+			m.beat()
 			// Someone deleted our record. If the lease still exists, put
 			// the record back under it; if not, the lease is gone too.
 			if err := m.reput(lease); err != nil {
@@ -184,6 +188,7 @@ func (m *Membership) renewOnce(lease clientv3.LeaseID) (reason string, gone bool
 	b := m.newBackoff()
 	b.max = min(b.max, m.cfg.LeaseTTL/4)
 	for {
+		m.beat()
 		ctx, cancel := context.WithTimeout(m.ctx, m.cfg.RequestTimeout)
 		_, err := m.cli.KeepAliveOnce(ctx, lease)
 		cancel()

@@ -4,7 +4,9 @@ import (
 	"context"
 	"io"
 	"net"
+	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -14,17 +16,115 @@ import (
 	"github.com/latentmesh/latentmesh/agent/etcdembed"
 )
 
-// The agent under systemd (Type=notify): READY=1 once its node record is
-// in etcd, with a STATUS= saying what it serves; STOPPING=1 when it drains.
-func TestAgentNotifiesSystemd(t *testing.T) {
-	dir := t.TempDir()
-	sock := filepath.Join(dir, "notify")
-	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: sock, Net: "unixgram"})
+// notifySocket is a NOTIFY_SOCKET as systemd listens on it: every
+// datagram an agent sends, with when it came.
+type notifySocket struct {
+	path string
+	msgs chan notification
+}
+
+type notification struct {
+	at    time.Time
+	state string
+}
+
+// listenNotify opens a notify socket in a temporary directory; it closes
+// with the test.
+func listenNotify(t *testing.T) *notifySocket {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "notify")
+	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: path, Net: "unixgram"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer conn.Close()
-	t.Setenv("NOTIFY_SOCKET", sock)
+	s := &notifySocket{path: path, msgs: make(chan notification, 4096)}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		buf := make([]byte, 4096)
+		for {
+			n, err := conn.Read(buf)
+			if err != nil {
+				return // closed by the cleanup
+			}
+			select {
+			case s.msgs <- notification{at: time.Now(), state: string(buf[:n])}:
+			default: // a test that stopped reading: nothing to block on
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		conn.Close()
+		<-done
+	})
+	return s
+}
+
+// next waits up to timeout for the first notification holding want and
+// returns it, with the ones before it.
+func (s *notifySocket) next(t *testing.T, want string, timeout time.Duration) (notification, []notification) {
+	t.Helper()
+	var before []notification
+	deadline := time.NewTimer(timeout)
+	defer deadline.Stop()
+	for {
+		select {
+		case n := <-s.msgs:
+			if hasState(n.state, want) {
+				return n, before
+			}
+			before = append(before, n)
+		case <-deadline.C:
+			t.Fatalf("no %s from the agent within %v; got %q", want, timeout, states(before))
+		}
+	}
+}
+
+// during returns the notifications that arrive within d.
+func (s *notifySocket) during(d time.Duration) []notification {
+	var got []notification
+	end := time.NewTimer(d)
+	defer end.Stop()
+	for {
+		select {
+		case n := <-s.msgs:
+			got = append(got, n)
+		case <-end.C:
+			return got
+		}
+	}
+}
+
+// hasState reports whether a datagram holds the assignment or prefix want
+// ("READY=1", "STATUS=wedged") on one of its lines.
+func hasState(state, want string) bool {
+	for line := range strings.SplitSeq(state, "\n") {
+		if strings.HasPrefix(line, want) {
+			return true
+		}
+	}
+	return false
+}
+
+func states(ns []notification) []string {
+	out := make([]string, len(ns))
+	for i, n := range ns {
+		out[i] = n.state
+	}
+	return out
+}
+
+// The agent under systemd (Type=notify, WatchdogSec=), in this process on
+// an embedded etcd: READY=1 first, once its node record is in etcd, with a
+// STATUS= saying what it serves; WATCHDOG=1 while it runs; STOPPING=1 when
+// it drains; exit 0. TestSystemdUnitLifecycle runs the binary through an
+// etcd outage, a wedged loop and SIGTERM.
+func TestAgentNotifiesSystemd(t *testing.T) {
+	dir := t.TempDir()
+	sock := listenNotify(t)
+	t.Setenv("NOTIFY_SOCKET", sock.path)
+	t.Setenv("WATCHDOG_USEC", "400000") // pings every 200 ms
+	t.Setenv("WATCHDOG_PID", strconv.Itoa(os.Getpid()))
 
 	srv, err := etcdembed.Start(context.Background(), etcdembed.DefaultConfig())
 	if err != nil {
@@ -49,28 +149,22 @@ func TestAgentNotifiesSystemd(t *testing.T) {
 		}, io.Discard, io.Discard)
 	}()
 
-	read := func(what string) string {
-		t.Helper()
-		buf := make([]byte, 4096)
-		_ = conn.SetReadDeadline(time.Now().Add(30 * time.Second))
-		n, err := conn.Read(buf)
-		if err != nil {
-			t.Fatalf("waiting for %s from the agent: %v", what, err)
-		}
-		return string(buf[:n])
+	ready, before := sock.next(t, "READY=1", 30*time.Second)
+	if len(before) > 0 {
+		t.Fatalf("notifications before READY=1: %q (a watchdog ping before the agent is started)", states(before))
 	}
-	ready := read("READY=1")
-	if !strings.Contains(ready, "READY=1") || !strings.Contains(ready, "STATUS=serving the built-in engine") {
-		t.Fatalf("first notification %q, want READY=1 with the status", ready)
+	if !hasState(ready.state, "STATUS=serving the built-in engine") {
+		t.Fatalf("first notification %q, want READY=1 with the status", ready.state)
 	}
 	resp, err := cli.Get(context.Background(), "/latentmesh/default/nodes/notify-1")
 	if err != nil || len(resp.Kvs) != 1 {
 		t.Fatalf("READY=1 before the node was registered: %v %v", resp, err)
 	}
-	stop() // as SIGTERM does
-	if stopping := read("STOPPING=1"); !strings.Contains(stopping, "STOPPING=1") {
-		t.Fatalf("notification on stop %q, want STOPPING=1", stopping)
+	for range 3 {
+		sock.next(t, "WATCHDOG=1", 10*time.Second)
 	}
+	stop() // as SIGTERM does
+	sock.next(t, "STOPPING=1", 30*time.Second)
 	select {
 	case rc := <-done:
 		if rc != 0 {

@@ -26,13 +26,15 @@
 #   nodejs, npm        the official OpenAI Node client (testbed/testdata/openai-node)
 #                      against a mesh; npm only where no npm is on PATH (NodeSource's
 #                      nodejs bundles it and conflicts with Debian's npm package)
+#   systemd            systemd-analyze verify and security on the units in scripts/,
+#                      and systemd-sysusers on latentmesh.sysusers (cmd/latentmesh tests)
 #
 # Run as root (CI does). Exits non-zero with a message when anything fails.
 set -euo pipefail
 
 PACKAGES=(libibverbs-dev ibverbs-providers iproute2 iptables etcd-server
 	python3-numpy python3-msgpack python3-torch python3-pip python3-venv
-	prometheus chromium ffmpeg nodejs)
+	prometheus chromium ffmpeg nodejs systemd)
 command -v npm >/dev/null 2>&1 || PACKAGES+=(npm)
 
 log() { printf 'install-deps: %s\n' "$*"; }

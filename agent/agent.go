@@ -236,6 +236,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	}
 	for _, r := range cfg.Roles {
 		a.credits[r] = routing.NewCredits(cfg.Slots[r])
+		a.metrics.InitStage(r)
 		a.blocked[r] = &atomic.Bool{}
 		a.committing[r] = &atomic.Int64{}
 	}

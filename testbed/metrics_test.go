@@ -5,8 +5,10 @@ import (
 	"context"
 	"io"
 	"net/http"
+	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -158,6 +160,41 @@ func TestMetricsMoveUnderLoad(t *testing.T) {
 		}
 		if _, n := sample(mf, "latentmesh_credits_in_use", map[string]string{"stage": string(st)}); n != 1 {
 			t.Errorf("%s agent: %d credits_in_use series for its stage", st, n)
+		}
+	}
+	// The docs, the dashboard and the alerts name only series an agent
+	// exports, and the docs list every series exported.
+	exported := map[string]bool{ // series that appear with their first event
+		"latentmesh_engine_last_heartbeat_timestamp_seconds": true, // an external engine's frame
+		"latentmesh_etcd_request_errors_total":               true, // a failed etcd request (its code is a label)
+		"latentmesh_http_requests_total":                     true, // a client API request (Run calls the agent)
+	}
+	for _, mf := range byStage {
+		for name := range mf {
+			exported[name] = true
+		}
+	}
+	named := regexp.MustCompile(`latentmesh_[a-z_]+`)
+	for _, doc := range []string{"metrics.md", "grafana-dashboard.json", "alerts.yml"} {
+		b, err := os.ReadFile(filepath.Join("..", "docs", doc))
+		if err != nil {
+			t.Fatal(err)
+		}
+		listed := map[string]bool{}
+		for _, n := range named.FindAllString(string(b), -1) {
+			n = strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(n, "_bucket"), "_count"), "_sum")
+			listed[n] = true
+			if !exported[n] && n != "latentmesh_" {
+				t.Errorf("docs/%s names %s, which no agent exports", doc, n)
+			}
+		}
+		if doc != "metrics.md" {
+			continue
+		}
+		for n := range exported {
+			if strings.HasPrefix(n, "latentmesh_") && !listed[n] {
+				t.Errorf("docs/metrics.md does not list %s", n)
+			}
 		}
 	}
 	// Each stage's queue depth comes from exactly one agent, one series a class.

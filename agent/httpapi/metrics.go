@@ -167,6 +167,22 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 	return m, nil
 }
 
+// InitStage starts the counters of a stage this agent serves at zero, so
+// that rate() and increase() see their first event (Prometheus loses the
+// first increment of a series that appears with it).
+func (m *Metrics) InitStage(s jobs.Stage) {
+	m.conflicts.WithLabelValues(string(s))
+	for _, r := range []string{ReasonPreempted, ReasonDrained, ReasonRetry} {
+		m.requeues.WithLabelValues(string(s), r)
+	}
+	for _, r := range []string{ReasonPayloadGone, ReasonProducerLeft, ReasonInvalidInput} {
+		m.rewinds.WithLabelValues(string(s), r)
+	}
+	for _, r := range []string{ReasonFenced, ReasonFinished} {
+		m.refused.WithLabelValues(string(s), r)
+	}
+}
+
 // JobSubmitted counts one accepted job.
 func (m *Metrics) JobSubmitted(c routing.Class) { m.jobsSubmitted.WithLabelValues(c.String()).Inc() }
 

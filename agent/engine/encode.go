@@ -23,11 +23,42 @@ const (
 // embedTable generates embedding rows on demand from a seed instead of
 // storing VocabSize x EmbedDim floats: row i is a pure function of
 // (TableSeed, i), which is what a trained table is to its users.
+//
+// When the embedding is wide enough (semantic), its last semWidth
+// dimensions are not random: they hold the codes of known words (see
+// semantic.go) and are zero for the rest.
 type embedTable struct {
-	seed uint64
+	seed  uint64
+	rand  int                  // dimensions of the random part, the first ones
+	codes map[uint32][]float64 // known token ids' codes; read-only
 }
 
-func newEmbedTable(cfg Config) *embedTable { return &embedTable{seed: cfg.TableSeed} }
+func newEmbedTable(cfg Config) *embedTable {
+	t := &embedTable{seed: cfg.TableSeed, rand: cfg.EmbedDim}
+	if semantic(cfg.EmbedDim) {
+		t.rand = cfg.EmbedDim - semWidth
+		t.codes = newLexicon(cfg)
+	}
+	return t
+}
+
+// addToken adds token id's row to dst: its random part, then its code if
+// it is a known word or the bare presence of a word if not (the start
+// token counts as one word, so an all-unknown prompt reads as no meaning).
+func (t *embedTable) addToken(dst []float64, id uint64) {
+	t.addRow(dst[:t.rand], saltToken, id, 1)
+	if t.rand == len(dst) {
+		return
+	}
+	sem := dst[t.rand:]
+	if c, ok := t.codes[uint32(id)]; ok {
+		for j, v := range c {
+			sem[j] += v
+		}
+		return
+	}
+	sem[semPresence] += semScale
+}
 
 // Salts keep the different generated tables independent.
 const (
@@ -113,9 +144,9 @@ func (e *Engine) encodeInto(dst []byte, prompt string) {
 	x := make([]float64, d)
 	for t, id := range ids {
 		clear(tok)
-		e.table.addRow(tok, saltToken, uint64(id), 1)
+		e.table.addToken(tok, uint64(id))
 		copy(x, tok)
-		e.table.addRow(x, saltPos, uint64(t), 0.4)
+		e.table.addRow(x[:e.table.rand], saltPos, uint64(t), 0.4)
 		if t > 0 {
 			inv := 0.8 / float64(t)
 			for j := range x {

@@ -31,7 +31,10 @@ var (
 
 // version names the algorithm. Bump it whenever any stage's output bytes
 // change for some input, since IDs key caches of stage results.
-const version = "builtin/v2" // v2: PNGs deflated at BestSpeed
+//
+//	v2: PNGs deflated at BestSpeed
+//	v3: known words carry colours, places and shapes (semantic.go)
+const version = "builtin/v3"
 
 // Config shapes the model and its simulated cost. Fields other than the costs
 // and Limits change the output bytes and therefore the engine's ID.
@@ -75,7 +78,7 @@ type Engine struct {
 	cfg   Config
 	id    string
 	table *embedTable
-	proj  [][]float64 // sceneFeatures x EmbedDim projection of the pooled embedding
+	proj  [][]float64 // sceneFeatures x table.rand projection of the pooled embedding's random part
 }
 
 // New validates cfg and builds an Engine.
@@ -100,7 +103,7 @@ func New(cfg Config) (*Engine, error) {
 	}
 	e := &Engine{cfg: cfg, id: makeID(cfg)}
 	e.table = newEmbedTable(cfg)
-	e.proj = newProjection(cfg)
+	e.proj = newProjection(cfg, e.table.rand)
 	return e, nil
 }
 
@@ -118,7 +121,7 @@ func makeID(cfg Config) string {
 }
 
 // ID names the engine's algorithm and every setting that changes its output,
-// e.g. "builtin/v2". Equal IDs produce equal bytes for equal Specs.
+// e.g. "builtin/v3". Equal IDs produce equal bytes for equal Specs.
 func (e *Engine) ID() string { return e.id }
 
 // Config returns the engine's (frozen) configuration.

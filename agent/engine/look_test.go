@@ -30,18 +30,23 @@ func TestWriteSamples(t *testing.T) {
 	specs := []Spec{
 		{Prompt: "a red fox in the snow", Seed: 1},
 		{Prompt: "a red fox in the snow", Seed: 2},
-		{Prompt: "a red fox in the snow", Seed: 3},
+		{Prompt: "ocean waves", Seed: 1},
 		{Prompt: "sunset over the ocean", Seed: 1},
 		{Prompt: "a bowl of fruit on a table", Seed: 1},
 		{Prompt: "cyberpunk city at night, neon", Seed: 7},
-		{Prompt: "a red fox in the snow", Seed: 1, GuidanceScale: 1},
+		{Prompt: "a green forest", Seed: 1},
+		{Prompt: "quasar zeitgeist", Seed: 1}, // no known word: the seeded look
 		{Prompt: "a red fox in the snow", Seed: 1, GuidanceScale: 30},
 		{Prompt: "a red fox in the snow", Seed: 1, NegativePrompt: "blurry"},
-		{Prompt: "a red fox in the snow", Seed: 1, Steps: 4},
-		{Prompt: "a red fox in the snow", Seed: 1, Width: 384, Height: 192},
+		// The demo's prompts (testbed.DefaultPrompts).
+		{Prompt: "a red fox in a snowy forest at dawn", Seed: 1},
+		{Prompt: "a lighthouse on a rocky coast under a stormy sky", Seed: 2, Width: 320, Height: 192},
+		{Prompt: "a bowl of ripe oranges on a wooden table", Seed: 3, Width: 192, Height: 256},
+		{Prompt: "neon city street at night in the rain", NegativePrompt: "blurry, low contrast", Seed: 4},
+		{Prompt: "ocean waves rolling onto a sandy beach", Seed: 5, Width: 160, Height: 128, Frames: 8},
 		{Prompt: "jellyfish drifting in deep water", Seed: 5, Frames: 16},
 	}
-	sheet := image.NewRGBA(image.Rect(0, 0, 4*256, 3*256))
+	sheet := image.NewRGBA(image.Rect(0, 0, 4*256, 4*256))
 	for i, s := range specs {
 		s = s.WithDefaults()
 		out, ct, err := e.Generate(context.Background(), s)

@@ -218,7 +218,7 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		if q.OutputFormat == "jpeg" && ct == engine.ContentTypePNG {
-			if data, err = toJPEG(data, q.OutputCompression, s.cfg.Limits); err != nil {
+			if data, err = toJPEG(data, q.OutputCompression, s.limitsFor(q.Model)); err != nil {
 				s.log.Error("jpeg conversion", zap.String("job", job.ID), zap.Error(err))
 				writeError(w, apiErr(http.StatusInternalServerError, typeServer, CodeInternal, "converting job %s's image to JPEG failed", job.ID))
 				return

@@ -318,7 +318,8 @@ func (s *server) createVideo(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
-	frames, err := framesFor(string(q.Seconds), s.cfg.Limits)
+	limits := s.limitsFor(q.Model) // the model's engine's, or the server's own
+	frames, err := framesFor(string(q.Seconds), limits)
 	if err != nil {
 		writeError(w, fieldError(err))
 		return
@@ -336,12 +337,12 @@ func (s *server) createVideo(w http.ResponseWriter, r *http.Request) {
 		}
 		req.Width, req.Height = &wd, &ht
 	}
-	spec, opts, err := req.spec(s.cfg.Limits, s.cfg.ModelSteps)
+	spec, opts, err := req.spec(limits, s.cfg.ModelSteps)
 	var fe *engine.FieldError
 	if errors.As(err, &fe) {
 		switch fe.Field {
 		case "width", "height":
-			writeError(w, sizeError(q.Size, frames, s.cfg.Limits, fe.Field+" "+fe.Msg))
+			writeError(w, sizeError(q.Size, frames, limits, fe.Field+" "+fe.Msg))
 			return
 		case "frames": // too many pixels for the length
 			size := q.Size
@@ -349,7 +350,7 @@ func (s *server) createVideo(w http.ResponseWriter, r *http.Request) {
 				d := engine.DefaultSpec()
 				size = fmt.Sprintf("%dx%d", d.Width, d.Height)
 			}
-			writeError(w, sizeError(size, frames, s.cfg.Limits, fe.Msg))
+			writeError(w, sizeError(size, frames, limits, fe.Msg))
 			return
 		case "steps":
 			err = &engine.FieldError{Field: "num_inference_steps", Msg: fe.Msg}
@@ -520,7 +521,7 @@ func (s *server) videoContent(w http.ResponseWriter, r *http.Request) {
 	ext := "gif"
 	if ct == engine.ContentTypeGIF && (variant == "thumbnail" || s.enc != nil) {
 		s.holdOpen(w, videoenc.DefaultConfig().Timeout)
-		data, ct, ext, err = s.convert(r.Context(), data, variant == "thumbnail")
+		data, ct, ext, err = s.convert(r.Context(), data, s.limitsFor(job.Spec.Model), variant == "thumbnail")
 		if err != nil {
 			s.log.Error("video conversion", zap.String("job", job.ID), zap.String("variant", variant), zap.Error(err))
 			writeError(w, apiErr(http.StatusInternalServerError, typeServer, CodeInternal, "converting video %s failed; its GIF is at /v1/jobs/%s/result", job.ID, job.ID))
@@ -540,8 +541,7 @@ func (s *server) videoContent(w http.ResponseWriter, r *http.Request) {
 }
 
 // convert makes the MP4 (or the PNG thumbnail) of a committed GIF.
-func (s *server) convert(ctx context.Context, gifData []byte, thumbnail bool) (data []byte, contentType, ext string, err error) {
-	l := s.cfg.Limits
+func (s *server) convert(ctx context.Context, gifData []byte, l engine.Limits, thumbnail bool) (data []byte, contentType, ext string, err error) {
 	frames, err := videoenc.Frames(gifData, videoenc.Bounds{MaxSide: l.MaxSide, MaxFrames: l.MaxFrames, MaxPixels: l.MaxPixels})
 	if err != nil {
 		return nil, "", "", err

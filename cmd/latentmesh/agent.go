@@ -34,10 +34,8 @@ func runAgent(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprintf(stderr, "latentmesh agent: %v\n", err)
 		return 2
 	}
-	if certs != nil {
-		stopReload := reloadOnHangup(ctx, certs, log)
-		defer stopReload()
-	}
+	stopReload := reloadOnHangup(ctx, certs, log)
+	defer stopReload()
 	cli, err := ecc.New(ctx)
 	if err != nil {
 		fmt.Fprintf(stderr, "latentmesh agent: %v\n", err)

@@ -17,8 +17,10 @@ import (
 
 // reloadOnHangup reads the agent's certificate again on each SIGHUP (a
 // changed file is read at the next handshake anyway; SIGHUP is for the
-// operator who wants it now, and to be told if it does not load). The
-// returned func stops it and waits for it.
+// operator who wants it now, and to be told if it does not load). Without
+// a certificate (certs nil) a SIGHUP is logged and ignored, so that
+// `systemctl reload` never kills the agent. The returned func stops it and
+// waits for it.
 func reloadOnHangup(ctx context.Context, certs *httpapi.CertReloader, log *zap.Logger) (stop func()) {
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
@@ -30,7 +32,9 @@ func reloadOnHangup(ctx context.Context, certs *httpapi.CertReloader, log *zap.L
 			case <-ctx.Done():
 				return
 			case <-hup:
-				if err := certs.Reload(); err != nil {
+				if certs == nil {
+					log.Info("SIGHUP: nothing to reload (no --tls-cert)")
+				} else if err := certs.Reload(); err != nil {
 					log.Warn("SIGHUP: certificate not reloaded; serving the previous pair", zap.Error(err))
 				}
 			}

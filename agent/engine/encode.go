@@ -29,15 +29,16 @@ const (
 // semantic.go) and are zero for the rest.
 type embedTable struct {
 	seed  uint64
-	rand  int                  // dimensions of the random part, the first ones
-	codes map[uint32][]float64 // known token ids' codes; read-only
+	rand  int               // dimensions of the random part, the first ones
+	known map[string]uint32 // the known words' token ids; read-only
+	codes [][]float64       // code of token id firstTok+i; read-only
 }
 
 func newEmbedTable(cfg Config) *embedTable {
 	t := &embedTable{seed: cfg.TableSeed, rand: cfg.EmbedDim}
-	if semantic(cfg.EmbedDim) {
+	if semantic(cfg) {
 		t.rand = cfg.EmbedDim - semWidth
-		t.codes = newLexicon(cfg)
+		t.known, t.codes = newLexicon()
 	}
 	return t
 }
@@ -51,8 +52,8 @@ func (t *embedTable) addToken(dst []float64, id uint64) {
 		return
 	}
 	sem := dst[t.rand:]
-	if c, ok := t.codes[uint32(id)]; ok {
-		for j, v := range c {
+	if k := int(id) - firstTok; k >= 0 && k < len(t.codes) {
+		for j, v := range t.codes[k] {
 			sem[j] += v
 		}
 		return
@@ -77,20 +78,26 @@ func (t *embedTable) addRow(dst []float64, kind, id uint64, scale float64) {
 }
 
 // tokenize lowercases s, splits it on anything but letters and digits, and
-// hashes each word into [firstTok, vocab). The result starts with tokStart
-// and holds at most maxTokens ids.
-func tokenize(s string, vocab, maxTokens int) []uint32 {
+// turns each word into a token id: a known word (in known) its own id, any
+// other word a hash into the ids above the known ones, [firstTok+len(known),
+// vocab). The result starts with tokStart and holds at most maxTokens ids.
+func tokenize(s string, known map[string]uint32, vocab, maxTokens int) []uint32 {
 	ids := []uint32{tokStart}
 	words := strings.FieldsFunc(strings.ToLower(s), func(r rune) bool {
 		return !unicode.IsLetter(r) && !unicode.IsDigit(r)
 	})
+	first := uint32(firstTok + len(known))
 	for _, w := range words {
 		if len(ids) == maxTokens {
 			break
 		}
+		if id, ok := known[w]; ok {
+			ids = append(ids, id)
+			continue
+		}
 		h := fnv.New32a()
 		h.Write([]byte(w))
-		ids = append(ids, firstTok+h.Sum32()%uint32(vocab-firstTok))
+		ids = append(ids, first+h.Sum32()%(uint32(vocab)-first))
 	}
 	return ids
 }
@@ -138,7 +145,7 @@ func (e *Engine) EncodeInto(ctx context.Context, s Spec, dst []byte) (transfer.T
 // prompts similar.
 func (e *Engine) encodeInto(dst []byte, prompt string) {
 	d := e.cfg.EmbedDim
-	ids := tokenize(prompt, e.cfg.VocabSize, e.cfg.MaxTokens)
+	ids := tokenize(prompt, e.table.known, e.cfg.VocabSize, e.cfg.MaxTokens)
 	sum := make([]float64, d) // running sum of token rows before position t
 	tok := make([]float64, d)
 	x := make([]float64, d)

@@ -148,8 +148,8 @@ func TestTokenize(t *testing.T) {
 		{"über 42", "ÜBER 42", true, 3},
 	}
 	for _, tc := range cases {
-		a := tokenize(tc.a, 8192, 77)
-		b := tokenize(tc.b, 8192, 77)
+		a := tokenize(tc.a, nil, 8192, 77)
+		b := tokenize(tc.b, nil, 8192, 77)
 		if slices.Equal(a, b) != tc.same {
 			t.Errorf("tokenize(%q)=%v tokenize(%q)=%v, same=%v", tc.a, a, tc.b, b, tc.same)
 		}
@@ -162,7 +162,7 @@ func TestTokenize(t *testing.T) {
 			}
 		}
 	}
-	long := tokenize(string(bytes.Repeat([]byte("word "), 500)), 8192, 77)
+	long := tokenize(string(bytes.Repeat([]byte("word "), 500)), nil, 8192, 77)
 	if len(long) != 77 {
 		t.Errorf("long prompt gave %d tokens, want 77", len(long))
 	}
@@ -671,8 +671,8 @@ func fnv64(b []byte) string {
 }
 
 const (
-	goldenPNG = "4d65c17932b05e00"
-	goldenGIF = "efd06fc3b4cd4e40"
+	goldenPNG = "7ea5a3b98824d824"
+	goldenGIF = "ea0a31fabadef27a"
 )
 
 func TestFramePreview(t *testing.T) {

@@ -111,7 +111,9 @@ func (e *Engine) newScene(p []float64, on bool, w, h float64) *scene {
 	for i := range sc.blobs {
 		sc.blobs[i].rx, sc.blobs[i].ry = sc.blobs[i].r, sc.blobs[i].r
 	}
-	sc.apply(readSense(p), f)
+	if r := len(e.proj[0]); r < len(p) {
+		sc.apply(readSense(p[r:]), f)
+	}
 	return sc
 }
 

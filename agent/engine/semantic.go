@@ -50,9 +50,15 @@ const (
 // semScale sizes the code against the unit-variance random part of a row.
 const semScale = 0.4
 
-// semantic reports whether an embedding of width d has room for the code
-// next to a random part wide enough to tell prompts apart.
-func semantic(d int) bool { return d >= 2*semWidth }
+// semantic reports whether cfg's embedding has room for the code next to a
+// random part wide enough to tell prompts apart, and its vocabulary room for
+// the known words' ids with plenty left for hashing the others.
+func semantic(cfg Config) bool {
+	return cfg.EmbedDim >= 2*semWidth && cfg.VocabSize >= 8*lexiconWords
+}
+
+// lexiconWords bounds the number of words in the lexicon.
+const lexiconWords = 256
 
 // tint is a weighted colour given as the sRGB bytes it should decode to.
 type tint struct {
@@ -81,12 +87,12 @@ type lexEntry struct {
 	m     meaning
 }
 
-// lexicon lists the words the built-in model knows. Order matters only when
-// two words hash to the same token id: the first one listed keeps the id.
+// lexicon lists the words the built-in model knows (at most lexiconWords);
+// the order gives their token ids, so it is part of the algorithm.
 func lexicon() []lexEntry {
 	// Shapes and meanings used by several words.
 	round1 := form{w: 1, count: 1, radius: 0.24, aspect: 0.8, low: 0.58}
-	fruits := form{w: 1, count: 4, radius: 0.12, aspect: 1, low: 0.62}
+	fruits := form{w: 1, count: 4, radius: 0.1, aspect: 1, low: 0.62}
 	buildings := form{w: 1.5, count: 5, radius: 0.13, aspect: 2.4, square: 1, low: 0.66}
 	water := meaning{sky: tint{0.5, [3]uint8{130, 180, 235}}, ground: tint{1.5, [3]uint8{20, 70, 175}}, bands: 1}
 	snow := meaning{sky: tint{1, [3]uint8{232, 238, 248}}, ground: tint{1.5, [3]uint8{252, 252, 254}}}
@@ -111,7 +117,7 @@ func lexicon() []lexEntry {
 	paint := func(r, g, b uint8) meaning { return meaning{obj: tint{3, [3]uint8{r, g, b}}} }
 	thing := func(r, g, b uint8, f form) meaning { return meaning{obj: tint{1, [3]uint8{r, g, b}}, shape: f} }
 	return []lexEntry{
-		{[]string{"a", "an", "the", "of", "in", "on", "at", "over", "under", "into", "with", "and", "by", "to", "from", "near", "is"}, stop},
+		{[]string{"a", "an", "the", "of", "in", "on", "at", "over", "under", "onto", "into", "with", "and", "by", "to", "from", "near", "is"}, stop},
 		// Colours.
 		{[]string{"red", "crimson", "scarlet"}, paint(205, 30, 30)},
 		{[]string{"orange"}, paint(240, 120, 20)},
@@ -153,7 +159,7 @@ func lexicon() []lexEntry {
 		{[]string{"mountain", "mountains"}, thing(110, 110, 125, form{w: 1, count: 2, radius: 0.3, aspect: 0.7, low: 0.72})},
 		{[]string{"comet", "stars", "star"}, thing(250, 250, 220, form{w: 1, count: 5, radius: 0.05, aspect: 1, low: 0.4})},
 		{[]string{"kite", "balloon"}, thing(230, 40, 60, form{w: 1, count: 1, radius: 0.11, aspect: 1, square: 0.7, low: 0.3})},
-		{[]string{"bowl", "vase", "basket"}, meaning{obj: tint{0.2, [3]uint8{235, 235, 230}}, shape: form{w: 0.3, count: 1, radius: 0.3, aspect: 0.6, low: 0.7}}},
+		{[]string{"bowl", "vase", "basket"}, meaning{obj: tint{0.2, [3]uint8{235, 235, 230}}, shape: form{w: 0.1, count: 1, radius: 0.3, aspect: 0.6, low: 0.7}}},
 		// Places, times, weather.
 		{[]string{"snow", "snowy", "winter", "ice", "icy", "frozen"}, snow},
 		{[]string{"forest", "woods", "jungle"}, forest},
@@ -210,28 +216,23 @@ func (m meaning) code(dst []float64) {
 	}
 }
 
-// newLexicon maps the lexicon's words to their token ids under cfg and
-// returns each id's code. The first word listed keeps a shared id.
-func newLexicon(cfg Config) map[uint32][]float64 {
-	if !semantic(cfg.EmbedDim) {
-		return nil
-	}
-	lex := make(map[uint32][]float64)
+// newLexicon gives the lexicon's words their token ids, firstTok upwards in
+// the order listed, and returns them with each id's code.
+func newLexicon() (map[string]uint32, [][]float64) {
+	known := make(map[string]uint32)
+	var codes [][]float64
 	for _, e := range lexicon() {
+		c := make([]float64, semWidth)
+		e.m.code(c)
 		for _, w := range e.words {
-			ids := tokenize(w, cfg.VocabSize, 2)
-			if len(ids) != 2 {
+			if _, ok := known[w]; ok {
 				continue
 			}
-			if _, ok := lex[ids[1]]; ok {
-				continue
-			}
-			c := make([]float64, semWidth)
-			e.m.code(c)
-			lex[ids[1]] = c
+			known[w] = uint32(firstTok + len(codes))
+			codes = append(codes, c)
 		}
 	}
-	return lex
+	return known, codes
 }
 
 // maxChannel bounds a colour's decoded channel before the soft clip.
@@ -280,14 +281,13 @@ type sense struct {
 // more than once: each row also holds a share of the rows before it).
 func strength(w, presence float64) float64 { return clamp(float64(10*w)/presence, 0, 1) }
 
-// readSense reads the code in the last semWidth dimensions of pooled p. A
-// prompt of unknown words gives all strengths zero.
-func readSense(p []float64) sense {
+// readSense reads code c, the last semWidth dimensions of a pooled
+// embedding. A prompt of unknown words gives all strengths zero.
+func readSense(c []float64) sense {
 	var s sense
-	if !semantic(len(p)) {
+	if len(c) != semWidth {
 		return s
 	}
-	c := p[len(p)-semWidth:]
 	v := func(k int) float64 { return c[k] - c[semRef] }
 	presence := v(semPresence)
 	if !(presence > 1e-6) {

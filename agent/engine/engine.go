@@ -39,7 +39,7 @@ const version = "builtin/v3"
 // Config shapes the model and its simulated cost. Fields other than the costs
 // and Limits change the output bytes and therefore the engine's ID.
 type Config struct {
-	EmbedDim       int    // width of a token embedding
+	EmbedDim       int    // width of a token embedding; from 46 (and VocabSize 2048) its last 23 carry known words' meaning
 	MaxTokens      int    // prompt length after padding/truncation
 	VocabSize      int    // token ids, including the two reserved ones
 	LatentChannels int    // channels of the latent image

@@ -262,7 +262,7 @@ func (s *agentSettings) build(log *zap.Logger) (agent.Config, etcdclient.Config,
 		return fail("--api-rate must not be negative")
 	}
 	cfg.API.RatePerToken, cfg.API.RateBurst = s.apiRate, max(1, int(2*s.apiRate))
-	s.cost.apply(&cfg.Engine)
+	s.cost.Apply(&cfg.Engine)
 	if cfg.Queue.Scheduler, err = routing.ParseScheduler(s.scheduler); err != nil {
 		return fail("--scheduler: %v", err)
 	}

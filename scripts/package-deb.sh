@@ -99,7 +99,6 @@ esac
 
 log "nfpm $NFPM_VERSION: Depends: $depends"
 LATENTMESH_VERSION=$version LATENTMESH_ARCH=$arch LATENTMESH_DEPENDS=$depends \
-	LATENTMESH_BUILD=$build \
 	$NFPM pkg --packager deb --config packaging/nfpm.yaml --target dist/ >&2
 deb=dist/latentmesh_${version}_${arch}.deb
 [ -f "$deb" ] || die "nfpm wrote no $deb"

@@ -9,13 +9,16 @@
 #   4. runs `systemd-analyze verify` on the installed units in the root;
 #   5. starts a mesh on the host (an embedded etcd from `latentmesh-dev dev
 #      --agents 0` and an encode+decode agent), runs the installed agent in
-#      the root as the latentmesh user with the installed config and
-#      --roles denoise (the root shares the host's network), checks that the
-#      host's agent lists it, and runs a job whose denoise must run there;
+#      the root as the latentmesh user with roles denoise (the root shares
+#      the host's network), checks that the
+#      host's agent lists it, and runs a job whose denoise must run there
+#      (its settings are written into the installed agent.yaml, which the
+#      agent reads by default, as under the units);
 #   6. stops the root's agent with SIGTERM, which must drain and exit 0.
 # Prints each step with its time and a summary. Leaves nothing mounted on
 # the host: every command in the root runs in its own mount namespace.
-# KEEP=1 keeps the work folder (the root and the logs).
+# KEEP=1 keeps the work folder (the root and the logs); DEV_BIN=FILE uses a
+# built latentmesh-dev.
 set -euo pipefail
 
 SUITE=${SUITE:-$(. /etc/os-release && echo "${VERSION_CODENAME:-}")}
@@ -69,8 +72,10 @@ trap cleanup EXIT
 
 # in_root CMD... runs CMD in the root with /proc, /dev and /sys mounted in
 # a mount namespace of its own, so the mounts go when CMD exits.
+# IN_ROOT_EXEC=exec makes the caller's (sub)shell become CMD, so that a
+# background in_root's $! is CMD itself.
 in_root() {
-	unshare --mount --propagation private -- /bin/sh -c '
+	${IN_ROOT_EXEC:-} unshare --mount --propagation private -- /bin/sh -c '
 		r=$1; shift
 		mount -t proc proc "$r/proc" && mount --rbind /dev "$r/dev" &&
 			mount --rbind /sys "$r/sys" || exit 125
@@ -101,8 +106,12 @@ else
 	bin=dist/build/latentmesh
 fi
 log "package: $deb ($(du -h "$deb" | cut -f1))"
-log "building latentmesh-dev for the host's etcd"
-go build -o "$work/latentmesh-dev" ./cmd/latentmesh-dev || die "go build ./cmd/latentmesh-dev failed"
+dev=${DEV_BIN:-}
+if [ -z "$dev" ]; then
+	log "building latentmesh-dev for the host's etcd"
+	dev=$work/latentmesh-dev
+	go build -o "$dev" ./cmd/latentmesh-dev || die "go build ./cmd/latentmesh-dev failed"
+fi
 
 # --- 2. a clean Debian root ----------------------------------------------
 arch=$(dpkg --print-architecture)
@@ -160,7 +169,7 @@ log "systemd-analyze verify: ${units[*]}: no findings"
 
 # --- 5. the installed agent joins a mesh --------------------------------------
 etcd_port=$(freeport)
-"$work/latentmesh-dev" dev --agents 0 --etcd-listen "127.0.0.1:$etcd_port" --prefix "$PREFIX" \
+"$dev" dev --agents 0 --etcd-listen "127.0.0.1:$etcd_port" --prefix "$PREFIX" \
 	>"$work/etcd.log" 2>&1 &
 pids+=($!)
 endpoint=http://127.0.0.1:$etcd_port
@@ -182,12 +191,20 @@ wait_for 60 "the host's agent" curl -sf "http://127.0.0.1:$host_admin/readyz"
 log "host mesh: etcd $endpoint, agent host-agent (encode,decode)"
 
 root_http=$(freeport) root_admin=$(freeport)
-in_root setpriv --reuid=latentmesh --regid=latentmesh --init-groups \
+# As an operator would: the settings in the installed conffile, and the
+# agent started as the units start it, with no flags (it reads
+# /etc/latentmesh/agent.yaml by default) and $STATE_DIRECTORY.
+cat >>"$R/etc/latentmesh/agent.yaml" <<EOF
+etcd-endpoints: [$endpoint]
+prefix: $PREFIX
+node-id: deb-agent
+roles: [denoise]
+http: 127.0.0.1:$root_http
+admin: 127.0.0.1:$root_admin
+EOF
+IN_ROOT_EXEC=exec in_root setpriv --reuid=latentmesh --regid=latentmesh --init-groups \
 	/usr/bin/env HOME=/var/lib/latentmesh STATE_DIRECTORY=/var/lib/latentmesh \
-	/usr/bin/latentmesh agent --config /etc/latentmesh/agent.yaml \
-	--etcd-endpoints "$endpoint" --prefix "$PREFIX" --node-id deb-agent --roles denoise \
-	--http "127.0.0.1:$root_http" --admin "127.0.0.1:$root_admin" \
-	>"$work/deb-agent.log" 2>&1 &
+	/usr/bin/latentmesh agent >"$work/deb-agent.log" 2>&1 &
 deb_pid=$!
 pids+=("$deb_pid")
 wait_for 60 "the installed agent to be ready" curl -sf "http://127.0.0.1:$root_admin/readyz"

@@ -68,9 +68,10 @@ put() {
 }
 
 install_binary() {
-	local bin=$1 tmp
+	local bin=$1 tmp libs
 	[ -f "$bin" ] && [ -x "$bin" ] || die "$bin: not an executable file"
-	if ldd "$bin" 2>/dev/null | grep -q 'libibverbs.so.1 => not found'; then
+	libs=$(ldd "$bin" 2>/dev/null || true)
+	if [[ $libs == *"libibverbs.so.1 => not found"* ]]; then
 		die "$bin links libibverbs (built with -tags rdma): apt-get install libibverbs1 ibverbs-providers"
 	fi
 	"$bin" version >/dev/null 2>&1 || die "$bin does not run here (built for another system? a .deb needs the .deb path)"

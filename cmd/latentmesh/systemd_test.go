@@ -283,7 +283,10 @@ func TestSystemdUnitLifecycle(t *testing.T) {
 	// over a window, the first within it of since.
 	pinging := func(what string, since time.Time, ns []notification) {
 		t.Helper()
-		last, pings := since, 0
+		last, pings, longest := since, 0, time.Duration(0)
+		defer func() {
+			t.Logf("%s: %d watchdog pings, at most %v apart", what, pings, longest.Round(time.Millisecond))
+		}()
 		for _, n := range ns {
 			if hasState(n.state, "STATUS=wedged") {
 				fail("%s: %q", what, n.state)
@@ -294,6 +297,7 @@ func TestSystemdUnitLifecycle(t *testing.T) {
 			if gap := n.at.Sub(last); gap > watchdogSec {
 				fail("%s: no watchdog ping for %v (WatchdogSec %v): systemd would abort the agent", what, gap, watchdogSec)
 			}
+			longest = max(longest, n.at.Sub(last))
 			last, pings = n.at, pings+1
 		}
 		if pings < 2 {
@@ -342,6 +346,7 @@ func TestSystemdUnitLifecycle(t *testing.T) {
 		}
 	}
 	toggle("wedged")
+	wedgedAt := time.Now()
 	api := &httpapi.Client{BaseURL: "http://" + httpAddr}
 	job, err := api.Submit(ctx, httpapi.JobRequest{Prompt: "a wedged loop"})
 	if err != nil {
@@ -351,6 +356,7 @@ func TestSystemdUnitLifecycle(t *testing.T) {
 	if !strings.Contains(wedged.state, "pull encode loop wedged") {
 		fail("wedged status %q does not name the encode pull loop", wedged.state)
 	}
+	t.Logf("wedged loop to pings stopped: %v (%q)", wedged.at.Sub(wedgedAt).Round(time.Millisecond), wedged.state)
 	for _, n := range sock.during(2 * watchdogSec) {
 		if hasState(n.state, "WATCHDOG=1") {
 			fail("a watchdog ping %v after the agent said it was wedged", n.at.Sub(wedged.at))

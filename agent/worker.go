@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -478,11 +479,12 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	start := time.Now()
 	var staged []*cache.Staged // Store objects the task staged; their records come with its commit
 	var pulled pullTime
+	var via pullVia      // the transports that carried the input, for the stage record
 	var first firstFrame // a video's first preview, for metrics
 	a.metrics.ObserveQueueWait(st, c.Task.Class, start.Sub(c.Task.EnqueuedAt))
-	out, published, committed, err := a.run(withFirstFrame(withPullTime(ctx, &pulled), &first), c, &handedOff, &staged)
+	out, published, committed, err := a.run(withFirstFrame(withPullTime(transfer.WithPullObserver(ctx, via.add), &pulled), &first), c, &handedOff, &staged)
 	ran.Store(true)
-	out.Work, out.Pull = time.Since(start), time.Duration(pulled.Load())
+	out.Work, out.Pull, out.Transport = time.Since(start), time.Duration(pulled.Load()), via.String(c.Task.Inputs)
 	a.committing[st].Add(1) // before the credit goes back, so admission never counts it out
 	defer a.committing[st].Add(-1)
 	workDone()
@@ -1252,6 +1254,36 @@ func (a *Agent) pullFailed(ctx context.Context, in jobs.Input, err error) error 
 		return fmt.Errorf("%w: producer %s left the mesh: %v", errInputLost, in.Node, err)
 	}
 	return fmt.Errorf("%w: pull %s from %s: %v", errTransient, in.Payload, in.Node, err)
+}
+
+// pullVia collects the transports that carried a task's input, for its
+// stage record (jobs.StageRecord.Transport).
+type pullVia struct {
+	mu  sync.Mutex
+	got []string // in first-seen order, each once
+}
+
+func (v *pullVia) add(transport string) {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if !slices.Contains(v.got, transport) {
+		v.got = append(v.got, transport)
+	}
+}
+
+// String names the transports, "store " first for an input read from the
+// Store; "" when nothing was pulled.
+func (v *pullVia) String(ins []jobs.Input) string {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if len(v.got) == 0 {
+		return ""
+	}
+	s := strings.Join(v.got, "+")
+	if len(ins) > 0 && ins[0].Store {
+		s = "store " + s
+	}
+	return s
 }
 
 // pullTime sums the time a task spent pulling its inputs, for its stage

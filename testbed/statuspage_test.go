@@ -119,11 +119,11 @@ func TestStatusPageInBrowser(t *testing.T) {
 		}
 	}
 	var nodes, health []string
-	var bars []struct{ Stage, Phase, Node string }
+	var bars []struct{ Stage, Phase, Node, Transport string }
 	var cssLoaded bool
 	eval(`[...document.querySelectorAll("#nodes tr[data-node]")].map(r => r.dataset.node)`, &nodes)
 	eval(`[...document.querySelectorAll("#nodes td.health")].map(c => c.textContent)`, &health)
-	eval(`[...document.querySelectorAll('.bar[data-job="`+job.ID+`"]')].map(b => ({Stage: b.dataset.stage, Phase: b.dataset.phase, Node: b.dataset.node}))`, &bars)
+	eval(`[...document.querySelectorAll('.bar[data-job="`+job.ID+`"]')].map(b => ({Stage: b.dataset.stage, Phase: b.dataset.phase, Node: b.dataset.node, Transport: b.dataset.transport}))`, &bars)
 	eval(`getComputedStyle(document.querySelector(".lane .bar.ran")).position === "absolute"`, &cssLoaded)
 	png, err := chromedp.Run(bctx, chromedp.FullScreenshot(100)) // 100: PNG
 	if err != nil {
@@ -156,6 +156,11 @@ func TestStatusPageInBrowser(t *testing.T) {
 					found = true
 					if b.Node != rec.Node {
 						t.Errorf("%s %s bar on %q, want %q (the stage record's node)", st, phase, b.Node, rec.Node)
+					}
+					// Denoise and decode pull their input: the record names
+					// the transport, and the transferred bar shows it.
+					if phase == "transferred" && st != jobs.Encode && (rec.Transport == "" || b.Transport != rec.Transport) {
+						t.Errorf("%s transferred bar by %q, the stage record says %q (want a transport)", st, b.Transport, rec.Transport)
 					}
 				}
 			}

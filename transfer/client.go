@@ -283,8 +283,20 @@ func ForStore(ctx context.Context) context.Context {
 	return context.WithValue(ctx, storePullKey{}, true)
 }
 
+type pullObserverKey struct{}
+
+// WithPullObserver returns ctx marked so that each pull made with it that
+// completes calls f with the transport that carried it ("local", "shm",
+// "rdma", "tcp"): a task's stage record names how its input came.
+func WithPullObserver(ctx context.Context, f func(transport string)) context.Context {
+	return context.WithValue(ctx, pullObserverKey{}, f)
+}
+
 // countPull counts a completed pull of n bytes that began at start.
 func (s *Service) countPull(ctx context.Context, transport string, n int64, start time.Time) {
+	if f, ok := ctx.Value(pullObserverKey{}).(func(string)); ok {
+		f(transport)
+	}
 	if ctx.Value(storePullKey{}) != nil {
 		s.storePulls.add(transport, n, time.Since(start))
 		return

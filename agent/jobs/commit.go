@@ -37,6 +37,8 @@ type Output struct {
 	// Work is how long the stage's work took on the worker; Pull is the
 	// part of it spent pulling the input.
 	Work, Pull time.Duration
+	// Transport names what carried the input (StageRecord.Transport).
+	Transport string
 }
 
 // StagedRecord is a record a commit writes in its transaction. A record
@@ -222,6 +224,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 			Millis:      millis(out.Work),
 			ClaimMillis: millis(c.ClaimedAt.Sub(c.StartedAt)),
 			PullMillis:  millis(out.Pull),
+			Transport:   out.Transport,
 		}
 		ops := s.releaseOps(c.Task.Inputs)
 		if last {

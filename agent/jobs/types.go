@@ -170,6 +170,11 @@ type StageRecord struct {
 	// control-plane overhead visible (latentmesh-dev bench api).
 	ClaimMillis float64 `json:"claim_ms,omitempty"`
 	PullMillis  float64 `json:"pull_ms,omitempty"`
+	// Transport is what carried the stage's input: local, shm, rdma or
+	// tcp, with "store " before it for a copy read from the Store, and
+	// both joined by "+" when chunks came by different ones (none for
+	// encode, which has no input).
+	Transport string `json:"transport,omitempty"`
 }
 
 // Progress is the running stage's fine-grained progress (denoise steps).

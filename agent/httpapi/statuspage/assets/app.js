@@ -170,10 +170,11 @@ function phases(job, now) {
     const pulled = claimed + (r.pull_ms || 0);
     const ran = Math.min(claimed + (r.ms || 0), end);
     const mode = job.transfer_mode || "agent default";
-    const seg = (phase, from, to, note) => bars.push({ stage: s, phase, from, to: Math.max(from, to), node: r.node, note });
+    const seg = (phase, from, to, note, transport) => bars.push({ stage: s, phase, from, to: Math.max(from, to), node: r.node, note, transport: transport || "" });
     seg("queued", Math.min(enq, start), start, "waited for a worker");
     seg("claimed", start, claimed, "claim transaction " + ms(r.claim_ms || 0) + ", attempt " + r.attempt);
-    seg("transferred", claimed, pulled, s === "encode" ? "no input to pull" : "pulled input " + ms(r.pull_ms || 0) + " (transfer mode " + mode + ")");
+    seg("transferred", claimed, pulled, s === "encode" ? "no input to pull" :
+      "pulled input " + ms(r.pull_ms || 0) + " by " + (r.transport || "?") + " (transfer mode " + mode + ")", r.transport);
     seg("ran", pulled, ran, "worked " + ms(Math.max(0, (r.ms || 0) - (r.pull_ms || 0))));
     seg("committed", ran, end, "commit " + ms(end - ran));
     enq = end;
@@ -202,7 +203,7 @@ function drawJobs(js, now) {
       for (const b of bars.filter((b) => b.stage === s)) {
         const left = (100 * (b.from - t0)) / span, width = (100 * (b.to - b.from)) / span;
         lane.append(el("span", {
-          class: "bar " + b.phase, "data-job": job.id, "data-stage": s, "data-phase": b.phase, "data-node": b.node,
+          class: "bar " + b.phase, "data-job": job.id, "data-stage": s, "data-phase": b.phase, "data-node": b.node, "data-transport": b.transport,
           style: { left: left.toFixed(3) + "%", width: width.toFixed(3) + "%" },
           title: s + " " + b.phase + " on " + (b.node || "?") + ": " + ms(b.to - b.from) + " — " + b.note,
         }));
@@ -211,7 +212,8 @@ function drawJobs(js, now) {
       if (own.length) { // the node's name after the stage's bars, or before them where no room is left
         const from = (100 * (own[0].from - t0)) / span, to = (100 * (own[own.length - 1].to - t0)) / span;
         const pos = to < 85 ? { left: (to + 0.5).toFixed(3) + "%" } : { right: (100.5 - from).toFixed(3) + "%" };
-        lane.append(el("span", { class: "bar-label", style: pos, text: own[0].node }));
+        const via = (bars.find((b) => b.stage === s && b.phase === "transferred") || {}).transport;
+        lane.append(el("span", { class: "bar-label", style: pos, text: own[0].node + (via ? " · " + via : "") }));
       }
       track.append(lane);
     }

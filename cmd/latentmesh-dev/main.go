@@ -9,11 +9,7 @@ package main
 import (
 	"context"
 	"flag"
-	"fmt"
 	"io"
-	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/latentmesh/latentmesh/cmd/internal/cli"
 )
@@ -35,38 +31,19 @@ engine check) are the latentmesh binary's. Run 'latentmesh-dev <command> -h'
 for a command's flags.
 `
 
-func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
-}
+func main() { cli.Main(run) }
 
 // run dispatches a subcommand and returns the exit code: 0 ok, 1 failure,
 // 2 bad usage.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	if len(args) == 0 {
-		fmt.Fprint(stderr, usage)
-		return 2
-	}
-	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
+	return cli.Dispatch(ctx, "latentmesh-dev", usage, map[string]cli.Command{
 		"demo":    runDemo,
 		"dev":     runDev,
 		"bench":   runBench,
 		"testbed": runTestbed,
 		"plan":    runPlan,
 		"sim":     runSim,
-	}
-	switch args[0] {
-	case "-h", "--help", "help":
-		fmt.Fprint(stdout, usage)
-		return 0
-	}
-	cmd, ok := cmds[args[0]]
-	if !ok {
-		fmt.Fprintf(stderr, "latentmesh-dev: unknown command %q\n\n%s", args[0], usage)
-		return 2
-	}
-	return cmd(ctx, args[1:], stdout, stderr)
+	}, args, stdout, stderr)
 }
 
 // newFlagSet returns the flag set of `latentmesh-dev name`.

@@ -8,11 +8,9 @@ package main
 
 import (
 	"context"
-	"fmt"
 	"io"
-	"os"
-	"os/signal"
-	"syscall"
+
+	"github.com/latentmesh/latentmesh/cmd/internal/cli"
 )
 
 const usage = `latentmesh: disaggregated diffusion serving on a peer-to-peer mesh
@@ -34,20 +32,15 @@ latentmesh-dev's (go build ./cmd/latentmesh-dev). Run 'latentmesh <command>
 -h' for a command's flags.
 `
 
-func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
-}
+func main() { cli.Main(run) }
 
 // run dispatches a subcommand and returns the exit code: 0 ok, 1 failure,
 // 2 bad usage.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	if len(args) == 0 {
-		fmt.Fprint(stderr, usage)
-		return 2
+	if len(args) > 0 && (args[0] == "--version" || args[0] == "-version") {
+		return runVersion(ctx, nil, stdout, stderr)
 	}
-	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
+	return cli.Dispatch(ctx, "latentmesh", usage, map[string]cli.Command{
 		"agent":    runAgent,
 		"config":   runConfig,
 		"generate": runGenerate,
@@ -56,18 +49,5 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		"store":    runStore,
 		"version":  runVersion,
 		"engine":   runEngine,
-	}
-	switch args[0] {
-	case "-h", "--help", "help":
-		fmt.Fprint(stdout, usage)
-		return 0
-	case "--version", "-version":
-		return runVersion(ctx, nil, stdout, stderr)
-	}
-	cmd, ok := cmds[args[0]]
-	if !ok {
-		fmt.Fprintf(stderr, "latentmesh: unknown command %q\n\n%s", args[0], usage)
-		return 2
-	}
-	return cmd(ctx, args[1:], stdout, stderr)
+	}, args, stdout, stderr)
 }

@@ -1,7 +1,8 @@
 // Package cli is what the latentmesh binaries (cmd/latentmesh and
-// cmd/latentmesh-dev) share on the command line: flag sets that report
-// errors instead of exiting, the process logger, and the --sim-cost flag.
-// Only those commands use it.
+// cmd/latentmesh-dev) share on the command line: the subcommand dispatch
+// and process entry (Dispatch, Main), flag sets that report errors instead
+// of exiting, the process logger, and the --sim-cost flag. Only those
+// commands use it.
 package cli
 
 import (

@@ -283,10 +283,8 @@ func (s *server) createJob(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fieldError(err))
 		return
 	}
-	opts.Owner = owner(r)
-	job, err := s.jobs.Submit(r.Context(), spec, opts)
-	if err != nil {
-		writeError(w, s.storeError(r, "submit", "", err))
+	job, ok := s.submit(w, r, spec, opts)
+	if !ok {
 		return
 	}
 	s.log.Info("job submitted", zap.String("job", job.ID), zap.Stringer("class", opts.Class))
@@ -575,4 +573,16 @@ func (s *server) limitsFor(model string) engine.Limits {
 		}
 	}
 	return s.cfg.Limits
+}
+
+// submit stores a validated job for the caller; when that fails it answers
+// the error itself and ok is false.
+func (s *server) submit(w http.ResponseWriter, r *http.Request, spec engine.Spec, opts jobs.Options) (job jobs.Job, ok bool) {
+	opts.Owner = owner(r)
+	job, err := s.jobs.Submit(r.Context(), spec, opts)
+	if err != nil {
+		writeError(w, s.storeError(r, "submit", "", err))
+		return jobs.Job{}, false
+	}
+	return job, true
 }

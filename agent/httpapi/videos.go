@@ -360,10 +360,8 @@ func (s *server) createVideo(w http.ResponseWriter, r *http.Request) {
 		writeError(w, fieldError(err))
 		return
 	}
-	opts.Owner = owner(r)
-	job, err := s.jobs.Submit(r.Context(), spec, opts)
-	if err != nil {
-		writeError(w, s.storeError(r, "submit", "", err))
+	job, ok := s.submit(w, r, spec, opts)
+	if !ok {
 		return
 	}
 	s.log.Info("video submitted", zap.String("job", job.ID), zap.Int("frames", frames))

@@ -243,11 +243,18 @@ func (a *Agent) drain(ctx context.Context) error {
 		}
 	}
 	// Outputs handed on peer to peer live here until their consumer
-	// commits: leaving now would make their jobs start over.
+	// commits: leaving now would make their jobs start over. Unless no
+	// other agent takes the stages after this one's: nobody would consume
+	// them before the deadline, and waiting for it only delays the exit (a
+	// lone agent of every role waited the whole drain timeout).
 	for {
 		released := a.releasedSignal() // before the read, so a release in between is not missed
 		held, err := a.store.Recorded(dctx, a.id)
 		if err == nil && len(held) == 0 {
+			break
+		}
+		if err == nil && !a.othersConsume() {
+			a.log.Info("drain: no other agent takes the next stages; leaving now, the jobs of the outputs held here start over", zap.Int("outputs", len(held)))
 			break
 		}
 		if err != nil && dctx.Err() == nil {
@@ -268,6 +275,24 @@ func (a *Agent) drain(ctx context.Context) error {
 	a.returnAllPushes() // any pushed before the peers saw this agent drain
 	a.log.Info("drained")
 	return nil
+}
+
+// othersConsume reports whether, as gossip has it, another live agent takes
+// work for a stage after one of this agent's roles: someone who could pull
+// the outputs this agent holds.
+func (a *Agent) othersConsume() bool {
+	for _, st := range a.cfg.Roles {
+		next, last := st.Next()
+		if last {
+			continue
+		}
+		for _, p := range a.member.Peers() {
+			if p.Record.ID != a.id && p.Alive && !p.Suspect && slices.Contains(p.Meta.Roles, string(next)) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // waitRunning waits until no task runs here; false when ctx ended first.

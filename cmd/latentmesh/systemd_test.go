@@ -385,4 +385,9 @@ func TestSystemdUnitLifecycle(t *testing.T) {
 		fail("stop: %v (want exit 0 within TimeoutStopSec=%v)", err, stopTimeout)
 	}
 	t.Logf("SIGTERM to exit 0: %v (TimeoutStopSec %v)", time.Since(start).Round(time.Millisecond), stopTimeout)
+	// A lone agent of every role has nobody to hand its held outputs to:
+	// it leaves at once instead of waiting out the drain timeout for them.
+	if out := p.Output(); strings.Contains(out, "drain deadline") {
+		fail("a lone agent waited for a consumer of its outputs until the drain deadline")
+	}
 }

@@ -474,7 +474,7 @@ func (opts options) writeUsage(w io.Writer) {
 	for _, o := range opts {
 		name, usage := flag.UnquoteUsage(&flag.Flag{Name: o.name, Usage: o.help, Value: o.value})
 		if name == "value" {
-			name = placeholder(o.value)
+			name = argName(o.value)
 		}
 		line := "  --" + o.name
 		if o.short != "" {
@@ -495,8 +495,9 @@ func (opts options) writeUsage(w io.Writer) {
 	}
 }
 
-// placeholder names an option's argument in -h by its type.
-func placeholder(v flag.Value) string {
+// argName names an option's argument in -h by its type (flag.UnquoteUsage
+// says "value" for every flag.Value that is not a built-in one).
+func argName(v flag.Value) string {
 	switch v.(type) {
 	case boolValue:
 		return ""

@@ -19,6 +19,14 @@ import (
 // serves on a socket in dir, and starts script as that engine.
 func engineAgent(t *testing.T, ctx context.Context, c *Cluster, id, dir, script string, roles ...jobs.Stage) (*agent.Agent, *Worker) {
 	t.Helper()
+	a := addEngineAgent(t, ctx, c, id, dir, roles...)
+	return a, startEngine(t, ctx, a, script)
+}
+
+// addEngineAgent adds an agent of roles that waits for an external engine
+// on a socket in dir.
+func addEngineAgent(t *testing.T, ctx context.Context, c *Cluster, id, dir string, roles ...jobs.Stage) *agent.Agent {
+	t.Helper()
 	ac := c.cfg.Agent
 	ac.NodeID, ac.Roles, ac.Logger = id, roles, c.cfg.Logger
 	ac.External.Socket = filepath.Join(dir, id+".sock")
@@ -26,8 +34,7 @@ func engineAgent(t *testing.T, ctx context.Context, c *Cluster, id, dir, script 
 	if err != nil {
 		t.Fatal(err)
 	}
-	w := startEngine(t, ctx, a, script)
-	return a, w
+	return a
 }
 
 // startEngine starts script against a's engine socket and waits for it to

@@ -4,10 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"io"
 	"net"
 	"net/http"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -71,25 +69,13 @@ func stubEngine(t *testing.T, ctx context.Context, socket string, models []exten
 func TestModelLimitsFromRegistration(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	cfg := DefaultClusterConfig()
-	cfg.Topology = ""
-	cfg.Logger = testLogger(t)
-	c, err := StartCluster(ctx, cfg)
+	c := startCluster(t, "", nil)
+	all := []jobs.Stage{jobs.Encode, jobs.Denoise, jobs.Decode}
+	front, err := c.AddAgent(ctx, "front", all...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
-	front, err := c.AddAgent(ctx, "front", jobs.Encode, jobs.Denoise, jobs.Decode)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ac := c.cfg.Agent
-	ac.NodeID, ac.Roles, ac.Logger = "wan-gpu", []jobs.Stage{jobs.Encode, jobs.Denoise, jobs.Decode}, c.cfg.Logger
-	ac.External.Socket = filepath.Join(t.TempDir(), "wan.sock")
-	gpu, err := c.AddAgentConfig(ctx, ac)
-	if err != nil {
-		t.Fatal(err)
-	}
+	gpu := addEngineAgent(t, ctx, c, "wan-gpu", t.TempDir(), all...)
 	stubEngine(t, ctx, gpu.EngineSocket(), []extengine.Model{{
 		Name: "wan-stub", Stages: []string{"encode", "denoise", "decode"}, DefaultSteps: 50,
 		MaxSide: 1280, MaxFramePixels: 1280 * 720, MaxFrames: 81, SideMultiple: 16, FrameStep: 4, FrameOffset: 1,
@@ -112,13 +98,8 @@ func TestModelLimitsFromRegistration(t *testing.T) {
 
 	submit := func(body string) (int, string) {
 		t.Helper()
-		resp, err := http.Post("http://"+front.HTTPAddr()+"/v1/jobs", "application/json", strings.NewReader(body))
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, _ := io.ReadAll(resp.Body)
-		return resp.StatusCode, string(b)
+		code, b := post(t, "http://"+front.HTTPAddr()+"/v1/jobs", body)
+		return code, string(b)
 	}
 	code, body := submit(`{"model":"wan-stub","prompt":"a red fox","width":832,"height":480,"frames":81}`)
 	if code != http.StatusAccepted && code != http.StatusCreated {

@@ -973,15 +973,15 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 			st.Queues[s] = QueueInfo{Queued: int64(q), Running: int64(r), ByClass: v.ClassDepth()}
 			continue
 		}
-		q, r, _, err := a.store.Depth(ctx, s) // on demand: a stage this agent does not follow
+		byClass, running, err := a.store.ClassDepth(ctx, s) // on demand: a stage this agent does not follow
 		if err != nil {
 			return Status{}, err
 		}
-		byClass, err := a.store.ClassDepth(ctx, s)
-		if err != nil {
-			return Status{}, err
+		var total int64
+		for _, n := range byClass {
+			total += n
 		}
-		st.Queues[s] = QueueInfo{Queued: q, Running: r, ByClass: byClass}
+		st.Queues[s] = QueueInfo{Queued: total - running, Running: running, ByClass: byClass}
 	}
 	xs := a.xfer.Stats()
 	st.Data = DataInfo{

@@ -67,23 +67,24 @@ func (q *Queue) ClassDepth() map[routing.Class]int64 {
 	return out
 }
 
-// ClassDepth counts a stage's tasks of each class, queued or running: one
-// count-only range per class in one transaction, for a stage this agent
-// has no Queue view of.
-func (s *Store) ClassDepth(ctx context.Context, stage Stage) (map[routing.Class]int64, error) {
+// ClassDepth counts a stage's tasks by class (queued or running) and how
+// many of them run, in one count-only transaction: what a status page shows
+// of a stage this agent does not follow.
+func (s *Store) ClassDepth(ctx context.Context, stage Stage) (byClass map[routing.Class]int64, running int64, err error) {
 	classes := routing.Classes()
-	ops := make([]clientv3.Op, len(classes))
-	for i, c := range classes {
+	ops := make([]clientv3.Op, 0, len(classes)+1)
+	for _, c := range classes {
 		// Task keys are <taskPrefix><class number>/<ns>-<task> (taskKey).
-		ops[i] = clientv3.OpGet(s.taskPrefix(stage)+strconv.Itoa(int(c))+"/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+		ops = append(ops, clientv3.OpGet(s.taskPrefix(stage)+strconv.Itoa(int(c))+"/", clientv3.WithPrefix(), clientv3.WithCountOnly()))
 	}
+	ops = append(ops, clientv3.OpGet(s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithCountOnly()))
 	resp, err := s.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
-		return nil, fmt.Errorf("jobs: class depth %s: %w", stage, err)
+		return nil, 0, fmt.Errorf("jobs: class depth %s: %w", stage, err)
 	}
-	out := make(map[routing.Class]int64, len(classes))
+	byClass = make(map[routing.Class]int64, len(classes))
 	for i, c := range classes {
-		out[c] = resp.Responses[i].GetResponseRange().Count
+		byClass[c] = resp.Responses[i].GetResponseRange().Count
 	}
-	return out, nil
+	return byClass, resp.Responses[len(classes)].GetResponseRange().Count, nil
 }

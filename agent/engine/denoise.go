@@ -65,6 +65,24 @@ func (e *Engine) Denoise(ctx context.Context, s Spec, cond Tensor, progress func
 // whatever was started on them must be abandoned.
 func (e *Engine) DenoiseInto(ctx context.Context, s Spec, cond Tensor, dst []byte,
 	progress func(step, total int), chunkDone func(k int)) (transfer.TensorMeta, error) {
+	return e.DenoiseWith(ctx, s, cond, dst, DenoiseOptions{Progress: progress, ChunkDone: chunkDone})
+}
+
+// DenoiseOptions are DenoiseWith's optional hooks. The zero value is
+// DenoiseInto without callbacks.
+type DenoiseOptions struct {
+	Progress  func(step, total int) // as DenoiseInto's progress
+	ChunkDone func(k int)           // as DenoiseInto's chunkDone
+	// KV, if not nil, caches the unconditional branch's attention keys and
+	// values across requests: they depend only on the engine and the
+	// negative prompt's half of cond. The output bytes are the same with
+	// and without it.
+	KV KVCache
+}
+
+// DenoiseWith is DenoiseInto with options. See DenoiseInto for dst, the
+// callbacks and errors.
+func (e *Engine) DenoiseWith(ctx context.Context, s Spec, cond Tensor, dst []byte, o DenoiseOptions) (transfer.TensorMeta, error) {
 	if err := e.checkSpec(s); err != nil {
 		return transfer.TensorMeta{}, err
 	}
@@ -76,95 +94,181 @@ func (e *Engine) DenoiseInto(ctx context.Context, s Spec, cond Tensor, dst []byt
 	if err != nil {
 		return transfer.TensorMeta{}, err
 	}
-	nf, nc, h, w := s.Frames, e.cfg.LatentChannels, s.Height/8, s.Width/8
-	side := float64(max(h, w))
-	ew, eh := float64(w)/side, float64(h)/side
-
-	n, d := e.cfg.MaxTokens, e.cfg.EmbedDim
-	sceneC := e.newScene(pool(cv[:n*d], n, d), hasContent(cv[:n*d], n, d), ew, eh)
-	sceneU := e.newScene(pool(cv[n*d:], n, d), hasContent(cv[n*d:], n, d), ew, eh)
-
-	plane := h * w
-	x := make([]float64, nf*nc*plane)
-	e.noise(x, s.Seed, nf, nc, plane)
-	radius := max(1, int(side)/8)
-	// The layout field: the starting noise's two first channels, heavily
-	// blurred and normalised, say where the scene is pushed and bent. It is
-	// read once, while the latent is pure noise, and held by the sampler.
-	warpX := make([]float64, nf*plane)
-	warpY := make([]float64, nf*plane)
-	coarse := make([]float64, plane)
-	scratch := make([]float64, plane) // boxBlur's
-	for f := range nf {
-		fx := x[f*nc*plane : (f+1)*nc*plane]
-		boxBlur(coarse, fx[0:plane], scratch, h, w, radius)
-		normalise(warpX[f*plane:(f+1)*plane], coarse)
-		boxBlur(coarse, fx[plane:2*plane], scratch, h, w, radius)
-		normalise(warpY[f*plane:(f+1)*plane], coarse)
-	}
-	field := func(fx, fy float64) (float64, float64) {
-		xi := min(max(int(fx*side), 0), w-1)
-		yi := min(max(int(fy*side), 0), h-1)
-		return warpX[yi*w+xi], warpY[yi*w+xi]
-	}
-	blobsC, blobsU := sceneC.place(field), sceneU.place(field)
-	blur := make([]float64, nc*plane) // one frame: a step reads no other frame
-	tc := make([]float64, nc)
-	tu := make([]float64, nc)
-	g := s.GuidanceScale
-
+	sm := e.newSampler(s, cv)
+	sm.noise()
+	sm.layout()
+	sm.projectUncond(o.KV, cond.Data[len(cond.Data)/2:])
 	for i := range s.Steps {
 		if err := ctx.Err(); err != nil {
 			return transfer.TensorMeta{}, err
 		}
 		t := 1 - float64(i)/float64(s.Steps)
 		tn := 1 - float64(i+1)/float64(s.Steps)
-		a, sg := schedule(t)
-		an, sn := schedule(tn)
-		keep := float64(keepStructure * t)
 		last := i == s.Steps-1
-		// Frames are independent within a step, so the step runs frame by
-		// frame and the last one can hand each frame on as it completes.
-		for f := range nf {
-			fx := x[f*nc*plane : (f+1)*nc*plane]
-			for c := range nc {
-				boxBlur(blur[c*plane:(c+1)*plane], fx[c*plane:(c+1)*plane], scratch, h, w, radius)
-			}
-			for y := range h {
-				for xx := range w {
-					pos := y*w + xx
-					px := float64(float64(xx)+0.5) / side
-					py := float64(float64(y)+0.5) / side
-					wx := mad(warpAmount, warpX[f*plane+pos], px)
-					wy := mad(warpAmount, warpY[f*plane+pos], py)
-					sceneC.eval(blobsC, f, wx, wy, tc)
-					sceneU.eval(blobsU, f, wx, wy, tu)
-					for c := range nc {
-						k := c*plane + pos
-						content := mad(g, tc[c]-tu[c], tu[c]) / guidanceRef
-						x0 := mad(keep, blur[k], content)
-						x0 = float64(latentLimit * squash(x0/latentLimit))
-						eps := (fx[k] - float64(a*x0)) / sg
-						fx[k] = mad(an, x0, float64(sn*eps))
-					}
-				}
-			}
-			if err := Spend(ctx, frameShare(e.cfg.StepCost, f, nf)); err != nil {
-				return transfer.TensorMeta{}, err
-			}
-			if last {
-				off, size := meta.ChunkRange(f)
-				putFloat32s(dst[off:off+size], fx)
-				if chunkDone != nil {
-					chunkDone(f)
-				}
-			}
+		var out []byte
+		var chunkDone func(int)
+		if last {
+			out, chunkDone = dst, o.ChunkDone
 		}
-		if progress != nil {
-			progress(i+1, s.Steps)
+		if err := sm.step(ctx, t, tn, out, chunkDone); err != nil {
+			return transfer.TensorMeta{}, err
+		}
+		if o.Progress != nil {
+			o.Progress(i+1, s.Steps)
 		}
 	}
 	return meta, nil
+}
+
+// sampler is one Denoise run's state. Only x changes from step to step;
+// everything else derives from the spec, the conditioning and the seed.
+type sampler struct {
+	e              *Engine
+	s              Spec
+	meta           transfer.TensorMeta
+	nf, nc, h, w   int
+	plane, radius  int
+	side           float64
+	x              []float64 // the latent, frame-major [nf][nc][h][w]
+	warpX, warpY   []float64 // the layout field, [nf][h][w]
+	condC, condU   []float32 // the two halves of cond, MaxTokens x EmbedDim each
+	sceneC, sceneU *scene
+	blobsC, blobsU []blob
+	tokC, tokU     []int     // the attention masks
+	kvC, kvU       []float64 // the branches' attention keys and values
+	uncondFixed    bool      // kvU came from the cache or was computed once for the run
+	grid           *attnGrid
+	blur, scratch  []float64
+	hid, tc, tu    []float64
+}
+
+func (e *Engine) newSampler(s Spec, cv []float32) *sampler {
+	nf, nc, h, w := s.Frames, e.cfg.LatentChannels, s.Height/8, s.Width/8
+	side := float64(max(h, w))
+	n, d := e.cfg.MaxTokens, e.cfg.EmbedDim
+	sm := &sampler{
+		e: e, s: s, meta: e.LatentMeta(s),
+		nf: nf, nc: nc, h: h, w: w, plane: h * w, radius: max(1, int(side)/8), side: side,
+		condC: cv[:n*d], condU: cv[n*d:],
+	}
+	ew, eh := float64(w)/side, float64(h)/side
+	sm.sceneC = e.newScene(pool(sm.condC, n, d), hasContent(sm.condC, n, d), ew, eh)
+	sm.sceneU = e.newScene(pool(sm.condU, n, d), hasContent(sm.condU, n, d), ew, eh)
+	sm.tokC, sm.tokU = tokensOf(sm.condC, n, d), tokensOf(sm.condU, n, d)
+	sm.kvC = make([]float64, e.attn.kvLen())
+	sm.kvU = make([]float64, e.attn.kvLen())
+	sm.grid = e.attn.newGrid(h, w, max(len(sm.tokC), len(sm.tokU)))
+	sm.x = make([]float64, nf*nc*sm.plane)
+	sm.warpX = make([]float64, nf*sm.plane)
+	sm.warpY = make([]float64, nf*sm.plane)
+	sm.blur = make([]float64, nc*sm.plane) // one frame: a step reads no other frame
+	sm.scratch = make([]float64, sm.plane) // boxBlur's
+	sm.hid = make([]float64, attnHidden)
+	sm.tc = make([]float64, nc)
+	sm.tu = make([]float64, nc)
+	return sm
+}
+
+// noise fills x with the seed's starting noise and reads the layout field
+// off it: the noise's two first channels, heavily blurred and normalised,
+// say where the scene is pushed and bent. The field is read once, while the
+// latent is pure noise, and held by the sampler.
+func (sm *sampler) noise() {
+	sm.e.noise(sm.x, sm.s.Seed, sm.nf, sm.nc, sm.plane)
+	coarse := make([]float64, sm.plane)
+	for f := range sm.nf {
+		fx := sm.x[f*sm.nc*sm.plane : (f+1)*sm.nc*sm.plane]
+		boxBlur(coarse, fx[0:sm.plane], sm.scratch, sm.h, sm.w, sm.radius)
+		normalise(sm.warpX[f*sm.plane:(f+1)*sm.plane], coarse)
+		boxBlur(coarse, fx[sm.plane:2*sm.plane], sm.scratch, sm.h, sm.w, sm.radius)
+		normalise(sm.warpY[f*sm.plane:(f+1)*sm.plane], coarse)
+	}
+}
+
+// layout places the scenes' blobs by the layout field: the seed decides
+// where things go, the prompt what they are.
+func (sm *sampler) layout() {
+	field := func(fx, fy float64) (float64, float64) {
+		xi := min(max(int(fx*sm.side), 0), sm.w-1)
+		yi := min(max(int(fy*sm.side), 0), sm.h-1)
+		return sm.warpX[yi*sm.w+xi], sm.warpY[yi*sm.w+xi]
+	}
+	sm.blobsC, sm.blobsU = sm.sceneC.place(field), sm.sceneU.place(field)
+}
+
+// projectUncond takes the unconditional branch's keys and values from kv,
+// or computes them and puts them there, when kv is set; then the steps use
+// them as they are. Without kv every step recomputes them, as a DiT does.
+// half is the negative prompt's half of cond, as bytes.
+func (sm *sampler) projectUncond(kv KVCache, half []byte) {
+	if kv == nil {
+		return
+	}
+	sm.uncondFixed = true
+	key := sm.e.kvKey(half)
+	if b, ok := kv.Get(key); ok && decodeKV(sm.kvU, b) {
+		return
+	}
+	sm.e.attn.project(sm.kvU, sm.condU, sm.hid)
+	kv.Put(key, encodeKV(sm.kvU))
+}
+
+// step runs one DDIM step from time t to tn. When out is not nil it is the
+// last step: each frame's final latent is written into out as float32 and
+// chunkDone, if not nil, told.
+func (sm *sampler) step(ctx context.Context, t, tn float64, out []byte, chunkDone func(int)) error {
+	e, nc, plane, h, w := sm.e, sm.nc, sm.plane, sm.h, sm.w
+	// The conditioning's keys and values, recomputed every step as a DiT
+	// does, unless the unconditional branch's are held for the run.
+	e.attn.project(sm.kvC, sm.condC, sm.hid)
+	if !sm.uncondFixed {
+		e.attn.project(sm.kvU, sm.condU, sm.hid)
+	}
+	a, sg := schedule(t)
+	an, sn := schedule(tn)
+	keep := float64(keepStructure * t)
+	g := sm.s.GuidanceScale
+	tc, tu := sm.tc, sm.tu
+	// Frames are independent within a step, so the step runs frame by
+	// frame and the last one can hand each frame on as it completes.
+	for f := range sm.nf {
+		fx := sm.x[f*nc*plane : (f+1)*nc*plane]
+		for c := range nc {
+			boxBlur(sm.blur[c*plane:(c+1)*plane], fx[c*plane:(c+1)*plane], sm.scratch, h, w, sm.radius)
+		}
+		e.attn.attend(sm.grid, sm.blur, sm.kvC, sm.kvU, sm.tokC, sm.tokU)
+		for y := range h {
+			for xx := range w {
+				pos := y*w + xx
+				px := float64(float64(xx)+0.5) / sm.side
+				py := float64(float64(y)+0.5) / sm.side
+				wx := mad(warpAmount, sm.warpX[f*plane+pos], px)
+				wy := mad(warpAmount, sm.warpY[f*plane+pos], py)
+				sm.sceneC.eval(sm.blobsC, f, wx, wy, tc)
+				sm.sceneU.eval(sm.blobsU, f, wx, wy, tu)
+				sm.grid.sample(y, xx, tc, tu)
+				for c := range nc {
+					k := c*plane + pos
+					content := mad(g, tc[c]-tu[c], tu[c]) / guidanceRef
+					x0 := mad(keep, sm.blur[k], content)
+					x0 = float64(latentLimit * squash(x0/latentLimit))
+					eps := (fx[k] - float64(a*x0)) / sg
+					fx[k] = mad(an, x0, float64(sn*eps))
+				}
+			}
+		}
+		if err := Spend(ctx, frameShare(e.cfg.StepCost, f, sm.nf)); err != nil {
+			return err
+		}
+		if out != nil {
+			off, size := sm.meta.ChunkRange(f)
+			putFloat32s(out[off:off+size], fx)
+			if chunkDone != nil {
+				chunkDone(f)
+			}
+		}
+	}
+	return nil
 }
 
 // frameShare is frame f's part of a step's simulated cost d, split over nf

@@ -7,6 +7,7 @@ import (
 	"math"
 	"strings"
 	"unicode"
+	"unicode/utf8"
 
 	"github.com/latentmesh/latentmesh/transfer"
 )
@@ -68,6 +69,11 @@ const (
 	saltProj
 	saltMix
 	saltTexture
+	saltAttnW1
+	saltAttnB1
+	saltAttnK
+	saltAttnV
+	saltAttnQ
 )
 
 // addRow adds scale * row(kind, id) to dst.
@@ -136,6 +142,42 @@ func (e *Engine) EncodeInto(ctx context.Context, s Spec, dst []byte) (transfer.T
 	e.encodeInto(dst[:half], s.Prompt)
 	e.encodeInto(dst[half:], s.NegativePrompt)
 	return meta, nil
+}
+
+// BranchMeta is the meta of one half of the conditioning, the encoding of
+// one text: [1, MaxTokens, EmbedDim] float32, one chunk. CondMeta's tensor
+// is the prompt's half followed by the negative prompt's.
+func (e *Engine) BranchMeta() transfer.TensorMeta {
+	return transfer.TensorMeta{
+		DType:     transfer.Float32,
+		Shape:     []int64{1, int64(e.cfg.MaxTokens), int64(e.cfg.EmbedDim)},
+		NumChunks: 1,
+	}
+}
+
+// EncodeTextInto writes the encoding of one text (a prompt or a negative
+// prompt; it may be empty) into dst, which must be exactly
+// BranchMeta().Bytes() long. The halves encode independently, so
+// EncodeInto(s) is EncodeTextInto(s.Prompt) followed by
+// EncodeTextInto(s.NegativePrompt), byte for byte, and a caller may keep
+// the halves apart (a negative prompt shared by many requests, say). Its
+// simulated cost is half of EncodeCost.
+func (e *Engine) EncodeTextInto(ctx context.Context, text string, dst []byte) error {
+	switch {
+	case len(text) > e.cfg.Limits.MaxPromptBytes:
+		return fmt.Errorf("%w: %w", ErrBadSpec, &FieldError{Field: "text", Msg: fmt.Sprintf("longer than %d bytes", e.cfg.Limits.MaxPromptBytes)})
+	case !utf8.ValidString(text):
+		return fmt.Errorf("%w: %w", ErrBadSpec, &FieldError{Field: "text", Msg: "not valid UTF-8"})
+	}
+	if n := e.BranchMeta().Bytes(); int64(len(dst)) != n {
+		return fmt.Errorf("%w: encode text into %d bytes, a branch needs %d", ErrBadTensor, len(dst), n)
+	}
+	if err := Spend(ctx, e.cfg.EncodeCost/2); err != nil {
+		return err
+	}
+	clear(dst) // padding rows are zero
+	e.encodeInto(dst, text)
+	return nil
 }
 
 // encodeInto writes the MaxTokens x EmbedDim float32 encoding of prompt into

@@ -2,10 +2,16 @@
 // deterministic stand-in for a GPU model with the real structure of one.
 //
 // A request runs in three stages that may run in different processes:
-// Encode (tokenize and embed the prompts), Denoise (seeded noise, K sampler
-// steps with classifier-free guidance) and Decode (latent to RGB, written as
-// PNG or animated GIF). Stages exchange Tensors as bytes. The same Spec always
-// gives byte-identical files, whichever machines ran which stage.
+// Encode (tokenize and embed the prompt and the negative prompt, two halves
+// that EncodeTextInto can also encode one at a time), Denoise (seeded noise,
+// K sampler steps with classifier-free guidance, the denoiser cross-attending
+// to the conditioning tokens as a DiT does) and Decode (latent to RGB,
+// written as PNG or animated GIF). Stages exchange Tensors as bytes. The same
+// Spec always gives byte-identical files, whichever machines ran which stage.
+//
+// The unconditional branch's attention keys and values depend only on the
+// negative prompt; DenoiseWith can take them from a KVCache shared across
+// requests instead of recomputing them every step, with the same output.
 //
 // The agent's stage runners use this package; it knows nothing of jobs,
 // routing or transfer beyond the TensorMeta it fills in.
@@ -34,7 +40,8 @@ var (
 //
 //	v2: PNGs deflated at BestSpeed
 //	v3: known words carry colours, places and shapes (semantic.go)
-const version = "builtin/v3"
+//	v4: the denoiser cross-attends to the conditioning tokens (attention.go)
+const version = "builtin/v4"
 
 // Config shapes the model and its simulated cost. Fields other than the costs
 // and Limits change the output bytes and therefore the engine's ID.
@@ -79,6 +86,7 @@ type Engine struct {
 	id    string
 	table *embedTable
 	proj  [][]float64 // sceneFeatures x table.rand projection of the pooled embedding's random part
+	attn  *crossAttn  // the denoiser's cross-attention weights
 }
 
 // New validates cfg and builds an Engine.
@@ -104,6 +112,7 @@ func New(cfg Config) (*Engine, error) {
 	e := &Engine{cfg: cfg, id: makeID(cfg)}
 	e.table = newEmbedTable(cfg)
 	e.proj = newProjection(cfg, e.table.rand)
+	e.attn = newCrossAttn(cfg)
 	return e, nil
 }
 
@@ -121,7 +130,7 @@ func makeID(cfg Config) string {
 }
 
 // ID names the engine's algorithm and every setting that changes its output,
-// e.g. "builtin/v3". Equal IDs produce equal bytes for equal Specs.
+// e.g. "builtin/v4". Equal IDs produce equal bytes for equal Specs.
 func (e *Engine) ID() string { return e.id }
 
 // Config returns the engine's (frozen) configuration.

@@ -117,20 +117,20 @@ func TestNewRejectsBadConfig(t *testing.T) {
 }
 
 func TestID(t *testing.T) {
-	if got := newEngine(t).ID(); got != "builtin/v3" {
+	if got := newEngine(t).ID(); got != "builtin/v4" {
 		t.Fatalf("default ID %q", got)
 	}
 	cfg := DefaultConfig()
 	cfg.StepCost = time.Second // costs do not change the output
 	e1, _ := New(cfg)
-	if e1.ID() != "builtin/v3" {
+	if e1.ID() != "builtin/v4" {
 		t.Fatalf("cost changed ID to %q", e1.ID())
 	}
 	cfg.TableSeed++
 	e2, _ := New(cfg)
 	cfg.LatentChannels = 8
 	e3, _ := New(cfg)
-	if e2.ID() == "builtin/v3" || e3.ID() == e2.ID() {
+	if e2.ID() == "builtin/v4" || e3.ID() == e2.ID() {
 		t.Fatalf("IDs %q %q do not tell models apart", e2.ID(), e3.ID())
 	}
 }
@@ -671,8 +671,8 @@ func fnv64(b []byte) string {
 }
 
 const (
-	goldenPNG = "7ea5a3b98824d824"
-	goldenGIF = "ea0a31fabadef27a"
+	goldenPNG = "07591c9ac1b32bc8"
+	goldenGIF = "ee979842524a3005"
 )
 
 func TestFramePreview(t *testing.T) {

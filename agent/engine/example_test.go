@@ -28,5 +28,5 @@ func Example() {
 		panic(err)
 	}
 	fmt.Println(e.ID(), cond.Meta.Shape, latent.Meta.Shape, contentType, len(file) > 0)
-	// Output: builtin/v3 [2 77 64] [1 4 32 32] image/png true
+	// Output: builtin/v4 [2 77 64] [1 4 32 32] image/png true
 }

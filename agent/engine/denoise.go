@@ -73,6 +73,27 @@ func (e *Engine) DenoiseInto(ctx context.Context, s Spec, cond Tensor, dst []byt
 type DenoiseOptions struct {
 	Progress  func(step, total int) // as DenoiseInto's progress
 	ChunkDone func(k int)           // as DenoiseInto's chunkDone
+	// Resume, if not nil, continues from this checkpoint instead of
+	// starting from noise; progress then starts at Resume.Step+1. The spec's
+	// seed, size and frames must be the checkpoint's. Its conditioning and
+	// guidance may differ (a fork: the latent continues under the new
+	// prompt), and so may Steps, which must exceed Resume.Step: with
+	// Steps == Resume.Total the run is byte-identical to one never stopped;
+	// otherwise it goes from the checkpoint's time to 0 in the steps left.
+	Resume *Checkpoint
+	// CheckpointEvery > 0: Checkpoint is called after every
+	// CheckpointEvery-th step (counted from the start of the whole run,
+	// resumed steps included), never after the last.
+	CheckpointEvery int
+	// Checkpoint receives checkpoints on the sampler goroutine; State is
+	// freshly allocated for each call (the callee may keep it) and the
+	// callee must return quickly (hand the write off).
+	Checkpoint func(Checkpoint)
+	// Stop, when closed, makes the sampler finish the step it is in, call
+	// Checkpoint for that step (if at least one step is done and it is not
+	// the last) and return ErrStopped. The sampler looks between steps: a
+	// run whose last step is done finishes normally.
+	Stop <-chan struct{}
 	// KV, if not nil, caches the unconditional branch's attention keys and
 	// values across requests: they depend only on the engine and the
 	// negative prompt's half of cond. The output bytes are the same with
@@ -80,8 +101,10 @@ type DenoiseOptions struct {
 	KV KVCache
 }
 
-// DenoiseWith is DenoiseInto with options. See DenoiseInto for dst, the
-// callbacks and errors.
+// DenoiseWith is DenoiseInto with options: resuming from a checkpoint,
+// taking checkpoints, stopping at one, and a cache. See DenoiseInto for dst,
+// the callbacks and errors. A checkpoint that cannot be resumed for s is an
+// ErrBadCheckpoint.
 func (e *Engine) DenoiseWith(ctx context.Context, s Spec, cond Tensor, dst []byte, o DenoiseOptions) (transfer.TensorMeta, error) {
 	if err := e.checkSpec(s); err != nil {
 		return transfer.TensorMeta{}, err
@@ -95,15 +118,37 @@ func (e *Engine) DenoiseWith(ctx context.Context, s Spec, cond Tensor, dst []byt
 		return transfer.TensorMeta{}, err
 	}
 	sm := e.newSampler(s, cv)
+	// The layout field comes from the seed's noise even when resuming, as
+	// the sampler held it; the checkpoint then supplies the latent.
 	sm.noise()
+	start := 0
+	if o.Resume != nil {
+		if start, err = sm.resume(o.Resume); err != nil {
+			return transfer.TensorMeta{}, err
+		}
+	}
 	sm.layout()
 	sm.projectUncond(o.KV, cond.Data[len(cond.Data)/2:])
-	for i := range s.Steps {
+	checkpointed := -1 // the step last handed to o.Checkpoint
+	emit := func(step int) {
+		if o.Checkpoint != nil && step != checkpointed {
+			o.Checkpoint(sm.checkpoint(step))
+			checkpointed = step
+		}
+	}
+	for i := start; i < s.Steps; i++ {
 		if err := ctx.Err(); err != nil {
 			return transfer.TensorMeta{}, err
 		}
-		t := 1 - float64(i)/float64(s.Steps)
-		tn := 1 - float64(i+1)/float64(s.Steps)
+		select {
+		case <-o.Stop:
+			if i > 0 {
+				emit(i)
+			}
+			return transfer.TensorMeta{}, ErrStopped
+		default:
+		}
+		t, tn := sm.seg.at(i, s.Steps), sm.seg.at(i+1, s.Steps)
 		last := i == s.Steps-1
 		var out []byte
 		var chunkDone func(int)
@@ -116,12 +161,16 @@ func (e *Engine) DenoiseWith(ctx context.Context, s Spec, cond Tensor, dst []byt
 		if o.Progress != nil {
 			o.Progress(i+1, s.Steps)
 		}
+		if o.CheckpointEvery > 0 && (i+1)%o.CheckpointEvery == 0 && !last {
+			emit(i + 1)
+		}
 	}
 	return meta, nil
 }
 
 // sampler is one Denoise run's state. Only x changes from step to step;
-// everything else derives from the spec, the conditioning and the seed.
+// everything else derives from the spec, the conditioning and the seed (and
+// seg, for a resumed run, from its checkpoint).
 type sampler struct {
 	e              *Engine
 	s              Spec
@@ -130,6 +179,7 @@ type sampler struct {
 	plane, radius  int
 	side           float64
 	x              []float64 // the latent, frame-major [nf][nc][h][w]
+	seg            segment   // the part of the schedule the run follows
 	warpX, warpY   []float64 // the layout field, [nf][h][w]
 	condC, condU   []float32 // the two halves of cond, MaxTokens x EmbedDim each
 	sceneC, sceneU *scene
@@ -150,6 +200,7 @@ func (e *Engine) newSampler(s Spec, cv []float32) *sampler {
 		e: e, s: s, meta: e.LatentMeta(s),
 		nf: nf, nc: nc, h: h, w: w, plane: h * w, radius: max(1, int(side)/8), side: side,
 		condC: cv[:n*d], condU: cv[n*d:],
+		seg: segment{start: 0, t: 1},
 	}
 	ew, eh := float64(w)/side, float64(h)/side
 	sm.sceneC = e.newScene(pool(sm.condC, n, d), hasContent(sm.condC, n, d), ew, eh)

@@ -13,6 +13,11 @@
 // negative prompt; DenoiseWith can take them from a KVCache shared across
 // requests instead of recomputing them every step, with the same output.
 //
+// DenoiseWith also takes step Checkpoints (the latent and the schedule, at
+// full precision) and resumes from them on any worker with byte-identical
+// output, stops at one when asked, and forks: a checkpoint resumed with
+// another prompt, guidance or step count continues its latent under them.
+//
 // The agent's stage runners use this package; it knows nothing of jobs,
 // routing or transfer beyond the TensorMeta it fills in.
 package engine

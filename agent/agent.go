@@ -81,6 +81,7 @@ type Agent struct {
 	// runner runs the stages' math: the built-in engine, or the external
 	// engine registered on ext (the engine socket; nil without one).
 	runner  StageRunner
+	kv      engine.KVCache // the denoiser's tensor cache across requests; nil for none
 	ext     *extengine.Server
 	credits map[jobs.Stage]*routing.Credits
 	metrics *httpapi.Metrics
@@ -233,6 +234,16 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	}
 	if err = a.metrics.WatchAgent(a.agentStats); err != nil {
 		return nil, fmt.Errorf("agent: metrics: %w", err)
+	}
+	if cfg.KVCacheBytes > 0 {
+		kv := engine.NewKVCache(cfg.KVCacheBytes)
+		a.kv = kv
+		if err = a.metrics.WatchKV(func() httpapi.KVStats {
+			st := kv.Stats()
+			return httpapi.KVStats{Hits: st.Hits, Misses: st.Misses, Evictions: st.Evictions, Bytes: st.Bytes}
+		}); err != nil {
+			return nil, fmt.Errorf("agent: metrics: %w", err)
+		}
 	}
 	for _, r := range cfg.Roles {
 		a.credits[r] = routing.NewCredits(cfg.Slots[r])

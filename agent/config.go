@@ -76,6 +76,18 @@ type Config struct {
 	// PreviewTTL bounds how long a video frame preview stays in the Store
 	// if the decode that made it never commits (a commit deletes them).
 	PreviewTTL time.Duration
+	// CheckpointEvery is how many denoise steps pass between step
+	// checkpoints when neither the request nor the model's registration
+	// says (0: none). Preemption and drain checkpoint where they stop
+	// whatever it says, when the engine can.
+	CheckpointEvery int
+	// CheckpointTTL bounds how long a checkpoint stays in the Store if its
+	// job never releases it (a stage's commit or the job's end does).
+	CheckpointTTL time.Duration
+	// KVCacheBytes bounds the denoiser's tensor cache: what a denoise
+	// computes from the conditioning alone (the unconditional branch's
+	// attention keys and values), kept across requests (0: none).
+	KVCacheBytes int64
 	// AlarmEvery is how often etcd's alarms are read (NOSPACE refuses new
 	// jobs and turns /readyz to 503).
 	AlarmEvery time.Duration
@@ -145,6 +157,8 @@ func DefaultConfig() Config {
 		StoreMemory:      StoreMemoryAuto,
 		ResultTTL:        24 * time.Hour,   // a day to download a result; the record says when it goes
 		PreviewTTL:       10 * time.Minute, // previews are for watching a decode, not for keeping
+		CheckpointTTL:    time.Hour,        // longer than any denoise; a commit releases them sooner
+		KVCacheBytes:     64 << 20,         // thousands of negative prompts' keys and values
 		AlarmEvery:       5 * time.Second,  // a full etcd is noticed within seconds; one cheap read
 		EtcdTimeout:      5 * time.Second,  // a healthy etcd answers in milliseconds; a leader election takes ~1 s
 		EtcdHealth:       jobs.DefaultHealthConfig(),
@@ -210,8 +224,11 @@ func (c Config) validate() (Config, error) {
 	if _, err := jobs.ParseTransferMode(string(c.TransferMode)); err != nil {
 		return c, fmt.Errorf("agent: %w", err)
 	}
-	if c.ResultTTL <= 0 || c.PreviewTTL <= 0 || c.AlarmEvery <= 0 || c.EtcdTimeout <= 0 {
-		return c, errors.New("agent: ResultTTL, PreviewTTL, AlarmEvery and EtcdTimeout must be positive")
+	if c.ResultTTL <= 0 || c.PreviewTTL <= 0 || c.CheckpointTTL <= 0 || c.AlarmEvery <= 0 || c.EtcdTimeout <= 0 {
+		return c, errors.New("agent: ResultTTL, PreviewTTL, CheckpointTTL, AlarmEvery and EtcdTimeout must be positive")
+	}
+	if c.CheckpointEvery < 0 || c.KVCacheBytes < 0 {
+		return c, errors.New("agent: CheckpointEvery and KVCacheBytes must not be negative")
 	}
 	if c.DrainTimeout < 0 || c.Queue.PreemptAfter < 0 || c.Admission.Slack < 0 {
 		return c, errors.New("agent: DrainTimeout, Queue.PreemptAfter and Admission.Slack must not be negative")

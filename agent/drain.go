@@ -34,6 +34,10 @@ type runningTask struct {
 	claim     *jobs.Claim
 	stop      context.CancelCauseFunc
 	handedOff *atomic.Bool // committed early: its consumer needs the tail, never stop it for a preemption
+	// yield, for a denoise whose engine checkpoints, stops it at a
+	// checkpoint instead of cancelling it; done is its context's end.
+	yield *yielder
+	done  <-chan struct{}
 }
 
 func (r *runningTasks) init() {
@@ -96,7 +100,10 @@ func (r *runningTasks) stop(id string, cause error) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	t, ok := r.tasks[id]
-	if ok {
+	switch {
+	case ok && t.yield != nil:
+		t.yield.ask(cause, t.stop, t.done)
+	case ok:
 		t.stop(cause)
 	}
 	return ok
@@ -230,6 +237,12 @@ func (a *Agent) drain(ctx context.Context) error {
 	deadline := time.Now().Add(a.cfg.DrainTimeout)
 	dctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
+	// A denoise whose engine checkpoints is handed over at once: it stops
+	// at its next step, checkpoints it and is requeued, and another worker
+	// goes on from there (finishing it here could take minutes).
+	if n := a.handOverDenoise(); n > 0 {
+		a.log.Info("drain: handing running denoise tasks over at a checkpoint", zap.Int("tasks", n))
+	}
 	if !a.waitRunning(dctx) {
 		tasks, _ := a.running.snapshot("")
 		a.log.Info("drain deadline: requeuing running tasks", zap.Int("tasks", len(tasks)))
@@ -275,6 +288,20 @@ func (a *Agent) drain(ctx context.Context) error {
 	a.returnAllPushes() // any pushed before the peers saw this agent drain
 	a.log.Info("drained")
 	return nil
+}
+
+// handOverDenoise stops every running denoise that can stop at a
+// checkpoint (and has not handed off early: its consumer needs the tail
+// from here), for a drain; it returns how many.
+func (a *Agent) handOverDenoise() int {
+	tasks, _ := a.running.snapshot(jobs.Denoise)
+	n := 0
+	for _, t := range tasks {
+		if t.yield != nil && !t.handedOff.Load() && a.running.stop(t.claim.Task.ID, errDrained) {
+			n++
+		}
+	}
+	return n
 }
 
 // othersConsume reports whether, as gossip has it, another live agent takes

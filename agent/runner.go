@@ -33,8 +33,41 @@ type StageRunner interface {
 	CondMeta(s engine.Spec) (transfer.TensorMeta, error)
 	LatentMeta(s engine.Spec) (transfer.TensorMeta, error)
 	Encode(ctx context.Context, s engine.Spec, dst []byte) error
-	Denoise(ctx context.Context, s engine.Spec, cond engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error
+	Denoise(ctx context.Context, d DenoiseCall) error
+	// Checkpoints reports whether s's denoise can checkpoint and resume
+	// (DenoiseCall's Resume, CheckpointEvery, Checkpoint and Stop), and the
+	// model's default checkpoint period (0: none registered).
+	Checkpoints(s engine.Spec) (ok bool, every int)
 	NewDecoder(s engine.Spec) (FrameDecoder, error)
+}
+
+// DenoiseCall is one denoise stage's work: the sampler over Spec from
+// Cond into Dst (LatentMeta(Spec).Bytes() long), with its checkpoints.
+type DenoiseCall struct {
+	Spec engine.Spec
+	Cond engine.Tensor
+	Dst  []byte
+	// Progress is called after every step, ChunkDone as soon as latent
+	// chunk k is final (engine.Engine.DenoiseInto's callbacks); either may
+	// be nil.
+	Progress  func(step, total int)
+	ChunkDone func(k int)
+	// Resume, if not nil, continues from this checkpoint of the job's
+	// denoise, taken here or on another worker.
+	Resume *engine.Checkpoint
+	// CheckpointEvery > 0 asks for Checkpoint after every
+	// CheckpointEvery-th step but the last.
+	CheckpointEvery int
+	// Checkpoint receives the checkpoints; it must return at once (the
+	// sampler waits) and may keep its argument.
+	Checkpoint func(engine.Checkpoint)
+	// Stop, when closed, has the sampler finish its step, checkpoint it
+	// and return engine.ErrStopped.
+	Stop <-chan struct{}
+	// KV caches tensors computed from the conditioning alone (the
+	// unconditional branch's attention keys and values) across requests;
+	// nil caches nothing.
+	KV engine.KVCache
 }
 
 // FrameDecoder decodes a latent frame range by frame range and assembles the
@@ -67,10 +100,18 @@ func (b builtinRunner) Encode(ctx context.Context, s engine.Spec, dst []byte) er
 	_, err := b.e.EncodeInto(ctx, s, dst)
 	return err
 }
-func (b builtinRunner) Denoise(ctx context.Context, s engine.Spec, cond engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error {
-	_, err := b.e.DenoiseInto(ctx, s, cond, dst, progress, chunkDone)
+func (b builtinRunner) Denoise(ctx context.Context, d DenoiseCall) error {
+	_, err := b.e.DenoiseWith(ctx, d.Spec, d.Cond, d.Dst, engine.DenoiseOptions{
+		Progress: d.Progress, ChunkDone: d.ChunkDone,
+		Resume: d.Resume, CheckpointEvery: d.CheckpointEvery, Checkpoint: d.Checkpoint, Stop: d.Stop,
+		KV: d.KV,
+	})
 	return err
 }
+
+// Checkpoints: the built-in sampler checkpoints every model it serves,
+// with no default period of its own (the agent's flag decides).
+func (b builtinRunner) Checkpoints(engine.Spec) (bool, int)            { return true, 0 }
 func (b builtinRunner) NewDecoder(s engine.Spec) (FrameDecoder, error) { return b.e.NewFrameDecoder(s) }
 
 // externalRunner runs stages on the engine registered on the engine socket.
@@ -223,7 +264,8 @@ func (x *externalRunner) outBuf(dst []byte) ([]byte, func(ok bool), error) {
 	}, nil
 }
 
-func (x *externalRunner) Denoise(ctx context.Context, s engine.Spec, cond engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error {
+func (x *externalRunner) Denoise(ctx context.Context, d DenoiseCall) error {
+	s, cond := d.Spec, d.Cond
 	meta, err := x.LatentMeta(s)
 	if err != nil {
 		return err
@@ -233,26 +275,31 @@ func (x *externalRunner) Denoise(ctx context.Context, s engine.Spec, cond engine
 		return err
 	}
 	defer relIn()
-	out, done, err := x.outBuf(dst)
+	out, done, err := x.outBuf(d.Dst)
 	if err != nil {
 		return err
 	}
-	err = x.run(ctx, extengine.Request{Stage: extengine.StageDenoise, Model: s.ModelName(), Spec: s,
+	req := extengine.Request{Stage: extengine.StageDenoise, Model: s.ModelName(), Spec: s,
 		Inputs:   []extengine.Tensor{{DType: string(cond.Meta.DType), Shape: cond.Meta.Shape, Data: in}},
 		Output:   extengine.Tensor{DType: string(meta.DType), Shape: meta.Shape, Data: out},
-		Progress: progress})
+		Progress: d.Progress}
+	err = x.run(ctx, req)
 	done(err == nil)
 	if err != nil {
 		return err
 	}
 	// The protocol hands the latent over whole: every chunk is final now.
-	if chunkDone != nil {
+	if d.ChunkDone != nil {
 		for k := range meta.Chunks() {
-			chunkDone(k)
+			d.ChunkDone(k)
 		}
 	}
 	return nil
 }
+
+// Checkpoints: external engines do not checkpoint yet (worker protocol
+// v2 adds it).
+func (x *externalRunner) Checkpoints(engine.Spec) (bool, int) { return false, 0 }
 
 func (x *externalRunner) NewDecoder(s engine.Spec) (FrameDecoder, error) {
 	m, err := x.model(jobs.Decode, s)

@@ -571,14 +571,19 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	}
 	tries := c.Task.Attempt - c.Task.Requeues // requeues are no failures
 	var record func() error
-	switch cause := context.Cause(ctx); {
-	case ctx.Err() != nil && errors.Is(cause, errPreempted):
+	cause, stopped := context.Cause(ctx), false
+	if errors.Is(err, engine.ErrStopped) {
+		// Stopped at a checkpoint, as a preemption or a drain asked.
+		cause, stopped = yielderOf(ctx).why(), true
+	}
+	switch {
+	case (ctx.Err() != nil || stopped) && errors.Is(cause, errPreempted):
 		// Preempted: back to the queue at once, dated, to start over on
 		// its next claim.
 		log.Info("task requeued", zap.NamedError("why", cause))
 		a.metrics.Requeued(st, reasonPreempted)
 		record = func() error { return a.store.Yield(a.ctx, c) }
-	case ctx.Err() != nil && errors.Is(cause, errDrained):
+	case (ctx.Err() != nil || stopped) && errors.Is(cause, errDrained):
 		log.Info("task requeued", zap.NamedError("why", cause))
 		a.metrics.Requeued(st, reasonDrained)
 		record = func() error { return a.store.Requeue(a.ctx, c) }
@@ -598,6 +603,8 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	default:
 		code := "engine_error"
 		switch {
+		case errors.Is(err, errForkLost):
+			code = "checkpoint_lost"
 		case errors.Is(err, errCommit):
 			code = "commit_failed"
 		case errors.Is(err, errTransient):
@@ -817,7 +824,13 @@ func (a *Agent) releaseUncommitted(published []string, recordErr error) {
 func (a *Agent) watchCancel(c *jobs.Claim, handedOff, ran *atomic.Bool) (ctx context.Context, stop func()) {
 	ctx, cancelCause := context.WithCancelCause(a.ctx)
 	cancel := func() { cancelCause(nil) }
-	a.running.add(&runningTask{claim: c, stop: cancelCause, handedOff: handedOff})
+	rt := &runningTask{claim: c, stop: cancelCause, handedOff: handedOff, done: ctx.Done()}
+	if ok, _ := a.runner.Checkpoints(c.Task.Spec); ok && c.Task.Stage == jobs.Denoise {
+		// A preemption or a drain stops it at a checkpoint.
+		rt.yield = newYielder()
+		ctx = withYielder(ctx, rt.yield)
+	}
+	a.running.add(rt)
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		// A cancel deletes the job's task even while it runs, and this
@@ -1015,21 +1028,64 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 	defer p.Done()
 	report, endProgress := a.board.Start(c.Task.JobID, string(jobs.Denoise), spec.Steps)
 	defer endProgress()
+	call, ckp, err := a.denoiseCall(ctx, c, cond, p.Buf())
+	if err != nil {
+		a.release(ref.ID)
+		return out, nil, false, err
+	}
+	if call.Resume != nil {
+		out.ResumedFrom = call.Resume.Step
+		report(call.Resume.Step, spec.Steps)
+	}
+	finish := func(err error) error { // what the sampler's end leaves to do for its checkpoints
+		if ckp == nil {
+			return err
+		}
+		if !errors.Is(err, engine.ErrStopped) {
+			// A checkpoint still being written is waited for, so the stage
+			// record counts it, and never outlives the commit that releases
+			// it (a late write would be refused: the commit ends the claim).
+			fctx, cancel := context.WithTimeout(a.ctx, 4*a.cfg.EtcdTimeout)
+			defer cancel()
+			ckp.flush(fctx)
+			out.Checkpoints = ckp.count()
+			return err
+		}
+		// Stopped at a checkpoint for a preemption or a drain: the task is
+		// requeued once the checkpoint is recorded, so the next worker
+		// starts from it.
+		fctx, cancel := context.WithTimeout(a.ctx, 4*a.cfg.EtcdTimeout)
+		defer cancel()
+		step, ferr := ckp.flush(fctx)
+		out.Checkpoints = ckp.count()
+		a.log.Info("denoise stopped at a checkpoint", zap.String("job", c.Task.JobID), zap.Int("step", step), zap.NamedError("write", ferr))
+		return err
+	}
 	if relay {
-		if err := a.runner.Denoise(ctx, spec, cond, p.Buf(), report, func(k int) {
+		call.Progress = report
+		call.ChunkDone = func(k int) {
 			if err := p.ChunkReady(k); err != nil {
 				a.log.Error("chunk ready", zap.Int("chunk", k), zap.Error(err))
 			}
-		}); err != nil {
+		}
+		err := finish(a.runner.Denoise(ctx, call))
+		if call.Resume != nil && errors.Is(err, engine.ErrBadCheckpoint) {
+			err = a.unusableCheckpoint(c, err)
+		}
+		if err != nil {
 			a.release(ref.ID)
 			return out, nil, false, err
 		}
-		return a.relayOutput(ctx, c, ref, hint, staged)
+		o, pub, committed, err := a.relayOutput(ctx, c, ref, hint, staged)
+		o.ResumedFrom, o.Checkpoints = out.ResumedFrom, out.Checkpoints
+		return o, pub, committed, err
 	}
 	published = []string{ref.ID}
+	resumed := out.ResumedFrom
 	if out, err = a.output(c, ref, hint); err != nil {
 		return out, published, false, err
 	}
+	out.ResumedFrom = resumed
 	early := a.cfg.EarlyHandoff && meta.Chunks() > 1
 	dctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -1046,6 +1102,9 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 			go func() {
 				o := out
 				o.Work = time.Since(c.StartedAt)
+				if ckp != nil {
+					o.Checkpoints = ckp.count()
+				}
 				err := a.earlyCommit(ctx, c, o, ref.ID)
 				if err == nil {
 					handedOff.Store(true)
@@ -1057,12 +1116,24 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 			}()
 		}
 	}
-	progress := func(step, total int) {
+	call.Progress = func(step, total int) {
 		if commitErr == nil { // after the handoff the job's progress is the decoder's
 			report(step, total)
 		}
 	}
-	err = a.runner.Denoise(dctx, spec, cond, p.Buf(), progress, chunkDone)
+	call.ChunkDone = chunkDone
+	if call.Checkpoint != nil {
+		offer := call.Checkpoint
+		call.Checkpoint = func(ck engine.Checkpoint) {
+			if commitErr == nil { // handed off: the stage is committed, nothing resumes it
+				offer(ck)
+			}
+		}
+	}
+	err = finish(a.runner.Denoise(dctx, call))
+	if call.Resume != nil && errors.Is(err, engine.ErrBadCheckpoint) {
+		err = a.unusableCheckpoint(c, err)
+	}
 	if commitErr == nil {
 		return out, published, false, err
 	}

@@ -365,11 +365,15 @@ func TestPreemptBatchForInteractive(t *testing.T) {
 		t.Fatal(err)
 	}
 	ij := waitSucceeded(t, ctx, entry, i.ID)
-	after := 0 // batch jobs that finished after the interactive one: the preempted one at least
+	after := 0   // batch jobs that finished after the interactive one: the preempted one at least
+	resumed := 0 // batch jobs whose denoise went on from where the preemption stopped it
 	for k, b := range batch {
 		bj := waitSucceeded(t, ctx, entry, b.ID)
 		if ij.UpdatedAt.Before(bj.UpdatedAt) {
 			after++
+		}
+		if bj.Stages[jobs.Denoise].ResumedFrom > 0 {
+			resumed++
 		}
 		t.Logf("interactive latency %v while batch jobs held both slots; batch job %d %v (denoise attempt %d: pushed claims given back count too)",
 			latency(ij), k, latency(bj), bj.Stages[jobs.Denoise].Attempt)
@@ -394,6 +398,9 @@ func TestPreemptBatchForInteractive(t *testing.T) {
 	}
 	if after == 0 {
 		t.Fatal("both batch jobs finished before the interactive one")
+	}
+	if resumed != 1 {
+		t.Fatalf("%d batch jobs resumed from a checkpoint, want the preempted one", resumed)
 	}
 	// Every latent (a preempted attempt's and the committed ones) is freed:
 	// the first at the requeue, the others once their decodes commit (the
@@ -485,8 +492,17 @@ func TestDrainDenoiseAgentMidJob(t *testing.T) {
 			if done.State != jobs.Succeeded {
 				t.Fatalf("job ended %s: %+v", done.State, done.Error)
 			}
-			if d := done.Stages[jobs.Denoise]; d.Node != "den-fast" || d.Attempt != 2 {
-				t.Fatalf("denoise stage = %+v, want committed by den-fast on attempt 2", d)
+			// The drain handed the denoise over at once, at a checkpoint of
+			// the step it was in: the heir redid no step.
+			if d := done.Stages[jobs.Denoise]; d.Node != "den-fast" || d.Attempt != 2 || d.ResumedFrom < 1 {
+				t.Fatalf("denoise stage = %+v, want committed by den-fast on attempt 2, resumed from a checkpoint", d)
+			}
+			data, _, err := c.Result(ctx, job.ID)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(data, referenceOutput(t, done.Spec)) {
+				t.Fatal("the handed-over job's file differs from an uninterrupted run")
 			}
 			m.checkResultOnce(ctx, done)
 			if !strings.Contains(slow.Output(), "task requeued") {

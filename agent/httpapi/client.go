@@ -45,6 +45,18 @@ func (c *Client) Submit(ctx context.Context, req JobRequest) (jobs.Job, error) {
 	return job, err
 }
 
+// Fork submits a job that re-denoises job id from its checkpoint after
+// req.FromStep with req's changes (POST /v1/jobs/{id}/fork).
+func (c *Client) Fork(ctx context.Context, id string, req ForkRequest) (jobs.Job, error) {
+	body, err := json.Marshal(req)
+	if err != nil {
+		return jobs.Job{}, fmt.Errorf("httpapi: encoding request: %w", err)
+	}
+	var job jobs.Job
+	err = c.doJSON(ctx, http.MethodPost, jobPath(id)+"/fork", bytes.NewReader(body), &job)
+	return job, err
+}
+
 // Get returns the job's current record, progress included.
 func (c *Client) Get(ctx context.Context, id string) (jobs.Job, error) {
 	var job jobs.Job

@@ -52,7 +52,8 @@ func (f *fakeJobs) Submit(ctx context.Context, spec engine.Spec, opts jobs.Optio
 	defer f.mu.Unlock()
 	f.next++
 	now := time.Unix(1700000000, 0).UTC()
-	j := &jobs.Job{ID: fmt.Sprintf("job-%d", f.next), Spec: spec, Class: opts.Class, Transfer: opts.Transfer, State: jobs.Queued, Stage: jobs.Encode, CreatedAt: now, UpdatedAt: now, Owner: opts.Owner}
+	j := &jobs.Job{ID: fmt.Sprintf("job-%d", f.next), Spec: spec, Class: opts.Class, Transfer: opts.Transfer, State: jobs.Queued, Stage: jobs.Encode, CreatedAt: now, UpdatedAt: now, Owner: opts.Owner,
+		Checkpointing: opts.Checkpointing, Fork: opts.Fork}
 	f.jobs[j.ID] = j
 	if f.auto {
 		f.succeedLocked(j)
@@ -184,3 +185,19 @@ func (f *fakeJobs) Delete(ctx context.Context, id string) error {
 }
 
 var errFakeStore = errors.New("fake: store down")
+
+// ForkPoint finds a checkpoint where a real mesh would have kept one: the
+// job asked to keep them, and its checkpoint_every divides the step.
+func (f *fakeJobs) ForkPoint(ctx context.Context, id string, step int) (jobs.Job, jobs.ForkFrom, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	j, ok := f.jobs[id]
+	if !ok {
+		return jobs.Job{}, jobs.ForkFrom{}, jobs.ErrNotFound
+	}
+	k := j.Checkpointing
+	if k == nil || k.Keep == 0 || k.Every == nil || *k.Every == 0 || step%*k.Every != 0 || step >= j.Spec.Steps {
+		return *j, jobs.ForkFrom{}, jobs.ErrNoCheckpoint
+	}
+	return *j, jobs.ForkFrom{Job: id, Step: step, Object: jobs.CheckpointID(id, step)}, nil
+}

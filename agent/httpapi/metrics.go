@@ -42,6 +42,7 @@ type Metrics struct {
 	etcdSeconds   *prometheus.HistogramVec
 	etcdErrors    *prometheus.CounterVec
 	engineBeat    atomic.Int64 // unix ns of the external engine's last frame; 0: none
+	ckpt          checkpointMetrics
 }
 
 // Requeue and rewind reasons, commit refusals: the values of the reason
@@ -163,6 +164,9 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("httpapi: registering metrics: %w", err)
 		}
+	}
+	if err := m.initCheckpoints(); err != nil {
+		return nil, err
 	}
 	return m, nil
 }

@@ -42,6 +42,14 @@ type JobRequest struct {
 	// submission: within its priority class the earliest deadline is served
 	// first. A missed deadline does not cancel the job.
 	DeadlineMS *int64 `json:"deadline_ms,omitempty"`
+	// CheckpointEvery is the denoise steps between step checkpoints, which
+	// a retried denoise resumes from (0: none; absent: the model's or the
+	// agent's default).
+	CheckpointEvery *int `json:"checkpoint_every,omitempty"`
+	// KeepCheckpoints keeps the checkpoints that long (a Go duration such
+	// as "1h"), for forks (POST /v1/jobs/{id}/fork); otherwise they are
+	// released when the denoise finishes.
+	KeepCheckpoints string `json:"keep_checkpoints,omitempty"`
 }
 
 // MaxDeadline bounds deadline_ms: a day, longer than any job should queue.
@@ -82,10 +90,32 @@ func (r JobRequest) spec(l engine.Limits, modelSteps func(string) int) (engine.S
 		}
 		opts.Deadline = time.Now().Add(time.Duration(ms) * time.Millisecond).UTC()
 	}
+	if opts.Checkpointing, err = checkpointing(r.CheckpointEvery, r.KeepCheckpoints, s.Steps); err != nil {
+		return engine.Spec{}, jobs.Options{}, err
+	}
 	if err := s.Validate(l); err != nil {
 		return engine.Spec{}, jobs.Options{}, err
 	}
 	return s, opts, nil
+}
+
+// checkpointing reads a request's checkpoint fields (nil when it has none).
+func checkpointing(every *int, keep string, steps int) (*jobs.Checkpointing, error) {
+	if every == nil && keep == "" {
+		return nil, nil
+	}
+	c := &jobs.Checkpointing{Every: every}
+	if keep != "" {
+		d, err := time.ParseDuration(keep)
+		if err != nil || d <= 0 || d > jobs.MaxCheckpointKeep {
+			return nil, &engine.FieldError{Field: "keep_checkpoints", Msg: fmt.Sprintf("%q: want a duration such as \"1h\", at most %s", keep, jobs.MaxCheckpointKeep)}
+		}
+		c.Keep = d
+	}
+	if every != nil && (*every < 0 || *every != 0 && *every >= steps) {
+		return nil, &engine.FieldError{Field: "checkpoint_every", Msg: fmt.Sprintf("%d: want 0 (none) or 1 to %d (fewer than the steps)", *every, steps-1)}
+	}
+	return c, nil
 }
 
 func setIf[T any](dst *T, v *T) {

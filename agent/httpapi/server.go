@@ -39,6 +39,9 @@ type Jobs interface {
 	// Delete removes a finished job and its result, or returns
 	// jobs.ErrNotFound or jobs.ErrNotFinished.
 	Delete(ctx context.Context, id string) error
+	// ForkPoint returns job id and its checkpoint after step, what a fork
+	// from that step starts from; jobs.ErrNotFound or jobs.ErrNoCheckpoint.
+	ForkPoint(ctx context.Context, id string, step int) (jobs.Job, jobs.ForkFrom, error)
 }
 
 // Config configures the client API handler.
@@ -148,6 +151,7 @@ func NewHandler(cfg Config, j Jobs) http.Handler {
 	rt.handle("/v1/jobs", methods{http.MethodPost: s.createJob})
 	rt.handle("/v1/jobs/{id}", methods{http.MethodGet: s.getJob, http.MethodDelete: s.cancelJob})
 	rt.handle("/v1/jobs/{id}/cancel", methods{http.MethodPost: s.cancelOnly})
+	rt.handle("/v1/jobs/{id}/fork", methods{http.MethodPost: s.forkJob})
 	rt.handle("/v1/jobs/{id}/result", methods{http.MethodGet: s.getResult})
 	rt.handle("/v1/jobs/{id}/frames", methods{http.MethodGet: s.streamFrames})
 	rt.handle("/v1/jobs/{id}/events", methods{http.MethodGet: s.streamEvents})

@@ -30,13 +30,18 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 		return Job{}, err
 	}
 	now := s.cfg.Now()
-	t := Task{ID: newID(), JobID: newID(), Stage: Encode, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, Spec: spec, EnqueuedAt: now}
+	if err := opt.Checkpointing.Check(spec.Steps); err != nil {
+		return Job{}, fmt.Errorf("jobs: %w", err)
+	}
+	t := Task{ID: newID(), JobID: newID(), Stage: Encode, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, Spec: spec, EnqueuedAt: now,
+		Checkpointing: opt.Checkpointing, Fork: opt.Fork}
 	t.Key = s.taskKey(&t)
 	push := opt.Push
 	rec := record{
 		Job: Job{
 			ID: t.JobID, Spec: spec, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, State: Queued, Stage: Encode,
 			Stages: map[Stage]*StageRecord{}, CreatedAt: now, UpdatedAt: now, Owner: opt.Owner,
+			Checkpointing: opt.Checkpointing, Fork: opt.Fork,
 		},
 		TaskKey: t.Key,
 	}
@@ -233,6 +238,7 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 				return Job{}, fmt.Errorf("jobs: cancel %s: read task: %w", id, err)
 			}
 		}
+		ops = append(ops, s.releaseCheckpointsOps(&rec)...)
 		rec.State, rec.Stage, rec.TaskKey = Cancelled, "", ""
 		rec.UpdatedAt = s.cfg.Now()
 		rec.Error = &Error{Code: "cancelled", Message: "cancelled by request"}

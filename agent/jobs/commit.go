@@ -39,6 +39,8 @@ type Output struct {
 	Work, Pull time.Duration
 	// Transport names what carried the input (StageRecord.Transport).
 	Transport string
+	// ResumedFrom and Checkpoints are StageRecord's.
+	ResumedFrom, Checkpoints int
 }
 
 // StagedRecord is a record a commit writes in its transaction. A record
@@ -225,8 +227,13 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 			ClaimMillis: millis(c.ClaimedAt.Sub(c.StartedAt)),
 			PullMillis:  millis(out.Pull),
 			Transport:   out.Transport,
+			ResumedFrom: out.ResumedFrom,
+			Checkpoints: out.Checkpoints,
 		}
 		ops := s.releaseOps(c.Task.Inputs)
+		if c.Task.Stage == Denoise {
+			ops = append(ops, s.releaseCheckpointsOps(rec)...)
+		}
 		if last {
 			rec.State, rec.Stage, rec.TaskKey = Succeeded, "", ""
 			res := *out.Result
@@ -236,6 +243,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 		t := Task{
 			ID: newID(), JobID: rec.ID, Stage: next, Class: rec.Class, Transfer: rec.Transfer, Deadline: rec.Deadline, Spec: rec.Spec,
 			Inputs: out.Payloads, Hint: out.Hint, EnqueuedAt: now,
+			Checkpointing: rec.Checkpointing, Fork: rec.Fork, Rewinds: rec.Rewinds,
 		}
 		t.Key = s.taskKey(&t)
 		if push != nil {
@@ -258,7 +266,7 @@ func (s *Store) Fail(ctx context.Context, c *Claim, code, msg string) error {
 	return s.update(ctx, c, "fail", nil, nil, func(rec *record) ([]clientv3.Op, error) {
 		rec.State, rec.Stage, rec.TaskKey = Failed, "", ""
 		rec.Error = &Error{Code: code, Message: msg}
-		return s.releaseOps(c.Task.Inputs), nil
+		return append(s.releaseOps(c.Task.Inputs), s.releaseCheckpointsOps(rec)...), nil
 	})
 }
 
@@ -269,12 +277,16 @@ func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
 	return s.update(ctx, c, "rewind", nil, nil, func(rec *record) ([]clientv3.Op, error) {
 		ops := s.releaseOps(c.Task.Inputs)
 		if rec.Rewinds >= s.cfg.MaxRewinds {
+			ops = append(ops, s.releaseCheckpointsOps(rec)...)
 			rec.State, rec.Stage, rec.TaskKey = Failed, "", ""
 			rec.Error = &Error{Code: "payload_lost", Message: fmt.Sprintf("input lost %d times; last: %s", rec.Rewinds+1, reason)}
 			return ops, nil
 		}
 		rec.Rewinds++
-		t := Task{ID: newID(), JobID: rec.ID, Stage: Encode, Class: rec.Class, Transfer: rec.Transfer, Deadline: rec.Deadline, Spec: rec.Spec, EnqueuedAt: s.cfg.Now()}
+		// Checkpoints stay: the same conditioning is encoded again (the
+		// engine is deterministic), so the denoise resumes from them.
+		t := Task{ID: newID(), JobID: rec.ID, Stage: Encode, Class: rec.Class, Transfer: rec.Transfer, Deadline: rec.Deadline, Spec: rec.Spec, EnqueuedAt: s.cfg.Now(),
+			Checkpointing: rec.Checkpointing, Fork: rec.Fork, Rewinds: rec.Rewinds}
 		t.Key = s.taskKey(&t)
 		rec.Stage, rec.TaskKey = Encode, t.Key
 		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil

@@ -93,6 +93,12 @@ type Options struct {
 	// Push claims the job's first task for a worker at submission (see
 	// Push); nil queues it for any worker to claim.
 	Push *Push
+	// Checkpointing is the request's choice of step checkpoints (nil: the
+	// defaults).
+	Checkpointing *Checkpointing
+	// Fork, if set, starts the job's denoise from another job's
+	// checkpoint (POST /v1/jobs/{id}/fork).
+	Fork *ForkFrom
 }
 
 // Job is the durable record of one generation request, stored as JSON at
@@ -110,6 +116,9 @@ type Job struct {
 	Result   *Result                `json:"result,omitempty"`
 	Error    *Error                 `json:"error,omitempty"`
 	Rewinds  int                    `json:"rewinds,omitempty"` // restarts from encode after a lost payload
+	// Checkpointing and Fork are Options'.
+	Checkpointing *Checkpointing `json:"checkpointing,omitempty"`
+	Fork          *ForkFrom      `json:"fork,omitempty"`
 	// Owner is Options.Owner. The client API checks it and leaves it out
 	// of its answers.
 	Owner     string    `json:"owner,omitempty"`
@@ -152,6 +161,13 @@ type Task struct {
 	// PreemptedAt is when the task was last given back for interactive
 	// work (Yield): the slot it freed is on its way to that work.
 	PreemptedAt time.Time `json:"preempted_at,omitzero"`
+	// Checkpointing and Fork are the job's, carried so that a denoise
+	// worker need not read the job.
+	Checkpointing *Checkpointing `json:"checkpointing,omitempty"`
+	Fork          *ForkFrom      `json:"fork,omitempty"`
+	// Rewinds is the job's: a task of a rewound job may find checkpoints
+	// of the run before.
+	Rewinds int `json:"rewinds,omitempty"`
 
 	Key string `json:"-"` // etcd key, set on read
 	Rev int64  `json:"-"` // ModRevision seen, set on read
@@ -175,6 +191,11 @@ type StageRecord struct {
 	// both joined by "+" when chunks came by different ones (none for
 	// encode, which has no input).
 	Transport string `json:"transport,omitempty"`
+	// ResumedFrom is the step a denoise started from: the checkpoint of an
+	// earlier attempt (or, for a fork, of the job it forked); 0 for none.
+	// Checkpoints counts those its attempt wrote.
+	ResumedFrom int `json:"resumed_from,omitempty"`
+	Checkpoints int `json:"checkpoints,omitempty"`
 }
 
 // Progress is the running stage's fine-grained progress (denoise steps).

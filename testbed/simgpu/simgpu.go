@@ -167,28 +167,67 @@ func (r *runner) Encode(ctx context.Context, s engine.Spec, dst []byte) error {
 	return nil
 }
 
-func (r *runner) Denoise(ctx context.Context, s engine.Spec, _ engine.Tensor, dst []byte, progress func(step, total int), chunkDone func(k int)) error {
+func (r *runner) Denoise(ctx context.Context, d agent.DenoiseCall) error {
+	s := d.Spec
 	m, err := r.model(s)
 	if err != nil {
 		return err
 	}
+	first := 1
+	if d.Resume != nil {
+		if d.Resume.Sampler != sampler(s) || d.Resume.Total != s.Steps || d.Resume.Step < 1 || d.Resume.Step >= s.Steps {
+			return fmt.Errorf("%w: simgpu: checkpoint %s at %d/%d does not fit %s with %d steps",
+				engine.ErrBadTensor, d.Resume.Sampler, d.Resume.Step, d.Resume.Total, sampler(s), s.Steps)
+		}
+		first = d.Resume.Step + 1
+	}
 	var debt time.Duration
-	for step := 1; step <= s.Steps; step++ {
+	for step := first; step <= s.Steps; step++ {
 		if debt, err = r.gpu.run(ctx, s, jobs.Denoise, -1, m.Step, debt); err != nil {
 			return err
 		}
-		if progress != nil {
-			progress(step, s.Steps)
+		if d.Progress != nil {
+			d.Progress(step, s.Steps)
+		}
+		if step == s.Steps {
+			break
+		}
+		stopped := false
+		select {
+		case <-d.Stop:
+			stopped = true
+		default:
+		}
+		if d.Checkpoint != nil && (stopped || d.CheckpointEvery > 0 && step%d.CheckpointEvery == 0) {
+			d.Checkpoint(r.checkpoint(s, m, step))
+		}
+		if stopped {
+			return engine.ErrStopped
 		}
 	}
 	// Every frame of a video latent is final only after the last step.
-	fill(dst, s, 2)
-	if chunkDone != nil {
+	fill(d.Dst, s, 2)
+	if d.ChunkDone != nil {
 		for k := range m.Latent.Chunks() {
-			chunkDone(k)
+			d.ChunkDone(k)
 		}
 	}
 	return nil
+}
+
+// Checkpoints: the simulated sampler checkpoints and resumes every model.
+func (r *runner) Checkpoints(engine.Spec) (bool, int) { return true, 0 }
+
+// sampler names the simulated sampler's state for s's model.
+func sampler(s engine.Spec) string { return "simgpu/" + s.ModelName() }
+
+// checkpoint is the simulated sampler's state after step: as large as the
+// model's latent (a real checkpoint holds the latent), so writing it moves
+// real bytes through the Store.
+func (r *runner) checkpoint(s engine.Spec, m Model, step int) engine.Checkpoint {
+	state := make([]byte, m.Latent.Bytes())
+	fill(state, s, uint64(100+step))
+	return engine.Checkpoint{Sampler: sampler(s), Step: step, Total: s.Steps, State: state}
 }
 
 func (r *runner) NewDecoder(s engine.Spec) (agent.FrameDecoder, error) {

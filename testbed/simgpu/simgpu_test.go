@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/transfer"
@@ -88,9 +89,9 @@ func TestStagesTakeTurnsOnOneGPU(t *testing.T) {
 	var chunks []int
 	dst := make([]byte, lat.Bytes())
 	wg.Go(func() {
-		err := r.Denoise(ctx, s, engine.Tensor{}, dst,
-			func(step, total int) { steps = append(steps, step) },
-			func(k int) { chunks = append(chunks, k) })
+		err := r.Denoise(ctx, agent.DenoiseCall{Spec: s, Dst: dst,
+			Progress:  func(step, total int) { steps = append(steps, step) },
+			ChunkDone: func(k int) { chunks = append(chunks, k) }})
 		if err != nil {
 			t.Error(err)
 		}

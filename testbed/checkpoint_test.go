@@ -1,0 +1,150 @@
+package testbed
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+// kill -9 of a denoise agent at step 35 of 50 with checkpoint_every=10:
+// the job resumes on the other denoise agent from step 30 (its stage
+// record says so), the file is byte-identical to an uninterrupted run,
+// and the denoise commit releases the checkpoints.
+func TestKillDenoiseResumesFromCheckpoint(t *testing.T) {
+	m := startMesh(t)
+	_, enc := m.agent("enc-c", "encode")
+	m.agent("dec-c", "decode")
+	victim, _ := m.agent("den-victim", "denoise", "--sim-cost", "step=120ms")
+
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	c := &httpapi.Client{BaseURL: "http://" + enc.HTTPAddr}
+	w, h, steps, every := 64, 64, 50, 10
+	seed := int64(35)
+	job, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "a lighthouse on a cliff", Seed: &seed, Width: &w, Height: &h, Steps: &steps, CheckpointEvery: &every})
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitProgress(t, ctx, c, job.ID, func(p *jobs.Progress) bool {
+		return p.Stage == jobs.Denoise && p.Node == "den-victim" && p.Step >= 35
+	})
+	victim.Kill()
+	m.agent("den-heir", "denoise", "--sim-cost", "step=20ms")
+
+	var done jobs.Job
+	eventually(t, 60*time.Second, func() error {
+		if done, err = c.Get(ctx, job.ID); err != nil {
+			return err
+		}
+		if !done.State.Terminal() {
+			return fmt.Errorf("job %s still %s", job.ID, done.State)
+		}
+		return nil
+	})
+	if done.State != jobs.Succeeded {
+		t.Fatalf("job ended %s: %+v", done.State, done.Error)
+	}
+	d := done.Stages[jobs.Denoise]
+	if d.Node != "den-heir" || d.Attempt != 2 || d.ResumedFrom != 30 {
+		t.Fatalf("denoise stage = %+v, want committed by den-heir on attempt 2, resumed from step 30", d)
+	}
+	// The heir ran steps 31..50 and checkpointed at 40 (and no further).
+	if d.Checkpoints != 1 {
+		t.Fatalf("the resumed attempt wrote %d checkpoints, want 1 (step 40)", d.Checkpoints)
+	}
+	data, _, err := c.Result(ctx, job.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := referenceOutput(t, engine.Spec{Prompt: "a lighthouse on a cliff", Seed: seed, Width: w, Height: h, Steps: steps}.WithDefaults())
+	if !bytes.Equal(data, want) {
+		t.Fatal("the resumed job's file differs from an uninterrupted run")
+	}
+	m.checkResultOnce(ctx, done)
+	left, err := m.cli.Get(ctx, "/latentmesh/default/objects/"+jobs.CheckpointsOf(job.ID), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if left.Count != 0 {
+		t.Fatalf("%d checkpoint records left after the denoise committed", left.Count)
+	}
+}
+
+// A fork from step 20 with a new prompt gives the file of a run that does
+// its first 20 steps with the old prompt and the rest with the new one.
+func TestForkFromStep(t *testing.T) {
+	cl := startCluster(t, Disaggregated, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	c := &httpapi.Client{BaseURL: "http://" + cl.Agents[0].HTTPAddr()}
+	w, h, steps, every := 64, 64, 40, 10
+	seed := int64(20)
+	orig, err := c.Submit(ctx, httpapi.JobRequest{Prompt: "a red barn in snow", Seed: &seed, Width: &w, Height: &h, Steps: &steps,
+		CheckpointEvery: &every, KeepCheckpoints: "10m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if j := waitSucceeded(t, ctx, cl.Agents[0], orig.ID); j.Stages[jobs.Denoise].Checkpoints != 3 {
+		t.Fatalf("the job wrote %d checkpoints, want 3 (steps 10, 20, 30)", j.Stages[jobs.Denoise].Checkpoints)
+	}
+	if _, err := c.Fork(ctx, orig.ID, httpapi.ForkRequest{FromStep: 25}); err == nil {
+		t.Fatal("a fork from step 25, which has no checkpoint, was accepted")
+	}
+	newPrompt := "a blue boat at sea"
+	fork, err := c.Fork(ctx, orig.ID, httpapi.ForkRequest{FromStep: 20, Prompt: &newPrompt})
+	if err != nil {
+		t.Fatal(err)
+	}
+	fj := waitSucceeded(t, ctx, cl.Agents[0], fork.ID)
+	if d := fj.Stages[jobs.Denoise]; d.ResumedFrom != 20 {
+		t.Fatalf("fork's denoise stage = %+v, want resumed from step 20", d)
+	}
+	got, _, err := c.Result(ctx, fork.ID)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	// The reference: steps 1-20 on the old prompt, 21-40 on the new, in one
+	// engine.
+	e, err := engine.New(engine.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	old := engine.Spec{Prompt: "a red barn in snow", Seed: seed, Width: w, Height: h, Steps: steps}.WithDefaults()
+	cur := old
+	cur.Prompt = newPrompt
+	var at20 *engine.Checkpoint
+	condOld, err := e.Encode(ctx, old)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lat := make([]byte, e.LatentMeta(old).Bytes())
+	if _, err := e.DenoiseWith(ctx, old, condOld, lat, engine.DenoiseOptions{CheckpointEvery: 20, Checkpoint: func(ck engine.Checkpoint) { at20 = &ck }}); err != nil || at20 == nil {
+		t.Fatalf("reference first half: %v (checkpoint %v)", err, at20 != nil)
+	}
+	condNew, err := e.Encode(ctx, cur)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := e.DenoiseWith(ctx, cur, condNew, lat, engine.DenoiseOptions{Resume: at20}); err != nil {
+		t.Fatal(err)
+	}
+	want, _, err := e.Decode(ctx, cur, engine.Tensor{Meta: e.LatentMeta(cur), Data: lat})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the fork's file differs from 20 steps of the old prompt and 20 of the new")
+	}
+	if bytes.Equal(got, referenceOutput(t, cur)) {
+		t.Fatal("the fork's file equals a fresh run of the new prompt: the first 20 steps were not the old prompt's")
+	}
+}

@@ -148,3 +148,49 @@ func TestForkFromStep(t *testing.T) {
 		t.Fatal("the fork's file equals a fresh run of the new prompt: the first 20 steps were not the old prompt's")
 	}
 }
+
+// The negative prompt's attention keys and values are computed once per
+// denoise agent and reused by later requests with the same negative
+// prompt, whatever their prompts, with no change to their files.
+func TestKVCacheAcrossRequests(t *testing.T) {
+	cl := startCluster(t, Disaggregated, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	entry := cl.Agents[0]
+	var den string
+	for _, a := range cl.Agents {
+		if a.ID() == string(jobs.Denoise)+"-1" {
+			den = a.AdminAddr()
+		}
+	}
+	if den == "" {
+		t.Fatal("no denoise agent")
+	}
+	specs := []engine.Spec{
+		{Prompt: "a red fox", NegativePrompt: "blurry, low quality", Seed: 1, Width: 64, Height: 64, Steps: 4},
+		{Prompt: "a green field", NegativePrompt: "blurry, low quality", Seed: 2, Width: 64, Height: 64, Steps: 4},
+		{Prompt: "a grey city", NegativePrompt: "text, watermark", Seed: 3, Width: 64, Height: 64, Steps: 4},
+	}
+	for _, s := range specs {
+		s = s.WithDefaults()
+		j, err := entry.Submit(ctx, s, jobs.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitSucceeded(t, ctx, entry, j.ID)
+		data, _, err := entry.Result(ctx, j.ID)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(data, referenceOutput(t, s)) { // the reference caches nothing
+			t.Fatalf("%q: the file differs from an uncached run", s.Prompt)
+		}
+	}
+	mf := families(t, scrapeMetrics(t, den))
+	hits, _ := sample(mf, "latentmesh_kv_cache_hits_total", nil)
+	misses, _ := sample(mf, "latentmesh_kv_cache_misses_total", nil)
+	held, _ := sample(mf, "latentmesh_kv_cache_bytes", nil)
+	if hits != 1 || misses != 2 || held <= 0 {
+		t.Fatalf("tensor cache: %v hits, %v misses, %v bytes; want 1 hit (the repeated negative prompt), 2 misses, entries held", hits, misses, held)
+	}
+}

@@ -241,9 +241,12 @@ const yieldGrace = 30 * time.Second
 func newYielder() *yielder { return &yielder{stop: make(chan struct{})} }
 
 // ask stops the sampler at its next step with cause; cancel is called
-// with the same cause if it has not returned by yieldGrace.
-func (y *yielder) ask(cause error, cancel context.CancelCauseFunc, done <-chan struct{}) {
+// with the same cause if it has not returned by yieldGrace. It reports
+// whether this call asked: a stop is asked once, whatever asks again
+// while the sampler finishes its step.
+func (y *yielder) ask(cause error, cancel context.CancelCauseFunc, done <-chan struct{}) (asked bool) {
 	y.once.Do(func() {
+		asked = true
 		y.cause.Store(&cause)
 		close(y.stop)
 		go func() {
@@ -256,6 +259,7 @@ func (y *yielder) ask(cause error, cancel context.CancelCauseFunc, done <-chan s
 			}
 		}()
 	})
+	return asked
 }
 
 // why is the cause a stop was asked with, nil if none was.

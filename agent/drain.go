@@ -95,14 +95,16 @@ func (r *runningTasks) has(id string) bool {
 	return ok
 }
 
-// stop cancels task id with cause; false when it is no longer running.
+// stop cancels task id with cause, or for a denoise that can stop at a
+// checkpoint asks it to; false when it is no longer running, or was asked
+// to stop already.
 func (r *runningTasks) stop(id string, cause error) bool {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	t, ok := r.tasks[id]
 	switch {
 	case ok && t.yield != nil:
-		t.yield.ask(cause, t.stop, t.done)
+		return t.yield.ask(cause, t.stop, t.done)
 	case ok:
 		t.stop(cause)
 	}

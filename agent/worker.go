@@ -1099,8 +1099,8 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 		if k == 0 && early {
 			commitErr = make(chan error, 1)
 			start := time.Now()
+			o := out // copied here: finish writes out once the sampler returns
 			go func() {
-				o := out
 				o.Work = time.Since(c.StartedAt)
 				if ckp != nil {
 					o.Checkpoints = ckp.count()

@@ -36,6 +36,17 @@ type copyOf struct {
 	// payload a previous run of this node served, under a new ref, until
 	// maintenance names it in the record (reannounce) or frees it.
 	recovered bool
+	// fill is set for a copy staged in flight (a chained put's Early
+	// request): its payload was published before its bytes landed, and
+	// fill says when they all have. nil for a copy staged whole.
+	fill *filling
+}
+
+// filling is the progress of a copy staged in flight.
+type filling struct {
+	done   chan struct{} // closed once the fill ended; err is set before
+	err    error         // nil: every chunk landed
+	cancel func()        // ends the fill (the copy was dropped)
 }
 
 // holdings is what this node holds for the Store, and the room it has.
@@ -86,9 +97,21 @@ func (h *holdings) free() (mem, disk int64) {
 // overflow set it takes memory beyond capacity instead of failing (counted).
 // evicted lists the copies evicted, whose records the caller deletes.
 func (h *holdings) reserve(size int64, mode Mode, overflow bool) (tier Tier, evicted []*copyOf, err error) {
+	return h.reserveIn(size, mode, overflow, false)
+}
+
+// reserveMemory is reserve for memory only: a copy staged in flight is a
+// transfer payload published before it is written, which only memory can
+// be (a durable mode's copy too: it is not written through).
+func (h *holdings) reserveMemory(size int64, mode Mode) (evicted []*copyOf, err error) {
+	_, evicted, err = h.reserveIn(size, mode, false, true)
+	return evicted, err
+}
+
+func (h *holdings) reserveIn(size int64, mode Mode, overflow, memOnly bool) (tier Tier, evicted []*copyOf, err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if durable(mode) && h.diskUsed+size <= h.cfg.SpillCapacity {
+	if durable(mode) && !memOnly && h.diskUsed+size <= h.cfg.SpillCapacity {
 		// Written through to disk, so the copy outlives this agent.
 		h.diskUsed += size
 		h.roomChanged()
@@ -120,6 +143,7 @@ func (h *holdings) reserve(size int64, mode Mode, overflow bool) (tier Tier, evi
 		h.memUsed += size
 		h.roomChanged()
 		return Memory, evicted, nil
+	case memOnly:
 	case h.diskUsed+size <= h.cfg.SpillCapacity:
 		h.diskUsed += size
 		h.roomChanged()
@@ -227,11 +251,28 @@ func (h *holdings) fill(ctx context.Context, object string, mode Mode, tier Tier
 		return nil, err
 	}
 	c := &copyOf{object: object, ref: ref, tier: tier, size: size, mode: mode, stagedAt: h.cfg.Now()}
-	h.mu.Lock()
-	h.copies[ref.ID] = c
-	h.byObject[object] = append(h.byObject[object], c)
-	h.mu.Unlock()
+	h.add(c)
 	return c, nil
+}
+
+// add enters a new copy in the books.
+func (h *holdings) add(c *copyOf) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.copies[c.ref.ID] = c
+	h.byObject[c.object] = append(h.byObject[c.object], c)
+}
+
+// filling reports whether the copy payload of object is held, and its
+// fill when it is staged in flight.
+func (h *holdings) filling(object, payload string) (f *filling, held bool) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	c := h.copies[payload]
+	if c == nil || c.object != object {
+		return nil, false
+	}
+	return c.fill, true
 }
 
 func (h *holdings) fillMemory(ctx context.Context, src source, overflow bool) (transfer.Ref, error) {
@@ -392,7 +433,10 @@ func staleBefore(rev int64, committedOnly bool) func(c *copyOf) bool {
 // tier's free takes it.
 func (h *holdings) release(cs ...*copyOf) {
 	for _, c := range cs {
-		h.xfer.Release(c.ref.ID)
+		h.xfer.Release(c.ref.ID) // readers waiting for chunks of one in flight end with ErrNotFound
+		if c.fill != nil {
+			c.fill.cancel()
+		}
 	}
 }
 

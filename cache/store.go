@@ -188,6 +188,16 @@ type PutSpec struct {
 	// member has room, rather than failing (a decode's result: finishing it
 	// is what frees the latents filling the Store). Counted in LocalStats.
 	Overflow bool
+	// FirstCopy returns from Stage once one copy is complete: the others
+	// are staged in flight along the put's chain (chain.go) and complete
+	// in the background (Staged.Replicated). The record, written once,
+	// names them all. A holder lost before its copy completed leaves the
+	// object with fewer copies until repair restores them, and the later
+	// copies are memory copies, not written through to disk: for objects
+	// that are cheap to lose for a while (step checkpoints: a lost one
+	// means resuming from the one before). Without it Stage returns when
+	// every copy is complete (and, for a durable mode, on disk): results.
+	FirstCopy bool
 }
 
 func (p PutSpec) check() error {
@@ -211,6 +221,7 @@ type Staged struct {
 	Record Record
 	s      *Store
 	lease  clientv3.LeaseID
+	repl   *replication // the copies still filling (FirstCopy); nil for none
 }
 
 // Op is the etcd operation that makes the object visible.
@@ -341,6 +352,7 @@ func (s *Store) Stage(ctx context.Context, spec PutSpec, ref transfer.Ref) (*Sta
 // stage is Stage; data, when not nil, is the payload's bytes, which the
 // caller published as ref and keeps unchanged until stage returns.
 func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data []byte) (*Staged, error) {
+	start := time.Now()
 	if err := spec.check(); err != nil {
 		return nil, err
 	}
@@ -365,7 +377,21 @@ func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data 
 	} else {
 		cands = place(s.members(), spec.ID, size, nil)
 	}
-	holders, err := s.stageOnto(ctx, spec.ID, spec.Mode, src, cands, want, 0)
+	var holders []Holder
+	var copies []chained // a chain's, in chain order; nil for copies staged side by side
+	if src.data != nil || want == 1 {
+		// Inline copies ride in the requests, and one copy is no chain:
+		// side by side, each complete when its holder answers.
+		holders, err = s.stageOnto(ctx, spec.ID, spec.Mode, src, cands, want, 0)
+	} else if copies, err = s.stageChain(ctx, spec, src, cands, want); err == nil {
+		var failed []error
+		if copies, failed = s.settle(ctx, spec.ID, copies, !spec.FirstCopy); len(copies) == 0 {
+			err = errors.Join(failed...)
+		}
+		for _, c := range copies {
+			holders = append(holders, c.Holder)
+		}
+	}
 	if errors.Is(err, ErrFull) && spec.Overflow {
 		var h Holder
 		if h, err = s.stageLocal(ctx, spec.ID, spec.Mode, src, true); err == nil {
@@ -376,7 +402,9 @@ func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data 
 	if err != nil {
 		return nil, fmt.Errorf("cache: stage %s (%d bytes): %w", spec.ID, size, err)
 	}
-	holders = s.ensureDurable(ctx, spec, src, holders)
+	if !spec.FirstCopy {
+		holders = s.ensureDurable(ctx, spec, src, holders)
+	}
 	st := &Staged{s: s, Record: Record{
 		ID: spec.ID, Size: size, Checksum: holders[0].Ref.Checksum, Meta: src.ref.Meta, ContentType: spec.ContentType,
 		Mode: spec.Mode, Job: spec.Job, Replicas: want, Holders: holders, CreatedAt: s.cfg.Now().UTC(),
@@ -394,6 +422,20 @@ func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data 
 		}
 	}
 	s.puts.Add(1)
+	first := time.Since(start)
+	inFlight := 0
+	for _, c := range copies {
+		if c.inFlight {
+			inFlight++
+		}
+	}
+	res := Replication{Wanted: want, Complete: len(holders) - inFlight, FirstCopy: first, AllCopies: first}
+	if inFlight == 0 {
+		st.repl = closedReplication(res)
+	} else {
+		st.repl = &replication{done: make(chan struct{}), res: res}
+		s.followChain(st, copies, start, res.Complete)
+	}
 	return st, nil
 }
 
@@ -478,7 +520,7 @@ func (s *Store) stageOnto(ctx context.Context, id string, mode Mode, src source,
 					cctx, cancel = context.WithTimeout(ctx, perCall)
 					defer cancel()
 				}
-				got[i], errOf[i] = s.stageOn(cctx, m, id, mode, src)
+				got[i], errOf[i] = s.stageOn(cctx, m, id, mode, src, nil)
 			})
 		}
 		wg.Wait()
@@ -495,17 +537,7 @@ func (s *Store) stageOnto(ctx context.Context, id string, mode Mode, src source,
 		}
 	}
 	if len(holders) == 0 {
-		if len(errs) == 0 {
-			return nil, fmt.Errorf("%w: no member has room", ErrFull)
-		}
-		full := true
-		for _, e := range errs {
-			full = full && errIsFull(e)
-		}
-		if full {
-			return nil, fmt.Errorf("%w: %w", ErrFull, errors.Join(errs...))
-		}
-		return nil, errors.Join(errs...)
+		return nil, noCopyErr(errs)
 	}
 	return holders, nil
 }
@@ -523,19 +555,32 @@ func (s *Store) self() Member {
 // stageOn asks m (or this node) to take a staged copy of src: inline, with
 // the bytes in the request, when src has them, else by pulling src.ref. A
 // holder that refuses the inline request as malformed (an older build, or
-// a MaxFrame too small for it) is asked once more to pull.
-func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src source) (Holder, error) {
+// a MaxFrame too small for it) is asked once more to pull. opts, when not
+// nil, are a chained put's: the copy in flight (early), and the sources to
+// fall back on; a holder of an older build that refuses them is asked for
+// a plain copy of src, whole, and opts.early is cleared to say so.
+func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src source, opts *chainOpts) (Holder, error) {
+	if opts == nil {
+		opts = &chainOpts{}
+	}
 	if m.Node == s.cfg.Node {
-		return s.stageLocal(ctx, id, mode, src, false)
+		if opts.early {
+			return s.stageEarly(ctx, id, mode, append([]transfer.Ref{src.ref}, opts.fallback...))
+		}
+		return s.stageLocalFrom(ctx, id, mode, src, opts.fallback)
 	}
 	req := &request{V: baseVersion, Op: opStage, Object: id, Mode: mode, Src: src.ref}
-	if src.data != nil {
+	switch {
+	case src.data != nil:
 		req.V, req.Data = inlineVersion, src.data
+	case opts.early || len(opts.fallback) > 0:
+		req.V, req.Early, req.Fallback = chainVersion, opts.early, opts.fallback
 	}
 	resp, err := s.call(ctx, m, req)
-	if req.Data != nil && errors.Is(err, ErrProtocol) && ctx.Err() == nil {
-		s.log.Debug("inline stage refused; asking for a pull", zap.String("object", id), zap.String("on", m.Node), zap.Error(err))
-		req.V, req.Data = baseVersion, nil
+	if req.V > baseVersion && errors.Is(err, ErrProtocol) && ctx.Err() == nil {
+		s.log.Debug("stage refused; asking for a plain pull", zap.String("object", id), zap.String("on", m.Node), zap.Int("v", req.V), zap.Error(err))
+		req.V, req.Data, req.Early, req.Fallback = baseVersion, nil, false, nil
+		opts.early = false
 		resp, err = s.call(ctx, m, req)
 	}
 	if err != nil {
@@ -545,6 +590,26 @@ func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src
 		return Holder{}, fmt.Errorf("%w: %s answered as %q", ErrProtocol, m.Node, resp.Holder.Node)
 	}
 	return resp.Holder, nil
+}
+
+// stageLocalFrom is stageLocal from src, then from each fallback in turn
+// while the pull is what failed (not room, not a closing Store).
+func (s *Store) stageLocalFrom(ctx context.Context, id string, mode Mode, src source, fallback []transfer.Ref) (Holder, error) {
+	h, err := s.stageLocal(ctx, id, mode, src, false)
+	var errs []error
+	for _, f := range fallback {
+		if err == nil || errIsFull(err) || errors.Is(err, ErrClosed) || ctx.Err() != nil {
+			break
+		}
+		errs = append(errs, fmt.Errorf("from %s: %w", src.ref.Producer.PeerID, err))
+		s.log.Debug("copy failed; falling back to an earlier source", zap.String("object", id), zap.String("next", f.Producer.PeerID), zap.Error(err))
+		src = source{ref: f}
+		h, err = s.stageLocal(ctx, id, mode, src, false)
+	}
+	if err != nil && len(errs) > 0 {
+		err = fmt.Errorf("%w (earlier sources: %w)", err, errors.Join(errs...))
+	}
+	return h, err
 }
 
 // stageLocal takes a staged copy of src on this node.
@@ -708,6 +773,19 @@ func (s *Store) serve(remote peer.ID, req *request) response {
 			return response{ErrCode: codeNotFound, ErrMsg: fmt.Sprintf("no copy %s of %s", req.Payload, req.Object)}
 		}
 		return response{}
+	case opWait:
+		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
+		defer cancel()
+		err := s.waitLocal(ctx, req.Object, req.Payload)
+		switch {
+		case err == nil:
+			return response{}
+		case errors.Is(err, transfer.ErrNotFound):
+			return response{ErrCode: codeNotFound, ErrMsg: err.Error()}
+		case errors.Is(err, ErrClosed):
+			return response{ErrCode: codeClosed, ErrMsg: err.Error()}
+		}
+		return response{ErrCode: codeFailed, ErrMsg: err.Error()}
 	case opStage:
 		src := source{ref: req.Src}
 		if len(req.Data) > 0 {
@@ -721,7 +799,13 @@ func (s *Store) serve(remote peer.ID, req *request) response {
 		}
 		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
 		defer cancel()
-		h, err := s.stageLocal(ctx, req.Object, req.Mode, src, false)
+		var h Holder
+		var err error
+		if req.Early {
+			h, err = s.stageEarly(ctx, req.Object, req.Mode, append([]transfer.Ref{req.Src}, req.Fallback...))
+		} else {
+			h, err = s.stageLocalFrom(ctx, req.Object, req.Mode, src, req.Fallback)
+		}
 		switch {
 		case err == nil:
 			return response{Holder: h}

@@ -605,7 +605,7 @@ func TestRequestFromNonMemberDenied(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = outsider.stageOn(ctx, c.members()[0], "intruder", Pinned, source{ref: src})
+	_, err = outsider.stageOn(ctx, c.members()[0], "intruder", Pinned, source{ref: src}, nil)
 	if !errors.Is(err, ErrDenied) {
 		t.Fatalf("stage from an outsider = %v, want ErrDenied", err)
 	}

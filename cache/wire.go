@@ -18,17 +18,22 @@ const ProtocolID protocol.ID = "/latentmesh/store/1"
 //
 //	1: the first. A stage request names a payload for the holder to pull.
 //	2: a stage request may carry the object's bytes (Data: an inline put).
+//	3: a stage request may ask for its copy in flight (Early) and name
+//	   sources to fall back on (Fallback); the wait op.
 //
 // A request is sent at the lowest version its fields need, so a holder of a
 // version-1 build still serves every request of a newer putter but an
 // inline one. That one it refuses as a bad request (the version, or a frame
 // over the 16 KiB MaxFrame of those builds), and the putter sends it again
-// without Data, to be pulled (Store.stageOn). Responses have not changed
+// without Data, to be pulled (Store.stageOn); a version-2 holder refuses a
+// chained stage request so, and gets it again as a plain one: a complete
+// copy pulled from Src. Responses have not changed
 // since version 1 and are sent as version 1, which every build reads.
 const (
-	WireVersion   = inlineVersion // the newest version this build speaks
-	baseVersion   = 1             // every response; every request without Data
-	inlineVersion = 2             // a stage request with Data
+	WireVersion   = chainVersion // the newest version this build speaks
+	baseVersion   = 1            // every response; every request without Data
+	inlineVersion = 2            // a stage request with Data
+	chainVersion  = 3            // a stage request with Early or Fallback; a wait
 )
 
 // Request operations.
@@ -39,6 +44,11 @@ const (
 	// restarts its stage timeout while no record names it: a putter whose
 	// commit waits (an etcd outage, a reclaimed task) keeps its copies so.
 	opKeep = "keep"
+	// opWait asks to be answered once the copy Payload of Object is
+	// complete: at once for a copy staged whole, when its last chunk has
+	// landed for one staged in flight (Early), and with an error when its
+	// fill failed (the copy is gone then).
+	opWait = "wait"
 )
 
 // Bounds of variable-length fields, checked after decode.
@@ -49,6 +59,9 @@ const (
 	maxNodeLen      = 128
 	maxErrLen       = 1024
 	maxRank         = 8 // transfer.MaxDims is smaller; any tensor rank fits
+	// maxFallback bounds a stage request's Fallback: the earlier holders
+	// of a chain and the putter's source, at most R of them (R <= 8).
+	maxFallback = 8
 	// maxInline bounds a request's Data, whatever a Config allows: bulk
 	// bytes belong on the data plane (striped, checked block by block, shm
 	// or rdma where it can), and a holder reads a request's frame whole
@@ -76,6 +89,16 @@ type request struct {
 	// XXH3 (checkInline). Src still names the putter's payload, so the
 	// request can be sent again without Data to a holder that refuses it.
 	Data []byte `msgpack:"data,omitempty"`
+	// Early, from version 3, asks the holder to publish its copy in
+	// flight (a memory copy the transfer service serves chunk by chunk as
+	// it lands) and to answer as soon as it is published, filling it
+	// afterwards; readers and the next holder of a chain pull its chunks
+	// as they land. A holder without memory room for it refuses (full).
+	Early bool `msgpack:"early,omitempty"`
+	// Fallback, from version 3, are the sources to copy from, in order,
+	// when Src fails: the earlier holders of a chain, then the putter's
+	// payload.
+	Fallback []transfer.Ref `msgpack:"fallback,omitempty"`
 }
 
 // response answers a request: the new holder on success, else a code.
@@ -104,17 +127,49 @@ func (m *request) Validate() error {
 		if err := validRef(m.Src); err != nil {
 			return err
 		}
+		if err := m.validChain(); err != nil {
+			return err
+		}
 		return m.validInline()
-	case opDrop, opKeep:
+	case opDrop, opKeep, opWait:
 		if m.Payload == "" || len(m.Payload) > maxPayloadIDLen {
 			return fmt.Errorf("%w: payload id of %d bytes", ErrProtocol, len(m.Payload))
 		}
-		if len(m.Data) > 0 {
-			return fmt.Errorf("%w: a %s with data", ErrProtocol, m.Op)
+		if len(m.Data) > 0 || m.Early || len(m.Fallback) > 0 {
+			return fmt.Errorf("%w: a %s with data or chain fields", ErrProtocol, m.Op)
+		}
+		if m.Op == opWait && m.V < chainVersion {
+			return fmt.Errorf("%w: a wait in a v%d request", ErrProtocol, m.V)
 		}
 		return nil
 	}
 	return fmt.Errorf("%w: op %q", ErrProtocol, m.Op)
+}
+
+// validChain bounds a stage request's chain fields: a version that has
+// them, at most maxFallback fallbacks, each a valid ref of Src's size, and
+// no inline Data beside them (a small object goes to every holder inline).
+func (m *request) validChain() error {
+	if !m.Early && len(m.Fallback) == 0 {
+		return nil
+	}
+	switch {
+	case m.V < chainVersion:
+		return fmt.Errorf("%w: chain fields in a v%d request", ErrProtocol, m.V)
+	case len(m.Fallback) > maxFallback:
+		return fmt.Errorf("%w: %d fallbacks, at most %d", ErrProtocol, len(m.Fallback), maxFallback)
+	case len(m.Data) > 0:
+		return fmt.Errorf("%w: a chained stage with inline data", ErrProtocol)
+	}
+	for _, r := range m.Fallback {
+		if err := validRef(r); err != nil {
+			return err
+		}
+		if r.Meta.Bytes() != m.Src.Meta.Bytes() || r.Meta.Chunks() != m.Src.Meta.Chunks() {
+			return fmt.Errorf("%w: a fallback of another size than its source", ErrProtocol)
+		}
+	}
+	return nil
 }
 
 // validInline bounds a stage request's Data: a version that has it, at

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -48,7 +49,22 @@ func validRequests() []request {
 		inlineRequest(4096),
 		inlineRequest(DefaultConfig().InlineMax),
 		{V: baseVersion, Op: opKeep, Object: "job-1.result", Payload: "0123456789abcdef"},
+		chainRequest(true, 2),
+		chainRequest(false, 1),
+		{V: chainVersion, Op: opWait, Object: "job-1.ckpt", Payload: "0123456789abcdef"},
 	}
+}
+
+// chainRequest is a valid chained stage request: in flight when early,
+// with fallbacks copies of its source under other ids.
+func chainRequest(early bool, fallbacks int) request {
+	r := request{V: chainVersion, Op: opStage, Object: "job-1.ckpt", Mode: TTL, Src: testRef(), Early: early}
+	for i := range fallbacks {
+		f := testRef()
+		f.ID = fmt.Sprintf("%032x", i+1)
+		r.Fallback = append(r.Fallback, f)
+	}
+	return r
 }
 
 func validResponses() []response {
@@ -124,6 +140,9 @@ func FuzzRequestFrame(f *testing.F) {
 		if err := m.Validate(); err != nil {
 			t.Fatalf("decoded request is invalid: %v", err)
 		}
+		if len(m.Fallback) > maxFallback || ((m.Early || len(m.Fallback) > 0) && (m.V < chainVersion || len(m.Data) > 0)) {
+			t.Fatalf("accepted %d fallbacks (early %v) in a v%d request with %d bytes of data", len(m.Fallback), m.Early, m.V, len(m.Data))
+		}
 		if n := len(m.Data); n > 0 && (n > maxInline || n > len(b) || int64(n) != m.Src.Meta.Bytes() || m.V < inlineVersion) {
 			t.Fatalf("accepted %d bytes of data (v%d) for a %d-byte object from a %d-byte frame", n, m.V, m.Src.Meta.Bytes(), len(b))
 		}
@@ -132,7 +151,7 @@ func FuzzRequestFrame(f *testing.F) {
 			t.Fatalf("re-encoded request does not decode: %v", err)
 		}
 		if again.V != m.V || again.Op != m.Op || again.Object != m.Object || again.Payload != m.Payload || again.Src.ID != m.Src.ID ||
-			again.Src.Checksum != m.Src.Checksum || !bytes.Equal(again.Data, m.Data) {
+			again.Src.Checksum != m.Src.Checksum || !bytes.Equal(again.Data, m.Data) || again.Early != m.Early || len(again.Fallback) != len(m.Fallback) {
 			t.Fatalf("round trip changed the request: %+v -> %+v", m, again)
 		}
 		if m.checkInline() == nil && len(m.Data) > 0 && xxh3.Hash(m.Data) != m.Src.Checksum {
@@ -192,6 +211,18 @@ func TestRequestValidate(t *testing.T) {
 		{"InlineNoChecksum", func(r *request) { *r = inlineRequest(64); r.Src.Checksum = 0 }, ErrProtocol},
 		{"InlineNoSrc", func(r *request) { *r = inlineRequest(64); r.Src.ID = "" }, ErrProtocol},
 		{"InlineOverBound", func(r *request) { *r = inlineRequest(maxInline + 1) }, ErrProtocol},
+		{"EarlyInV2", func(r *request) { *r = chainRequest(true, 0); r.V = inlineVersion }, ErrProtocol},
+		{"FallbackInV2", func(r *request) { *r = chainRequest(false, 1); r.V = inlineVersion }, ErrProtocol},
+		{"ManyFallbacks", func(r *request) { *r = chainRequest(false, maxFallback+1) }, ErrProtocol},
+		{"BadFallback", func(r *request) { *r = chainRequest(false, 1); r.Fallback[0].ID = "" }, ErrProtocol},
+		{"FallbackOtherSize", func(r *request) { *r = chainRequest(false, 1); r.Fallback[0].Meta.Shape = []int64{8, 64, 64} }, ErrProtocol},
+		{"ChainWithData", func(r *request) { *r = inlineRequest(64); r.V, r.Early = chainVersion, true }, ErrProtocol},
+		{"WaitInV2", func(r *request) { r.V, r.Op, r.Payload = inlineVersion, opWait, "p" }, ErrProtocol},
+		{"WaitWithoutPayload", func(r *request) { r.V, r.Op = chainVersion, opWait }, ErrProtocol},
+		{"WaitEarly", func(r *request) { r.V, r.Op, r.Payload, r.Early = chainVersion, opWait, "p", true }, ErrProtocol},
+		{"DropWithFallback", func(r *request) {
+			r.V, r.Op, r.Payload, r.Fallback = chainVersion, opDrop, "p", []transfer.Ref{testRef()}
+		}, ErrProtocol},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := stage

@@ -22,8 +22,9 @@ const benchUsage = `usage: latentmesh-dev bench <transfer|overlap|store|serve|ap
              producer and consumer in two processes
   overlap    chunked pull-and-decode of a video latent against pull whole,
              then decode
-  store      pooled Store put (R copies) and get against p2p pulls of the
-             same size, on an in-process mesh of Store nodes and etcd
+  store      pooled Store put (R copies along a chain: until the first and
+             until all R) and get against p2p pulls of the same size, on an
+             in-process mesh of Store nodes and etcd
   serve      an in-process mesh of simulated GPUs serving an open-loop
              load of published models (testbed/costmodel), colocated or
              disaggregated: throughput, goodput, latency, breakdown

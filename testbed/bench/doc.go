@@ -9,8 +9,10 @@
 // pulled chunk by chunk while the producer is still writing it, against the
 // same latent pulled whole and then decoded. RunStore measures the pooled
 // Store (package cache) on an in-process mesh of Store nodes and an embedded
-// etcd: a put onto R holders and a get from the nearest, each interleaved
-// with a p2p pull of the same size between the same services.
+// etcd: a put chained onto R holders, until it returns (its first copy)
+// against a p2p pull and until its R copies are complete against R pulls
+// one after another, and a get from the nearest holder against a p2p pull,
+// each interleaved, between the same services.
 //
 // The consumer (the calling process) re-executes a producer command (by
 // default this binary's hidden `bench producer`), which runs ServeProducer and

@@ -41,20 +41,24 @@ func TestRunStore(t *testing.T) {
 		t.Errorf("row %v: want tcp, 4 MiB, R=2", row)
 	}
 	for _, k := range []string{"put_gbps_median", "put_gbps_min", "put_gbps_max", "get_gbps_median", "get_gbps_min", "get_gbps_max",
-		"lookup_ms_median", "ratio_get_with_lookup", "p2p_gbps_median", "p2p_put_gbps_median", "ratio_get", "ratio_put"} {
+		"lookup_ms_median", "ratio_get_with_lookup", "p2p_gbps_median", "p2p_put_gbps_median", "ratio_get", "ratio_put",
+		"replicated_ms_median", "seq_pulls_ms_median", "ratio_replicated"} {
 		if v, _ := row[k].(float64); !(v > 0) {
 			t.Errorf("%s = %v, want > 0", k, row[k])
 		}
 	}
-	if row["get_target"] != GetTarget || row["put_target"] != PutTarget {
-		t.Errorf("targets %v, %v; want %v, %v", row["get_target"], row["put_target"], GetTarget, PutTarget)
+	if row["get_target"] != GetTarget || row["put_target"] != PutTarget || row["replicate_target"] != ReplicateTarget {
+		t.Errorf("targets %v, %v, %v; want %v, %v, %v", row["get_target"], row["put_target"], row["replicate_target"], GetTarget, PutTarget, ReplicateTarget)
 	}
-	for _, k := range []string{"get_meets_target", "put_meets_target"} {
+	for _, k := range []string{"get_meets_target", "put_meets_target", "replicate_meets_target"} {
 		if _, ok := row[k].(bool); !ok {
 			t.Errorf("%s = %v, want a bool", k, row[k])
 		}
 	}
 	r := rep.Results[0]
+	if r.ReplicatedMSMedian*1e-3 < float64(r.SizeBytes)/(r.PutGbpsMedian*1e9)*0.999 {
+		t.Errorf("R copies took %.2f ms, less than the put that made the first (%.2f GB/s)", r.ReplicatedMSMedian, r.PutGbpsMedian)
+	}
 	if r.PutGbpsMin > r.PutGbpsMedian || r.PutGbpsMedian > r.PutGbpsMax || r.GetGbpsMin > r.GetGbpsMedian || r.GetGbpsMedian > r.GetGbpsMax {
 		t.Errorf("min/median/max out of order: %+v", r)
 	}

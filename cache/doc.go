@@ -6,10 +6,13 @@
 // directory) to the Store. An object is placed by rendezvous hashing over the
 // live members with room and copied onto R of them; each copy is an ordinary
 // transfer payload of its holder, so readers pull it over the data plane the
-// mesh already has (shm on one host, rdma, else tcp). A holder takes its
-// copy from the putter the same way, by a pull, unless the object is small
-// (Config.InlineMax): then the bytes ride in the store request itself, and
-// the holder checks them against the object's XXH3 before it stages them.
+// mesh already has (shm on one host, rdma, else tcp). Holders take their
+// copies the same way, by pulls along a chain (chain.go): the first pulls
+// the putter's payload, each next one the copy before it, as its chunks
+// land when that copy is staged in flight; a put returns at R copies, or
+// at the first with PutSpec.FirstCopy. An object of at most
+// Config.InlineMax bytes rides in the store request itself instead, and
+// the holder checks it against the object's XXH3 before it stages it.
 // The Store opens no data path of its own.
 //
 // Object metadata is a small JSON record at <prefix>/objects/<id> in etcd:

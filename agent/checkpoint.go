@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -43,7 +44,10 @@ func (a *Agent) checkpointEvery(t jobs.Task) int {
 // time, off the sampler's goroutine: a checkpoint that comes while the one
 // before is still being written replaces any waiting one (the newest is
 // all a resume needs). Each is one Store put and one etcd transaction,
-// which also deletes the record of the checkpoint it replaces. A job that
+// which also deletes the record of the one before the checkpoint it
+// follows: the two newest are kept, so that a write whose second copy is
+// still on its way when the first copy's holder dies costs a resume from
+// the one before, not from noise. A job that
 // keeps its checkpoints for forks (keep_checkpoints) has every one written
 // and none deleted: a fork may start from any of them.
 type checkpointer struct {
@@ -55,10 +59,11 @@ type checkpointer struct {
 
 	mu      sync.Mutex
 	waiting []engine.Checkpoint // not yet being written: the newest only, or every one when keep
-	busy    bool               // a writer goroutine runs
-	idle    chan struct{}      // closed when busy turns false; replaced when it turns true
-	last    string             // object id of the newest checkpoint written, "" for none
-	step    int                // its step
+	busy    bool                // a writer goroutine runs
+	idle    chan struct{}       // closed when busy turns false; replaced when it turns true
+	last    string              // object id of the newest checkpoint written, "" for none
+	older   string              // the one before it, deleted with the next write
+	step    int                 // its step
 	written int
 	err     error // the last write's failure, nil after a success
 }
@@ -101,24 +106,28 @@ func (k *checkpointer) drain() {
 		}
 		ck := k.waiting[0]
 		k.waiting = k.waiting[1:]
-		prev := k.last
+		prev, drop := k.last, k.older
 		if k.keep {
-			prev = ""
+			drop = ""
 		}
 		k.mu.Unlock()
-		id, err := k.write(ck, prev)
+		id, err := k.write(ck, prev, drop)
 		k.mu.Lock()
 		k.err = err
 		if err == nil {
-			k.last, k.step = id, ck.Step
+			if id != prev {
+				k.older, k.last = prev, id
+			}
+			k.step = ck.Step
 			k.written++
 		}
 		k.mu.Unlock()
 	}
 }
 
-// write puts ck and makes it the job's newest checkpoint.
-func (k *checkpointer) write(ck engine.Checkpoint, prev string) (string, error) {
+// write puts ck and makes it the job's newest checkpoint, deleting drop's
+// record (prev is the newest until now).
+func (k *checkpointer) write(ck engine.Checkpoint, prev, drop string) (string, error) {
 	a, c := k.a, k.c
 	data, err := ck.MarshalBinary()
 	if err != nil {
@@ -130,15 +139,18 @@ func (k *checkpointer) write(ck engine.Checkpoint, prev string) (string, error) 
 	if id == prev {
 		return id, nil // a stop right after a periodic checkpoint of the same step
 	}
+	// FirstCopy: the write is done once one copy is whole; the second
+	// follows it along the chain. A holder lost inside that window costs
+	// a resume from the checkpoint before (the record names both).
 	st, err := a.cstore.StageBytes(ctx, cache.PutSpec{
 		ID: id, Mode: cache.TTL, Job: c.Task.JobID, TTL: k.ttl, Replicas: checkpointReplicas,
-		ContentType: "application/x-latentmesh-checkpoint",
+		ContentType: "application/x-latentmesh-checkpoint", FirstCopy: true,
 	}, data)
 	if err != nil {
 		k.log.Warn("checkpoint not written", zap.Int("step", ck.Step), zap.Error(err))
 		return "", err
 	}
-	if err := a.store.SaveCheckpoint(ctx, c, st, prev); err != nil {
+	if err := a.store.SaveCheckpoint(ctx, c, st, drop); err != nil {
 		st.Abort(a.ctx)
 		k.log.Warn("checkpoint not recorded", zap.Int("step", ck.Step), zap.Error(err))
 		return "", err
@@ -183,19 +195,24 @@ func (a *Agent) resumePoint(ctx context.Context, c *jobs.Claim) (ck *engine.Chec
 		if err != nil {
 			return nil, "", fmt.Errorf("%w: list checkpoints: %v", errTransient, err)
 		}
-		best, bestStep := "", 0
+		type cand struct {
+			id   string
+			step int
+		}
+		var cands []cand
 		for _, r := range recs {
-			if n, ok := jobs.CheckpointStep(t.JobID, r.ID); ok && n > bestStep && n < t.Spec.Steps {
-				best, bestStep = r.ID, n
+			if n, ok := jobs.CheckpointStep(t.JobID, r.ID); ok && n < t.Spec.Steps {
+				cands = append(cands, cand{r.ID, n})
 			}
 		}
-		if best != "" {
-			ck, err := a.readCheckpoint(ctx, best)
+		slices.SortFunc(cands, func(x, y cand) int { return y.step - x.step }) // newest first
+		for _, cd := range cands {
+			ck, err := a.readCheckpoint(ctx, cd.id)
 			if err == nil {
-				return ck, best, nil
+				return ck, cd.id, nil
 			}
-			// Unreadable (every holder gone): start over rather than fail.
-			a.log.Warn("checkpoint unreadable; starting the denoise over", zap.String("job", t.JobID), zap.String("checkpoint", best), zap.Error(err))
+			// Unreadable (every holder gone): the one before, else from noise.
+			a.log.Warn("checkpoint unreadable", zap.String("job", t.JobID), zap.String("checkpoint", cd.id), zap.Error(err))
 		}
 	}
 	if t.Fork != nil {

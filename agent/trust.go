@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/libp2p/go-libp2p/core/peer"
 	"go.uber.org/zap"
@@ -20,7 +21,36 @@ import (
 
 // admitPeer reports whether p is a member. Until the membership exists
 // (during New) nobody is.
-func (a *Agent) admitPeer(p peer.ID) bool { return a.isMemberPeer(p.String()) }
+//
+// A peer it does not know yet gets up to newcomerWait to appear: a node
+// that has just registered (or registered again, after a lost lease) claims
+// and pulls at once, a few milliseconds before every member's watch of
+// nodes/ has delivered its record.
+func (a *Agent) admitPeer(p peer.ID) bool {
+	pid := p.String()
+	if a.isMemberPeer(pid) {
+		return true
+	}
+	for deadline := time.Now().Add(newcomerWait); time.Now().Before(deadline); {
+		select {
+		case <-time.After(newcomerPoll):
+		case <-a.ctx.Done():
+			return false
+		}
+		if a.isMemberPeer(pid) {
+			return true
+		}
+	}
+	return false
+}
+
+// newcomerWait bounds how long admission waits for an unknown peer's node
+// record to reach this agent (a watch delivers it within milliseconds);
+// newcomerPoll is how often it looks meanwhile.
+const (
+	newcomerWait = time.Second
+	newcomerPoll = 20 * time.Millisecond
+)
 
 // isMemberPeer is admitPeer for a peer id in its string form (the
 // Store's IsMember).

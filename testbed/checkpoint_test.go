@@ -3,7 +3,6 @@ package testbed
 import (
 	"bytes"
 	"context"
-	"fmt"
 	"testing"
 	"time"
 
@@ -39,19 +38,7 @@ func TestKillDenoiseResumesFromCheckpoint(t *testing.T) {
 	victim.Kill()
 	m.agent("den-heir", "denoise", "--sim-cost", "step=20ms")
 
-	var done jobs.Job
-	eventually(t, 60*time.Second, func() error {
-		if done, err = c.Get(ctx, job.ID); err != nil {
-			return err
-		}
-		if !done.State.Terminal() {
-			return fmt.Errorf("job %s still %s", job.ID, done.State)
-		}
-		return nil
-	})
-	if done.State != jobs.Succeeded {
-		t.Fatalf("job ended %s: %+v", done.State, done.Error)
-	}
+	done := waitSucceededAt(t, ctx, c, job.ID)
 	d := done.Stages[jobs.Denoise]
 	if d.Node != "den-heir" || d.Attempt != 2 || d.ResumedFrom != 30 {
 		t.Fatalf("denoise stage = %+v, want committed by den-heir on attempt 2, resumed from step 30", d)

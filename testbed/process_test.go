@@ -279,12 +279,9 @@ func TestKillDecodeAgentMidTask(t *testing.T) {
 	}
 }
 
-// waitRedecoded waits for job id to end, and checks that it succeeded with
-// its decode committed by node on a second attempt and exactly one result:
-// every part written once (etcd's per-key version counts writes since
-// creation) and nothing else under the job's results.
-func (m *mesh) waitRedecoded(ctx context.Context, c *httpapi.Client, id, node string) jobs.Job {
-	t := m.t
+// waitSucceededAt waits up to a minute, through the client API, for job
+// id to end, and fails the test unless it succeeded.
+func waitSucceededAt(t *testing.T, ctx context.Context, c *httpapi.Client, id string) jobs.Job {
 	t.Helper()
 	var done jobs.Job
 	eventually(t, 60*time.Second, func() error {
@@ -300,6 +297,17 @@ func (m *mesh) waitRedecoded(ctx context.Context, c *httpapi.Client, id, node st
 	if done.State != jobs.Succeeded {
 		t.Fatalf("job ended %s: %+v", done.State, done.Error)
 	}
+	return done
+}
+
+// waitRedecoded waits for job id to end, and checks that it succeeded with
+// its decode committed by node on a second attempt and exactly one result:
+// every part written once (etcd's per-key version counts writes since
+// creation) and nothing else under the job's results.
+func (m *mesh) waitRedecoded(ctx context.Context, c *httpapi.Client, id, node string) jobs.Job {
+	t := m.t
+	t.Helper()
+	done := waitSucceededAt(t, ctx, c, id)
 	if dec := done.Stages[jobs.Decode]; dec.Node != node || dec.Attempt != 2 {
 		t.Fatalf("decode stage = %+v, want committed by %s on attempt 2", dec, node)
 	}

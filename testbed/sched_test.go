@@ -479,19 +479,7 @@ func TestDrainDenoiseAgentMidJob(t *testing.T) {
 			if resp, err := m.cli.Get(ctx, "/latentmesh/default/nodes/den-slow"); err != nil || len(resp.Kvs) != 0 {
 				t.Fatalf("drained agent still registered: %v %v", resp, err)
 			}
-			var done jobs.Job
-			eventually(t, 60*time.Second, func() error {
-				if done, err = c.Get(ctx, job.ID); err != nil {
-					return err
-				}
-				if !done.State.Terminal() {
-					return fmt.Errorf("job %s still %s", job.ID, done.State)
-				}
-				return nil
-			})
-			if done.State != jobs.Succeeded {
-				t.Fatalf("job ended %s: %+v", done.State, done.Error)
-			}
+			done := waitSucceededAt(t, ctx, c, job.ID)
 			// The drain handed the denoise over at once, at a checkpoint of
 			// the step it was in: the heir redid no step.
 			if d := done.Stages[jobs.Denoise]; d.Node != "den-fast" || d.Attempt != 2 || d.ResumedFrom < 1 {

@@ -37,6 +37,11 @@ type Config struct {
 	// Observe, when set, is told of each stretch of GPU time, from the
 	// task's goroutine: it must be quick and safe for concurrent use.
 	Observe func(Span)
+	// NoCheckpoints makes the runner one that cannot checkpoint (Checkpoints
+	// reports false): the agent neither writes step checkpoints nor stops a
+	// preempted denoise at a step, it cancels it, as before checkpoints. A
+	// bench's baseline.
+	NoCheckpoints bool
 }
 
 // Model is one model's cost on one GPU and its tensors' shapes.
@@ -54,11 +59,16 @@ type Model struct {
 // Span is a stretch of simulated GPU time: Queued when the stage asked
 // for the GPU, Start when it got it, End when it gave it back.
 type Span struct {
-	Node  string
-	Tag   string // the request's prompt: a benchmark names its jobs by it
+	Node string
+	Tag  string // the request's prompt: a benchmark names its jobs by it
+	// Seed is the request's: with Tag it names a job when prompts repeat.
+	Seed  int64
 	Stage jobs.Stage
 	// Frame is the first latent frame a decode span covers (-1 otherwise).
-	Frame              int
+	Frame int
+	// Step is the denoise step a denoise span ran (1 to Spec.Steps; 0
+	// otherwise): a resumed denoise's spans start after its checkpoint's.
+	Step               int
 	Queued, Start, End time.Time
 }
 
@@ -69,10 +79,11 @@ type gpu struct {
 	observe func(Span)
 }
 
-// run holds the GPU for d on behalf of stage st of s. debt is time
+// run holds the GPU for d on behalf of stage st of s (decode frame or
+// denoise step, -1 and 0 where there is none). debt is time
 // overslept earlier in the same stage, taken off this sleep so timer
 // granularity does not stretch a 50-step denoise; it returns the new debt.
-func (g *gpu) run(ctx context.Context, s engine.Spec, st jobs.Stage, frame int, d, debt time.Duration) (time.Duration, error) {
+func (g *gpu) run(ctx context.Context, s engine.Spec, st jobs.Stage, frame, step int, d, debt time.Duration) (time.Duration, error) {
 	queued := time.Now()
 	select {
 	case g.turn <- struct{}{}:
@@ -85,7 +96,7 @@ func (g *gpu) run(ctx context.Context, s engine.Spec, st jobs.Stage, frame int, 
 	end := time.Now()
 	<-g.turn
 	if g.observe != nil {
-		g.observe(Span{Node: g.node, Tag: s.Prompt, Stage: st, Frame: frame, Queued: queued, Start: start, End: end})
+		g.observe(Span{Node: g.node, Tag: s.Prompt, Seed: s.Seed, Stage: st, Frame: frame, Step: step, Queued: queued, Start: start, End: end})
 	}
 	return max(0, end.Sub(start)-want), err
 }
@@ -160,7 +171,7 @@ func (r *runner) Encode(ctx context.Context, s engine.Spec, dst []byte) error {
 	if err != nil {
 		return err
 	}
-	if _, err := r.gpu.run(ctx, s, jobs.Encode, -1, m.Encode, 0); err != nil {
+	if _, err := r.gpu.run(ctx, s, jobs.Encode, -1, 0, m.Encode, 0); err != nil {
 		return err
 	}
 	fill(dst, s, 1)
@@ -183,7 +194,7 @@ func (r *runner) Denoise(ctx context.Context, d agent.DenoiseCall) error {
 	}
 	var debt time.Duration
 	for step := first; step <= s.Steps; step++ {
-		if debt, err = r.gpu.run(ctx, s, jobs.Denoise, -1, m.Step, debt); err != nil {
+		if debt, err = r.gpu.run(ctx, s, jobs.Denoise, -1, step, m.Step, debt); err != nil {
 			return err
 		}
 		if d.Progress != nil {
@@ -215,8 +226,9 @@ func (r *runner) Denoise(ctx context.Context, d agent.DenoiseCall) error {
 	return nil
 }
 
-// Checkpoints: the simulated sampler checkpoints and resumes every model.
-func (r *runner) Checkpoints(engine.Spec) (bool, int) { return true, 0 }
+// Checkpoints: the simulated sampler checkpoints and resumes every model,
+// unless the config says it cannot.
+func (r *runner) Checkpoints(engine.Spec) (bool, int) { return !r.cfg.NoCheckpoints, 0 }
 
 // sampler names the simulated sampler's state for s's model.
 func sampler(s engine.Spec) string { return "simgpu/" + s.ModelName() }
@@ -258,7 +270,7 @@ func (d *decoder) DecodeFrames(ctx context.Context, first int, frames []byte) er
 	}
 	k := len(frames) / d.frameBytes
 	var err error
-	d.debt, err = d.r.gpu.run(ctx, d.s, jobs.Decode, first, d.m.Decode*time.Duration(k)/time.Duration(d.frames), d.debt)
+	d.debt, err = d.r.gpu.run(ctx, d.s, jobs.Decode, first, 0, d.m.Decode*time.Duration(k)/time.Duration(d.frames), d.debt)
 	return err
 }
 

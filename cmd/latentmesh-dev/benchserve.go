@@ -42,6 +42,13 @@ func runBenchServe(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.DurationVar(&cfg.Queue.PreemptAfter, "preempt-after", cfg.Queue.PreemptAfter, "simulated time an interactive task waits while denoise slots run batch work before one batch task in the stage is requeued (0: never)")
 	fs.DurationVar(&cfg.Queue.AgingStep, "aging-step", cfg.Queue.AgingStep, "simulated wait that lifts a task one class")
 	fs.IntVar(&cfg.Admission.Slack, "backpressure-slack", cfg.Admission.Slack, "outputs that may wait for the next stage beyond its credits, for the whole upstream pool (negative: two per GPU)")
+	fs.IntVar(&cfg.CheckpointEvery, "checkpoint-every", cfg.CheckpointEvery, "denoise steps between step checkpoints in the Store (0: only where a preemption stops a denoise)")
+	fs.BoolVar(&cfg.NoCheckpoints, "no-checkpoints", cfg.NoCheckpoints, "simulate GPUs that cannot checkpoint: a preempted denoise is cancelled and starts over")
+	compare := fs.Bool("compare-checkpoints", false, "run the trace twice, without checkpoints (as --no-checkpoints) and with them (--checkpoint-every), and print the two side by side")
+	texts := serve.DefaultPrompts()
+	fs.Float64Var(&texts.Repeat, "repeat-prompts", texts.Repeat, "share of generated requests that repeat an earlier prompt of their model; DiffusionDB's 14M images came from 1.8M distinct prompts (87% reuse one, mostly seed variants asked together), a serving API sees one-off requests and fewer repeated videos too")
+	fs.IntVar(&texts.Hot, "hot-negatives", texts.Hot, "hot negative prompts (a model's default, which a pipeline such as Wan 2.1's applies when a request gives none, and a front end's stock ones)")
+	fs.Float64Var(&texts.HotShare, "hot-negative-share", texts.HotShare, "share of generated requests using a hot negative prompt (Zipf over them); the rest write their own")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	plot := fs.String("plot", "", "write a PNG `file`: latency CDF per class and a Gantt chart of sample jobs")
 	sample := fs.Int("jobs", 8, "sample jobs whose breakdown is printed")
@@ -60,6 +67,15 @@ func runBenchServe(ctx context.Context, args []string, stdout, stderr io.Writer)
 	}
 	if cfg.Queue.PreemptAfter < 0 || cfg.Queue.AgingStep <= 0 {
 		return fail(2, fmt.Errorf("--preempt-after must not be negative and --aging-step must be positive"))
+	}
+	if cfg.CheckpointEvery < 0 {
+		return fail(2, fmt.Errorf("--checkpoint-every must not be negative"))
+	}
+	if err := texts.Check(); err != nil {
+		return fail(2, err)
+	}
+	if *compare && (*plot != "" || cfg.NoCheckpoints) {
+		return fail(2, fmt.Errorf("--compare-checkpoints runs both ways and draws no plot: drop --no-checkpoints and --plot"))
 	}
 	if *pools != "" {
 		if cfg.Pools, err = costmodel.ParsePools(*pools); err != nil {
@@ -87,6 +103,13 @@ func runBenchServe(ctx context.Context, args []string, stdout, stderr io.Writer)
 		cfg.Arrivals = serve.Poisson(cfg.Mix, r, *duration, *seed)
 		fmt.Fprintf(stderr, "offering %.3f jobs/s for %s (simulated): %d arrivals\n", r, *duration, len(cfg.Arrivals))
 	}
+	for _, a := range cfg.Arrivals {
+		if a.Prompt == "" { // texts the trace does not name are drawn from the flags
+			serve.AssignPrompts(cfg.Arrivals, texts, *seed)
+			cfg.Prompts = &texts
+			break
+		}
+	}
 	if *writeTrace != "" {
 		f, err := os.Create(*writeTrace)
 		if err != nil {
@@ -99,6 +122,25 @@ func runBenchServe(ctx context.Context, args []string, stdout, stderr io.Writer)
 		if err != nil {
 			return fail(1, err)
 		}
+	}
+	if *compare {
+		c, err := serve.CompareCheckpoints(ctx, cfg)
+		if err != nil {
+			return fail(1, err)
+		}
+		if *asJSON {
+			err = writeJSON(stdout, c)
+		} else {
+			c.Without.Text(stdout, 0)
+			fmt.Fprintln(stdout)
+			c.With.Text(stdout, 0)
+			fmt.Fprintln(stdout)
+			c.Text(stdout)
+		}
+		if err != nil {
+			return fail(1, err)
+		}
+		return 0
 	}
 	rep, err := serve.Run(ctx, cfg)
 	if err != nil {

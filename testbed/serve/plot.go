@@ -99,9 +99,9 @@ func (rep *Report) plotGantt(img *image.RGBA, r image.Rectangle, sample int) {
 	if len(pick) == 0 {
 		return
 	}
-	spans := map[string][]int{}
+	spans := map[spanJob][]int{}
 	for i, s := range rep.spans {
-		spans[s.Tag] = append(spans[s.Tag], i)
+		spans[jobOfSpan(s)] = append(spans[jobOfSpan(s)], i)
 	}
 	t0, t1 := pick[0].t0, pick[0].t1
 	for _, j := range pick {
@@ -121,7 +121,7 @@ func (rep *Report) plotGantt(img *image.RGBA, r image.Rectangle, sample int) {
 		y := r.Min.Y + i*rowH + 2
 		h := max(2, rowH-4)
 		fillRect(img, x(j.t0), y+h/3, max(1, x(j.t1)-x(j.t0)), max(1, h/3), grey)
-		for _, k := range spans[j.tag] {
+		for _, k := range spans[j.job] {
 			s := rep.spans[k]
 			fillRect(img, x(s.Start), y, max(1, x(s.End)-x(s.Start)), h, stageC[s.Stage])
 		}

@@ -27,11 +27,21 @@ type Report struct {
 	// Scheduler is the queue order (priority or fifo); PreemptAfter the
 	// simulated wait before preemption (0: none); Slack the agents'
 	// backpressure slack.
-	Scheduler    string    `json:"scheduler"`
-	PreemptAfter float64   `json:"preempt_after_s"`
-	Slack        int       `json:"backpressure_slack"`
-	Agents       []Agent   `json:"agents"`
-	Payloads     []Payload `json:"payloads"`
+	Scheduler    string  `json:"scheduler"`
+	PreemptAfter float64 `json:"preempt_after_s"`
+	Slack        int     `json:"backpressure_slack"`
+	// CheckpointEvery is the agents' step checkpoint period (0: only where
+	// a preemption stops a denoise); NoCheckpoints that the GPUs could not
+	// checkpoint at all (a preempted denoise starts over).
+	CheckpointEvery int       `json:"checkpoint_every"`
+	NoCheckpoints   bool      `json:"no_checkpoints,omitempty"`
+	Agents          []Agent   `json:"agents"`
+	Payloads        []Payload `json:"payloads"`
+	// Prompts is the text mix the prompts were drawn from (nil: the trace
+	// named them); Reuse how often this trace's texts repeat, what an
+	// unbounded conditioning cache could hit.
+	Prompts *Prompts  `json:"prompts,omitempty"`
+	Reuse   TextReuse `json:"text_reuse"`
 	// Makespan is first submission to last completion.
 	Makespan float64      `json:"makespan_s"`
 	Classes  []ClassStats `json:"classes"`
@@ -46,14 +56,27 @@ type Report struct {
 	// GPUOverlaps counts spans that overlapped another on the same GPU:
 	// always 0 unless the GPU model is broken.
 	GPUOverlaps int `json:"gpu_overlaps"`
-	// RedoneStages counts stages run again from the start after a
-	// preemption or requeue, and RedoneGPU the GPU time they threw away.
-	RedoneStages   int              `json:"redone_stages"`
-	RedoneGPU      float64          `json:"redone_gpu_s"`
-	ClaimTries     int64            `json:"claim_txns"`
-	ClaimConflicts int64            `json:"claim_conflicts"`
-	EtcdOps        map[string]int64 `json:"etcd_ops"`
-	EtcdOpsPerJob  float64          `json:"etcd_ops_per_job"`
+	// RedoneStages counts stages that ran work again after a preemption
+	// or requeue, and RedoneGPU the GPU time thrown away: every earlier
+	// attempt's span of an encode or decode, and of a denoise the steps a
+	// later attempt ran again (all of them unless it resumed from a
+	// checkpoint). ResumedStages counts denoises that resumed from a step
+	// checkpoint, KeptGPU the earlier attempts' GPU time they kept.
+	RedoneStages  int     `json:"redone_stages"`
+	RedoneGPU     float64 `json:"redone_gpu_s"`
+	ResumedStages int     `json:"resumed_stages"`
+	KeptGPU       float64 `json:"kept_gpu_s"`
+	// Checkpoints counts step checkpoints recorded (etcd transactions of
+	// jobs.Store.SaveCheckpoint that succeeded).
+	Checkpoints int64 `json:"checkpoints"`
+	// ResumeMismatches counts denoises whose committed attempt's first
+	// step is not the one after its ResumedFrom: always 0 unless the
+	// resume or this accounting is broken.
+	ResumeMismatches int              `json:"resume_mismatches"`
+	ClaimTries       int64            `json:"claim_txns"`
+	ClaimConflicts   int64            `json:"claim_conflicts"`
+	EtcdOps          map[string]int64 `json:"etcd_ops"`
+	EtcdOpsPerJob    float64          `json:"etcd_ops_per_job"`
 	// Breakdown is, per class, the median of each part of a job's time.
 	Breakdown []Breakdown `json:"breakdown"`
 	Jobs      []JobRecord `json:"jobs"`
@@ -109,9 +132,21 @@ type StageTimes struct {
 	GPUWait   float64 `json:"gpu_wait_s"`   // waiting for this GPU's other work
 	Run       float64 `json:"run_s"`        // GPU time
 	Commit    float64 `json:"commit_s"`     // last GPU span to the commit (decode: storing the file)
+	// Wall is the committed attempt's claim to commit: its GPU time and
+	// the control plane's (claim, pull, GPU wait, checkpoint writes,
+	// commit).
+	Wall float64 `json:"wall_s"`
 	// Redone is the GPU time of earlier attempts (a preempted batch task,
-	// a requeue) that the last attempt did again; Queue includes them.
+	// a requeue) that a later attempt did again; Kept what of theirs a
+	// resume from a step checkpoint kept. Queue includes both.
 	Redone float64 `json:"redone_s,omitempty"`
+	Kept   float64 `json:"kept_s,omitempty"`
+	// Attempt, ResumedFrom and Checkpoints are the stage record's: claims
+	// taken, the step the committed attempt resumed from, and the
+	// checkpoints it wrote.
+	Attempt     int `json:"attempt"`
+	ResumedFrom int `json:"resumed_from,omitempty"`
+	Checkpoints int `json:"checkpoints,omitempty"`
 }
 
 // JobRecord is one job's breakdown.
@@ -126,8 +161,60 @@ type JobRecord struct {
 	Nodes   map[jobs.Stage]string     `json:"nodes"`
 	Error   string                    `json:"error,omitempty"`
 
-	tag    string    // the request's prompt, naming its GPU spans
+	job    spanJob   // the request's prompt and seed, naming its GPU spans
 	t0, t1 time.Time // submitted, and the client's wait returned
+}
+
+// spanJob names a job's GPU spans: its request's prompt and seed.
+type spanJob struct {
+	prompt string
+	seed   int64
+}
+
+func jobOfSpan(s simgpu.Span) spanJob { return spanJob{s.Tag, s.Seed} }
+
+// attempts splits one job's spans of one stage, sorted by start, into
+// those of earlier attempts (asked for before the committed attempt's
+// claim) and the committed attempt's.
+func attempts(sp []simgpu.Span, claimed time.Time) (earlier, last []simgpu.Span) {
+	for _, s := range sp {
+		if s.Queued.Before(claimed) {
+			earlier = append(earlier, s)
+		} else {
+			last = append(last, s)
+		}
+	}
+	if len(last) == 0 && len(earlier) > 0 { // clocks disagree: the latest is the committed one
+		earlier, last = earlier[:len(earlier)-1], earlier[len(earlier)-1:]
+	}
+	return earlier, last
+}
+
+// redone splits earlier attempts' GPU time into what was thrown away and
+// what a resume kept. A denoise span is kept when no later span (of any
+// attempt) ran its step again: the chain of resumes that ended in the
+// commit ran on from it. So an attempt's steps up to the checkpoint the
+// next one resumed from are kept and the steps after it redone, and a
+// denoise that started over (no checkpoint) redid them all. An encode or
+// decode span (no step) of an earlier attempt is always redone.
+func redone(earlier, last []simgpu.Span) (thrown, kept time.Duration) {
+	latest := map[int]time.Time{} // step -> the last start of a span that ran it
+	for _, sp := range [][]simgpu.Span{earlier, last} {
+		for _, s := range sp {
+			if t, ok := latest[s.Step]; s.Step > 0 && (!ok || s.Start.After(t)) {
+				latest[s.Step] = s.Start
+			}
+		}
+	}
+	for _, s := range earlier {
+		d := s.End.Sub(s.Start)
+		if s.Step > 0 && latest[s.Step].Equal(s.Start) {
+			kept += d
+		} else {
+			thrown += d
+		}
+	}
+	return thrown, kept
 }
 
 // Breakdown is a class's median StageTimes and submit/notify.
@@ -144,6 +231,7 @@ func (r *run) report(results []*result) *Report {
 	spans := r.spans.all()
 	rep := &Report{Topology: r.cfg.Topology, GPUs: r.cfg.GPUs, Compression: f, ByteScale: r.cfg.ByteScale, Tiling: r.cfg.Tiling,
 		Scheduler: r.cfg.Queue.Scheduler.String(), PreemptAfter: r.cfg.Queue.PreemptAfter.Seconds(), Slack: r.slack(),
+		CheckpointEvery: r.cfg.CheckpointEvery, NoCheckpoints: r.cfg.NoCheckpoints, Prompts: r.cfg.Prompts, Reuse: Reuse(r.cfg.Arrivals),
 		Agents: r.agents, PeakWaiting: map[jobs.Stage]int{}, GPUBusy: map[string]float64{}, spans: spans}
 	if r.cfg.Topology == testbed.Disaggregated {
 		rep.Pools = r.cfg.Pools.String()
@@ -160,14 +248,15 @@ func (r *run) report(results []*result) *Report {
 		}
 	}
 
-	// GPU spans by request tag and stage.
+	// GPU spans by request and stage.
 	type key struct {
-		tag string
+		job spanJob
 		st  jobs.Stage
 	}
 	byJob := map[key][]simgpu.Span{}
 	for _, s := range spans {
-		byJob[key{s.Tag, s.Stage}] = append(byJob[key{s.Tag, s.Stage}], s)
+		k := key{jobOfSpan(s), s.Stage}
+		byJob[k] = append(byJob[k], s)
 	}
 
 	var first, last time.Time
@@ -189,7 +278,7 @@ func (r *run) report(results []*result) *Report {
 			first = res.Submit
 		}
 		rec := JobRecord{ID: res.ID, Class: classOf(res), Submit: sim(res.Accepted.Sub(res.Submit)),
-			Stages: map[jobs.Stage]StageTimes{}, Nodes: map[jobs.Stage]string{}, tag: fmt.Sprintf("req-%06d", i), t0: res.Submit, t1: res.End}
+			Stages: map[jobs.Stage]StageTimes{}, Nodes: map[jobs.Stage]string{}, job: spanJob{PromptOf(i, res.Arrival), res.Seed}, t0: res.Submit, t1: res.End}
 		if res.Err != nil {
 			if errors.Is(res.Err, context.DeadlineExceeded) {
 				cs.Unfinished++
@@ -210,22 +299,27 @@ func (r *run) report(results []*result) *Report {
 		}
 		lat[cs.Name] = append(lat[cs.Name], rec.Latency)
 		all = append(all, rec.Latency)
-		tag := rec.tag
 		ready := res.Job.CreatedAt
 		var prevEnd time.Time
 		for _, st := range jobs.Stages() {
 			sr := res.Job.Stages[st]
-			sp := byJob[key{tag, st}]
+			sp := byJob[key{rec.job, st}]
 			if sr == nil || len(sp) == 0 {
 				continue
 			}
 			sort.Slice(sp, func(a, b int) bool { return sp[a].Start.Before(sp[b].Start) })
-			t := StageTimes{Queue: sim(sr.StartedAt.Sub(ready))}
-			// Spans asked for before the last claim are earlier attempts'.
-			for len(sp) > 1 && sp[0].Queued.Before(sr.StartedAt) {
-				t.Redone += sim(sp[0].End.Sub(sp[0].Start))
-				sp = sp[1:]
+			t := StageTimes{Queue: sim(sr.StartedAt.Sub(ready)), Wall: sim(sr.FinishedAt.Sub(sr.StartedAt)),
+				Attempt: sr.Attempt, ResumedFrom: sr.ResumedFrom, Checkpoints: sr.Checkpoints}
+			earlier, sp := attempts(sp, sr.StartedAt)
+			thrown, kept := redone(earlier, sp)
+			t.Redone, t.Kept = sim(thrown), sim(kept)
+			if st == jobs.Denoise && sp[0].Step > 0 && sp[0].Step != sr.ResumedFrom+1 {
+				rep.ResumeMismatches++
 			}
+			if sr.ResumedFrom > 0 {
+				rep.ResumedStages++
+			}
+			rep.KeptGPU += t.Kept
 			t.ClaimPull = sim(sp[0].Queued.Sub(sr.StartedAt))
 			for _, s := range sp {
 				t.GPUWait += sim(s.Start.Sub(s.Queued))
@@ -343,6 +437,7 @@ func (r *run) report(results []*result) *Report {
 		rep.EtcdOpsPerJob = float64(n) / float64(tot.Submitted)
 	}
 	rep.ClaimTries, rep.ClaimConflicts = r.ops.claims.Load(), r.ops.conflicts.Load()
+	rep.Checkpoints = r.ops.checkpoints.Load()
 
 	for _, name := range order {
 		b := Breakdown{Class: name, Stages: map[jobs.Stage]StageTimes{}}
@@ -393,6 +488,19 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 		fmt.Fprintf(w, ", preempting batch work after %gs", rep.PreemptAfter)
 	}
 	fmt.Fprintln(w)
+	switch {
+	case rep.NoCheckpoints:
+		fmt.Fprintln(w, "  step checkpoints: none (the GPUs cannot checkpoint: a preempted denoise is cancelled and starts over)")
+	case rep.CheckpointEvery > 0:
+		fmt.Fprintf(w, "  step checkpoints: every %d denoise steps, and where a preemption stops a denoise\n", rep.CheckpointEvery)
+	default:
+		fmt.Fprintln(w, "  step checkpoints: where a preemption stops a denoise (a preempted denoise resumes from its step)")
+	}
+	if rep.Prompts != nil {
+		fmt.Fprintf(w, "  texts: %s (bench serve --help says why)\n", rep.Prompts)
+	}
+	fmt.Fprintf(w, "  text reuse in this trace: %.0f%% of prompts and %.0f%% of negative prompts an earlier request of the model had (an unbounded conditioning cache's hit rate)\n",
+		100*rep.Reuse.Prompt, 100*rep.Reuse.Negative)
 	for _, p := range rep.Payloads {
 		fmt.Fprintf(w, "  payloads %-16s cond %s, latent %s", p.Model, size(p.CondBytes), size(p.LatentBytes))
 		if rep.ByteScale > 1 {
@@ -431,7 +539,12 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 	}
 	sort.Strings(busy)
 	fmt.Fprintf(w, "GPU busy: %s; overlapping spans on one GPU: %d\n", strings.Join(busy, ", "), rep.GPUOverlaps)
-	fmt.Fprintf(w, "stages redone after a preemption or requeue: %d, %.1f GPU-s thrown away\n", rep.RedoneStages, rep.RedoneGPU)
+	fmt.Fprintf(w, "stages redone after a preemption or requeue: %d, %.1f GPU-s thrown away; %d denoises resumed from a step checkpoint, keeping %.1f GPU-s; %d checkpoints written",
+		rep.RedoneStages, rep.RedoneGPU, rep.ResumedStages, rep.KeptGPU, rep.Checkpoints)
+	if rep.ResumeMismatches > 0 {
+		fmt.Fprintf(w, "; %d resumes did not start at their checkpoint's next step", rep.ResumeMismatches)
+	}
+	fmt.Fprintln(w)
 	fmt.Fprintf(w, "claims: %d transactions, %d conflicts; etcd requests per job %.1f (%s)\n\n", rep.ClaimTries, rep.ClaimConflicts, rep.EtcdOpsPerJob, opsText(rep.EtcdOps))
 
 	fmt.Fprintf(w, "per-job breakdown, class medians, simulated s (queue / claim+pull / gpu wait / run / commit per stage)\n")
@@ -462,6 +575,9 @@ func stagesText(m map[jobs.Stage]StageTimes) string {
 		part := fmt.Sprintf("%s %.3f/%.3f/%.3f/%.3f/%.3f", st, t.Queue, t.ClaimPull, t.GPUWait, t.Run, t.Commit)
 		if t.Redone > 0 {
 			part += fmt.Sprintf(" (redone %.3f)", t.Redone)
+		}
+		if t.ResumedFrom > 0 {
+			part += fmt.Sprintf(" (resumed at step %d)", t.ResumedFrom)
 		}
 		parts = append(parts, part)
 	}

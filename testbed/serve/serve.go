@@ -65,7 +65,20 @@ type Config struct {
 	// outputs may wait for the next stage beyond its credits, for the
 	// whole upstream pool; a negative slack means two per GPU (AutoSlack).
 	Admission routing.Admission
-	Logger    *zap.Logger
+	// CheckpointEvery is every agent's denoise steps between step
+	// checkpoints in the Store (agent.Config.CheckpointEvery; 0: none but
+	// those a preemption takes where it stops the sampler).
+	CheckpointEvery int
+	// NoCheckpoints runs agents whose simulated GPU cannot checkpoint
+	// (simgpu.Config.NoCheckpoints): a preempted denoise is cancelled and
+	// starts over, as before step checkpoints. The baseline of
+	// CompareCheckpoints.
+	NoCheckpoints bool
+	// Prompts is the text mix the arrivals' prompts were drawn from
+	// (AssignPrompts), for the report's header; nil when the trace named
+	// them or nobody said.
+	Prompts *Prompts
+	Logger  *zap.Logger
 }
 
 // DefaultConfig is a disaggregated 8-GPU mesh of Wan 2.1 1.3B, time
@@ -166,11 +179,20 @@ func (c *Config) check(models costmodel.File) error {
 		return errors.New("serve: no arrivals")
 	case len(c.Mix) > 6:
 		return errors.New("serve: at most 6 models (what gossip carries)")
+	case c.CheckpointEvery < 0:
+		return errors.New("serve: checkpoint period must not be negative")
 	}
-	for _, a := range c.Arrivals {
+	// The report names a job's GPU spans by its prompt and seed.
+	jobOf := map[spanJob]int{}
+	for i, a := range c.Arrivals {
 		if _, ok := c.class(a); !ok {
 			return fmt.Errorf("serve: arrival of %s/%s: not in the mix", a.Model, a.Class)
 		}
+		k := spanJob{PromptOf(i, a), a.Seed}
+		if j, dup := jobOf[k]; dup {
+			return fmt.Errorf("serve: arrivals %d and %d are one request (prompt %q, seed %d)", j, i, k.prompt, k.seed)
+		}
+		jobOf[k] = i
 	}
 	if p := c.Pools; c.Topology == testbed.Disaggregated && p != (costmodel.Pools{}) {
 		if p.Encode < 1 || p.Denoise < 1 || p.Decode < 1 || p.Encode+p.Denoise+p.Decode != c.GPUs {
@@ -248,7 +270,7 @@ func (r *run) agentConfig(i int, roles []jobs.Stage) (agent.Config, Agent, error
 	if len(roles) == 3 {
 		a.Node = fmt.Sprintf("gpu%02d-all", i)
 	}
-	sim := &simgpu.Config{Models: map[string]simgpu.Model{}, Observe: r.spans.add}
+	sim := &simgpu.Config{Models: map[string]simgpu.Model{}, Observe: r.spans.add, NoCheckpoints: cfg.NoCheckpoints}
 	largest := int64(0)
 	seen := map[string]bool{}
 	for _, c := range cfg.Mix {
@@ -281,6 +303,7 @@ func (r *run) agentConfig(i int, roles []jobs.Stage) (agent.Config, Agent, error
 	ac.Queue.AgingStep = time.Duration(float64(cfg.Queue.AgingStep) / cfg.Compression)
 	ac.Queue.PreemptAfter = time.Duration(float64(cfg.Queue.PreemptAfter) / cfg.Compression)
 	ac.NewRunner = sim.Runner
+	ac.CheckpointEvery = cfg.CheckpointEvery
 	// Room for the slots' outputs and pulls several times over, and the
 	// Store's quarter: what a GPU host's pinned buffer would hold.
 	ac.Transfer.Arena.Size = max(ac.Transfer.Arena.Size, (16*largest+(1<<20)-1)&^((1<<20)-1))
@@ -420,7 +443,7 @@ func (r *run) offer(ctx context.Context, cl *testbed.Cluster) []*result {
 		m, _ := r.models.Model(a.Model)
 		frames := m.Frames
 		wg.Go(func() {
-			spec := engine.Spec{Model: a.Model, Prompt: fmt.Sprintf("req-%06d", i), Seed: a.Seed,
+			spec := engine.Spec{Model: a.Model, Prompt: PromptOf(i, a), NegativePrompt: a.Negative, Seed: a.Seed,
 				Width: 1024, Height: 1024, Frames: frames, Steps: m.Steps, GuidanceScale: 5}
 			if m.Kind == "video" {
 				spec.Width, spec.Height = 832, 480
@@ -444,13 +467,14 @@ func (r *run) offer(ctx context.Context, cl *testbed.Cluster) []*result {
 	return out
 }
 
-// opCounter counts the etcd requests of the mesh, and claim transactions
-// that lost their race.
+// opCounter counts the etcd requests of the mesh, claim transactions
+// that lost their race, and step checkpoints recorded.
 type opCounter struct {
-	mu        sync.Mutex // guards byMethod
-	byMethod  map[string]int64
-	claims    atomic.Int64
-	conflicts atomic.Int64
+	mu          sync.Mutex // guards byMethod
+	byMethod    map[string]int64
+	claims      atomic.Int64
+	conflicts   atomic.Int64
+	checkpoints atomic.Int64
 }
 
 func (o *opCounter) reset() {
@@ -459,6 +483,7 @@ func (o *opCounter) reset() {
 	o.mu.Unlock()
 	o.claims.Store(0)
 	o.conflicts.Store(0)
+	o.checkpoints.Store(0)
 }
 
 // observe is an etcdembed.Observer.
@@ -479,6 +504,23 @@ func (o *opCounter) observe(method string, req, reply any, err error) {
 			o.conflicts.Add(1)
 		}
 	}
+	if t, ok := req.(*pb.TxnRequest); ok && isCheckpoint(t) {
+		if resp, ok := reply.(*pb.TxnResponse); ok && err == nil && resp.Succeeded {
+			o.checkpoints.Add(1)
+		}
+	}
+}
+
+// isCheckpoint recognises jobs.Store.SaveCheckpoint's transaction: it puts
+// the record of a job's step checkpoint object (jobs.CheckpointID's
+// "<job>.ckpt.<step>").
+func isCheckpoint(t *pb.TxnRequest) bool {
+	for _, op := range t.Success {
+		if p := op.GetRequestPut(); p != nil && strings.Contains(string(p.Key), ".ckpt.") {
+			return true
+		}
+	}
+	return false
 }
 
 // isClaim recognises jobs.Store.TryClaim's transaction: it requires that a

@@ -212,3 +212,148 @@ func TestBreakdownOfRedoneStage(t *testing.T) {
 		t.Fatalf("encode breakdown %+v", e)
 	}
 }
+
+// Redone GPU time understands resumes: an earlier attempt's steps up to
+// the checkpoint the next attempt resumed from are kept, the steps after
+// it redone, and a denoise that started over redid every step.
+func TestRedoneUnderstandsResumes(t *testing.T) {
+	models, err := costmodel.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg := DefaultConfig()
+	cfg.Compression = 1
+	if cfg.Mix, err = ParseMix("wan2.1-t2v-1.3b:batch", models); err != nil {
+		t.Fatal(err)
+	}
+	t0 := time.Unix(1000, 0)
+	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
+	const stepMs = 100
+	type attempt struct {
+		claim      int // ms
+		from, to   int // steps run, from+1 to to
+		resumeFrom int // the step it resumed from (what the record of the committed one says)
+	}
+	tests := []struct {
+		name         string
+		attempts     []attempt // the last is committed
+		redone, kept float64   // GPU-s
+	}{
+		{"one attempt", []attempt{{0, 0, 10, 0}}, 0, 0},
+		{"started over", []attempt{{0, 0, 4, 0}, {1000, 0, 10, 0}}, 0.4, 0},
+		// Stopped after step 4 and checkpointed it: nothing is redone.
+		{"resumed at the stop", []attempt{{0, 0, 4, 0}, {1000, 4, 10, 4}}, 0, 0.4},
+		// Cancelled after step 6, its newest checkpoint at 4: steps 5 and 6 again.
+		{"resumed before the stop", []attempt{{0, 0, 6, 0}, {1000, 4, 10, 4}}, 0.2, 0.4},
+		// The first ran 1-6 (checkpoint at 4, killed), the second resumed at
+		// 4 and stopped at 8, the third resumed at 8: 5 and 6 were run twice.
+		{"a chain of resumes", []attempt{{0, 0, 6, 0}, {1000, 4, 8, 4}, {2000, 8, 10, 8}}, 0.2, 0.8},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			r := &run{cfg: cfg, models: models}
+			var spans []simgpu.Span
+			for _, a := range tc.attempts {
+				ms := a.claim + 10
+				for step := a.from + 1; step <= a.to; step++ {
+					spans = append(spans, simgpu.Span{Node: "gpu-1", Tag: "req-000000", Seed: 5, Stage: jobs.Denoise, Frame: -1, Step: step,
+						Queued: at(ms), Start: at(ms), End: at(ms + stepMs)})
+					ms += stepMs
+				}
+			}
+			// Another request's spans with the same prompt are not this job's.
+			spans = append(spans, simgpu.Span{Node: "gpu-2", Tag: "req-000000", Seed: 6, Stage: jobs.Denoise, Frame: -1, Step: 1, Queued: at(5), Start: at(5), End: at(500)})
+			for _, s := range spans {
+				r.spans.add(s)
+			}
+			last := tc.attempts[len(tc.attempts)-1]
+			end := last.claim + 10 + stepMs*(last.to-last.from)
+			job := jobs.Job{ID: "j", CreatedAt: at(0), Stages: map[jobs.Stage]*jobs.StageRecord{
+				jobs.Denoise: {Node: "gpu-1", Attempt: len(tc.attempts), StartedAt: at(last.claim), FinishedAt: at(end + 5), ResumedFrom: last.resumeFrom},
+			}}
+			rep := r.report([]*result{{Arrival: Arrival{Seed: 5}, Class: cfg.Mix[0], ID: "j", Submit: at(0), Accepted: at(0), End: at(end + 10), Job: job}})
+			got := rep.Jobs[0].Stages[jobs.Denoise]
+			near := func(x, want float64) bool { return math.Abs(x-want) < 1e-9 }
+			if !near(got.Redone, tc.redone) || !near(got.Kept, tc.kept) || !near(rep.RedoneGPU, tc.redone) || !near(rep.KeptGPU, tc.kept) {
+				t.Fatalf("redone %.3f kept %.3f (report %.3f, %.3f), want %.3f and %.3f", got.Redone, got.Kept, rep.RedoneGPU, rep.KeptGPU, tc.redone, tc.kept)
+			}
+			if want := 0.1 * float64(last.to-last.from); !near(got.Run, want) || !near(got.Wall, float64(end+5-last.claim)/1000) {
+				t.Fatalf("run %.3f wall %.3f, want run %.3f: the committed attempt's steps", got.Run, got.Wall, want)
+			}
+			if rep.ResumeMismatches != 0 || (last.resumeFrom > 0) != (rep.ResumedStages == 1) {
+				t.Fatalf("%d resume mismatches, %d resumed stages", rep.ResumeMismatches, rep.ResumedStages)
+			}
+		})
+	}
+}
+
+// The generated texts repeat as asked, deterministically, and a trace's
+// own prompts are kept.
+func TestAssignPrompts(t *testing.T) {
+	models, _ := costmodel.Load()
+	mix, _ := ParseMix("flux.1-dev:interactive,wan2.1-t2v-1.3b:batch", models)
+	arr := Poisson(mix, 10, 200*time.Second, 4)
+	arr[0].Prompt, arr[0].Negative = "a trace's own", "its own negative"
+	again := append([]Arrival(nil), arr...)
+	p := Prompts{Repeat: 0.5, Hot: 3, HotShare: 0.9}
+	AssignPrompts(arr, p, 1)
+	AssignPrompts(again, p, 1)
+	hot := map[string]int{}
+	for i := range arr {
+		if arr[i] != again[i] {
+			t.Fatalf("arrival %d: %+v then %+v from one seed", i, arr[i], again[i])
+		}
+		if strings.HasPrefix(arr[i].Negative, "negative-hot-") {
+			hot[arr[i].Negative]++
+		}
+	}
+	if arr[0].Prompt != "a trace's own" || arr[0].Negative != "its own negative" {
+		t.Fatalf("the trace's texts were replaced: %+v", arr[0])
+	}
+	u := Reuse(arr)
+	// About 2,000 arrivals: the shares are within a few points of the mix.
+	if math.Abs(u.Prompt-0.5) > 0.05 || u.Negative < 0.85 || u.Negative > 0.92 || len(hot) != 3 || hot["negative-hot-1"] <= hot["negative-hot-3"] {
+		t.Fatalf("reuse %+v, hot negatives %v: want about 50%% and 90%%, Zipf over 3", u, hot)
+	}
+	if err := (Prompts{Repeat: 1.5}).Check(); err == nil {
+		t.Fatal("a repeat share of 1.5 accepted")
+	}
+	// Two arrivals that are one request (prompt and seed) cannot be told apart in the report.
+	cfg := shortConfig(t, testbed.Disaggregated, 3)
+	cfg.Arrivals = []Arrival{{Model: "flux.1-dev", Class: "interactive", Prompt: "x", Seed: 1}, {Model: "flux.1-dev", Class: "interactive", Prompt: "x", Seed: 1}}
+	if err := cfg.check(models); err == nil || !strings.Contains(err.Error(), "one request") {
+		t.Fatalf("duplicate request: %v", err)
+	}
+}
+
+// The comparison runs one trace on GPUs that cannot checkpoint and then on
+// GPUs that checkpoint every 10 steps: only the second writes checkpoints,
+// and every resume starts after its checkpoint's step. The targets are reported, not asserted: whether a
+// preemption happens depends on this machine's timing.
+func TestCompareCheckpoints(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs a mesh twice")
+	}
+	cfg := shortConfig(t, testbed.Disaggregated, 3)
+	cfg.CheckpointEvery = 10
+	c, err := CompareCheckpoints(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkAccounting(t, c.Without)
+	checkAccounting(t, c.With)
+	if !c.Without.NoCheckpoints || c.With.NoCheckpoints || c.Without.Checkpoints != 0 || c.Without.ResumedStages != 0 {
+		t.Fatalf("without: no_checkpoints %v, %d checkpoints, %d resumes", c.Without.NoCheckpoints, c.Without.Checkpoints, c.Without.ResumedStages)
+	}
+	// A write still under way when the next checkpoint comes is replaced
+	// by it, so a slow machine writes fewer than four, but never none.
+	if c.With.Checkpoints < int64(c.With.All.Finished) {
+		t.Fatalf("with: %d checkpoints written for %d jobs, want one a job at least", c.With.Checkpoints, c.With.All.Finished)
+	}
+	if c.Without.ResumeMismatches+c.With.ResumeMismatches != 0 || c.Paired == 0 {
+		t.Fatalf("%d and %d resume mismatches, %d paired jobs", c.Without.ResumeMismatches, c.With.ResumeMismatches, c.Paired)
+	}
+	var buf bytes.Buffer
+	c.Text(&buf)
+	t.Logf("\n%s", buf.String())
+}

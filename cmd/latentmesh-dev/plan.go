@@ -17,10 +17,13 @@ func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "latentmesh-dev plan: %v\n", err)
 		return 1
 	}
-	fs := newFlagSet("plan", "--model M --gpus N [--rate R] [--json]", stderr)
+	fs := newFlagSet("plan", "--model M --gpus N [--rate R] [--prompt-hit-rate H --negative-hit-rate H] [--json]", stderr)
 	model := fs.String("model", "", "model to size pools for: "+strings.Join(models.Names(), ", "))
 	gpus := fs.Int("gpus", 0, "GPUs to split into encode, denoise and decode pools (at least 3)")
 	rate := fs.Float64("rate", 0, "jobs a second the pools should sustain (0: just size them)")
+	var cache costmodel.Cache
+	fs.Float64Var(&cache.PromptHit, "prompt-hit-rate", 0, "conditioning cache hits of the prompt half of encode (0 to 1): with this or --negative-hit-rate, the plan sizes the encode pool with and without the cache")
+	fs.Float64Var(&cache.NegativeHit, "negative-hit-rate", 0, "conditioning cache hits of the negative-prompt half of encode (0 to 1)")
 	asJSON := fs.Bool("json", false, "print the plan as JSON")
 	if code := cli.Parse(fs, args); code >= 0 {
 		return code
@@ -31,6 +34,9 @@ func runPlan(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 2
 	}
 	p, err := costmodel.PlanPools(m, *gpus, *rate)
+	if cache != (costmodel.Cache{}) {
+		p, err = costmodel.PlanPoolsCached(m, *gpus, *rate, cache)
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "latentmesh-dev plan: %v\n", err)
 		return 2

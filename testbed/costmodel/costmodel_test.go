@@ -2,6 +2,7 @@ package costmodel
 
 import (
 	"fmt"
+	"math"
 	"strings"
 	"testing"
 	"time"
@@ -94,5 +95,36 @@ func TestPlanPools(t *testing.T) {
 	}
 	if q, _ := PlanPools(wan, need-1, 10); q.Capacity >= 10 {
 		t.Fatalf("%d GPUs already sustain 10 jobs/s; %d is not the fewest", need-1, need)
+	}
+}
+
+// A conditioning cache takes the encode time its hits skip off the plan:
+// prompt and negative prompt are each half of an encode.
+func TestPlanPoolsCached(t *testing.T) {
+	f, _ := Load()
+	wan, _ := f.Model("wan2.1-t2v-1.3b")
+	c := Cache{PromptHit: 0.5, NegativeHit: 0.9}
+	if got := c.EncodeLeft(); math.Abs(got-0.3) > 1e-12 {
+		t.Fatalf("50%% and 90%% hits leave %.3f of encode, want 0.3", got)
+	}
+	// 4 jobs/s of 535 ms encodes need 2.14 GPUs, so 3; with 30% of it, 0.642: 1.
+	p, err := PlanPoolsCached(wan, 16, 4, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p.Cache == nil || p.Cache.EncodeGPUs != [2]int{3, 1} {
+		t.Fatalf("encode GPUs %+v, want 3 without the cache and 1 with", p.Cache)
+	}
+	// 16 GPUs: 2:13:1 without; the cache frees the second encoder for denoise.
+	if p.Pools != (Pools{2, 13, 1}) || p.Cache.Pools != (Pools{1, 14, 1}) || p.Cache.Capacity <= p.Capacity {
+		t.Fatalf("pools %v then %v at %.3f against %.3f jobs/s", p.Pools, p.Cache.Pools, p.Cache.Capacity, p.Capacity)
+	}
+	// No rate asked: the encode pool is sized for the plan's capacity.
+	p, _ = PlanPoolsCached(wan, 16, 0, Cache{})
+	if p.Cache.Rate != p.Capacity || p.Cache.EncodeGPUs[0] != p.Cache.EncodeGPUs[1] || !strings.Contains(p.Text(), "conditioning cache") {
+		t.Fatalf("no hits: %+v\n%s", p.Cache, p.Text())
+	}
+	if _, err := PlanPoolsCached(wan, 16, 1, Cache{PromptHit: 2}); err == nil {
+		t.Fatal("a hit rate of 2 accepted")
 	}
 }

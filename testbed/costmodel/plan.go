@@ -3,6 +3,7 @@ package costmodel
 import (
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"time"
 )
@@ -52,6 +53,85 @@ type Plan struct {
 	Bottleneck string `json:"bottleneck"`
 	// Why explains the sizing, one line per point.
 	Why []string `json:"why"`
+	// Cache is what a conditioning cache changes (PlanPoolsCached).
+	Cache *CachePlan `json:"cache,omitempty"`
+}
+
+// Cache is a conditioning cache's hit rates. The prompt and the negative
+// prompt are encoded as separate halves, each half of an encode's GPU
+// time, and a hit skips its half: the encode time a job needs scales with
+// the misses.
+type Cache struct {
+	PromptHit   float64 `json:"prompt_hit_rate"`
+	NegativeHit float64 `json:"negative_hit_rate"`
+}
+
+// EncodeLeft is the share of an encode's GPU time a job still spends.
+func (c Cache) EncodeLeft() float64 { return 0.5*(1-c.PromptHit) + 0.5*(1-c.NegativeHit) }
+
+// Apply is m with the encode time the cache leaves.
+func (c Cache) Apply(m Model) Model {
+	m.EncodeMs *= c.EncodeLeft()
+	return m
+}
+
+func (c Cache) check() error {
+	if !(c.PromptHit >= 0 && c.PromptHit <= 1) || !(c.NegativeHit >= 0 && c.NegativeHit <= 1) {
+		return fmt.Errorf("costmodel: hit rates %v and %v: want 0 to 1", c.PromptHit, c.NegativeHit)
+	}
+	return nil
+}
+
+// CachePlan is the encode pool a rate needs without and with a cache, and
+// the same GPUs split again on the encode time the cache leaves.
+type CachePlan struct {
+	Cache
+	EncodeLeft float64 `json:"encode_left"`
+	// Rate is what the encode pools are sized for: the plan's rate, else
+	// its capacity without the cache.
+	Rate float64 `json:"rate"`
+	// EncodeGPUs is the encode pool Rate needs: without the cache, with it.
+	EncodeGPUs [2]int  `json:"encode_gpus"`
+	Pools      Pools   `json:"pools"`
+	Capacity   float64 `json:"capacity"`
+	Bottleneck string  `json:"bottleneck"`
+}
+
+// EncodeGPUs is the fewest GPUs whose encodes keep up with rate jobs/s of
+// m (at least one).
+func EncodeGPUs(m Model, rate float64) int {
+	return max(1, int(math.Ceil(rate*m.StageTime("encode").Seconds()-1e-9)))
+}
+
+// PlanPoolsCached is PlanPools and what cache c changes: the encode pool
+// the rate needs with and without it, and the pools of the same GPUs on
+// the encode time it leaves.
+func PlanPoolsCached(m Model, gpus int, rate float64, c Cache) (Plan, error) {
+	if err := c.check(); err != nil {
+		return Plan{}, err
+	}
+	p, err := PlanPools(m, gpus, rate)
+	if err != nil {
+		return p, err
+	}
+	cm := c.Apply(m)
+	q, err := PlanPools(cm, gpus, rate)
+	if err != nil {
+		return p, err
+	}
+	cp := &CachePlan{Cache: c, EncodeLeft: c.EncodeLeft(), Rate: rate, Pools: q.Pools, Capacity: q.Capacity, Bottleneck: q.Bottleneck}
+	why := fmt.Sprintf("%.3f jobs/s asked", rate)
+	if rate == 0 {
+		cp.Rate, why = p.Capacity, fmt.Sprintf("%.3f jobs/s, the pools' capacity", p.Capacity)
+	}
+	cp.EncodeGPUs = [2]int{EncodeGPUs(m, cp.Rate), EncodeGPUs(cm, cp.Rate)}
+	p.Cache = cp
+	p.Why = append(p.Why,
+		fmt.Sprintf("conditioning cache: %.0f%% prompt hits and %.0f%% negative-prompt hits (each half of an encode) leave %.0f%% of encode: %s per job",
+			100*c.PromptHit, 100*c.NegativeHit, 100*cp.EncodeLeft, round(cm.StageTime("encode"))),
+		fmt.Sprintf("encode pool for %s: %d GPU(s) without the cache, %d with", why, cp.EncodeGPUs[0], cp.EncodeGPUs[1]),
+		fmt.Sprintf("with the cache the %d GPUs plan to %s: %.3f jobs/s (%.2fx), %s sets the pace", gpus, q.Pools, q.Capacity, q.Capacity/p.Capacity, q.Bottleneck))
+	return p, nil
 }
 
 // PlanPools sizes E:D:V pools of gpus GPUs for model m. It generalises

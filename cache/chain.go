@@ -174,7 +174,7 @@ func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []tra
 		}
 	}
 	if err != nil {
-		s.hold.unreserve(Memory, size)
+		s.hold.unreserveMode(Memory, size, mode)
 		return Holder{}, err
 	}
 	ref.Checksum = srcs[0].Checksum // what the copy is, once whole: pulls of it check against it

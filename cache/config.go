@@ -38,6 +38,15 @@ type Config struct {
 	SpillDir string
 	// SpillCapacity bounds the bytes kept in SpillDir.
 	SpillCapacity int64
+	// CacheCapacity bounds the bytes of Cache objects (content-addressed
+	// entries, Memo) this node holds, within MemoryCapacity: past it the
+	// least recently used are evicted. 0 leaves them bounded by
+	// MemoryCapacity alone. Cache copies are held in memory only.
+	CacheCapacity int64
+	// MemoWait is how long a Memo waits for an entry another agent is
+	// producing (it holds the entry's flight key) before producing it
+	// itself: longer than producing one entry takes.
+	MemoWait time.Duration
 	// Replicas is R for objects whose put does not say: relayed latents,
 	// results. Cache objects default to one.
 	Replicas int
@@ -142,6 +151,7 @@ func DefaultConfig() Config {
 		OrphanBatch:    500,              // at most 500 job records read a pass; 2,000 objects all asked about in 40 s
 		LostGrace:      5 * time.Minute,  // outlasts partitions and stalls a holder recovers from
 		ExpiryGrace:    time.Minute,
+		MemoWait:       10 * time.Second, // a text encoder takes milliseconds to a second
 		// Result images and small latents (a few KiB to tens of KiB) go
 		// inline; at 64 KiB copying through the stream still costs less
 		// than a pull's extra round trips (BenchmarkStagePut).
@@ -158,13 +168,13 @@ func (c Config) validate() (Config, error) {
 		return c, errors.New("cache: config: Node is empty")
 	case c.Prefix == "" || c.Prefix[0] != '/':
 		return c, fmt.Errorf("cache: config: prefix %q must start with /", c.Prefix)
-	case c.MemoryCapacity < 0 || c.SpillCapacity < 0:
+	case c.MemoryCapacity < 0 || c.SpillCapacity < 0 || c.CacheCapacity < 0:
 		return c, errors.New("cache: config: capacities must not be negative")
 	case c.SpillCapacity > 0 && c.SpillDir == "":
 		return c, errors.New("cache: config: SpillCapacity needs a SpillDir")
 	case c.Replicas < 1 || c.Replicas > 8:
 		return c, fmt.Errorf("cache: config: Replicas %d not in [1,8]", c.Replicas)
-	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0:
+	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0 || c.MemoWait <= 0:
 		return c, errors.New("cache: config: timeouts must be positive (start from DefaultConfig)")
 	case c.RepairTimeout <= 0 || c.RepairRetry <= 0 || c.RepairParallel < 1 || c.RecentJoin < 0:
 		return c, errors.New("cache: config: RepairTimeout, RepairRetry and RepairParallel must be positive (start from DefaultConfig)")

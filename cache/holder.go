@@ -61,6 +61,7 @@ type holdings struct {
 	byObject  map[string][]*copyOf
 	lru       *list.List // committed Cache copies, least recently used first
 	memUsed   int64
+	cacheUsed int64 // bytes of Cache copies, staged ones included (Config.CacheCapacity)
 	diskUsed  int64 // spill bytes, counted until the file is removed
 	evictions int64
 	spilled   int64         // copies that went to disk because memory was full, ever
@@ -111,32 +112,17 @@ func (h *holdings) reserveMemory(size int64, mode Mode) (evicted []*copyOf, err 
 func (h *holdings) reserveIn(size int64, mode Mode, overflow, memOnly bool) (tier Tier, evicted []*copyOf, err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if mode == Cache {
+		return h.reserveCacheLocked(size)
+	}
 	if durable(mode) && !memOnly && h.diskUsed+size <= h.cfg.SpillCapacity {
 		// Written through to disk, so the copy outlives this agent.
 		h.diskUsed += size
 		h.roomChanged()
 		return Disk, nil, nil
 	}
-	if h.memUsed+size > h.cfg.MemoryCapacity && mode != Cache {
-		// Make room by evicting cache entries, oldest use first, but only if
-		// that is enough: never evict for nothing.
-		var room int64
-		for e := h.lru.Front(); e != nil && h.memUsed-room+size > h.cfg.MemoryCapacity; e = e.Next() {
-			if c := e.Value.(*copyOf); c.tier == Memory {
-				room += c.size
-			}
-		}
-		if h.memUsed-room+size <= h.cfg.MemoryCapacity {
-			for e := h.lru.Front(); e != nil && h.memUsed+size > h.cfg.MemoryCapacity; {
-				next := e.Next()
-				if c := e.Value.(*copyOf); c.tier == Memory {
-					h.forgetLocked(c)
-					evicted = append(evicted, c)
-					h.evictions++
-				}
-				e = next
-			}
-		}
+	if h.memUsed+size > h.cfg.MemoryCapacity {
+		evicted = h.evictLocked(func() bool { return h.memUsed+size <= h.cfg.MemoryCapacity })
 	}
 	switch {
 	case h.memUsed+size <= h.cfg.MemoryCapacity:
@@ -157,6 +143,63 @@ func (h *holdings) reserveIn(size int64, mode Mode, overflow, memOnly bool) (tie
 	}
 	return "", evicted, fmt.Errorf("%w: %d bytes wanted; %d of %d in memory and %d of %d on disk used on %s",
 		ErrFull, size, h.memUsed, h.cfg.MemoryCapacity, h.diskUsed, h.cfg.SpillCapacity, h.cfg.Node)
+}
+
+// reserveCacheLocked claims memory for a Cache copy: within
+// Config.CacheCapacity (when set) and the memory capacity, evicting the
+// least recently used Cache copies to make room. Cache copies never go to
+// disk and never overflow: an entry that does not fit is not cached.
+func (h *holdings) reserveCacheLocked(size int64) (Tier, []*copyOf, error) {
+	capacity := h.cfg.MemoryCapacity
+	if h.cfg.CacheCapacity > 0 {
+		capacity = min(capacity, h.cfg.CacheCapacity)
+	}
+	if size > capacity {
+		return "", nil, fmt.Errorf("%w: a cache entry of %d bytes; cache entries may take %d bytes on %s", ErrFull, size, capacity, h.cfg.Node)
+	}
+	evicted := h.evictLocked(func() bool {
+		return h.cacheUsed+size <= capacity && h.memUsed+size <= h.cfg.MemoryCapacity
+	})
+	if h.cacheUsed+size > capacity || h.memUsed+size > h.cfg.MemoryCapacity {
+		return "", evicted, fmt.Errorf("%w: a cache entry of %d bytes; %d of %d in memory used on %s, %d by cache entries",
+			ErrFull, size, h.memUsed, h.cfg.MemoryCapacity, h.cfg.Node, h.cacheUsed)
+	}
+	h.memUsed += size
+	h.cacheUsed += size
+	h.roomChanged()
+	return Memory, evicted, nil
+}
+
+// evictLocked forgets committed Cache copies in memory, least recently used
+// first, until fits reports room; and none at all unless evicting every
+// such copy would make it: never evict for nothing. It returns the copies
+// evicted, whose records the caller deletes after releasing them.
+func (h *holdings) evictLocked(fits func() bool) (evicted []*copyOf) {
+	var victims []*copyOf
+	for e := h.lru.Front(); e != nil; e = e.Next() {
+		if c := e.Value.(*copyOf); c.tier == Memory {
+			victims = append(victims, c)
+		}
+	}
+	// Try it on the books first: forget, and put back if it was for nothing.
+	memUsed, cacheUsed := h.memUsed, h.cacheUsed
+	n := 0
+	for n < len(victims) && !fits() {
+		h.memUsed -= victims[n].size
+		h.cacheUsed -= victims[n].size
+		n++
+	}
+	ok := fits()
+	h.memUsed, h.cacheUsed = memUsed, cacheUsed
+	if !ok {
+		return nil
+	}
+	for _, c := range victims[:n] {
+		h.forgetLocked(c)
+		evicted = append(evicted, c)
+		h.evictions++
+	}
+	return evicted
 }
 
 // spillDir is this node's own directory under SpillDir.
@@ -195,12 +238,19 @@ func (h *holdings) anyRecovered() bool {
 }
 
 // unreserve gives back a reservation that was never filled.
-func (h *holdings) unreserve(tier Tier, size int64) {
+func (h *holdings) unreserve(tier Tier, size int64) { h.unreserveMode(tier, size, "") }
+
+// unreserveMode is unreserve of a reservation for a copy of mode: a Cache
+// copy's counts against the cache's room too.
+func (h *holdings) unreserveMode(tier Tier, size int64, mode Mode) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	switch tier {
 	case Memory:
 		h.memUsed -= size
+		if mode == Cache {
+			h.cacheUsed -= size
+		}
 		h.roomChanged()
 	case Disk:
 		h.diskUsed -= size
@@ -246,7 +296,7 @@ func (h *holdings) fill(ctx context.Context, object string, mode Mode, tier Tier
 	}
 	if err != nil {
 		if tier == Memory {
-			h.unreserve(tier, size) // a disk reservation is given back by the file's free
+			h.unreserveMode(tier, size, mode) // a disk reservation is given back by the file's free
 		}
 		return nil, err
 	}
@@ -403,6 +453,18 @@ func (h *holdings) touch(payload string) {
 	}
 }
 
+// touchObject is touch for every copy of object held here (an entry found
+// by a lookup, which may never pull it).
+func (h *holdings) touchObject(object string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for _, c := range h.byObject[object] {
+		if c.lru != nil {
+			h.lru.MoveToBack(c.lru)
+		}
+	}
+}
+
 // dropIf frees the copy with payload id if it is held and cond (nil: always)
 // holds for it; cond runs under mu, so the decision sees the copy's current
 // state, not a snapshot the watch may have overtaken.
@@ -462,6 +524,9 @@ func (h *holdings) forgetLocked(c *copyOf) {
 	}
 	if c.tier == Memory {
 		h.memUsed -= c.size
+		if c.mode == Cache {
+			h.cacheUsed -= c.size
+		}
 		h.roomChanged()
 	}
 }

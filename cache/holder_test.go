@@ -204,10 +204,14 @@ func TestReserveEvictsLRU(t *testing.T) {
 	if _, ev, err := s.hold.reserve(4*size, Pinned, false); !errors.Is(err, ErrFull) || len(ev) != 0 {
 		t.Fatalf("oversized reserve: evicted %d, err %v", len(ev), err)
 	}
-	// A cache put never evicts another cache entry.
-	if _, ev, err := s.hold.reserve(size, Cache, false); !errors.Is(err, ErrFull) || len(ev) != 0 {
-		t.Fatalf("cache reserve: evicted %d, err %v", len(ev), err)
+	// A cache put evicts the least recently used cache entry (the cache
+	// is an LRU within its room).
+	_, ev, err := s.hold.reserve(size, Cache, false)
+	if err != nil || len(ev) != 1 || ev[0].object != "c2" {
+		t.Fatalf("cache reserve: evicted %v, err %v; want c2", ev, err)
 	}
+	s.hold.release(ev...)
+	s.hold.unreserveMode(Memory, size, Cache)
 	tier, ev, err := s.hold.reserve(2*size, Pinned, false)
 	if err != nil || tier != Memory {
 		t.Fatalf("reserve: %s %v", tier, err)
@@ -217,10 +221,10 @@ func TestReserveEvictsLRU(t *testing.T) {
 	for _, c := range ev {
 		got = append(got, c.object)
 	}
-	if len(got) != 2 || got[0] != "c2" || got[1] != "c3" {
-		t.Fatalf("evicted %v, want [c2 c3]", got)
+	if len(got) != 1 || got[0] != "c3" {
+		t.Fatalf("evicted %v, want [c3]", got)
 	}
-	if st := s.LocalStats(); st.Evictions != 2 || st.Copies != 1 || st.MemoryUsed != 3*size {
+	if st := s.LocalStats(); st.Evictions != 2 || st.Copies != 1 || st.MemoryUsed != 3*size || st.CacheUsed != size {
 		t.Errorf("stats %+v", st)
 	}
 }

@@ -29,6 +29,27 @@ type index struct {
 	// other's work whole.
 	recs []*listed // in id order; a record's id is its key's
 	rev  int64     // every event up to rev is applied; 0: not loaded
+	// changed is closed, and replaced, whenever the index changes
+	// (changedLocked): Memo waits on it for an entry to appear.
+	changed chan struct{}
+}
+
+// changedLocked wakes whoever waits for the index to change.
+func (x *index) changedLocked() {
+	if x.changed != nil {
+		close(x.changed)
+	}
+	x.changed = make(chan struct{})
+}
+
+// watch returns a channel closed at the index's next change.
+func (x *index) watch() <-chan struct{} {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	if x.changed == nil {
+		x.changed = make(chan struct{})
+	}
+	return x.changed
 }
 
 // loadLocked replaces the index with ls, listed at revision rev; it sorts
@@ -36,6 +57,7 @@ type index struct {
 func (x *index) loadLocked(ls []*listed, rev int64) {
 	slices.SortFunc(ls, func(a, b *listed) int { return strings.Compare(a.ID, b.ID) })
 	x.recs, x.rev = ls, rev
+	x.changedLocked()
 }
 
 // reset empties the index until the next load; passes skip meanwhile.

@@ -107,6 +107,7 @@ func (s *Store) applyResponse(wr clientv3.WatchResponse) int64 {
 	}
 	rev := wr.Events[len(wr.Events)-1].Kv.ModRevision
 	s.idx.rev = max(s.idx.rev, rev)
+	s.idx.changedLocked()
 	return rev
 }
 

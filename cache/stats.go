@@ -8,16 +8,24 @@ type LocalStats struct {
 	MemoryCapacity int64 `json:"memory_capacity"`
 	DiskUsed       int64 `json:"disk_used"`
 	DiskCapacity   int64 `json:"disk_capacity"`
-	Copies         int   `json:"copies"` // copies held, staged ones included
-	Staged         int   `json:"staged"` // copies whose record has not appeared yet
-	Spills         int64 `json:"spills"` // copies that went to disk because memory was full, ever
-	Evictions      int64 `json:"evictions"`
-	Overflows      int64 `json:"overflows"` // copies held beyond capacity so a decode could finish
-	Puts           int64 `json:"puts"`      // objects staged by this node, ever
-	Gets           int64 `json:"gets"`      // objects fetched by this node, ever
-	Repairs        int64 `json:"repairs"`   // records this node re-replicated
-	Collected      int64 `json:"collected"` // records this node collected
-	Lost           int64 `json:"lost"`      // of which every holder was gone
+	Copies         int   `json:"copies"`    // copies held, staged ones included
+	Staged         int   `json:"staged"`    // copies whose record has not appeared yet
+	Spills         int64 `json:"spills"`    // copies that went to disk because memory was full, ever
+	Evictions      int64 `json:"evictions"` // Cache copies evicted for room, ever
+	// CacheUsed and CacheCapacity are the bytes of Cache copies held and
+	// their bound (Config.CacheCapacity; 0: none beyond memory's).
+	CacheUsed     int64 `json:"cache_used"`
+	CacheCapacity int64 `json:"cache_capacity"`
+	// MemoHits and MemoMisses count Memo's answers: found (here or being
+	// produced elsewhere), or produced by this node.
+	MemoHits   int64 `json:"memo_hits"`
+	MemoMisses int64 `json:"memo_misses"`
+	Overflows  int64 `json:"overflows"` // copies held beyond capacity so a decode could finish
+	Puts       int64 `json:"puts"`      // objects staged by this node, ever
+	Gets       int64 `json:"gets"`      // objects fetched by this node, ever
+	Repairs    int64 `json:"repairs"`   // records this node re-replicated
+	Collected  int64 `json:"collected"` // records this node collected
+	Lost       int64 `json:"lost"`      // of which every holder was gone
 	// Recovered counts the durable copies this run found on disk at start
 	// and has not yet named in a record or freed; Reannounced the records
 	// it has named such a copy in again, ever.
@@ -54,6 +62,8 @@ func (s *Store) LocalStats() LocalStats {
 		MemoryUsed: h.memUsed, MemoryCapacity: s.cfg.MemoryCapacity,
 		DiskUsed: h.diskUsed, DiskCapacity: s.cfg.SpillCapacity,
 		Copies: len(h.copies), Spills: h.spilled, Evictions: h.evictions, Overflows: h.overflows,
+		CacheUsed: h.cacheUsed, CacheCapacity: s.cfg.CacheCapacity,
+		MemoHits: s.memoHits.Load(), MemoMisses: s.memoMisses.Load(),
 		ByMode: map[Mode]*TierCounts{},
 	}
 	for _, c := range h.copies {

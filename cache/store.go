@@ -44,6 +44,9 @@ type Store struct {
 	ret     *Retention
 	idx     index // the records, fed by the watch; what maintenance reads
 	joins   joins // members' join times, for repair
+	flights flights
+
+	memoHits, memoMisses atomic.Int64 // Memo's answers, ever
 
 	kick   chan struct{}
 	ctx    context.Context // ended by Close: every goroutine's stop signal
@@ -85,6 +88,7 @@ func New(cfg Config, cli *clientv3.Client, x *transfer.Service, h host.Host, mem
 	s := &Store{
 		cfg: cfg, log: cfg.Logger.Named("store"), cli: cli, xfer: x, h: h, members: members, orphans: orphans,
 		ret: NewRetention(cli, cfg.Now), kick: make(chan struct{}, 1),
+		flights: flights{on: map[string]*flight{}},
 	}
 	s.hold = newHoldings(x, &s.cfg, s.log)
 	if err := s.hold.prepareSpill(); err != nil {

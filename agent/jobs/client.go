@@ -19,8 +19,9 @@ import (
 	"github.com/latentmesh/latentmesh/cache"
 )
 
-// Submit stores a new job and its first task in one transaction. The job is
-// durable once Submit returns.
+// Submit stores a new job and its first task in one transaction: its
+// encode, or its denoise when Options.Cond brings the conditioning from the
+// cache. The job is durable once Submit returns.
 func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job, error) {
 	class := opt.Class
 	if !class.Valid() {
@@ -33,14 +34,26 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 	if err := opt.Checkpointing.Check(spec.Steps); err != nil {
 		return Job{}, fmt.Errorf("jobs: %w", err)
 	}
-	t := Task{ID: newID(), JobID: newID(), Stage: Encode, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, Spec: spec, EnqueuedAt: now,
-		Checkpointing: opt.Checkpointing, Fork: opt.Fork}
+	first, stages := Encode, map[Stage]*StageRecord{}
+	if len(opt.Cond) > 0 {
+		// The conditioning is in the cache: no encode task, and a stage
+		// record that says where it came from.
+		for _, in := range opt.Cond {
+			if !in.Cached || !in.Store || in.Payload == "" {
+				return Job{}, fmt.Errorf("jobs: conditioning input %q is not a cache entry", in.Payload)
+			}
+		}
+		first = Denoise
+		stages[Encode] = &StageRecord{Node: opt.Cond[0].Node, StartedAt: now, FinishedAt: now, Cached: true}
+	}
+	t := Task{ID: newID(), JobID: newID(), Stage: first, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, Spec: spec, EnqueuedAt: now,
+		Inputs: opt.Cond, Checkpointing: opt.Checkpointing, Fork: opt.Fork}
 	t.Key = s.taskKey(&t)
 	push := opt.Push
 	rec := record{
 		Job: Job{
-			ID: t.JobID, Spec: spec, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, State: Queued, Stage: Encode,
-			Stages: map[Stage]*StageRecord{}, CreatedAt: now, UpdatedAt: now, Owner: opt.Owner,
+			ID: t.JobID, Spec: spec, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, State: Queued, Stage: first,
+			Stages: stages, CreatedAt: now, UpdatedAt: now, Owner: opt.Owner,
 			Checkpointing: opt.Checkpointing, Fork: opt.Fork,
 		},
 		TaskKey: t.Key,

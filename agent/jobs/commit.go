@@ -39,8 +39,9 @@ type Output struct {
 	Work, Pull time.Duration
 	// Transport names what carried the input (StageRecord.Transport).
 	Transport string
-	// ResumedFrom and Checkpoints are StageRecord's.
+	// ResumedFrom, Checkpoints and CacheHits are StageRecord's.
 	ResumedFrom, Checkpoints int
+	CacheHits                []string
 }
 
 // StagedRecord is a record a commit writes in its transaction. A record
@@ -229,6 +230,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 			Transport:   out.Transport,
 			ResumedFrom: out.ResumedFrom,
 			Checkpoints: out.Checkpoints,
+			CacheHits:   out.CacheHits,
 		}
 		ops := s.releaseOps(c.Task.Inputs)
 		if c.Task.Stage == Denoise {

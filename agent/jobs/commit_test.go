@@ -202,3 +202,56 @@ func (r *forgetfulRecord) Renew(ctx context.Context) error {
 	r.renewed++
 	return nil
 }
+
+// A job whose conditioning is in the cache starts at its denoise, with an
+// encode stage record that says so; its commit (and a cancel) keeps the
+// cache entries, which other jobs share, and releases nothing else.
+func TestCachedConditioningSkipsEncode(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	keys := []string{cache.ObjectKey(s.cfg.Prefix, "cond.v.p"), cache.ObjectKey(s.cfg.Prefix, "cond.v.n")}
+	for _, k := range keys {
+		if _, err := cli.Put(ctx, k, `{"id":"x"}`); err != nil {
+			t.Fatal(err)
+		}
+	}
+	cond := []Input{{Payload: "cond.v.p", Node: "enc-1", Store: true, Cached: true}, {Payload: "cond.v.n", Node: "enc-1", Store: true, Cached: true}}
+	if _, err := s.Submit(ctx, spec(), Options{Class: routing.Standard, Cond: []Input{{Payload: "x", Store: true}}}); err == nil {
+		t.Fatal("a conditioning input that is no cache entry was accepted")
+	}
+	job, err := s.Submit(ctx, spec(), Options{Class: routing.Standard, Cond: cond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if q, _, _, _ := s.Depth(ctx, Encode); q != 0 {
+		t.Fatalf("a cached job has an encode task")
+	}
+	if job.Stage != Denoise || job.Stages[Encode] == nil || !job.Stages[Encode].Cached || job.Stages[Encode].Node != "enc-1" {
+		t.Fatalf("submitted job: stage %s, encode record %+v", job.Stage, job.Stages[Encode])
+	}
+	den := claimOne(t, s, Denoise, "den-1", lease)
+	if len(den.Task.Inputs) != 2 || !den.Task.Inputs[1].Cached {
+		t.Fatalf("denoise task inputs %+v", den.Task.Inputs)
+	}
+	if err := s.Commit(ctx, den, Output{Payloads: payload("lat", "den-1")}); err != nil {
+		t.Fatal(err)
+	}
+	got, _ := s.Get(ctx, job.ID)
+	if !got.Stages[Encode].Cached || got.Stages[Denoise] == nil {
+		t.Fatalf("after the denoise: %+v", got.Stages)
+	}
+	// A second job on the same entries, cancelled while queued.
+	job2, err := s.Submit(ctx, spec(), Options{Class: routing.Standard, Cond: cond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Cancel(ctx, job2.ID); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keys {
+		if r, _ := cli.Get(ctx, k); len(r.Kvs) != 1 {
+			t.Fatalf("cache entry %s released by a consumer", k)
+		}
+	}
+}

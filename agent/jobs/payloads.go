@@ -28,10 +28,14 @@ type PayloadRecord struct {
 
 // releaseOps free consumed inputs: delete-on-consume for peer-to-peer
 // payloads (the producer frees the buffer) and Store objects alike (the
-// holders free their copies).
+// holders free their copies), but for conditioning cache entries, which
+// other jobs share.
 func (s *Store) releaseOps(in []Input) []clientv3.Op {
 	ops := make([]clientv3.Op, 0, len(in))
 	for _, i := range in {
+		if i.Cached {
+			continue // a cache entry outlives its consumers
+		}
 		if i.Store {
 			ops = append(ops, clientv3.OpDelete(cache.ObjectKey(s.cfg.Prefix, i.Payload)))
 		} else {

@@ -99,6 +99,11 @@ type Options struct {
 	// Fork, if set, starts the job's denoise from another job's
 	// checkpoint (POST /v1/jobs/{id}/fork).
 	Fork *ForkFrom
+	// Cond, if set, is the job's whole conditioning, found in the
+	// conditioning cache at submission (cache entries, Input.Cached): the
+	// job has no encode task, its first task is the denoise, and its
+	// encode stage record says so (StageRecord.Cached).
+	Cond []Input
 }
 
 // Job is the durable record of one generation request, stored as JSON at
@@ -139,6 +144,10 @@ type Input struct {
 	// to (transfer.Service.Issue), so that worker pulls without asking
 	// for one; opaque here, and only that worker uses it.
 	Ticket []byte `json:"ticket,omitempty"`
+	// Cached marks a conditioning cache entry (a Store object of mode
+	// cache, shared by every job whose text it encodes): its consumer's
+	// commit does not release it; its holder evicts it when it needs room.
+	Cached bool `json:"cached,omitempty"`
 }
 
 // Task is one runnable stage of a job, stored as JSON at its task key.
@@ -196,6 +205,13 @@ type StageRecord struct {
 	// Checkpoints counts those its attempt wrote.
 	ResumedFrom int `json:"resumed_from,omitempty"`
 	Checkpoints int `json:"checkpoints,omitempty"`
+	// Cached says the stage did not run: its output was found whole in
+	// the conditioning cache when the job was submitted (encode only), on
+	// Node, the entries' holder. CacheHits names the parts of an encode
+	// that ran which came from the cache: "prompt", "negative", or
+	// "conditioning" (both, of an engine that encodes them together).
+	Cached    bool     `json:"cached,omitempty"`
+	CacheHits []string `json:"cache_hits,omitempty"`
 }
 
 // Progress is the running stage's fine-grained progress (denoise steps).

@@ -107,6 +107,10 @@ func (c *Client) Delete(ctx context.Context, id string) error {
 	return c.doJSON(ctx, http.MethodDelete, jobPath(id), nil, &ack)
 }
 
+// submitGrace is how long Generate still waits for a submission's answer
+// after its context ended.
+const submitGrace = 2 * time.Second
+
 // Generate submits req, follows the job to its end and returns its output.
 // With progress set, it follows the job's event stream and reports the job
 // at each change and each denoise step (polling every 200ms a server
@@ -114,9 +118,19 @@ func (c *Client) Delete(ctx context.Context, id string) error {
 // is the last one seen, so a caller can tell whether anything was
 // submitted.
 func (c *Client) Generate(ctx context.Context, req JobRequest, progress func(jobs.Job)) (jobs.Job, []byte, error) {
-	job, err := c.Submit(ctx, req)
+	// A submission under way when ctx ends is given submitGrace to answer:
+	// the job may exist already, and the caller can withdraw it only if it
+	// learns its id.
+	sctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancel()
+	stop := context.AfterFunc(ctx, func() { time.AfterFunc(submitGrace, cancel) })
+	job, err := c.Submit(sctx, req)
+	stop()
 	if err != nil {
 		return job, nil, err
+	}
+	if ctx.Err() != nil {
+		return job, nil, ctx.Err()
 	}
 	if progress != nil {
 		progress(job)

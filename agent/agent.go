@@ -393,6 +393,11 @@ func (a *Agent) modelSteps(model string) int {
 // Start joins the mesh, starts the stage workers and serves HTTP.
 func (a *Agent) Start(ctx context.Context) error {
 	a.member.UpdateMeta(a.meta())
+	// The record the registration writes names the models' encoders (a
+	// registered external engine's come with gossipEngine).
+	if err := a.member.SetModels(ctx, a.modelRecords()); err != nil {
+		return fmt.Errorf("agent: node record: %w", err)
+	}
 	// The Store serves before the node registers: a member that finds it
 	// registered may ask it for a copy at once.
 	a.cstore.Start()
@@ -615,9 +620,15 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 		a.metrics.JobRefused()
 		return jobs.Job{}, err
 	}
+	first := jobs.Encode
+	if opts.Cond == nil {
+		if opts.Cond = a.cachedCond(spec); opts.Cond != nil {
+			first = jobs.Denoise // the conditioning is in the cache: no encode
+		}
+	}
 	if opts.Push == nil {
-		// The first task goes, claimed, to an encoder with a free slot.
-		_, opts.Push = a.pushTarget(jobs.Encode, spec.ModelName())
+		// The first task goes, claimed, to a worker with a free slot.
+		_, opts.Push = a.pushTarget(first, spec.ModelName())
 	}
 	var j jobs.Job
 	err := a.onEtcd(ctx, func(ctx context.Context) (err error) {
@@ -781,6 +792,7 @@ func (a *Agent) gossipEngine() {
 		leaseChanged := a.member.LeaseChanged() // a registration may not carry the models
 		a.publishMeta()
 		a.publishModels()
+		a.dropStaleCond()
 		select {
 		case <-a.ctx.Done():
 			return

@@ -88,6 +88,12 @@ type Config struct {
 	// computes from the conditioning alone (the unconditional branch's
 	// attention keys and values), kept across requests (0: none).
 	KVCacheBytes int64
+	// CondCacheBytes is this agent's room for conditioning cache entries
+	// (what encoders made of texts, shared by the whole mesh), within its
+	// Store memory; least recently used entries are evicted past it. 0
+	// turns the conditioning cache off on this agent: it neither looks up
+	// nor publishes entries.
+	CondCacheBytes int64
 	// AlarmEvery is how often etcd's alarms are read (NOSPACE refuses new
 	// jobs and turns /readyz to 503).
 	AlarmEvery time.Duration
@@ -159,6 +165,7 @@ func DefaultConfig() Config {
 		PreviewTTL:       10 * time.Minute, // previews are for watching a decode, not for keeping
 		CheckpointTTL:    time.Hour,        // longer than any denoise; a commit releases them sooner
 		KVCacheBytes:     64 << 20,         // thousands of negative prompts' keys and values
+		CondCacheBytes:   64 << 20,         // thousands of texts' embeddings; a T5-XXL one is 4 MiB
 		AlarmEvery:       5 * time.Second,  // a full etcd is noticed within seconds; one cheap read
 		EtcdTimeout:      5 * time.Second,  // a healthy etcd answers in milliseconds; a leader election takes ~1 s
 		EtcdHealth:       jobs.DefaultHealthConfig(),
@@ -227,8 +234,8 @@ func (c Config) validate() (Config, error) {
 	if c.ResultTTL <= 0 || c.PreviewTTL <= 0 || c.CheckpointTTL <= 0 || c.AlarmEvery <= 0 || c.EtcdTimeout <= 0 {
 		return c, errors.New("agent: ResultTTL, PreviewTTL, CheckpointTTL, AlarmEvery and EtcdTimeout must be positive")
 	}
-	if c.CheckpointEvery < 0 || c.KVCacheBytes < 0 {
-		return c, errors.New("agent: CheckpointEvery and KVCacheBytes must not be negative")
+	if c.CheckpointEvery < 0 || c.KVCacheBytes < 0 || c.CondCacheBytes < 0 {
+		return c, errors.New("agent: CheckpointEvery, KVCacheBytes and CondCacheBytes must not be negative")
 	}
 	if c.DrainTimeout < 0 || c.Queue.PreemptAfter < 0 || c.Admission.Slack < 0 {
 		return c, errors.New("agent: DrainTimeout, Queue.PreemptAfter and Admission.Slack must not be negative")
@@ -244,6 +251,9 @@ func (c Config) validate() (Config, error) {
 	if c.Store.MemoryCapacity > c.Transfer.Arena.Size && c.Transfer.Arena.Size > 0 {
 		return c, fmt.Errorf("agent: Store memory %d exceeds the %d-byte arena it is lent from", c.Store.MemoryCapacity, c.Transfer.Arena.Size)
 	}
+	// Cache entries take at most a quarter of the Store's memory, so that
+	// latents in flight always find room.
+	c.Store.CacheCapacity = min(c.CondCacheBytes, c.Store.MemoryCapacity/4)
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()
 	}

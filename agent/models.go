@@ -8,6 +8,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/jobs"
 )
 
 // A request for a model served by an external engine is checked, by the
@@ -18,25 +19,53 @@ import (
 
 // modelRecord is what NodeRecord.Models holds for one model.
 type modelRecord struct {
-	Limits engine.Limits `json:"limits"`
+	// Limits are an external model's (absent for the built-in model,
+	// whose are every agent's own).
+	Limits engine.Limits `json:"limits,omitzero"`
+	// Encoder is the version of the model's encoder on this node, when it
+	// serves the model's encode and can name it: the conditioning cache's
+	// entries are keyed by it (condcache.go). SplitCond says the encoder
+	// makes the prompt's and the negative prompt's halves apart.
+	Encoder   string `json:"encoder,omitempty"`
+	SplitCond bool   `json:"split_cond,omitempty"`
 }
 
-// publishModels writes the limits of the models the registered engine
-// serves into this node's record (none while no engine is registered).
-func (a *Agent) publishModels() {
-	if a.ext == nil {
-		return
-	}
-	models := map[string]json.RawMessage{}
-	if reg := a.ext.Engine(); reg != nil {
-		for _, m := range reg.Models {
-			b, err := json.Marshal(modelRecord{Limits: m.Limits(a.cfg.Engine.Limits)})
-			if err != nil {
-				continue // a struct of numbers always encodes
+// modelRecords is what this node's record says of the models its runner
+// serves: an external engine's limits, and each encoder's version.
+func (a *Agent) modelRecords() map[string]json.RawMessage {
+	cv, _ := a.runner.(condVersioned)
+	_, split := a.runner.(textEncoder)
+	recs := map[string]modelRecord{}
+	if a.ext != nil {
+		if reg := a.ext.Engine(); reg != nil {
+			for _, m := range reg.Models {
+				recs[m.Name] = modelRecord{Limits: m.Limits(a.cfg.Engine.Limits)}
 			}
-			models[m.Name] = b
 		}
 	}
+	if cv != nil && a.condCaching() {
+		for model, stages := range a.runner.Models() {
+			if v := cv.EncoderVersion(model); v != "" && slices.Contains(stages, jobs.Encode) {
+				r := recs[model]
+				r.Encoder, r.SplitCond = v, split
+				recs[model] = r
+			}
+		}
+	}
+	models := map[string]json.RawMessage{}
+	for name, r := range recs {
+		if b, err := json.Marshal(r); err == nil { // a struct of numbers and strings always encodes
+			models[name] = b
+		}
+	}
+	return models
+}
+
+// publishModels writes what the runner serves (modelRecords) into this
+// node's record. Called before registration (Start), it costs no write of
+// its own: the registration carries it.
+func (a *Agent) publishModels() {
+	models := a.modelRecords()
 	if err := a.member.SetModels(a.ctx, models); err != nil && a.ctx.Err() == nil {
 		a.log.Warn("model limits not written to the node record; submissions check the agent's defaults until the next registration",
 			zap.Strings("models", slices.Sorted(maps.Keys(models))), zap.Error(err))

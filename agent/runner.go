@@ -109,6 +109,23 @@ func (b builtinRunner) Denoise(ctx context.Context, d DenoiseCall) error {
 	return err
 }
 
+// EncoderVersion is the engine's id for the model it serves: what it makes
+// of a text changes only with it.
+func (b builtinRunner) EncoderVersion(model string) string {
+	if model != engine.DefaultModel {
+		return ""
+	}
+	return b.e.ID()
+}
+
+// BranchMeta and EncodeText make one text's half of the conditioning.
+func (b builtinRunner) BranchMeta(engine.Spec) (transfer.TensorMeta, error) {
+	return b.e.BranchMeta(), nil
+}
+func (b builtinRunner) EncodeText(ctx context.Context, _ engine.Spec, text string, dst []byte) error {
+	return b.e.EncodeTextInto(ctx, text, dst)
+}
+
 // Checkpoints: the built-in sampler checkpoints every model it serves,
 // with no default period of its own (the agent's flag decides).
 func (b builtinRunner) Checkpoints(engine.Spec) (bool, int)            { return true, 0 }
@@ -295,6 +312,18 @@ func (x *externalRunner) Denoise(ctx context.Context, d DenoiseCall) error {
 		}
 	}
 	return nil
+}
+
+// EncoderVersion is the registered engine's name and version when it
+// serves model's encode: protocol v1 says nothing finer, so any new engine
+// build is a new encoder version. The engine encodes both texts as one
+// tensor, so its conditioning is cached whole.
+func (x *externalRunner) EncoderVersion(model string) string {
+	reg := x.srv.Engine()
+	if reg == nil || !reg.Serves(extengine.StageEncode, model) {
+		return ""
+	}
+	return reg.Engine
 }
 
 // Checkpoints: external engines do not checkpoint yet (worker protocol

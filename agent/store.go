@@ -157,7 +157,11 @@ func (a *Agent) inputRefs(ctx context.Context, ins []jobs.Input) (jobs.Input, []
 		}
 		return in, []transfer.Ref{ref}, err
 	}
-	rec, err := a.cstore.Lookup(ctx, in.Payload)
+	rec, found := a.cstore.Entry(in.Payload) // a cache entry, from the index
+	var err error
+	if !found {
+		rec, err = a.cstore.Lookup(ctx, in.Payload)
+	}
 	if errors.Is(err, cache.ErrNotFound) {
 		return in, nil, fmt.Errorf("%w: store object %s: %v", errInputLost, in.Payload, err)
 	}

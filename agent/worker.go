@@ -900,6 +900,9 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, 
 	spec := c.Task.Spec
 	switch c.Task.Stage {
 	case jobs.Encode:
+		if out, ok, err := a.encodeCached(ctx, c); ok {
+			return out, nil, false, err
+		}
 		meta, err := a.runner.CondMeta(spec)
 		if err != nil {
 			return out, nil, false, err
@@ -1005,7 +1008,13 @@ func (a *Agent) output(c *jobs.Claim, ref transfer.Ref, hint string) (jobs.Outpu
 // the consumer's pull fails with "not found", which rewinds the job.
 func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
 	spec := c.Task.Spec
-	cond, releaseCond, err := a.pull(ctx, c.Task.Inputs)
+	pull := a.pull
+	if len(c.Task.Inputs) > 1 { // a prompt's and a negative prompt's cache entries
+		pull = func(ctx context.Context, ins []jobs.Input) (engine.Tensor, func(), error) {
+			return a.pullCond(ctx, spec, ins)
+		}
+	}
+	cond, releaseCond, err := pull(ctx, c.Task.Inputs)
 	if err != nil {
 		return out, nil, false, err
 	}
@@ -1207,16 +1216,26 @@ func (a *Agent) pull(ctx context.Context, ins []jobs.Input) (t engine.Tensor, re
 		return engine.Tensor{}, nil, fmt.Errorf("%w: payload meta: %v", errInputLost, err)
 	}
 	dst, release := a.buffer(meta.Bytes())
-	for _, ref := range refs { // a Store object's replicas, nearest first
+	if err := a.pullFrom(ctx, in, refs, dst); err != nil {
+		release()
+		return engine.Tensor{}, nil, err
+	}
+	return engine.Tensor{Meta: meta, Data: dst}, release, nil
+}
+
+// pullFrom pulls input in into dst from the first of refs that answers (a
+// Store object's replicas, nearest first).
+func (a *Agent) pullFrom(ctx context.Context, in jobs.Input, refs []transfer.Ref, dst []byte) error {
+	var err error
+	for _, ref := range refs {
 		if err = a.xfer.PullInto(ctx, ref, dst); err == nil {
-			return engine.Tensor{Meta: meta, Data: dst}, release, nil
+			return nil
 		}
 		if ctx.Err() != nil {
 			break
 		}
 	}
-	release()
-	return engine.Tensor{}, nil, a.pullFailed(ctx, in, err)
+	return a.pullFailed(ctx, in, err)
 }
 
 // buffer returns n bytes for a pull to land in: arena memory when the arena
@@ -1317,14 +1336,22 @@ func (a *Agent) previewFrames(ctx context.Context, c *jobs.Claim, fd FrameDecode
 func (a *Agent) pullFailed(ctx context.Context, in jobs.Input, err error) error {
 	switch {
 	case errors.Is(err, transfer.ErrNotFound):
-		return fmt.Errorf("%w: %s on %s: %w", errInputLost, in.Payload, in.Node, err)
+		err = fmt.Errorf("%w: %s on %s: %w", errInputLost, in.Payload, in.Node, err)
 	case ctx.Err() != nil:
 		return ctx.Err()
+	default:
+		if p, ok := a.member.Peer(in.Node); !ok || !p.Registered {
+			err = fmt.Errorf("%w: producer %s left the mesh: %v", errInputLost, in.Node, err)
+		} else {
+			return fmt.Errorf("%w: pull %s from %s: %v", errTransient, in.Payload, in.Node, err)
+		}
 	}
-	if p, ok := a.member.Peer(in.Node); !ok || !p.Registered {
-		return fmt.Errorf("%w: producer %s left the mesh: %v", errInputLost, in.Node, err)
+	if in.Cached {
+		// A cache entry no holder serves goes, so that the job's rewind
+		// encodes its text again rather than find it.
+		a.dropEntry(in.Payload)
 	}
-	return fmt.Errorf("%w: pull %s from %s: %v", errTransient, in.Payload, in.Node, err)
+	return err
 }
 
 // pullVia collects the transports that carried a task's input, for its

@@ -15,17 +15,26 @@ import (
 	"github.com/latentmesh/latentmesh/agent/jobs"
 )
 
-// stubEngine registers models on an agent's engine socket, heartbeats, and
-// fails every task it is sent: enough for a test of what happens at
-// submission.
+// stubEngine registers models on an agent's engine socket as engine
+// "stub/1", heartbeats, and fails every task it is sent: enough for a test
+// of what happens at submission.
 func stubEngine(t *testing.T, ctx context.Context, socket string, models []extengine.Model) {
+	t.Helper()
+	stubEngineAs(t, ctx, socket, "stub/1", false, models)
+}
+
+// stubEngineAs is stubEngine registering as engine name; with encode, it
+// answers encode tasks done, their output left as the arena held it. It
+// returns a function that disconnects the engine.
+func stubEngineAs(t *testing.T, ctx context.Context, socket, name string, encode bool, models []extengine.Model) (disconnect func()) {
 	t.Helper()
 	conn, err := (&net.Dialer{}).DialContext(ctx, "unix", socket)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { conn.Close() })
-	if err := extengine.WriteMsg(conn, &extengine.Msg{T: extengine.TypeRegister, Engine: "stub/1", Models: models}); err != nil {
+	ctx, cancel := context.WithCancel(ctx)
+	if err := extengine.WriteMsg(conn, &extengine.Msg{T: extengine.TypeRegister, Engine: name, Models: models}); err != nil {
 		t.Fatal(err)
 	}
 	// The welcome's arena fd is dropped by a plain read: this engine
@@ -54,11 +63,15 @@ func stubEngine(t *testing.T, ctx context.Context, socket string, models []exten
 			if err != nil {
 				return
 			}
-			if m.T == extengine.TypeTask {
+			switch {
+			case m.T == extengine.TypeTask && encode && m.Stage == extengine.StageEncode:
+				frames <- &extengine.Msg{T: extengine.TypeDone, Task: m.Task}
+			case m.T == extengine.TypeTask:
 				frames <- &extengine.Msg{T: extengine.TypeFailed, Task: m.Task, Code: extengine.CodeInternal, Reason: "stub engine runs nothing"}
 			}
 		}
 	}()
+	return func() { cancel(); conn.Close() }
 }
 
 // Issue 20, done-when 1: a model registered with limits 1280x720 x 81

@@ -43,6 +43,7 @@ type Metrics struct {
 	etcdErrors    *prometheus.CounterVec
 	engineBeat    atomic.Int64 // unix ns of the external engine's last frame; 0: none
 	ckpt          checkpointMetrics
+	cond          condMetrics
 }
 
 // Requeue and rewind reasons, commit refusals: the values of the reason
@@ -164,6 +165,9 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 		if err := reg.Register(c); err != nil {
 			return nil, fmt.Errorf("httpapi: registering metrics: %w", err)
 		}
+	}
+	if err := m.initCondCache(); err != nil {
+		return nil, err
 	}
 	if err := m.initCheckpoints(); err != nil {
 		return nil, err
@@ -291,6 +295,9 @@ func (m *Metrics) Handler() http.Handler {
 // and tier, and its cumulative counters. Summed over agents, the series
 // describe the whole Store.
 func (m *Metrics) WatchStore(stats func() cache.LocalStats) error {
+	if err := m.reg.Register(condCollector{stats: stats}); err != nil {
+		return err
+	}
 	return m.reg.Register(storeCollector{stats: stats})
 }
 

@@ -86,6 +86,11 @@ type DemoConfig struct {
 type StageTiming struct {
 	Ms   float64 `json:"ms"`
 	Node string  `json:"node"`
+	// Cached: the stage did not run, its output came from the
+	// conditioning cache (held on Node); CacheHits: the parts of an
+	// encode that did.
+	Cached    bool     `json:"cached,omitempty"`
+	CacheHits []string `json:"cache_hits,omitempty"`
 }
 
 // DemoJob is one job of the report.
@@ -145,7 +150,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (DemoReport, error) {
 		dj := DemoJob{ID: job.ID, Prompt: job.Spec.Prompt, Seed: job.Spec.Seed, Output: path, Stages: map[string]StageTiming{}}
 		for _, st := range jobs.Stages() {
 			if r := job.Stages[st]; r != nil {
-				dj.Stages[string(st)] = StageTiming{Ms: r.Millis, Node: r.Node}
+				dj.Stages[string(st)] = StageTiming{Ms: r.Millis, Node: r.Node, Cached: r.Cached, CacheHits: r.CacheHits}
 			}
 		}
 		rep.Jobs = append(rep.Jobs, dj)
@@ -188,7 +193,14 @@ func timeline(j DemoJob) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "job %s %q seed=%d\n", j.ID, j.Prompt, j.Seed)
 	for _, st := range jobs.Stages() {
-		if t, ok := j.Stages[string(st)]; ok {
+		t, ok := j.Stages[string(st)]
+		switch {
+		case !ok:
+		case t.Cached:
+			fmt.Fprintf(&b, "    %-8s   cached     on %s\n", st, t.Node)
+		case len(t.CacheHits) > 0:
+			fmt.Fprintf(&b, "    %-8s %8.1f ms  on %s (%s from the cache)\n", st, t.Ms, t.Node, strings.Join(t.CacheHits, ", "))
+		default:
 			fmt.Fprintf(&b, "    %-8s %8.1f ms  on %s\n", st, t.Ms, t.Node)
 		}
 	}

@@ -58,6 +58,7 @@ var everyKey = map[string]string{
 	"checkpoint-every":     "5",
 	"checkpoint-ttl":       "3h",
 	"kv-cache-bytes":       "8MiB",
+	"cond-cache-bytes":     "16MiB",
 	"job-retention":        "48h",
 	"engine-socket":        "/run/latentmesh/engine.sock",
 	"scheduler":            "fifo",

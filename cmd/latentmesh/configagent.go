@@ -113,6 +113,7 @@ func newAgentSettings() *agentSettings {
 		{name: "result-ttl", value: durationValue{&c.ResultTTL}, help: "how long finished files stay in the Store"},
 		{name: "checkpoint-every", value: intValue{&c.CheckpointEvery}, help: "denoise steps between step checkpoints in the Store, unless the request (checkpoint_every) or the model's registration says (0: none; a preemption or drain checkpoints where it stops regardless)"},
 		{name: "kv-cache-bytes", value: bytesValue{&c.KVCacheBytes}, help: "memory for tensors a denoise computes from the conditioning alone (the negative prompt's attention keys and values), reused across requests (0: none)"},
+		{name: "cond-cache-bytes", value: bytesValue{&c.CondCacheBytes}, help: "room for conditioning cache entries this agent holds: what encoders made of prompts and negative prompts, found by every agent so a repeated text skips encode (at most a quarter of the Store's memory; 0: the cache is off here)"},
 		{name: "checkpoint-ttl", value: durationValue{&c.CheckpointTTL}, help: "how long a checkpoint stays in the Store if its job never releases it (a denoise commit, or the job's end, does)"},
 		{name: "job-retention", value: durationValue{&c.Jobs.Retention}, help: "how long finished job records stay in etcd (0: forever)"},
 		{name: "engine-socket", value: stringValue{&c.External.Socket}, help: "Unix socket `PATH` on which an external engine process registers and then runs this agent's stages (docs/engine-protocol.md); empty: the built-in engine"},

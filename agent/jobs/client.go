@@ -225,8 +225,9 @@ func (s *Store) waitOnce(ctx context.Context, id string) (job Job, done bool, er
 	return Job{}, false, ctx.Err()
 }
 
-// Cancel stops a job: its queued task and unconsumed inputs are deleted, and a
-// worker running it will find the job cancelled when it tries to commit.
+// Cancel stops a job: its queued task, the task's claim and its unconsumed
+// inputs are deleted, and a worker running it will find its claim gone
+// when it tries to commit.
 func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 	for {
 		rec, rev, err := s.getRecord(ctx, id)
@@ -245,6 +246,10 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 			t, err := s.readTask(ctx, rec.TaskKey)
 			switch {
 			case err == nil:
+				// The claim goes too: a worker running the task is fenced
+				// off, and one it was pushed to that had not started it
+				// would otherwise keep the claim as long as its lease.
+				ops = append(ops, clientv3.OpDelete(s.claimKey(&t)))
 				ops = append(ops, s.releaseOps(t.Inputs)...)
 			case !errors.Is(err, ErrNotFound):
 				// Without the task we cannot release its inputs: do not cancel half-way.

@@ -156,6 +156,12 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 		}
 		kvs := resp.Responses[0].GetResponseRange().Kvs
 		if len(kvs) == 0 || kvs[0].CreateRevision != c.Rev || kvs[0].Lease != int64(c.Lease) {
+			// A cancel deletes the claim with the task: say so, rather
+			// than that the claim was lost.
+			var now record
+			if jk := resp.Responses[1].GetResponseRange().Kvs; len(jk) == 1 && json.Unmarshal(jk[0].Value, &now) == nil && now.State.Terminal() {
+				return ErrFinished
+			}
 			return ErrFenced
 		}
 		// Claim intact: only the job record moved (or the claim's copy was

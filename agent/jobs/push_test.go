@@ -147,3 +147,26 @@ func TestQueueNeverShowsAFinishedTaskPending(t *testing.T) {
 	default:
 	}
 }
+
+// Cancelling a job whose first task is pushed to a worker that has not
+// started it deletes the claim with the task: nobody else would, and it
+// would live as long as the worker's lease.
+func TestCancelDropsPushedClaim(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	enc := runQueue(t, s, Encode)
+	lease := grant(t, cli)
+	job, err := s.Submit(ctx, spec(), Options{Class: routing.Standard, Push: &Push{Node: "enc-1", Lease: lease}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	within(t, "push seen", func() bool { return len(enc.Pushed("enc-1", lease)) == 1 })
+	if _, err := s.Cancel(ctx, job.ID); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "claim gone from the view", func() bool { _, r := enc.Depth(); return r == 0 })
+	resp, err := cli.Get(ctx, s.claimPrefix(Encode), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil || resp.Count != 0 {
+		t.Fatalf("%d claims left after the cancel (%v)", resp.Count, err)
+	}
+}

@@ -720,7 +720,8 @@ func (r *chaosRun) leaks(ctx context.Context) (int, []string, error) {
 		if err != nil {
 			return 0, nil, fmt.Errorf("%s: %w", a.ID(), err)
 		}
-		hs = append(hs, holdings{Node: a.ID(), Payloads: st.Data.HeldPayloads, Copies: st.Store.Copies, Staged: st.Store.Staged})
+		hs = append(hs, holdings{Node: a.ID(), Payloads: st.Data.HeldPayloads, Copies: st.Store.Copies, Staged: st.Store.Staged,
+			CacheUsed: st.Store.CacheUsed, CacheCapacity: st.Store.CacheCapacity})
 	}
 	recs := leakedRecords(snap)
 	n, held := leakedHoldings(snap, hs)

@@ -106,19 +106,20 @@ func TestLeaks(t *testing.T) {
 			{ID: "ok.result", Job: "ok", Mode: cache.Pinned, Holders: []cache.Holder{{Node: "a"}, {Node: "b"}}},
 			{ID: "ok.denoise.x", Job: "ok", Mode: cache.Consume, Holders: []cache.Holder{{Node: "b"}}}, // leaked
 			{ID: "gone.result", Job: "gone", Mode: cache.Pinned},                                       // leaked
+			{ID: "cond.v.t.x", Mode: cache.Cache, Holders: []cache.Holder{{Node: "a"}}},                // a cache entry
 		},
 	}
 	if recs := leakedRecords(snap); len(recs) != 3 {
 		t.Fatalf("leaked records %q, want p1, ok.denoise.x and gone.result", recs)
 	}
 	hs := []holdings{
-		{Node: "a", Payloads: 3, Copies: 1}, // its result copy and p1, p2: nothing extra
-		{Node: "b", Payloads: 4, Copies: 3}, // two records name it: one extra copy, one extra payload
-		{Node: "c", Payloads: 1, Copies: 1, Staged: 1},
+		{Node: "a", Payloads: 4, Copies: 2, CacheUsed: 10, CacheCapacity: 10}, // result, cache entry, p1, p2: nothing extra
+		{Node: "b", Payloads: 4, Copies: 3},                                   // two records name it: one extra copy, one extra payload
+		{Node: "c", Payloads: 1, Copies: 1, Staged: 1, CacheUsed: 11, CacheCapacity: 10},
 	}
 	n, ev := leakedHoldings(snap, hs)
-	if n != 3 || len(ev) != 3 {
-		t.Fatalf("leaked holdings %d %q, want 3: b's copy and payload, c's staged copy", n, ev)
+	if n != 4 || len(ev) != 4 {
+		t.Fatalf("leaked holdings %d %q, want 4: b's copy and payload, c's staged copy and cache beyond its room", n, ev)
 	}
 }
 

@@ -185,6 +185,9 @@ type holdings struct {
 	Payloads int
 	// Copies counts Store copies, staged ones included; Staged those.
 	Copies, Staged int
+	// CacheUsed is the bytes of its cache entries, CacheCapacity their
+	// room (0: unbounded).
+	CacheUsed, CacheCapacity int64
 }
 
 // leakedRecords lists the records in s that belong to no live job once
@@ -203,6 +206,9 @@ func leakedRecords(s etcdSnapshot) []string {
 		}
 	}
 	for _, r := range s.Objects {
+		if r.Mode == cache.Cache && r.Job == "" {
+			continue // a conditioning cache entry: its holder's room bounds them (leakedHoldings)
+		}
 		j, ok := s.Jobs[r.Job]
 		if ok && j.State == jobs.Succeeded && j.Result != nil && j.Result.Object == r.ID {
 			continue
@@ -251,6 +257,10 @@ func leakedHoldings(s etcdSnapshot, hs []holdings) (int, []string) {
 	n := 0
 	var out []string
 	for _, h := range hs {
+		if h.CacheCapacity > 0 && h.CacheUsed > h.CacheCapacity {
+			n++
+			out = append(out, fmt.Sprintf("agent %s holds %d bytes of cache entries, beyond its room of %d", h.Node, h.CacheUsed, h.CacheCapacity))
+		}
 		if extra := h.Copies - wantCopies[h.Node]; extra > 0 {
 			n += extra
 			out = append(out, fmt.Sprintf("agent %s holds %d Store copies (%d staged), records name it for %d", h.Node, h.Copies, h.Staged, wantCopies[h.Node]))

@@ -252,7 +252,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		a.committing[r] = &atomic.Int64{}
 	}
 	a.alarms = jobs.NewAlarmWatcher(cli, cfg.AlarmEvery, a.log)
-	a.health = jobs.NewHealth(cfg.EtcdHealth, jobs.LeaderProbe(cli, cfg.Prefix+"/health"), a.log)
+	a.health = jobs.NewHealth(cfg.EtcdHealth, jobs.LeaderProbeKV(etcdguard.Unguarded(cli), cfg.Prefix+"/health"), a.log)
 	a.finished = jobs.NewFinished(finishedRecords)
 	if cfg.HTTPListen != "" {
 		if a.httpLn, err = net.Listen("tcp", cfg.HTTPListen); err != nil {

@@ -69,6 +69,19 @@ func Install(cli *clientv3.Client, log *zap.Logger) *Guard {
 	return g
 }
 
+// Unguarded is a KV of cli's that bypasses a Guard installed on it: a KV
+// of its own on cli's connection, or, for a client with none (etcd's
+// in-process client), the KV the Guard wraps.
+func Unguarded(cli *clientv3.Client) clientv3.KV {
+	if cli.ActiveConnection() != nil {
+		return clientv3.NewKV(cli)
+	}
+	if kv, ok := cli.KV.(*guardKV); ok {
+		return kv.KV
+	}
+	return cli.KV
+}
+
 // OnReset registers f to run (in its own goroutine) each time a replaced
 // etcd is noticed, after the open watches were told.
 func (g *Guard) OnReset(f func()) {

@@ -140,3 +140,32 @@ func TestReplacedEtcdEndsWatches(t *testing.T) {
 		t.Fatalf("%d resets after the new etcd served, want 1", g.Resets())
 	}
 }
+
+// Unguarded gives a KV that reaches etcd around the guard, for a client on
+// a connection and for etcd's in-process client, which has none (a KV made
+// on its missing connection panics at its first call).
+func TestUnguarded(t *testing.T) {
+	srv := startEtcd(t, freeAddr(t))
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	in := srv.Client(nil)
+	defer in.Close()
+	Install(in, zaptest.NewLogger(t))
+	kv := Unguarded(in)
+	if _, ok := kv.(*guardKV); ok {
+		t.Fatal("the in-process client's unguarded KV is the guard")
+	}
+	if _, err := kv.Txn(clientv3.WithRequireLeader(ctx)).Then(clientv3.OpGet("/x", clientv3.WithCountOnly())).Commit(); err != nil {
+		t.Fatalf("in-process client: %v", err)
+	}
+	net, err := clientv3.New(clientv3.Config{Endpoints: srv.Endpoints(), DialTimeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer net.Close()
+	Install(net, zaptest.NewLogger(t))
+	if _, err := Unguarded(net).Get(ctx, "/x"); err != nil {
+		t.Fatalf("networked client: %v", err)
+	}
+}

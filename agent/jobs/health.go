@@ -108,9 +108,16 @@ func NewHealth(cfg HealthConfig, probe func(context.Context) error, log *zap.Log
 // is a transaction because the client retries a refused range read until
 // its deadline and sends a transaction once. It goes through its own KV,
 // around etcdguard: the guard takes a transaction's answer as linearizable.
-// key needs read access only; nothing writes it.
+// key needs read access only; nothing writes it. A client with no gRPC
+// connection (etcd's in-process client, which the embedded etcd's agents
+// use) has no connection to make a KV on: LeaderProbeKV takes the KV to
+// use (etcdguard.Unguarded makes one either way).
 func LeaderProbe(cli *clientv3.Client, key string) func(context.Context) error {
-	kv := clientv3.NewKV(cli)
+	return LeaderProbeKV(clientv3.NewKV(cli), key)
+}
+
+// LeaderProbeKV is LeaderProbe through kv.
+func LeaderProbeKV(kv clientv3.KV, key string) func(context.Context) error {
 	return func(ctx context.Context) error {
 		_, err := kv.Txn(clientv3.WithRequireLeader(ctx)).
 			Then(clientv3.OpGet(key, clientv3.WithSerializable(), clientv3.WithCountOnly())).

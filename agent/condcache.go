@@ -115,31 +115,32 @@ func (a *Agent) condCaching() bool { return a.cfg.CondCacheBytes > 0 }
 
 // cachedCond is the conditioning of s if the cache holds all of it, as
 // the denoise task's inputs (Options.Cond): the entries of the encoder
-// versions the live encoders of s's model register, found in this agent's
-// index of the Store (no etcd read). It counts the lookups.
+// version the live encoders of s's model register, found in this agent's
+// index of the Store (no etcd read). While they disagree (a rolling
+// upgrade) nothing is looked up here: the encoder that runs the task looks
+// up its own version's. It counts the lookups that hit; a miss is counted
+// where the encode runs.
 func (a *Agent) cachedCond(s engine.Spec) []jobs.Input {
 	if !a.condCaching() {
 		return nil
 	}
-	for _, enc := range a.encoders(s.ModelName()) {
-		ins, found := []jobs.Input(nil), true
-		entries := condEntries(s, enc.Encoder, enc.SplitCond)
-		for _, e := range entries {
-			rec, ok := a.cstore.Entry(e.id)
-			if !ok {
-				found = false
-				break
-			}
-			ins = append(ins, jobs.Input{Payload: e.id, Node: rec.Holders[0].Node, Store: true, Cached: true})
-		}
-		if found {
-			for _, e := range entries {
-				a.metrics.CondLookup(e.kind, true)
-			}
-			return ins
-		}
+	encs := a.encoders(s.ModelName())
+	if len(encs) != 1 {
+		return nil
 	}
-	return nil
+	var ins []jobs.Input
+	entries := condEntries(s, encs[0].Encoder, encs[0].SplitCond)
+	for _, e := range entries {
+		rec, ok := a.cstore.Entry(e.id)
+		if !ok {
+			return nil
+		}
+		ins = append(ins, jobs.Input{Payload: e.id, Node: rec.Holders[0].Node, Store: true, Cached: true})
+	}
+	for _, e := range entries {
+		a.metrics.CondLookup(e.kind, true)
+	}
+	return ins
 }
 
 // encoderOf is a version of a model's encoder, as node records name it.

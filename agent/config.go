@@ -254,6 +254,12 @@ func (c Config) validate() (Config, error) {
 	// Cache entries take at most a quarter of the Store's memory, so that
 	// latents in flight always find room.
 	c.Store.CacheCapacity = min(c.CondCacheBytes, c.Store.MemoryCapacity/4)
+	if c.Store.CacheEntries == 0 {
+		// Each entry's record is about 1 KiB of etcd: 512 of them per
+		// agent keep a mesh of 100 agents' entries within 50 MiB of etcd's
+		// 2 GiB quota, and hold thousands of distinct texts mesh-wide.
+		c.Store.CacheEntries = 512
+	}
 	if c.Logger == nil {
 		c.Logger = zap.NewNop()
 	}

@@ -43,6 +43,10 @@ type Config struct {
 	// least recently used are evicted. 0 leaves them bounded by
 	// MemoryCapacity alone. Cache copies are held in memory only.
 	CacheCapacity int64
+	// CacheEntries bounds how many Cache objects this node holds (0: no
+	// bound but CacheCapacity): each has a record in etcd, so this bounds
+	// the etcd bytes the node's entries take, whatever their size.
+	CacheEntries int
 	// MemoWait is how long a Memo waits for an entry another agent is
 	// producing (it holds the entry's flight key) before producing it
 	// itself: longer than producing one entry takes.
@@ -168,7 +172,7 @@ func (c Config) validate() (Config, error) {
 		return c, errors.New("cache: config: Node is empty")
 	case c.Prefix == "" || c.Prefix[0] != '/':
 		return c, fmt.Errorf("cache: config: prefix %q must start with /", c.Prefix)
-	case c.MemoryCapacity < 0 || c.SpillCapacity < 0 || c.CacheCapacity < 0:
+	case c.MemoryCapacity < 0 || c.SpillCapacity < 0 || c.CacheCapacity < 0 || c.CacheEntries < 0:
 		return c, errors.New("cache: config: capacities must not be negative")
 	case c.SpillCapacity > 0 && c.SpillDir == "":
 		return c, errors.New("cache: config: SpillCapacity needs a SpillDir")

@@ -62,6 +62,7 @@ type holdings struct {
 	lru       *list.List // committed Cache copies, least recently used first
 	memUsed   int64
 	cacheUsed int64 // bytes of Cache copies, staged ones included (Config.CacheCapacity)
+	cacheN    int   // and how many (Config.CacheEntries)
 	diskUsed  int64 // spill bytes, counted until the file is removed
 	evictions int64
 	spilled   int64         // copies that went to disk because memory was full, ever
@@ -157,15 +158,18 @@ func (h *holdings) reserveCacheLocked(size int64) (Tier, []*copyOf, error) {
 	if size > capacity {
 		return "", nil, fmt.Errorf("%w: a cache entry of %d bytes; cache entries may take %d bytes on %s", ErrFull, size, capacity, h.cfg.Node)
 	}
-	evicted := h.evictLocked(func() bool {
-		return h.cacheUsed+size <= capacity && h.memUsed+size <= h.cfg.MemoryCapacity
-	})
-	if h.cacheUsed+size > capacity || h.memUsed+size > h.cfg.MemoryCapacity {
-		return "", evicted, fmt.Errorf("%w: a cache entry of %d bytes; %d of %d in memory used on %s, %d by cache entries",
-			ErrFull, size, h.memUsed, h.cfg.MemoryCapacity, h.cfg.Node, h.cacheUsed)
+	fits := func() bool {
+		return h.cacheUsed+size <= capacity && h.memUsed+size <= h.cfg.MemoryCapacity &&
+			(h.cfg.CacheEntries == 0 || h.cacheN < h.cfg.CacheEntries)
+	}
+	evicted := h.evictLocked(fits)
+	if !fits() {
+		return "", evicted, fmt.Errorf("%w: a cache entry of %d bytes; %d of %d in memory used on %s, %d by %d cache entries",
+			ErrFull, size, h.memUsed, h.cfg.MemoryCapacity, h.cfg.Node, h.cacheUsed, h.cacheN)
 	}
 	h.memUsed += size
 	h.cacheUsed += size
+	h.cacheN++
 	h.roomChanged()
 	return Memory, evicted, nil
 }
@@ -182,15 +186,16 @@ func (h *holdings) evictLocked(fits func() bool) (evicted []*copyOf) {
 		}
 	}
 	// Try it on the books first: forget, and put back if it was for nothing.
-	memUsed, cacheUsed := h.memUsed, h.cacheUsed
+	memUsed, cacheUsed, cacheN := h.memUsed, h.cacheUsed, h.cacheN
 	n := 0
 	for n < len(victims) && !fits() {
 		h.memUsed -= victims[n].size
 		h.cacheUsed -= victims[n].size
+		h.cacheN--
 		n++
 	}
 	ok := fits()
-	h.memUsed, h.cacheUsed = memUsed, cacheUsed
+	h.memUsed, h.cacheUsed, h.cacheN = memUsed, cacheUsed, cacheN
 	if !ok {
 		return nil
 	}
@@ -250,6 +255,7 @@ func (h *holdings) unreserveMode(tier Tier, size int64, mode Mode) {
 		h.memUsed -= size
 		if mode == Cache {
 			h.cacheUsed -= size
+			h.cacheN--
 		}
 		h.roomChanged()
 	case Disk:
@@ -526,6 +532,7 @@ func (h *holdings) forgetLocked(c *copyOf) {
 		h.memUsed -= c.size
 		if c.mode == Cache {
 			h.cacheUsed -= c.size
+			h.cacheN--
 		}
 		h.roomChanged()
 	}

@@ -236,3 +236,29 @@ func TestDropEntries(t *testing.T) {
 		}
 	}
 }
+
+// CacheEntries bounds how many entries a node holds, whatever their size:
+// each costs a record in etcd.
+func TestMemoWithinCacheEntries(t *testing.T) {
+	c := newCluster(t, clusterConfig{nodes: 1, mem: 1 << 20, tune: func(cfg *Config) { cfg.CacheEntries = 3 }})
+	ctx := testCtx(t)
+	n := c.nodes[0]
+	lease := c.lease(t)
+	for i := range 5 {
+		id := fmt.Sprintf("cond.e%d", i)
+		if _, _, err := n.s.Memo(ctx, MemoSpec{ID: id, Lease: lease}, func(context.Context) ([]byte, transfer.TensorMeta, error) { return pattern(100, 1), bytesMeta(100), nil }); err != nil {
+			t.Fatal(err)
+		}
+	}
+	eventually(t, 10*time.Second, "two evicted", func() error {
+		if st := n.s.LocalStats(); st.CacheEntries != 3 || st.Evictions != 2 {
+			return fmt.Errorf("%d entries, %d evictions; want 3 and 2", st.CacheEntries, st.Evictions)
+		}
+		for i, want := range []bool{false, false, true, true, true} {
+			if _, ok := n.s.Entry(fmt.Sprintf("cond.e%d", i)); ok != want {
+				return fmt.Errorf("entry %d: %v, want %v", i, ok, want)
+			}
+		}
+		return nil
+	})
+}

@@ -16,6 +16,7 @@ type LocalStats struct {
 	// their bound (Config.CacheCapacity; 0: none beyond memory's).
 	CacheUsed     int64 `json:"cache_used"`
 	CacheCapacity int64 `json:"cache_capacity"`
+	CacheEntries  int   `json:"cache_entries"` // Cache copies held
 	// MemoHits and MemoMisses count Memo's answers: found (here or being
 	// produced elsewhere), or produced by this node.
 	MemoHits   int64 `json:"memo_hits"`
@@ -62,7 +63,7 @@ func (s *Store) LocalStats() LocalStats {
 		MemoryUsed: h.memUsed, MemoryCapacity: s.cfg.MemoryCapacity,
 		DiskUsed: h.diskUsed, DiskCapacity: s.cfg.SpillCapacity,
 		Copies: len(h.copies), Spills: h.spilled, Evictions: h.evictions, Overflows: h.overflows,
-		CacheUsed: h.cacheUsed, CacheCapacity: s.cfg.CacheCapacity,
+		CacheUsed: h.cacheUsed, CacheCapacity: s.cfg.CacheCapacity, CacheEntries: h.cacheN,
 		MemoHits: s.memoHits.Load(), MemoMisses: s.memoMisses.Load(),
 		ByMode: map[Mode]*TierCounts{},
 	}

@@ -196,24 +196,26 @@ func (a *Agent) encodeCached(ctx context.Context, c *jobs.Claim) (out jobs.Outpu
 	if version == "" {
 		return out, false, nil
 	}
+	whole, err := a.runner.CondMeta(s)
+	if err != nil {
+		return out, true, err
+	}
 	te, split := a.runner.(textEncoder)
+	var half transfer.TensorMeta
+	if split {
+		// Halves only where they make the whole: else it is cached whole.
+		half, err = te.BranchMeta(s)
+		split = err == nil && 2*half.Bytes() == whole.Bytes()
+	}
 	var hits []string
 	for _, e := range condEntries(s, version, split) {
 		produce := func(ctx context.Context) ([]byte, transfer.TensorMeta, error) {
 			if split {
-				meta, err := te.BranchMeta(s)
-				if err != nil {
-					return nil, meta, err
-				}
-				dst := make([]byte, meta.Bytes())
-				return dst, meta, te.EncodeText(ctx, s, e.texts[0], dst)
+				dst := make([]byte, half.Bytes())
+				return dst, half, te.EncodeText(ctx, s, e.texts[0], dst)
 			}
-			meta, err := a.runner.CondMeta(s)
-			if err != nil {
-				return nil, meta, err
-			}
-			dst := make([]byte, meta.Bytes())
-			return dst, meta, a.runner.Encode(ctx, s, dst)
+			dst := make([]byte, whole.Bytes())
+			return dst, whole, a.runner.Encode(ctx, s, dst)
 		}
 		rec, hit, err := a.cstore.Memo(ctx, cache.MemoSpec{ID: e.id, Lease: c.Lease}, produce)
 		if errors.Is(err, cache.ErrFull) {

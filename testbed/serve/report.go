@@ -42,6 +42,9 @@ type Report struct {
 	// unbounded conditioning cache could hit.
 	Prompts *Prompts  `json:"prompts,omitempty"`
 	Reuse   TextReuse `json:"text_reuse"`
+	// CondCache is what the conditioning cache did in this run, from the
+	// finished jobs' encode stage records and the GPUs' encode spans.
+	CondCache CondCacheStats `json:"cond_cache"`
 	// Makespan is first submission to last completion.
 	Makespan float64      `json:"makespan_s"`
 	Classes  []ClassStats `json:"classes"`
@@ -82,6 +85,21 @@ type Report struct {
 	Jobs      []JobRecord `json:"jobs"`
 
 	spans []simgpu.Span
+}
+
+// CondCacheStats is the conditioning cache's effect on a run.
+type CondCacheStats struct {
+	Off bool `json:"off,omitempty"` // the agents ran without it
+	// Jobs counts finished jobs; Skipped those that had no encode (both
+	// texts found at submission); PromptHits and NegativeHits the jobs
+	// whose prompt or negative prompt came from the cache, skipped ones
+	// included.
+	Jobs         int `json:"jobs"`
+	Skipped      int `json:"skipped_encode"`
+	PromptHits   int `json:"prompt_hits"`
+	NegativeHits int `json:"negative_hits"`
+	// EncodeGPU is the simulated GPU time of every encode span of the run.
+	EncodeGPU float64 `json:"encode_gpu_s"`
 }
 
 // Payload is what one model's stages hand on, as simulated.
@@ -232,7 +250,8 @@ func (r *run) report(results []*result) *Report {
 	rep := &Report{Topology: r.cfg.Topology, GPUs: r.cfg.GPUs, Compression: f, ByteScale: r.cfg.ByteScale, Tiling: r.cfg.Tiling,
 		Scheduler: r.cfg.Queue.Scheduler.String(), PreemptAfter: r.cfg.Queue.PreemptAfter.Seconds(), Slack: r.slack(),
 		CheckpointEvery: r.cfg.CheckpointEvery, NoCheckpoints: r.cfg.NoCheckpoints, Prompts: r.cfg.Prompts, Reuse: Reuse(r.cfg.Arrivals),
-		Agents: r.agents, PeakWaiting: map[jobs.Stage]int{}, GPUBusy: map[string]float64{}, spans: spans}
+		CondCache: CondCacheStats{Off: r.cfg.NoCondCache},
+		Agents:    r.agents, PeakWaiting: map[jobs.Stage]int{}, GPUBusy: map[string]float64{}, spans: spans}
 	if r.cfg.Topology == testbed.Disaggregated {
 		rep.Pools = r.cfg.Pools.String()
 	}
@@ -290,6 +309,7 @@ func (r *run) report(results []*result) *Report {
 			continue
 		}
 		cs.Finished++
+		rep.CondCache.count(res.Job)
 		if res.End.After(last) {
 			last = res.End
 		}
@@ -427,6 +447,11 @@ func (r *run) report(results []*result) *Report {
 		}
 	}
 
+	for _, s := range spans {
+		if s.Stage == jobs.Encode {
+			rep.CondCache.EncodeGPU += sim(s.End.Sub(s.Start))
+		}
+	}
 	ops := r.ops.snapshot()
 	rep.EtcdOps = ops
 	var n int64
@@ -501,6 +526,7 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 	}
 	fmt.Fprintf(w, "  text reuse in this trace: %.0f%% of prompts and %.0f%% of negative prompts an earlier request of the model had (an unbounded conditioning cache's hit rate)\n",
 		100*rep.Reuse.Prompt, 100*rep.Reuse.Negative)
+	fmt.Fprintf(w, "  conditioning cache: %s\n", rep.CondCache)
 	for _, p := range rep.Payloads {
 		fmt.Fprintf(w, "  payloads %-16s cond %s, latent %s", p.Model, size(p.CondBytes), size(p.LatentBytes))
 		if rep.ByteScale > 1 {
@@ -605,4 +631,40 @@ func size(n int64) string {
 		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
 	}
 	return fmt.Sprintf("%d B", n)
+}
+
+// count adds finished job j's encode to the figures.
+func (c *CondCacheStats) count(j jobs.Job) {
+	c.Jobs++
+	enc := j.Stages[jobs.Encode]
+	if enc == nil {
+		return
+	}
+	if enc.Cached {
+		c.Skipped++
+		c.PromptHits++
+		c.NegativeHits++
+		return
+	}
+	for _, h := range enc.CacheHits {
+		switch h {
+		case "prompt":
+			c.PromptHits++
+		case "negative":
+			c.NegativeHits++
+		case "conditioning":
+			c.PromptHits++
+			c.NegativeHits++
+		}
+	}
+}
+
+func (c CondCacheStats) String() string {
+	pct := func(n int) float64 { return 100 * float64(n) / float64(max(c.Jobs, 1)) }
+	on := "on"
+	if c.Off {
+		on = "off"
+	}
+	return fmt.Sprintf("%s: %d of %d finished jobs skipped encode, %.0f%% prompt hits, %.0f%% negative-prompt hits; encode GPU time %.1f s",
+		on, c.Skipped, c.Jobs, pct(c.PromptHits), pct(c.NegativeHits), c.EncodeGPU)
 }

@@ -74,6 +74,9 @@ type Config struct {
 	// starts over, as before step checkpoints. The baseline of
 	// CompareCheckpoints.
 	NoCheckpoints bool
+	// NoCondCache turns the conditioning cache off on every agent
+	// (agent.Config.CondCacheBytes 0): every job encodes both its texts.
+	NoCondCache bool
 	// Prompts is the text mix the arrivals' prompts were drawn from
 	// (AssignPrompts), for the report's header; nil when the trace named
 	// them or nobody said.
@@ -304,6 +307,9 @@ func (r *run) agentConfig(i int, roles []jobs.Stage) (agent.Config, Agent, error
 	ac.Queue.PreemptAfter = time.Duration(float64(cfg.Queue.PreemptAfter) / cfg.Compression)
 	ac.NewRunner = sim.Runner
 	ac.CheckpointEvery = cfg.CheckpointEvery
+	if cfg.NoCondCache {
+		ac.CondCacheBytes = 0
+	}
 	// Room for the slots' outputs and pulls several times over, and the
 	// Store's quarter: what a GPU host's pinned buffer would hold.
 	ac.Transfer.Arena.Size = max(ac.Transfer.Arena.Size, (16*largest+(1<<20)-1)&^((1<<20)-1))

@@ -178,6 +178,44 @@ func (r *runner) Encode(ctx context.Context, s engine.Spec, dst []byte) error {
 	return nil
 }
 
+// EncoderVersion names the simulated encoder of model (its conditioning
+// can be cached), and BranchMeta and EncodeText make one text's half of
+// it at half an encode's GPU time: the cost model's split of an encode
+// between the prompt and the negative prompt.
+func (r *runner) EncoderVersion(model string) string {
+	m, ok := r.cfg.Models[model]
+	if !ok {
+		return ""
+	}
+	return fmt.Sprintf("simgpu/%s/%v", model, m.Encode)
+}
+
+func (r *runner) BranchMeta(s engine.Spec) (transfer.TensorMeta, error) {
+	m, err := r.model(s)
+	if err != nil {
+		return transfer.TensorMeta{}, err
+	}
+	n := m.Cond.Bytes()
+	if n%2 != 0 {
+		return transfer.TensorMeta{}, fmt.Errorf("%w: simgpu: %s's conditioning of %d bytes has no halves", engine.ErrBadSpec, s.ModelName(), n)
+	}
+	return transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{n / 2}, NumChunks: 1}, nil
+}
+
+func (r *runner) EncodeText(ctx context.Context, s engine.Spec, text string, dst []byte) error {
+	m, err := r.model(s)
+	if err != nil {
+		return err
+	}
+	if _, err := r.gpu.run(ctx, s, jobs.Encode, -1, 0, m.Encode/2, 0); err != nil {
+		return err
+	}
+	t := s
+	t.Prompt = text
+	fill(dst, t, 3)
+	return nil
+}
+
 func (r *runner) Denoise(ctx context.Context, d agent.DenoiseCall) error {
 	s := d.Spec
 	m, err := r.model(s)

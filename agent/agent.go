@@ -630,6 +630,9 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 		// The first task goes, claimed, to a worker with a free slot.
 		_, opts.Push = a.pushTarget(first, spec.ModelName())
 	}
+	if opts.Push != nil && opts.Cond != nil {
+		opts.Cond = a.issueTickets(opts.Cond, opts.Push.Node) // for the entries held here
+	}
 	var j jobs.Job
 	err := a.onEtcd(ctx, func(ctx context.Context) (err error) {
 		j, err = a.store.Submit(ctx, spec, opts)

@@ -135,12 +135,27 @@ func (a *Agent) cachedCond(s engine.Spec) []jobs.Input {
 		if !ok {
 			return nil
 		}
-		ins = append(ins, jobs.Input{Payload: e.id, Node: rec.Holders[0].Node, Store: true, Cached: true})
+		ins = append(ins, a.entryInput(rec))
 	}
 	for _, e := range entries {
 		a.metrics.CondLookup(e.kind, true)
 	}
 	return ins
+}
+
+// entryInput is the input of a task that reads entry rec: from this node
+// when it holds a copy, whose ref it names so that the worker the task is
+// pushed to can be issued a ticket for it (issueTickets).
+func (a *Agent) entryInput(rec cache.Record) jobs.Input {
+	in := jobs.Input{Payload: rec.ID, Node: rec.Holders[0].Node, Store: true, Cached: true}
+	for _, h := range rec.Holders {
+		if h.Node == a.id {
+			if raw, err := json.Marshal(h.Ref); err == nil {
+				in.Node, in.Ref = a.id, raw
+			}
+		}
+	}
+	return in
 }
 
 // encoderOf is a version of a model's encoder, as node records name it.
@@ -232,7 +247,7 @@ func (a *Agent) encodeCached(ctx context.Context, c *jobs.Claim) (out jobs.Outpu
 		if hit {
 			hits = append(hits, e.kind)
 		}
-		out.Payloads = append(out.Payloads, jobs.Input{Payload: e.id, Node: rec.Holders[0].Node, Store: true, Cached: true})
+		out.Payloads = append(out.Payloads, a.entryInput(rec))
 	}
 	out.CacheHits = hits
 	out.Hint = a.pickHint(jobs.Denoise, s.ModelName())

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"slices"
 	"time"
 
@@ -10,6 +11,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/transfer"
 )
 
 // Pushed claims (jobs.Push, routing.QueuePolicy.Push): whoever creates a
@@ -38,7 +40,9 @@ func (a *Agent) pushTarget(st jobs.Stage, model string) (hint string, push *jobs
 // issued to node, the worker its task is pushed to: that worker pulls
 // without asking this producer for one (and this producer need not check
 // its claim in etcd: it makes the claim itself, in the same commit). A
-// payload it cannot issue for goes without; its consumer asks as usual.
+// conditioning cache entry this node holds (its copy's ref in Ref) gets
+// one for that copy. A payload it cannot issue for goes without; its
+// consumer asks as usual.
 func (a *Agent) issueTickets(outs []jobs.Input, node string) []jobs.Input {
 	p, ok := a.member.Peer(node)
 	if !ok || p.Record.PeerID == "" {
@@ -50,10 +54,18 @@ func (a *Agent) issueTickets(outs []jobs.Input, node string) []jobs.Input {
 	}
 	withTickets := slices.Clone(outs)
 	for i, in := range withTickets {
-		if in.Store || in.Node != a.id {
+		if in.Node != a.id {
 			continue
 		}
-		if raw, err := a.xfer.Issue(in.Payload, pid); err == nil {
+		id := in.Payload
+		if in.Store {
+			ref, ok := cachedCopy(in)
+			if !ok {
+				continue
+			}
+			id = ref.ID
+		}
+		if raw, err := a.xfer.Issue(id, pid); err == nil {
 			withTickets[i].Ticket = raw
 		} else {
 			a.log.Debug("issuing a ticket for a pushed task", zap.String("payload", in.Payload), zap.Error(err))
@@ -159,4 +171,14 @@ func (a *Agent) returnAllPushes() {
 			a.giveBack(q, c, "draining")
 		}
 	}
+}
+
+// cachedCopy is the ref of the copy of cache entry in that its producer
+// named (Input.Ref), when it holds one.
+func cachedCopy(in jobs.Input) (transfer.Ref, bool) {
+	var ref transfer.Ref
+	if !in.Cached || len(in.Ref) == 0 || json.Unmarshal(in.Ref, &ref) != nil || ref.ID == "" {
+		return ref, false
+	}
+	return ref, true
 }

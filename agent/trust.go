@@ -126,8 +126,12 @@ func withClaim(ctx context.Context, c *jobs.Claim) context.Context {
 		// The producer made this claim and issued this worker a ticket with
 		// it: the pull need not ask for one.
 		for _, in := range c.Task.Inputs {
-			if len(in.Ticket) > 0 && !in.Store {
+			switch ref, cached := cachedCopy(in); {
+			case len(in.Ticket) == 0:
+			case !in.Store:
 				ctx = transfer.WithIssued(ctx, in.Payload, in.Ticket)
+			case cached: // for the copy the producer holds
+				ctx = transfer.WithIssued(ctx, ref.ID, in.Ticket)
 			}
 		}
 	}

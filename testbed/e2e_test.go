@@ -55,9 +55,11 @@ func TestTopologiesProduceIdenticalFiles(t *testing.T) {
 	specs := demoSpecs()
 	dis := runDemo(t, Disaggregated, specs)
 	col := runDemo(t, Colocated, specs)
-	// Each job moves two payloads (embeddings, latent): between agents of
-	// one host over shared memory, within the colocated agent locally.
-	if n := int64(2 * len(specs)); dis.Pulls["shm"] != n || col.Pulls["local"] != n {
+	// Each job moves three payloads (its prompt's and its negative
+	// prompt's embeddings, which are conditioning cache entries, and the
+	// latent): between agents of one host over shared memory, within the
+	// colocated agent locally.
+	if n := int64(3 * len(specs)); dis.Pulls["shm"] != n || col.Pulls["local"] != n {
 		t.Errorf("pulls: disaggregated %v, colocated %v; want %d over shm and %d local", dis.Pulls, col.Pulls, n, n)
 	}
 	for i, s := range specs {
@@ -209,13 +211,14 @@ func TestEndToEndOverEachTransport(t *testing.T) {
 					t.Errorf("job %d: output over %s differs from tcp", i, mode)
 				}
 			}
-			// Every cross-agent pull (denoise and decode pull one payload per
-			// job) went over the forced transport.
+			// Every cross-agent pull (denoise pulls the prompt's and the
+			// negative prompt's conditioning cache entries, decode the
+			// latent) went over the forced transport.
 			pulls, err := cl.Pulls(ctx)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if want := map[string]int64{mode: int64(2 * len(specs))}; !maps.Equal(pulls, want) {
+			if want := map[string]int64{mode: int64(3 * len(specs))}; !maps.Equal(pulls, want) {
 				t.Errorf("pulls %v, want %v", pulls, want)
 			}
 		})

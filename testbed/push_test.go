@@ -30,7 +30,9 @@ func TestPushedHandoffs(t *testing.T) {
 	before := ops.Snap()
 	const n = 10
 	for i := range n {
-		spec := engine.Spec{Prompt: "a lantern", Seed: int64(i), Width: 64, Height: 64, Steps: 2}.WithDefaults()
+		// A prompt of its own: every job's encode runs (a repeated one
+		// would come from the conditioning cache).
+		spec := engine.Spec{Prompt: fmt.Sprintf("a lantern %d", i), Seed: int64(i), Width: 64, Height: 64, Steps: 2}.WithDefaults()
 		j, err := entry.Submit(ctx, spec, jobs.Options{Class: routing.Interactive})
 		if err != nil {
 			t.Fatal(err)

@@ -205,9 +205,12 @@ func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []tra
 }
 
 // fillEarly fills p from srcs in order, marking each chunk ready as it
-// lands. A source that fails after some chunks landed is followed by the
-// next one into a scratch buffer, from which only the missing chunks are
-// copied: a chunk once ready may be being read, and is never written again.
+// lands with the block checksums its pull verified it against, so the
+// copy is not hashed again (as a copy staged whole is published with
+// transfer.PublishCopy). A source that fails after some chunks landed is
+// followed by the next one into a scratch buffer, from which only the
+// missing chunks are copied: a chunk once ready may be being read, and is
+// never written again.
 func (s *Store) fillEarly(ctx context.Context, p *transfer.Pending, srcs []transfer.Ref) error {
 	meta := srcs[0].Meta
 	ready := make([]bool, meta.Chunks())
@@ -234,7 +237,9 @@ func (s *Store) fillEarly(ctx context.Context, p *transfer.Pending, srcs []trans
 				off, n := meta.ChunkRange(ch.Index)
 				copy(p.Buf()[off:off+n], ch.Data)
 			}
-			if err := p.ChunkReady(ch.Index); err != nil {
+			// The pull verified the chunk against the checksums it came
+			// with (tcp): served on as they are, not hashed again.
+			if err := p.ChunkCopied(ch.Index, ch.Sums); err != nil {
 				return err // our own bookkeeping is wrong: do not serve the copy
 			}
 			ready[ch.Index] = true

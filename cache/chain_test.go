@@ -47,17 +47,22 @@ func fillPending(t *testing.T, p *transfer.Pending, meta transfer.TensorMeta, da
 // it, each next holder pulls the holder before it. With FirstCopy the put
 // returns at the first copy, and the source may go at once: the chain
 // completes from the holders. The record, written once, names every copy,
-// and each reads back whole.
+// and each reads back whole; over tcp each read is checked against the
+// block checksums the source was published with, which every copy in
+// flight serves on as its pull verified them.
 func TestChainedPutSendsSourceOnce(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		meta transfer.TensorMeta
+		name      string
+		meta      transfer.TensorMeta
+		transport string
 	}{
-		{"OneChunk", transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{1 << 20}}},
-		{"FourChunks", transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{4, 256 << 10}, NumChunks: 4}},
+		{"OneChunk", transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{1 << 20}}, transfer.TransportAuto},
+		{"FourChunks", transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{4, 256 << 10}, NumChunks: 4}, transfer.TransportAuto},
+		{"FourChunksTCP", transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{4, 256 << 10}, NumChunks: 4}, transfer.TransportTCP},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := newCluster(t, clusterConfig{nodes: 4, mem: 4 << 20, tune: noRoomOn("n0")})
+			c := newCluster(t, clusterConfig{nodes: 4, mem: 4 << 20, tune: noRoomOn("n0"),
+				xtune: func(x *transfer.Config) { x.Transport = tc.transport }})
 			ctx := testCtx(t)
 			p := c.nodes[0]
 			data := pattern(int(tc.meta.Bytes()), 7)

@@ -573,7 +573,11 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 		return StoreResult{}, fmt.Errorf("pulls would use transport %q, not %q", got, r.transport)
 	}
 	// Warm up: dial every pair's pools and shm mappings both ways, fault in
-	// the pages, and run one verified cycle.
+	// the pages, and run one verified cycle. Every pair: a put's chain runs
+	// between two holders, and its baseline then pulls between the same
+	// two, so a pair left cold would charge the first use of its
+	// connections and mappings (tens of ms over shm: the producer's arena
+	// mapped and faulted in) to the put alone.
 	r.progress("%s %s: warm-up", r.transport, bytesize.Format(size))
 	for _, n := range r.m.nodes[1:] {
 		if err := n.x.PullInto(ctx, s.src, s.into[n.name]); err != nil {
@@ -585,6 +589,16 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 	}
 	if !bytes.Equal(s.into[r.m.nodes[1].name], s.srcData) {
 		return StoreResult{}, errors.New("a p2p pull delivered other bytes than were published")
+	}
+	for _, n := range r.m.nodes[1:] {
+		for _, o := range r.m.nodes[1:] {
+			if o == n {
+				continue
+			}
+			if err := n.x.PullInto(ctx, s.held[o.name], s.into[n.name]); err != nil {
+				return StoreResult{}, err
+			}
+		}
 	}
 	objectID := func(rep string) string {
 		return fmt.Sprintf("bench-%s-%s-%s", r.transport, bytesize.Format(size), rep)

@@ -178,13 +178,17 @@ func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []tra
 		return Holder{}, err
 	}
 	ref.Checksum = srcs[0].Checksum // what the copy is, once whole: pulls of it check against it
-	fctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
+	// The fill outlives the request; it keeps the request's values (a
+	// ticket the putter issued for the source) and ends with the Store.
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.RequestTimeout)
+	stopOnClose := context.AfterFunc(s.ctx, cancel)
 	f := &filling{done: make(chan struct{}), cancel: cancel}
 	c := &copyOf{object: id, ref: ref, tier: Memory, size: size, mode: mode, stagedAt: s.cfg.Now(), fill: f}
 	s.hold.add(c)
 	handedOff = true
 	go func() {
 		defer s.wg.Done()
+		defer stopOnClose()
 		defer cancel()
 		start := time.Now()
 		err := s.fillEarly(fctx, p, srcs)

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 
 	"github.com/latentmesh/latentmesh/transfer"
@@ -337,4 +338,93 @@ func TestChainHolderFailsMidChain(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// buildOf serves the store protocol as a build that speaks versions up to
+// v did: a newer request is refused as bad.
+func buildOf(s *Store, v int) network.StreamHandler {
+	return func(str network.Stream) {
+		defer str.Close()
+		var req request
+		err := transfer.ReadFrame(str, s.cfg.MaxFrame, &req)
+		if err == nil && req.V > v {
+			err = fmt.Errorf("%w: request v%d", transfer.ErrVersion, req.V)
+		}
+		if err != nil {
+			transfer.WriteFrame(str, &response{V: baseVersion, ErrCode: codeBad, ErrMsg: err.Error()})
+			return
+		}
+		r := s.serve(str.Conn().RemotePeer(), &req)
+		r.V = baseVersion
+		transfer.WriteFrame(str, &r)
+	}
+}
+
+// A putter's stage request to the first holder of a chain carries a
+// ticket for the putter's own payload, so that holder's pull asks for
+// none; a holder of a build before issued tickets is asked again without
+// one and copies all the same.
+func TestChainIssuesTheSourceTicket(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		transport string
+		old       bool
+	}{
+		{"Shm", transfer.TransportAuto, false},
+		{"TCP", transfer.TransportTCP, false},
+		{"OldHolders", transfer.TransportAuto, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: noRoomOn("n0"),
+				xtune: func(x *transfer.Config) { x.Transport = tc.transport }})
+			if tc.old {
+				for _, n := range c.nodes[1:] {
+					n.h.SetStreamHandler(ProtocolID, buildOf(n.s, chainVersion))
+				}
+			}
+			ctx := testCtx(t)
+			p := c.nodes[0]
+			meta := transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{1 << 20}}
+			data := pattern(int(meta.Bytes()), 12)
+			buf, err := p.x.Alloc(meta.Bytes())
+			if err != nil {
+				t.Fatal(err)
+			}
+			copy(buf.Bytes(), data)
+			src, err := p.x.Publish(meta, buf.Bytes())
+			buf.Release()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var asked atomic.Int64 // tickets issued for src, ahead or asked for
+			p.x.OnTicket(func(id string) {
+				if id == src.ID {
+					asked.Add(1)
+				}
+			})
+			st, err := p.s.Stage(ctx, PutSpec{ID: "job-1.ckpt", Mode: TTL, TTL: time.Minute, Replicas: 2, FirstCopy: true}, src)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := st.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := st.WaitReplicated(ctx); err != nil {
+				t.Fatal(err)
+			}
+			first := c.node(st.Record.Holders[0].Node)
+			issued := first.x.Stats().IssuedPulls
+			switch {
+			case tc.old && (issued != 0 || asked.Load() != 2):
+				t.Errorf("old holder: %d issued pulls, %d tickets for the source; want 0 and 2 (issued, refused, then asked)", issued, asked.Load())
+			case !tc.old && (issued != 1 || asked.Load() != 1):
+				t.Errorf("first holder: %d issued pulls, %d tickets for the source; want 1 and 1", issued, asked.Load())
+			}
+			for _, h := range st.Record.Holders {
+				if got, err := fetchFrom(ctx, p, st.Record, h); err != nil || !bytes.Equal(got, data) {
+					t.Errorf("copy on %s: %v (bytes equal %v)", h.Node, err, bytes.Equal(got, data))
+				}
+			}
+		})
+	}
 }

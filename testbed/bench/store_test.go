@@ -77,6 +77,8 @@ func TestRunStoreRejects(t *testing.T) {
 		"replicas >= nodes": func(c *StoreConfig) { c.Replicas = c.Nodes },
 		"no reps":           func(c *StoreConfig) { c.Reps = 0 },
 		"no sizes":          func(c *StoreConfig) { c.Sizes = nil },
+		"no chunks":         func(c *StoreConfig) { c.Chunks = 0 },
+		"uneven chunks":     func(c *StoreConfig) { c.Chunks = 3 },
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := testStoreConfig(t)
@@ -85,5 +87,19 @@ func TestRunStoreRejects(t *testing.T) {
 				t.Fatal("want an error")
 			}
 		})
+	}
+}
+
+// Objects of several chunks run the same cycle, each chain copy pulled
+// chunk by chunk, and are reported as such.
+func TestRunStoreChunked(t *testing.T) {
+	cfg := testStoreConfig(t)
+	cfg.Chunks, cfg.Reps = 4, 1
+	rep, err := RunStore(testCtx(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := rep.Results[0]; r.Chunks != 4 || !(r.RatioPut > 0) || !(r.RatioReplicated > 0) {
+		t.Fatalf("row %+v: want 4 chunks and positive ratios", r)
 	}
 }

@@ -139,9 +139,11 @@ func fitFallback(id string, src transfer.Ref, fallback []transfer.Ref) []transfe
 
 // stageEarly takes a copy of the first of srcs in flight on this node: a
 // memory copy published at once (transfer.Begin), filled in the
-// background from srcs in order, each chunk readable as it lands. The
-// fill is bounded by RequestTimeout; a fill that fails drops the copy.
-func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []transfer.Ref) (Holder, error) {
+// background from srcs in order, each chunk readable as it lands; issued,
+// when not nil, is a ticket for the first that its producer issued to
+// this node. The fill is bounded by RequestTimeout; a fill that fails
+// drops the copy.
+func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []transfer.Ref, issued []byte) (Holder, error) {
 	if !s.enter() {
 		return Holder{}, ErrClosed
 	}
@@ -178,17 +180,16 @@ func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []tra
 		return Holder{}, err
 	}
 	ref.Checksum = srcs[0].Checksum // what the copy is, once whole: pulls of it check against it
-	// The fill outlives the request; it keeps the request's values (a
-	// ticket the putter issued for the source) and ends with the Store.
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.cfg.RequestTimeout)
-	stopOnClose := context.AfterFunc(s.ctx, cancel)
+	fctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
+	if len(issued) > 0 {
+		fctx = transfer.WithIssued(fctx, srcs[0].ID, issued)
+	}
 	f := &filling{done: make(chan struct{}), cancel: cancel}
 	c := &copyOf{object: id, ref: ref, tier: Memory, size: size, mode: mode, stagedAt: s.cfg.Now(), fill: f}
 	s.hold.add(c)
 	handedOff = true
 	go func() {
 		defer s.wg.Done()
-		defer stopOnClose()
 		defer cancel()
 		start := time.Now()
 		err := s.fillEarly(fctx, p, srcs)

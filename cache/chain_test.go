@@ -185,7 +185,7 @@ func TestReaderOfCopyInFlight(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		h, err := early.s.stageEarly(ctx, "obj-wait", TTL, []transfer.Ref{src})
+		h, err := early.s.stageEarly(ctx, "obj-wait", TTL, []transfer.Ref{src}, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -220,7 +220,7 @@ func TestReaderOfCopyInFlight(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		h1, err := early.s.stageEarly(ctx, "obj-fail", TTL, []transfer.Ref{src})
+		h1, err := early.s.stageEarly(ctx, "obj-fail", TTL, []transfer.Ref{src}, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -362,17 +362,21 @@ func buildOf(s *Store, v int) network.StreamHandler {
 
 // A putter's stage request to the first holder of a chain carries a
 // ticket for the putter's own payload, so that holder's pull asks for
-// none; a holder of a build before issued tickets is asked again without
-// one and copies all the same.
+// none, whether it copies whole or in flight (several chunks); a holder of
+// a build before issued tickets is asked again without one and copies all
+// the same.
 func TestChainIssuesTheSourceTicket(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		transport string
+		chunks    int
 		old       bool
 	}{
-		{"Shm", transfer.TransportAuto, false},
-		{"TCP", transfer.TransportTCP, false},
-		{"OldHolders", transfer.TransportAuto, true},
+		{"Shm", transfer.TransportAuto, 1, false},
+		{"TCP", transfer.TransportTCP, 1, false},
+		{"InFlightShm", transfer.TransportAuto, 4, false},
+		{"InFlightTCP", transfer.TransportTCP, 4, false},
+		{"OldHolders", transfer.TransportAuto, 1, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: noRoomOn("n0"),
@@ -384,7 +388,7 @@ func TestChainIssuesTheSourceTicket(t *testing.T) {
 			}
 			ctx := testCtx(t)
 			p := c.nodes[0]
-			meta := transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{1 << 20}}
+			meta := transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{int64(tc.chunks), 1 << 20}, NumChunks: tc.chunks}
 			data := pattern(int(meta.Bytes()), 12)
 			buf, err := p.x.Alloc(meta.Bytes())
 			if err != nil {

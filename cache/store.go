@@ -565,7 +565,7 @@ func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src
 	}
 	if m.Node == s.cfg.Node {
 		if opts.early {
-			return s.stageEarly(ctx, id, mode, append([]transfer.Ref{src.ref}, opts.fallback...))
+			return s.stageEarly(ctx, id, mode, append([]transfer.Ref{src.ref}, opts.fallback...), nil)
 		}
 		return s.stageLocalFrom(ctx, id, mode, src, opts.fallback)
 	}
@@ -845,7 +845,7 @@ func (s *Store) serve(remote peer.ID, req *request) response {
 		var h Holder
 		var err error
 		if req.Early {
-			h, err = s.stageEarly(ctx, req.Object, req.Mode, append([]transfer.Ref{req.Src}, req.Fallback...))
+			h, err = s.stageEarly(ctx, req.Object, req.Mode, append([]transfer.Ref{req.Src}, req.Fallback...), req.Issued)
 		} else {
 			h, err = s.stageLocalFrom(ctx, req.Object, req.Mode, src, req.Fallback)
 		}

@@ -8,6 +8,7 @@ import (
 	"io"
 	"slices"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -160,6 +161,13 @@ type StoreResult struct {
 	// P2PPutGbpsMedian is the put's baseline: its first holder pulling
 	// the put's source from node 0 (the first of the sequential pulls).
 	P2PPutGbpsMedian float64 `json:"p2p_put_gbps_median"`
+	// PutCPUMSMedian and P2PPutCPUMSMedian are the CPU time this process
+	// (every node, and etcd) used during a put and during its baseline
+	// pull. Near the wall time, or above it, the machine's cores are the
+	// bound: what the put does besides the copy costs it its CPU time
+	// whether or not it overlaps the copy.
+	PutCPUMSMedian    float64 `json:"put_cpu_ms_median"`
+	P2PPutCPUMSMedian float64 `json:"p2p_put_cpu_ms_median"`
 	// RatioGet is get over p2p GB/s; RatioPut is put over p2p-put GB/s,
 	// that is one pull's time over a put's; RatioReplicated is the time to
 	// R copies over R sequential pulls' (lower is better).
@@ -505,6 +513,17 @@ const benchTTL = time.Hour
 // storeSample is one repetition's timings.
 type storeSample struct {
 	put, replicated, get, lookup, p2p, p2pPut, seqPulls time.Duration
+	putCPU, p2pPutCPU                                   time.Duration // this process's CPU time meanwhile
+}
+
+// processCPU is the CPU time this process has used, user and system, all
+// threads: every node, etcd included.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // cycle runs one repetition: put until it returns and until its R copies
@@ -517,14 +536,14 @@ func (r *storeRun) cycle(ctx context.Context, s *sizeSetup, id string, verify bo
 	// As a step checkpoint is put (agent/checkpoint.go): the only caller of
 	// FirstCopy.
 	spec := cache.PutSpec{ID: id, Mode: cache.TTL, TTL: benchTTL, Replicas: r.cfg.Replicas, FirstCopy: true}
-	t0 := time.Now()
+	c0, t0 := processCPU(), time.Now()
 	st, err := p.s.Stage(ctx, spec, s.src)
 	if err == nil {
 		if err = st.Commit(ctx); err != nil {
 			st.Abort(ctx)
 		}
 	}
-	out.put = time.Since(t0)
+	out.put, out.putCPU = time.Since(t0), processCPU()-c0
 	if err != nil {
 		return out, err
 	}
@@ -547,7 +566,7 @@ func (r *storeRun) cycle(ctx context.Context, s *sizeSetup, id string, verify bo
 
 	// R pulls one after another along the put's chain.
 	prev := s.src
-	t0 = time.Now()
+	c0, t0 = processCPU(), time.Now()
 	for i, h := range rec.Holders {
 		n := r.m.node(h.Node)
 		if n == nil {
@@ -557,7 +576,7 @@ func (r *storeRun) cycle(ctx context.Context, s *sizeSetup, id string, verify bo
 			return out, fmt.Errorf("p2p pull %s <- %s: %w", n.name, prev.Producer.PeerID, err)
 		}
 		if i == 0 {
-			out.p2pPut = time.Since(t0)
+			out.p2pPut, out.p2pPutCPU = time.Since(t0), processCPU()-c0
 		}
 		prev = s.held[n.name]
 	}
@@ -638,7 +657,7 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 		return StoreResult{}, err
 	}
 
-	var puts, gets, getsLookup, p2ps, p2pPuts, lookups, repls, seqs []float64
+	var puts, gets, getsLookup, p2ps, p2pPuts, lookups, repls, seqs, putCPUs, p2pPutCPUs []float64
 	for i := range r.cfg.Reps {
 		r.progress("%s %s: rep %d/%d", r.transport, bytesize.Format(size), i+1, r.cfg.Reps)
 		smp, err := r.cycle(ctx, s, objectID(fmt.Sprint(i)), false)
@@ -650,6 +669,8 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 		getsLookup = append(getsLookup, gbps(size, smp.lookup+smp.get))
 		p2ps = append(p2ps, gbps(size, smp.p2p))
 		p2pPuts = append(p2pPuts, gbps(size, smp.p2pPut))
+		putCPUs = append(putCPUs, ms(smp.putCPU))
+		p2pPutCPUs = append(p2pPutCPUs, ms(smp.p2pPutCPU))
 		lookups = append(lookups, ms(smp.lookup))
 		repls = append(repls, ms(smp.replicated))
 		seqs = append(seqs, ms(smp.seqPulls))
@@ -662,6 +683,8 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 		LookupMSMedian:     summarize(lookups).median,
 		P2PGbpsMedian:      summarize(p2ps).median,
 		P2PPutGbpsMedian:   summarize(p2pPuts).median,
+		PutCPUMSMedian:     summarize(putCPUs).median,
+		P2PPutCPUMSMedian:  summarize(p2pPutCPUs).median,
 		ReplicatedMSMedian: summarize(repls).median,
 		SeqPullsMSMedian:   summarize(seqs).median,
 		GetTarget:          GetTarget,
@@ -687,7 +710,7 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 // WriteTable writes the report as aligned columns, then how it was measured.
 func (rep *StoreReport) WriteTable(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, strings.Join([]string{"transport", "size", "R", "chunks", "put GB/s", "p2p GB/s", "put/p2p",
+	fmt.Fprintln(tw, strings.Join([]string{"transport", "size", "R", "chunks", "put GB/s", "p2p GB/s", "put/p2p", "put CPU ms", "p2p CPU ms",
 		"R copies ms", "R pulls ms", "copies/pulls", "get GB/s", "p2p GB/s", "get/p2p", "lookup ms", "get+lookup/p2p",
 		"put target", "copies target", "get target", ""}, "\t"))
 	verdict := func(ok bool, target float64, more bool) string {
@@ -702,8 +725,8 @@ func (rep *StoreReport) WriteTable(w io.Writer) error {
 		return fmt.Sprintf("MISSED (>%.1f)", target)
 	}
 	for _, x := range rep.Results {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%s\t%s\t%s\t\n",
-			x.Transport, bytesize.Format(x.SizeBytes), x.Replicas, x.Chunks, x.PutGbpsMedian, x.P2PPutGbpsMedian, x.RatioPut,
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.1f\t%.1f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%s\t%s\t%s\t\n",
+			x.Transport, bytesize.Format(x.SizeBytes), x.Replicas, x.Chunks, x.PutGbpsMedian, x.P2PPutGbpsMedian, x.RatioPut, x.PutCPUMSMedian, x.P2PPutCPUMSMedian,
 			x.ReplicatedMSMedian, x.SeqPullsMSMedian, x.RatioReplicated,
 			x.GetGbpsMedian, x.P2PGbpsMedian, x.RatioGet, x.LookupMSMedian, x.RatioGetWithLookup,
 			verdict(x.PutMeetsTarget, x.PutTarget, true), verdict(x.ReplicateMeetsTarget, x.ReplicateTarget, false),
@@ -718,6 +741,7 @@ func (rep *StoreReport) WriteTable(w io.Writer) error {
 		"p2p (put): the first holder pulling n0's source; R pulls: that pull, then each next holder\n"+
 		"pulling a payload of the one before, one after another. get: Fetch by n0 from its nearest\n"+
 		"holder; lookup: the etcd record read before it; p2p (get): PullInto holder -> n0.\n"+
+		"CPU ms: this process's CPU time (all nodes and etcd) during the put and during its p2p pull.\n"+
 		"Baselines interleaved, same services and transport.\n", rep.Nodes)
 	return err
 }

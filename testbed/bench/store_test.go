@@ -41,7 +41,7 @@ func TestRunStore(t *testing.T) {
 		t.Errorf("row %v: want tcp, 4 MiB, R=2", row)
 	}
 	for _, k := range []string{"put_gbps_median", "put_gbps_min", "put_gbps_max", "get_gbps_median", "get_gbps_min", "get_gbps_max",
-		"lookup_ms_median", "ratio_get_with_lookup", "p2p_gbps_median", "p2p_put_gbps_median", "ratio_get", "ratio_put",
+		"lookup_ms_median", "ratio_get_with_lookup", "p2p_gbps_median", "p2p_put_gbps_median", "put_cpu_ms_median", "p2p_put_cpu_ms_median", "ratio_get", "ratio_put",
 		"replicated_ms_median", "seq_pulls_ms_median", "ratio_replicated"} {
 		if v, _ := row[k].(float64); !(v > 0) {
 			t.Errorf("%s = %v, want > 0", k, row[k])

@@ -139,9 +139,11 @@ func fitFallback(id string, src transfer.Ref, fallback []transfer.Ref) []transfe
 
 // stageEarly takes a copy of the first of srcs in flight on this node: a
 // memory copy published at once (transfer.Begin), filled in the
-// background from srcs in order, each chunk readable as it lands. The
-// fill is bounded by RequestTimeout; a fill that fails drops the copy.
-func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []transfer.Ref) (Holder, error) {
+// background from srcs in order, each chunk readable as it lands; issued,
+// when not nil, is a ticket for the first that its producer issued to
+// this node. The fill is bounded by RequestTimeout; a fill that fails
+// drops the copy.
+func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []transfer.Ref, issued []byte) (Holder, error) {
 	if !s.enter() {
 		return Holder{}, ErrClosed
 	}
@@ -179,6 +181,9 @@ func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []tra
 	}
 	ref.Checksum = srcs[0].Checksum // what the copy is, once whole: pulls of it check against it
 	fctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
+	if len(issued) > 0 {
+		fctx = transfer.WithIssued(fctx, srcs[0].ID, issued)
+	}
 	f := &filling{done: make(chan struct{}), cancel: cancel}
 	c := &copyOf{object: id, ref: ref, tier: Memory, size: size, mode: mode, stagedAt: s.cfg.Now(), fill: f}
 	s.hold.add(c)
@@ -205,9 +210,12 @@ func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []tra
 }
 
 // fillEarly fills p from srcs in order, marking each chunk ready as it
-// lands. A source that fails after some chunks landed is followed by the
-// next one into a scratch buffer, from which only the missing chunks are
-// copied: a chunk once ready may be being read, and is never written again.
+// lands with the block checksums its pull verified it against, so the
+// copy is not hashed again (as a copy staged whole is published with
+// transfer.PublishCopy). A source that fails after some chunks landed is
+// followed by the next one into a scratch buffer, from which only the
+// missing chunks are copied: a chunk once ready may be being read, and is
+// never written again.
 func (s *Store) fillEarly(ctx context.Context, p *transfer.Pending, srcs []transfer.Ref) error {
 	meta := srcs[0].Meta
 	ready := make([]bool, meta.Chunks())
@@ -234,7 +242,9 @@ func (s *Store) fillEarly(ctx context.Context, p *transfer.Pending, srcs []trans
 				off, n := meta.ChunkRange(ch.Index)
 				copy(p.Buf()[off:off+n], ch.Data)
 			}
-			if err := p.ChunkReady(ch.Index); err != nil {
+			// The pull verified the chunk against the checksums it came
+			// with (tcp): served on as they are, not hashed again.
+			if err := p.ChunkCopied(ch.Index, ch.Sums); err != nil {
 				return err // our own bookkeeping is wrong: do not serve the copy
 			}
 			ready[ch.Index] = true

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 
 	"github.com/latentmesh/latentmesh/transfer"
@@ -47,17 +48,22 @@ func fillPending(t *testing.T, p *transfer.Pending, meta transfer.TensorMeta, da
 // it, each next holder pulls the holder before it. With FirstCopy the put
 // returns at the first copy, and the source may go at once: the chain
 // completes from the holders. The record, written once, names every copy,
-// and each reads back whole.
+// and each reads back whole; over tcp each read is checked against the
+// block checksums the source was published with, which every copy in
+// flight serves on as its pull verified them.
 func TestChainedPutSendsSourceOnce(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		meta transfer.TensorMeta
+		name      string
+		meta      transfer.TensorMeta
+		transport string
 	}{
-		{"OneChunk", transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{1 << 20}}},
-		{"FourChunks", transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{4, 256 << 10}, NumChunks: 4}},
+		{"OneChunk", transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{1 << 20}}, transfer.TransportAuto},
+		{"FourChunks", transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{4, 256 << 10}, NumChunks: 4}, transfer.TransportAuto},
+		{"FourChunksTCP", transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{4, 256 << 10}, NumChunks: 4}, transfer.TransportTCP},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			c := newCluster(t, clusterConfig{nodes: 4, mem: 4 << 20, tune: noRoomOn("n0")})
+			c := newCluster(t, clusterConfig{nodes: 4, mem: 4 << 20, tune: noRoomOn("n0"),
+				xtune: func(x *transfer.Config) { x.Transport = tc.transport }})
 			ctx := testCtx(t)
 			p := c.nodes[0]
 			data := pattern(int(tc.meta.Bytes()), 7)
@@ -179,7 +185,7 @@ func TestReaderOfCopyInFlight(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		h, err := early.s.stageEarly(ctx, "obj-wait", TTL, []transfer.Ref{src})
+		h, err := early.s.stageEarly(ctx, "obj-wait", TTL, []transfer.Ref{src}, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -214,7 +220,7 @@ func TestReaderOfCopyInFlight(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		h1, err := early.s.stageEarly(ctx, "obj-fail", TTL, []transfer.Ref{src})
+		h1, err := early.s.stageEarly(ctx, "obj-fail", TTL, []transfer.Ref{src}, nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -332,4 +338,97 @@ func TestChainHolderFailsMidChain(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// buildOf serves the store protocol as a build that speaks versions up to
+// v did: a newer request is refused as bad.
+func buildOf(s *Store, v int) network.StreamHandler {
+	return func(str network.Stream) {
+		defer str.Close()
+		var req request
+		err := transfer.ReadFrame(str, s.cfg.MaxFrame, &req)
+		if err == nil && req.V > v {
+			err = fmt.Errorf("%w: request v%d", transfer.ErrVersion, req.V)
+		}
+		if err != nil {
+			transfer.WriteFrame(str, &response{V: baseVersion, ErrCode: codeBad, ErrMsg: err.Error()})
+			return
+		}
+		r := s.serve(str.Conn().RemotePeer(), &req)
+		r.V = baseVersion
+		transfer.WriteFrame(str, &r)
+	}
+}
+
+// A putter's stage request to the first holder of a chain carries a
+// ticket for the putter's own payload, so that holder's pull asks for
+// none, whether it copies whole or in flight (several chunks); a holder of
+// a build before issued tickets is asked again without one and copies all
+// the same.
+func TestChainIssuesTheSourceTicket(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		transport string
+		chunks    int
+		old       bool
+	}{
+		{"Shm", transfer.TransportAuto, 1, false},
+		{"TCP", transfer.TransportTCP, 1, false},
+		{"InFlightShm", transfer.TransportAuto, 4, false},
+		{"InFlightTCP", transfer.TransportTCP, 4, false},
+		{"OldHolders", transfer.TransportAuto, 1, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: noRoomOn("n0"),
+				xtune: func(x *transfer.Config) { x.Transport = tc.transport }})
+			if tc.old {
+				for _, n := range c.nodes[1:] {
+					n.h.SetStreamHandler(ProtocolID, buildOf(n.s, chainVersion))
+				}
+			}
+			ctx := testCtx(t)
+			p := c.nodes[0]
+			meta := transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{int64(tc.chunks), 1 << 20}, NumChunks: tc.chunks}
+			data := pattern(int(meta.Bytes()), 12)
+			buf, err := p.x.Alloc(meta.Bytes())
+			if err != nil {
+				t.Fatal(err)
+			}
+			copy(buf.Bytes(), data)
+			src, err := p.x.Publish(meta, buf.Bytes())
+			buf.Release()
+			if err != nil {
+				t.Fatal(err)
+			}
+			var asked atomic.Int64 // tickets issued for src, ahead or asked for
+			p.x.OnTicket(func(id string) {
+				if id == src.ID {
+					asked.Add(1)
+				}
+			})
+			st, err := p.s.Stage(ctx, PutSpec{ID: "job-1.ckpt", Mode: TTL, TTL: time.Minute, Replicas: 2, FirstCopy: true}, src)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := st.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := st.WaitReplicated(ctx); err != nil {
+				t.Fatal(err)
+			}
+			first := c.node(st.Record.Holders[0].Node)
+			issued := first.x.Stats().IssuedPulls
+			switch {
+			case tc.old && (issued != 0 || asked.Load() != 2):
+				t.Errorf("old holder: %d issued pulls, %d tickets for the source; want 0 and 2 (issued, refused, then asked)", issued, asked.Load())
+			case !tc.old && (issued != 1 || asked.Load() != 1):
+				t.Errorf("first holder: %d issued pulls, %d tickets for the source; want 1 and 1", issued, asked.Load())
+			}
+			for _, h := range st.Record.Holders {
+				if got, err := fetchFrom(ctx, p, st.Record, h); err != nil || !bytes.Equal(got, data) {
+					t.Errorf("copy on %s: %v (bytes equal %v)", h.Node, err, bytes.Equal(got, data))
+				}
+			}
+		})
+	}
 }

@@ -569,7 +569,7 @@ func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src
 	}
 	if m.Node == s.cfg.Node {
 		if opts.early {
-			return s.stageEarly(ctx, id, mode, append([]transfer.Ref{src.ref}, opts.fallback...))
+			return s.stageEarly(ctx, id, mode, append([]transfer.Ref{src.ref}, opts.fallback...), nil)
 		}
 		return s.stageLocalFrom(ctx, id, mode, src, opts.fallback)
 	}
@@ -580,6 +580,20 @@ func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src
 	case opts.early || len(opts.fallback) > 0:
 		req.V, req.Early, req.Fallback = chainVersion, opts.early, opts.fallback
 	}
+	if src.data == nil {
+		req.Issued = s.issueFor(m, src.ref)
+	}
+	if req.Issued != nil {
+		v := req.V
+		req.V = issuedVersion
+		resp, err := s.call(ctx, m, req)
+		if !errors.Is(err, ErrProtocol) || ctx.Err() != nil {
+			return stageAnswer(m, resp, err)
+		}
+		// An older holder: the request again without the ticket; it asks.
+		s.log.Debug("issued ticket refused; the holder asks for one", zap.String("object", id), zap.String("on", m.Node), zap.Error(err))
+		req.V, req.Issued = v, nil
+	}
 	resp, err := s.call(ctx, m, req)
 	if req.V > baseVersion && errors.Is(err, ErrProtocol) && ctx.Err() == nil {
 		s.log.Debug("stage refused; asking for a plain pull", zap.String("object", id), zap.String("on", m.Node), zap.Int("v", req.V), zap.Error(err))
@@ -587,6 +601,11 @@ func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src
 		opts.early = false
 		resp, err = s.call(ctx, m, req)
 	}
+	return stageAnswer(m, resp, err)
+}
+
+// stageAnswer is the holder m's answer to a stage request.
+func stageAnswer(m Member, resp *response, err error) (Holder, error) {
 	if err != nil {
 		return Holder{}, err
 	}
@@ -594,6 +613,25 @@ func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src
 		return Holder{}, fmt.Errorf("%w: %s answered as %q", ErrProtocol, m.Node, resp.Holder.Node)
 	}
 	return resp.Holder, nil
+}
+
+// issueFor is a ticket for ref, this node's own payload, issued to member
+// m (transfer.Service.Issue), for m's stage request to carry; nil when
+// ref is another node's, or the ticket cannot be issued or does not fit
+// the request.
+func (s *Store) issueFor(m Member, ref transfer.Ref) []byte {
+	if ref.Producer.PeerID != s.h.ID().String() {
+		return nil
+	}
+	pid, err := peer.Decode(m.PeerID)
+	if err != nil {
+		return nil
+	}
+	raw, err := s.xfer.Issue(ref.ID, pid)
+	if err != nil || len(raw) > maxIssued {
+		return nil
+	}
+	return raw
 }
 
 // stageLocalFrom is stageLocal from src, then from each fallback in turn
@@ -803,10 +841,15 @@ func (s *Store) serve(remote peer.ID, req *request) response {
 		}
 		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
 		defer cancel()
+		if len(req.Issued) > 0 {
+			// The putter's ticket for its own payload: no round trip to
+			// ask for one. The pull checks it as any ticket.
+			ctx = transfer.WithIssued(ctx, req.Src.ID, req.Issued)
+		}
 		var h Holder
 		var err error
 		if req.Early {
-			h, err = s.stageEarly(ctx, req.Object, req.Mode, append([]transfer.Ref{req.Src}, req.Fallback...))
+			h, err = s.stageEarly(ctx, req.Object, req.Mode, append([]transfer.Ref{req.Src}, req.Fallback...), req.Issued)
 		} else {
 			h, err = s.stageLocalFrom(ctx, req.Object, req.Mode, src, req.Fallback)
 		}

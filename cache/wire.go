@@ -20,6 +20,8 @@ const ProtocolID protocol.ID = "/latentmesh/store/1"
 //	2: a stage request may carry the object's bytes (Data: an inline put).
 //	3: a stage request may ask for its copy in flight (Early) and name
 //	   sources to fall back on (Fallback); the wait op.
+//	4: a stage request may carry a ticket for Src that its producer, the
+//	   putter, issued to the holder (Issued).
 //
 // A request is sent at the lowest version its fields need, so a holder of a
 // version-1 build still serves every request of a newer putter but an
@@ -27,13 +29,15 @@ const ProtocolID protocol.ID = "/latentmesh/store/1"
 // over the 16 KiB MaxFrame of those builds), and the putter sends it again
 // without Data, to be pulled (Store.stageOn); a version-2 holder refuses a
 // chained stage request so, and gets it again as a plain one: a complete
-// copy pulled from Src. Responses have not changed
+// copy pulled from Src; a version-3 holder refuses an issued ticket so,
+// and gets the request again without it. Responses have not changed
 // since version 1 and are sent as version 1, which every build reads.
 const (
-	WireVersion   = chainVersion // the newest version this build speaks
-	baseVersion   = 1            // every response; every request without Data
-	inlineVersion = 2            // a stage request with Data
-	chainVersion  = 3            // a stage request with Early or Fallback; a wait
+	WireVersion   = issuedVersion // the newest version this build speaks
+	baseVersion   = 1             // every response; every request without Data
+	inlineVersion = 2             // a stage request with Data
+	chainVersion  = 3             // a stage request with Early or Fallback; a wait
+	issuedVersion = 4             // a stage request with Issued
 )
 
 // Request operations.
@@ -67,9 +71,14 @@ const (
 	// or rdma where it can), and a holder reads a request's frame whole
 	// before decoding it. Config.InlineMax is at most this.
 	maxInline = 1 << 20
+	// maxIssued bounds a stage request's Issued: a ticket response as
+	// transfer.Service.Issue encodes it (a ticket, the payload's meta, its
+	// data address and shm or rdma handle) takes a few hundred bytes.
+	maxIssued = 2 << 10
 	// requestRoom is what a request takes besides its Data: with every
-	// field at its bound (an id, two producers' addresses) it encodes to
-	// under 10 KiB (TestRequestRoom). MaxFrame holds InlineMax plus this.
+	// field at its bound (an id, two producers' addresses, an issued
+	// ticket) it encodes to under 12 KiB (TestRequestRoom). MaxFrame
+	// holds InlineMax plus this.
 	requestRoom = 16 << 10
 )
 
@@ -99,6 +108,13 @@ type request struct {
 	// when Src fails: the earlier holders of a chain, then the putter's
 	// payload.
 	Fallback []transfer.Ref `msgpack:"fallback,omitempty"`
+	// Issued, from version 4, is a ticket for Src that its producer (the
+	// putter, Src being its own payload) issued to the holder
+	// (transfer.Service.Issue): the holder's pull of Src uses it instead
+	// of asking for one, so the stage request stands in for the ticket
+	// round trip. The transfer service checks it as any ticket, and pulls
+	// as usual when it does not fit.
+	Issued []byte `msgpack:"issued,omitempty"`
 }
 
 // response answers a request: the new holder on success, else a code.
@@ -130,13 +146,16 @@ func (m *request) Validate() error {
 		if err := m.validChain(); err != nil {
 			return err
 		}
+		if err := m.validIssued(); err != nil {
+			return err
+		}
 		return m.validInline()
 	case opDrop, opKeep, opWait:
 		if m.Payload == "" || len(m.Payload) > maxPayloadIDLen {
 			return fmt.Errorf("%w: payload id of %d bytes", ErrProtocol, len(m.Payload))
 		}
-		if len(m.Data) > 0 || m.Early || len(m.Fallback) > 0 {
-			return fmt.Errorf("%w: a %s with data or chain fields", ErrProtocol, m.Op)
+		if len(m.Data) > 0 || m.Early || len(m.Fallback) > 0 || len(m.Issued) > 0 {
+			return fmt.Errorf("%w: a %s with data, chain fields or a ticket", ErrProtocol, m.Op)
 		}
 		if m.Op == opWait && m.V < chainVersion {
 			return fmt.Errorf("%w: a wait in a v%d request", ErrProtocol, m.V)
@@ -168,6 +187,22 @@ func (m *request) validChain() error {
 		if r.Meta.Bytes() != m.Src.Meta.Bytes() || r.Meta.Chunks() != m.Src.Meta.Chunks() {
 			return fmt.Errorf("%w: a fallback of another size than its source", ErrProtocol)
 		}
+	}
+	return nil
+}
+
+// validIssued bounds a stage request's Issued: a version that has it, at
+// most maxIssued bytes, and no inline Data beside it (nothing to pull).
+func (m *request) validIssued() error {
+	switch n := len(m.Issued); {
+	case n == 0:
+		return nil
+	case m.V < issuedVersion:
+		return fmt.Errorf("%w: an issued ticket in a v%d request", ErrProtocol, m.V)
+	case n > maxIssued:
+		return fmt.Errorf("%w: an issued ticket of %d bytes, at most %d", ErrProtocol, n, maxIssued)
+	case len(m.Data) > 0:
+		return fmt.Errorf("%w: an issued ticket with inline data", ErrProtocol)
 	}
 	return nil
 }

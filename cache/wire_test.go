@@ -52,7 +52,15 @@ func validRequests() []request {
 		chainRequest(true, 2),
 		chainRequest(false, 1),
 		{V: chainVersion, Op: opWait, Object: "job-1.ckpt", Payload: "0123456789abcdef"},
+		issuedRequest(chainRequest(false, 1), 300),
+		issuedRequest(request{V: baseVersion, Op: opStage, Object: "job-1.latent", Mode: Consume, Src: testRef()}, maxIssued),
 	}
+}
+
+// issuedRequest is stage request r carrying an issued ticket of n bytes.
+func issuedRequest(r request, n int) request {
+	r.V, r.Issued = issuedVersion, pattern(n, 3)
+	return r
 }
 
 // chainRequest is a valid chained stage request: in flight when early,
@@ -143,6 +151,9 @@ func FuzzRequestFrame(f *testing.F) {
 		if len(m.Fallback) > maxFallback || ((m.Early || len(m.Fallback) > 0) && (m.V < chainVersion || len(m.Data) > 0)) {
 			t.Fatalf("accepted %d fallbacks (early %v) in a v%d request with %d bytes of data", len(m.Fallback), m.Early, m.V, len(m.Data))
 		}
+		if n := len(m.Issued); n > 0 && (n > maxIssued || m.V < issuedVersion || m.Op != opStage || len(m.Data) > 0) {
+			t.Fatalf("accepted an issued ticket of %d bytes in a v%d %s with %d bytes of data", n, m.V, m.Op, len(m.Data))
+		}
 		if n := len(m.Data); n > 0 && (n > maxInline || n > len(b) || int64(n) != m.Src.Meta.Bytes() || m.V < inlineVersion) {
 			t.Fatalf("accepted %d bytes of data (v%d) for a %d-byte object from a %d-byte frame", n, m.V, m.Src.Meta.Bytes(), len(b))
 		}
@@ -151,7 +162,8 @@ func FuzzRequestFrame(f *testing.F) {
 			t.Fatalf("re-encoded request does not decode: %v", err)
 		}
 		if again.V != m.V || again.Op != m.Op || again.Object != m.Object || again.Payload != m.Payload || again.Src.ID != m.Src.ID ||
-			again.Src.Checksum != m.Src.Checksum || !bytes.Equal(again.Data, m.Data) || again.Early != m.Early || len(again.Fallback) != len(m.Fallback) {
+			again.Src.Checksum != m.Src.Checksum || !bytes.Equal(again.Data, m.Data) || again.Early != m.Early || len(again.Fallback) != len(m.Fallback) ||
+			!bytes.Equal(again.Issued, m.Issued) {
 			t.Fatalf("round trip changed the request: %+v -> %+v", m, again)
 		}
 		if m.checkInline() == nil && len(m.Data) > 0 && xxh3.Hash(m.Data) != m.Src.Checksum {
@@ -220,6 +232,10 @@ func TestRequestValidate(t *testing.T) {
 		{"WaitInV2", func(r *request) { r.V, r.Op, r.Payload = inlineVersion, opWait, "p" }, ErrProtocol},
 		{"WaitWithoutPayload", func(r *request) { r.V, r.Op = chainVersion, opWait }, ErrProtocol},
 		{"WaitEarly", func(r *request) { r.V, r.Op, r.Payload, r.Early = chainVersion, opWait, "p", true }, ErrProtocol},
+		{"IssuedInV3", func(r *request) { *r = issuedRequest(chainRequest(true, 0), 64); r.V = chainVersion }, ErrProtocol},
+		{"IssuedOverBound", func(r *request) { *r = issuedRequest(*r, maxIssued+1) }, ErrProtocol},
+		{"IssuedWithData", func(r *request) { *r = inlineRequest(64); r.V, r.Issued = issuedVersion, []byte{1} }, ErrProtocol},
+		{"WaitWithIssued", func(r *request) { r.V, r.Op, r.Payload, r.Issued = issuedVersion, opWait, "p", []byte{1} }, ErrProtocol},
 		{"DropWithFallback", func(r *request) {
 			r.V, r.Op, r.Payload, r.Fallback = chainVersion, opDrop, "p", []transfer.Ref{testRef()}
 		}, ErrProtocol},
@@ -330,8 +346,8 @@ func TestRequestRoom(t *testing.T) {
 	for range maxAddrs {
 		src.Producer.P2PAddrs = append(src.Producer.P2PAddrs, field(maxAddrLen))
 	}
-	r := request{V: WireVersion, Op: opStage, Object: field(MaxIDLen), Mode: Consume, Src: src, Payload: field(maxPayloadIDLen)}
-	if n := len(encodeFrame(t, &r)); n > 10<<10 || n >= requestRoom {
-		t.Fatalf("the largest request takes %d bytes; requestRoom is %d and its comment says under 10 KiB", n, requestRoom)
+	r := request{V: WireVersion, Op: opStage, Object: field(MaxIDLen), Mode: Consume, Src: src, Payload: field(maxPayloadIDLen), Issued: make([]byte, maxIssued)}
+	if n := len(encodeFrame(t, &r)); n > 12<<10 || n >= requestRoom {
+		t.Fatalf("the largest request takes %d bytes; requestRoom is %d and its comment says under 12 KiB", n, requestRoom)
 	}
 }

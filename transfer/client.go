@@ -27,6 +27,13 @@ import (
 type Chunk struct {
 	Index int
 	Data  []byte
+	// Sums are the block checksums Data was verified against as it
+	// landed (tcp with Config.ChecksumTCP), one per 256 KiB block; nil
+	// when the chunk came without them (shm, rdma, this service's own
+	// payload, or a range the producer could not checksum). A copy
+	// published again hands them to Pending.ChunkCopied so that it is
+	// not hashed twice.
+	Sums []uint64
 }
 
 // ChunkPull is a pull in progress that yields chunks as they land.
@@ -97,8 +104,15 @@ type sumSinkKey struct{}
 
 // sumSink collects the block checksums a tcp pull verified.
 type sumSink struct {
-	mu   sync.Mutex
-	sums BlockSums
+	mu sync.Mutex
+	// mu guards the fields below.
+	sums   BlockSums
+	filled []int // per chunk, the blocks whose checksums were put
+}
+
+func newSumSink(meta TensorMeta) *sumSink {
+	n := max(meta.Chunks(), 1)
+	return &sumSink{sums: make(BlockSums, n), filled: make([]int, n)}
 }
 
 // put records the checksums of span sp (block-aligned within its chunk).
@@ -109,20 +123,42 @@ func (k *sumSink) put(meta TensorMeta, sp span, sums []uint64) {
 	if k.sums[sp.chunk] == nil {
 		k.sums[sp.chunk] = make([]uint64, (cs+sumBlock-1)/sumBlock)
 	}
-	copy(k.sums[sp.chunk][(sp.off-int64(sp.chunk)*cs)/sumBlock:], sums)
+	k.filled[sp.chunk] += copy(k.sums[sp.chunk][(sp.off-int64(sp.chunk)*cs)/sumBlock:], sums)
+}
+
+// chunk returns chunk c's checksums when every block of it was verified,
+// else nil.
+func (k *sumSink) chunk(c int) []uint64 {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.sums[c] == nil || k.filled[c] != len(k.sums[c]) {
+		return nil
+	}
+	return k.sums[c]
+}
+
+// all returns the checksums of every chunk, nil for a chunk not wholly
+// verified.
+func (k *sumSink) all() BlockSums {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for c := range k.sums {
+		if k.filled[c] != len(k.sums[c]) {
+			k.sums[c] = nil
+		}
+	}
+	return k.sums
 }
 
 // PullCopy is PullInto for a payload that will be published again with
 // PublishCopy (a Store copy): it also returns the block checksums that came
 // with the bytes, so the copy is not hashed again before it is served.
 func (s *Service) PullCopy(ctx context.Context, ref Ref, dst []byte) (BlockSums, error) {
-	sink := &sumSink{sums: make(BlockSums, max(ref.Meta.Chunks(), 1))}
+	sink := newSumSink(ref.Meta)
 	if err := s.PullInto(context.WithValue(ctx, sumSinkKey{}, sink), ref, dst); err != nil {
 		return nil, err
 	}
-	sink.mu.Lock()
-	defer sink.mu.Unlock()
-	return sink.sums, nil
+	return sink.all(), nil
 }
 
 // PullChunks starts fetching a payload into dst and yields each chunk as it
@@ -136,9 +172,11 @@ func (s *Service) PullChunks(ctx context.Context, ref Ref, dst []byte) (*ChunkPu
 		return nil, ErrClosed
 	}
 	p := &ChunkPull{ch: make(chan Chunk, ref.Meta.Chunks()), done: make(chan struct{})}
+	sink := newSumSink(ref.Meta) // what a tcp pull verified, handed on with each chunk
+	ctx = context.WithValue(ctx, sumSinkKey{}, sink)
 	onChunk := func(k int) {
 		off, n := ref.Meta.ChunkRange(k)
-		p.ch <- Chunk{Index: k, Data: dst[off : off+n]}
+		p.ch <- Chunk{Index: k, Data: dst[off : off+n], Sums: sink.chunk(k)}
 	}
 	go func() {
 		defer s.wg.Done()
@@ -405,11 +443,6 @@ func (s *Service) pullTCP(ctx context.Context, pid peer.ID, ref Ref, dst []byte,
 	anyUnverified := false
 	for k := range unverified {
 		anyUnverified = anyUnverified || unverified[k].Load()
-		if sink != nil && unverified[k].Load() {
-			sink.mu.Lock()
-			sink.sums[k] = nil // partial: the copy hashes this chunk itself
-			sink.mu.Unlock()
-		}
 	}
 	if needWhole && anyUnverified {
 		if got := xxh3.Hash(dst); got != ref.Checksum {

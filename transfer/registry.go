@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"fmt"
+	"slices"
 	"sync"
 
 	"github.com/zeebo/xxh3"
@@ -33,9 +34,10 @@ type entry struct {
 	// spill file): it is given back once the payload is released and no
 	// transfer reads it any more.
 	lent *lentMem
-	// lazy is set for a payload published with PublishCopy: chunk k's sums
-	// are computed on the first tcp read of it (lazy[k] guards them), not at
-	// publish.
+	// lazy is set for a payload published with PublishCopy or Begin:
+	// lazy[k] guards sums[k], which are set once, when known (a copy's,
+	// or taken by ChunkReady), else computed on the first tcp read of
+	// chunk k.
 	lazy []sync.Once
 }
 
@@ -345,6 +347,34 @@ func (p *Pending) ID() string { return p.e.id }
 // ChunkReady marks chunk k as written: its checksum is taken and pulls waiting
 // on it proceed.
 func (p *Pending) ChunkReady(k int) error {
+	return p.ready(k, func() {
+		off, n := p.e.meta.ChunkRange(k)
+		p.e.sums[k] = blockSums(p.e.buf[off:off+n], nil)
+	})
+}
+
+// ChunkCopied marks chunk k as written with a copy of another payload's
+// chunk that a pull verified as it landed, without hashing it again:
+// sums are the block checksums it was verified against (Chunk.Sums), and
+// tcp consumers are served them, so a copy of a copy is checked against
+// the checksums its first producer took. With sums nil (a chunk copied
+// over shm or rdma, where nothing is hashed) or not one per block of the
+// chunk, the chunk is hashed the first time a consumer reads it over tcp,
+// as a PublishCopy payload's is.
+func (p *Pending) ChunkCopied(k int, sums []uint64) error {
+	if k >= 0 && k < len(p.e.ready) && int64(len(sums)) != (p.e.chunkSize()+sumBlock-1)/sumBlock {
+		sums = nil
+	}
+	return p.ready(k, func() {
+		if sums != nil {
+			p.e.sums[k] = slices.Clone(sums) // the caller's slice may be reused
+		}
+	})
+}
+
+// ready marks chunk k ready once, after take has set its checksums (or
+// left them to the first tcp read).
+func (p *Pending) ready(k int, take func()) error {
 	if k < 0 || k >= len(p.e.ready) {
 		return fmt.Errorf("transfer: chunk %d of %d", k, len(p.e.ready))
 	}
@@ -354,8 +384,11 @@ func (p *Pending) ChunkReady(k int) error {
 		return fmt.Errorf("transfer: chunk %d already ready", k)
 	}
 	p.done[k] = true
-	off, n := p.e.meta.ChunkRange(k)
-	p.e.sums[k] = blockSums(p.e.buf[off:off+n], nil)
+	// No reader touches sums[k] or lazy[k] before ready[k] is closed.
+	take()
+	if p.e.sums[k] != nil {
+		p.e.lazy[k].Do(func() {}) // known: nothing left for a read to compute
+	}
 	close(p.e.ready[k])
 	if p.left--; p.left == 0 {
 		p.Done()

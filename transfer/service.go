@@ -561,7 +561,7 @@ func (s *Service) arenaPinner(owner *Buffer) pinner {
 // Begin publishes a payload whose chunks are written later: consumers may
 // start pulling at once and receive chunk k as soon as the producer calls
 // ChunkReady(k). The Ref carries no whole-payload checksum; each chunk's
-// checksums are taken at ChunkReady. The buffer comes from the arena when it
+// checksums are taken at ChunkReady (or handed over by ChunkCopied). The buffer comes from the arena when it
 // has room, else from the heap (counted in Stats.HeapFallbacks).
 func (s *Service) Begin(meta TensorMeta) (*Pending, Ref, error) {
 	if err := meta.Validate(s.cfg.MaxPayloadBytes); err != nil {
@@ -590,7 +590,7 @@ func (s *Service) Begin(meta TensorMeta) (*Pending, Ref, error) {
 	if buf == nil {
 		buf = make([]byte, meta.Bytes())
 	}
-	e := s.reg.add(meta, buf, owner, s.arenaPinner(owner), 0, nil, false)
+	e := s.reg.add(meta, buf, owner, s.arenaPinner(owner), 0, nil, true)
 	p := &Pending{e: e, done: make([]bool, len(e.ready)), left: len(e.ready)}
 	return p, Ref{ID: e.id, Producer: s.producer(), Meta: meta}, nil
 }

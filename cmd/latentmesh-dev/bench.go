@@ -211,9 +211,19 @@ func runBenchStore(ctx context.Context, args []string, stdout, stderr io.Writer)
 	fs.Var(&transports, "transports", "`transports` to measure: tcp, shm (each against p2p pulls over it)")
 	fs.IntVar(&cfg.Reps, "reps", cfg.Reps, "measured repetitions per size, after one warm-up")
 	fs.IntVar(&cfg.Replicas, "replicas", cfg.Replicas, "copies of each put (R), on as many holders")
+	fs.IntVar(&cfg.Chunks, "chunks", cfg.Chunks, "chunks of each object (1: a checkpoint's; more: the chain pulls chunk by chunk)")
 	asJSON := fs.Bool("json", false, "print machine-readable results")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the whole run (mesh included) to `FILE`")
 	if code := cli.Parse(fs, args); code >= 0 {
 		return code
+	}
+	if *cpuProfile != "" {
+		stop, err := startCPUProfile(*cpuProfile)
+		if err != nil {
+			fmt.Fprintf(stderr, "latentmesh-dev bench store: %v\n", err)
+			return 1
+		}
+		defer stop()
 	}
 	cfg.Sizes, cfg.Transports, cfg.Progress = sizes, transports, stderr
 	rep, err := bench.RunStore(ctx, cfg)

@@ -8,6 +8,7 @@ import (
 	"io"
 	"slices"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -49,6 +50,11 @@ type StoreConfig struct {
 	Reps int
 	// Replicas is R of every put: copies made on as many holders.
 	Replicas int
+	// Chunks is how many chunks each object is published in. A step
+	// checkpoint (StageBytes) is one; with more, and a mode that is not
+	// durable, each holder of the chain pulls the copy before it chunk by
+	// chunk as it lands.
+	Chunks int
 	// Nodes is the size of the mesh. Node 0 puts and reads and lends the
 	// Store nothing, so every copy of a put crosses the data plane and every
 	// get pulls from a holder; the others hold the copies. Replicas must be
@@ -82,6 +88,7 @@ func DefaultStoreConfig() StoreConfig {
 		Transports: []string{TransportTCP, TransportShm}, // every transport one host can run
 		Reps:       5,                                    // an odd count gives a true median
 		Replicas:   2,                                    // the Store's default R
+		Chunks:     1,                                    // what StageBytes publishes: a checkpoint, a result
 		Nodes:      4,                                    // a putter/reader and three candidate holders
 		Transfer:   transfer.DefaultConfig(),
 		Store:      st,
@@ -102,12 +109,17 @@ func (c StoreConfig) validate() error {
 		return fmt.Errorf("bench: nodes %d not in [2,16]", c.Nodes)
 	case c.Replicas < 1 || c.Replicas >= c.Nodes || c.Replicas > 8:
 		return fmt.Errorf("bench: replicas %d not in [1,%d] (one node puts and reads, the others hold)", c.Replicas, min(c.Nodes-1, 8))
+	case c.Chunks < 1 || c.Chunks > transfer.MaxChunks:
+		return fmt.Errorf("bench: chunks %d not in [1,%d]", c.Chunks, transfer.MaxChunks)
 	case c.Logger == nil:
 		return errors.New("bench: nil logger")
 	}
 	for _, s := range c.Sizes {
 		if s <= 0 || s > c.Transfer.MaxPayloadBytes {
 			return fmt.Errorf("bench: size %d not in [1,%d]", s, c.Transfer.MaxPayloadBytes)
+		}
+		if s%int64(c.Chunks) != 0 {
+			return fmt.Errorf("bench: size %d not divisible into %d chunks", s, c.Chunks)
 		}
 	}
 	return checkTransports(c.Transports)
@@ -118,6 +130,7 @@ type StoreResult struct {
 	Transport string `json:"transport"`
 	SizeBytes int64  `json:"size_bytes"`
 	Replicas  int    `json:"replicas"`
+	Chunks    int    `json:"chunks"`
 	// GB/s (1e9 bytes per second) of puts: Stage (PutSpec.FirstCopy) of
 	// an object published on node 0 and Commit of its record, returning
 	// once the first holder's copy is complete; the others fill along the
@@ -148,6 +161,13 @@ type StoreResult struct {
 	// P2PPutGbpsMedian is the put's baseline: its first holder pulling
 	// the put's source from node 0 (the first of the sequential pulls).
 	P2PPutGbpsMedian float64 `json:"p2p_put_gbps_median"`
+	// PutCPUMSMedian and P2PPutCPUMSMedian are the CPU time this process
+	// (every node, and etcd) used during a put and during its baseline
+	// pull. Near the wall time, or above it, the machine's cores are the
+	// bound: what the put does besides the copy costs it its CPU time
+	// whether or not it overlaps the copy.
+	PutCPUMSMedian    float64 `json:"put_cpu_ms_median"`
+	P2PPutCPUMSMedian float64 `json:"p2p_put_cpu_ms_median"`
 	// RatioGet is get over p2p GB/s; RatioPut is put over p2p-put GB/s,
 	// that is one pull's time over a put's; RatioReplicated is the time to
 	// R copies over R sequential pulls' (lower is better).
@@ -185,12 +205,13 @@ type StoreReport struct {
 // process layout, and one process keeps the harness free of a Store
 // protocol of its own. (bench transfer puts its producer in another process
 // to account the two ends' CPU apart; here the baseline pays the same
-// in-process costs as the measured operation.) Node 0 puts objects, which
-// rendezvous hashing places on Replicas of the other nodes (the objects
-// are one chunk, so each holder of the chain pulls the copy before it once
-// that copy is complete), and reads them
-// back from the nearest holder; objects are deleted between repetitions and
-// the run waits for the holders to free them.
+// in-process costs as the measured operation.) Node 0 puts objects as a
+// step checkpoint is put (FirstCopy, mode TTL), which rendezvous hashing
+// places on Replicas of the other nodes (an object of one chunk, as a
+// checkpoint is, is pulled by each holder of the chain once the copy
+// before is complete; one of several chunks chunk by chunk as it lands),
+// and reads them back from the nearest holder; objects are deleted
+// between repetitions and the run waits for the holders to free them.
 func RunStore(ctx context.Context, cfg StoreConfig) (*StoreReport, error) {
 	if err := cfg.validate(); err != nil {
 		return nil, err
@@ -386,8 +407,18 @@ func (s *sizeSetup) release() {
 	}
 }
 
-// publish allocates size bytes in x's arena, fills them and publishes them.
-func publish(x *transfer.Service, size int64, seed uint64) (transfer.Ref, []byte, error) {
+// objectMeta is an object of size bytes in chunks chunks, as the bench
+// publishes its sources and baselines.
+func objectMeta(size int64, chunks int) transfer.TensorMeta {
+	if chunks <= 1 {
+		return transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{size}}
+	}
+	return transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{int64(chunks), size / int64(chunks)}, NumChunks: chunks}
+}
+
+// publish allocates meta's bytes in x's arena, fills them and publishes them.
+func publish(x *transfer.Service, meta transfer.TensorMeta, seed uint64) (transfer.Ref, []byte, error) {
+	size := meta.Bytes()
 	buf, err := x.Alloc(size)
 	if err != nil {
 		return transfer.Ref{}, nil, err
@@ -395,7 +426,7 @@ func publish(x *transfer.Service, size int64, seed uint64) (transfer.Ref, []byte
 	defer buf.Release() // the payload keeps the region until its Release
 	data := buf.Bytes()
 	fill(data, seed)
-	ref, err := x.Publish(transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{size}}, data)
+	ref, err := x.Publish(meta, data)
 	return ref, data, err
 }
 
@@ -416,7 +447,8 @@ func (r *storeRun) setup(size int64) (_ *sizeSetup, err error) {
 		return b.Bytes(), nil
 	}
 	p := r.m.nodes[0]
-	if s.src, s.srcData, err = publish(p.x, size, uint64(size)); err != nil {
+	meta := objectMeta(size, r.cfg.Chunks)
+	if s.src, s.srcData, err = publish(p.x, meta, uint64(size)); err != nil {
 		return nil, err
 	}
 	s.undo = append(s.undo, func() { p.x.Release(s.src.ID) })
@@ -424,7 +456,7 @@ func (r *storeRun) setup(size int64) (_ *sizeSetup, err error) {
 		return nil, err
 	}
 	for i, n := range r.m.nodes[1:] {
-		ref, _, err := publish(n.x, size, uint64(size)+uint64(i)+1)
+		ref, _, err := publish(n.x, meta, uint64(size)+uint64(i)+1)
 		if err != nil {
 			return nil, err
 		}
@@ -473,9 +505,25 @@ func (r *storeRun) waitFreed(ctx context.Context, s *sizeSetup) error {
 	}
 }
 
+// benchTTL is the retention of the bench's objects, deleted long before:
+// an etcd lease per retention bucket, granted at the first put of the
+// bucket, as for checkpoints.
+const benchTTL = time.Hour
+
 // storeSample is one repetition's timings.
 type storeSample struct {
 	put, replicated, get, lookup, p2p, p2pPut, seqPulls time.Duration
+	putCPU, p2pPutCPU                                   time.Duration // this process's CPU time meanwhile
+}
+
+// processCPU is the CPU time this process has used, user and system, all
+// threads: every node, etcd included.
+func processCPU() time.Duration {
+	var ru syscall.Rusage
+	if syscall.Getrusage(syscall.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // cycle runs one repetition: put until it returns and until its R copies
@@ -485,15 +533,17 @@ type storeSample struct {
 func (r *storeRun) cycle(ctx context.Context, s *sizeSetup, id string, verify bool) (storeSample, error) {
 	var out storeSample
 	p := r.m.nodes[0]
-	spec := cache.PutSpec{ID: id, Mode: cache.Pinned, Replicas: r.cfg.Replicas, FirstCopy: true}
-	t0 := time.Now()
+	// As a step checkpoint is put (agent/checkpoint.go): the only caller of
+	// FirstCopy.
+	spec := cache.PutSpec{ID: id, Mode: cache.TTL, TTL: benchTTL, Replicas: r.cfg.Replicas, FirstCopy: true}
+	c0, t0 := processCPU(), time.Now()
 	st, err := p.s.Stage(ctx, spec, s.src)
 	if err == nil {
 		if err = st.Commit(ctx); err != nil {
 			st.Abort(ctx)
 		}
 	}
-	out.put = time.Since(t0)
+	out.put, out.putCPU = time.Since(t0), processCPU()-c0
 	if err != nil {
 		return out, err
 	}
@@ -516,7 +566,7 @@ func (r *storeRun) cycle(ctx context.Context, s *sizeSetup, id string, verify bo
 
 	// R pulls one after another along the put's chain.
 	prev := s.src
-	t0 = time.Now()
+	c0, t0 = processCPU(), time.Now()
 	for i, h := range rec.Holders {
 		n := r.m.node(h.Node)
 		if n == nil {
@@ -526,7 +576,7 @@ func (r *storeRun) cycle(ctx context.Context, s *sizeSetup, id string, verify bo
 			return out, fmt.Errorf("p2p pull %s <- %s: %w", n.name, prev.Producer.PeerID, err)
 		}
 		if i == 0 {
-			out.p2pPut = time.Since(t0)
+			out.p2pPut, out.p2pPutCPU = time.Since(t0), processCPU()-c0
 		}
 		prev = s.held[n.name]
 	}
@@ -573,7 +623,11 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 		return StoreResult{}, fmt.Errorf("pulls would use transport %q, not %q", got, r.transport)
 	}
 	// Warm up: dial every pair's pools and shm mappings both ways, fault in
-	// the pages, and run one verified cycle.
+	// the pages, and run one verified cycle. Every pair: a put's chain runs
+	// between two holders, and its baseline then pulls between the same
+	// two, so a pair left cold would charge the first use of its
+	// connections and mappings (tens of ms over shm: the producer's arena
+	// mapped and faulted in) to the put alone.
 	r.progress("%s %s: warm-up", r.transport, bytesize.Format(size))
 	for _, n := range r.m.nodes[1:] {
 		if err := n.x.PullInto(ctx, s.src, s.into[n.name]); err != nil {
@@ -586,6 +640,16 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 	if !bytes.Equal(s.into[r.m.nodes[1].name], s.srcData) {
 		return StoreResult{}, errors.New("a p2p pull delivered other bytes than were published")
 	}
+	for _, n := range r.m.nodes[1:] {
+		for _, o := range r.m.nodes[1:] {
+			if o == n {
+				continue
+			}
+			if err := n.x.PullInto(ctx, s.held[o.name], s.into[n.name]); err != nil {
+				return StoreResult{}, err
+			}
+		}
+	}
 	objectID := func(rep string) string {
 		return fmt.Sprintf("bench-%s-%s-%s", r.transport, bytesize.Format(size), rep)
 	}
@@ -593,7 +657,7 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 		return StoreResult{}, err
 	}
 
-	var puts, gets, getsLookup, p2ps, p2pPuts, lookups, repls, seqs []float64
+	var puts, gets, getsLookup, p2ps, p2pPuts, lookups, repls, seqs, putCPUs, p2pPutCPUs []float64
 	for i := range r.cfg.Reps {
 		r.progress("%s %s: rep %d/%d", r.transport, bytesize.Format(size), i+1, r.cfg.Reps)
 		smp, err := r.cycle(ctx, s, objectID(fmt.Sprint(i)), false)
@@ -605,18 +669,22 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 		getsLookup = append(getsLookup, gbps(size, smp.lookup+smp.get))
 		p2ps = append(p2ps, gbps(size, smp.p2p))
 		p2pPuts = append(p2pPuts, gbps(size, smp.p2pPut))
+		putCPUs = append(putCPUs, ms(smp.putCPU))
+		p2pPutCPUs = append(p2pPutCPUs, ms(smp.p2pPutCPU))
 		lookups = append(lookups, ms(smp.lookup))
 		repls = append(repls, ms(smp.replicated))
 		seqs = append(seqs, ms(smp.seqPulls))
 	}
 	put, get := summarize(puts), summarize(gets)
 	res := StoreResult{
-		Transport: r.transport, SizeBytes: size, Replicas: r.cfg.Replicas,
+		Transport: r.transport, SizeBytes: size, Replicas: r.cfg.Replicas, Chunks: r.cfg.Chunks,
 		PutGbpsMedian: put.median, PutGbpsMin: put.min, PutGbpsMax: put.max,
 		GetGbpsMedian: get.median, GetGbpsMin: get.min, GetGbpsMax: get.max,
 		LookupMSMedian:     summarize(lookups).median,
 		P2PGbpsMedian:      summarize(p2ps).median,
 		P2PPutGbpsMedian:   summarize(p2pPuts).median,
+		PutCPUMSMedian:     summarize(putCPUs).median,
+		P2PPutCPUMSMedian:  summarize(p2pPutCPUs).median,
 		ReplicatedMSMedian: summarize(repls).median,
 		SeqPullsMSMedian:   summarize(seqs).median,
 		GetTarget:          GetTarget,
@@ -642,7 +710,7 @@ func (r *storeRun) measure(ctx context.Context, size int64) (StoreResult, error)
 // WriteTable writes the report as aligned columns, then how it was measured.
 func (rep *StoreReport) WriteTable(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, strings.Join([]string{"transport", "size", "R", "put GB/s", "p2p GB/s", "put/p2p",
+	fmt.Fprintln(tw, strings.Join([]string{"transport", "size", "R", "chunks", "put GB/s", "p2p GB/s", "put/p2p", "put CPU ms", "p2p CPU ms",
 		"R copies ms", "R pulls ms", "copies/pulls", "get GB/s", "p2p GB/s", "get/p2p", "lookup ms", "get+lookup/p2p",
 		"put target", "copies target", "get target", ""}, "\t"))
 	verdict := func(ok bool, target float64, more bool) string {
@@ -657,8 +725,8 @@ func (rep *StoreReport) WriteTable(w io.Writer) error {
 		return fmt.Sprintf("MISSED (>%.1f)", target)
 	}
 	for _, x := range rep.Results {
-		fmt.Fprintf(tw, "%s\t%s\t%d\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%s\t%s\t%s\t\n",
-			x.Transport, bytesize.Format(x.SizeBytes), x.Replicas, x.PutGbpsMedian, x.P2PPutGbpsMedian, x.RatioPut,
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.1f\t%.1f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%.2f\t%s\t%s\t%s\t\n",
+			x.Transport, bytesize.Format(x.SizeBytes), x.Replicas, x.Chunks, x.PutGbpsMedian, x.P2PPutGbpsMedian, x.RatioPut, x.PutCPUMSMedian, x.P2PPutCPUMSMedian,
 			x.ReplicatedMSMedian, x.SeqPullsMSMedian, x.RatioReplicated,
 			x.GetGbpsMedian, x.P2PGbpsMedian, x.RatioGet, x.LookupMSMedian, x.RatioGetWithLookup,
 			verdict(x.PutMeetsTarget, x.PutTarget, true), verdict(x.ReplicateMeetsTarget, x.ReplicateTarget, false),
@@ -668,10 +736,12 @@ func (rep *StoreReport) WriteTable(w io.Writer) error {
 		return err
 	}
 	_, err := fmt.Fprintf(w, "\nMedians. %d Store nodes in this process on one etcd. put: n0 -> R holders along a chain\n"+
-		"(FirstCopy), until the first copy is complete and the record committed; R copies: until all are.\n"+
+		"(FirstCopy, mode TTL: a step checkpoint), until the first copy is complete and the record\n"+
+		"committed; R copies: until all are.\n"+
 		"p2p (put): the first holder pulling n0's source; R pulls: that pull, then each next holder\n"+
 		"pulling a payload of the one before, one after another. get: Fetch by n0 from its nearest\n"+
 		"holder; lookup: the etcd record read before it; p2p (get): PullInto holder -> n0.\n"+
+		"CPU ms: this process's CPU time (all nodes and etcd) during the put and during its p2p pull.\n"+
 		"Baselines interleaved, same services and transport.\n", rep.Nodes)
 	return err
 }

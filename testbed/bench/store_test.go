@@ -41,7 +41,7 @@ func TestRunStore(t *testing.T) {
 		t.Errorf("row %v: want tcp, 4 MiB, R=2", row)
 	}
 	for _, k := range []string{"put_gbps_median", "put_gbps_min", "put_gbps_max", "get_gbps_median", "get_gbps_min", "get_gbps_max",
-		"lookup_ms_median", "ratio_get_with_lookup", "p2p_gbps_median", "p2p_put_gbps_median", "ratio_get", "ratio_put",
+		"lookup_ms_median", "ratio_get_with_lookup", "p2p_gbps_median", "p2p_put_gbps_median", "put_cpu_ms_median", "p2p_put_cpu_ms_median", "ratio_get", "ratio_put",
 		"replicated_ms_median", "seq_pulls_ms_median", "ratio_replicated"} {
 		if v, _ := row[k].(float64); !(v > 0) {
 			t.Errorf("%s = %v, want > 0", k, row[k])
@@ -77,6 +77,8 @@ func TestRunStoreRejects(t *testing.T) {
 		"replicas >= nodes": func(c *StoreConfig) { c.Replicas = c.Nodes },
 		"no reps":           func(c *StoreConfig) { c.Reps = 0 },
 		"no sizes":          func(c *StoreConfig) { c.Sizes = nil },
+		"no chunks":         func(c *StoreConfig) { c.Chunks = 0 },
+		"uneven chunks":     func(c *StoreConfig) { c.Chunks = 3 },
 	} {
 		t.Run(name, func(t *testing.T) {
 			cfg := testStoreConfig(t)
@@ -85,5 +87,19 @@ func TestRunStoreRejects(t *testing.T) {
 				t.Fatal("want an error")
 			}
 		})
+	}
+}
+
+// Objects of several chunks run the same cycle, each chain copy pulled
+// chunk by chunk, and are reported as such.
+func TestRunStoreChunked(t *testing.T) {
+	cfg := testStoreConfig(t)
+	cfg.Chunks, cfg.Reps = 4, 1
+	rep, err := RunStore(testCtx(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := rep.Results[0]; r.Chunks != 4 || !(r.RatioPut > 0) || !(r.RatioReplicated > 0) {
+		t.Fatalf("row %+v: want 4 chunks and positive ratios", r)
 	}
 }

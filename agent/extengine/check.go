@@ -755,3 +755,14 @@ func (c checkArena) ArenaOffset(p []byte) (int64, bool) {
 	return int64(at - base), true
 }
 func (c checkArena) Retain([]byte) (func(), bool) { return func() {}, true }
+
+// AllocArena lends the Server arena memory (checkpoint buffers, cached
+// tensors), freed when it releases it.
+func (c checkArena) AllocArena(n int64) ([]byte, func(), error) {
+	b, err := c.a.Alloc(n)
+	if err != nil {
+		return nil, nil, err
+	}
+	var once sync.Once
+	return c.a.Slice(b), func() { once.Do(func() { c.a.Free(b) }) }, nil
+}

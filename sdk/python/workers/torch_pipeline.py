@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import struct
 import sys
@@ -301,6 +302,7 @@ def main() -> None:
     ap.add_argument("--step-ms", type=int, default=0)
     ap.add_argument("--reference", nargs=2, metavar=("SPEC_JSON", "OUT_RGBA"))
     a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")  # the SDK logs task events
     if a.write_weights:
         write_weights(a.write_weights)
         return

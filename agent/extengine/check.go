@@ -765,7 +765,7 @@ func (c *checker) crash(ctx context.Context, reg *Registration) CheckResult {
 		}
 		resumed = fmt.Sprintf(", and resumed the killed process's checkpoint after step %d byte-identically", c.saved.Step)
 	}
-	return CheckResult{Name: name, Pass: true, Detail: fmt.Sprintf("killed, registered again after %v, served a %s task%s", time.Since(start).Round(time.Millisecond), st, resumed)}
+	return CheckResult{Name: name, Pass: true, Detail: fmt.Sprintf("killed, registered again after %v, served one %s task%s", time.Since(start).Round(time.Millisecond), st, resumed)}
 }
 
 // checkArena serves the check's own arena to the Server: the check frees

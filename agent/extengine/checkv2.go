@@ -396,5 +396,18 @@ func (c *checker) tensorCache(ctx context.Context, engine string, m Model) Check
 	case len(hits) == 0:
 		return CheckResult{Name: name, Detail: fmt.Sprintf("a second denoise with the same conditioning asked for %v and got none of the tensors the first put (%v): nothing was reused", gets, puts)}
 	}
-	return CheckResult{Name: name, Pass: true, Detail: fmt.Sprintf("put %v with an empty cache, got %v back in the next denoise; the output the same bytes as without a cache", puts, hits)}
+	return CheckResult{Name: name, Pass: true, Detail: fmt.Sprintf("put %v with an empty cache, got %v back in the next denoise; the output the same bytes as without a cache", shortKeys(puts), shortKeys(hits))}
+}
+
+// shortKeys cuts long keys (a hash in each, typically) for a check line.
+func shortKeys(ks []string) []string {
+	const keep = 32
+	out := make([]string, len(ks))
+	for i, k := range ks {
+		if len(k) > keep {
+			k = k[:keep] + "..."
+		}
+		out[i] = k
+	}
+	return out
 }

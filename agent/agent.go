@@ -210,7 +210,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		if a.ext, err = extengine.Listen(ec, a.xfer); err != nil {
 			return nil, fmt.Errorf("agent: %w", err)
 		}
-		a.runner = &externalRunner{srv: a.ext, xfer: a.xfer, limits: cfg.Engine.Limits}
+		a.runner = &externalRunner{srv: a.ext, xfer: a.xfer, limits: cfg.Engine.Limits, log: a.log.Named("engine")}
 	}
 	jc := cfg.Jobs
 	jc.Logger = a.log

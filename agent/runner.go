@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"math"
 
+	"go.uber.org/zap"
+
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/extengine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
@@ -133,11 +135,31 @@ func (b builtinRunner) NewDecoder(s engine.Spec) (FrameDecoder, error) { return 
 
 // externalRunner runs stages on the engine registered on the engine socket.
 // Tensors go to the engine as arena offsets; one that landed on the heap
-// (the arena was full) is copied into an arena buffer first.
+// (the arena was full) is copied into an arena buffer first. A denoise
+// checkpoints, resumes and stops when the engine's session granted
+// checkpoints (protocol v2): its checkpoints travel as engine.Checkpoint,
+// so the agent stores, resumes, drains, preempts and forks them as the
+// built-in engine's.
 type externalRunner struct {
-	srv    *extengine.Server
-	xfer   *transfer.Service
+	srv    engineServer
+	xfer   engineArena
 	limits engine.Limits
+	log    *zap.Logger
+}
+
+// engineServer is the engine socket as externalRunner uses it
+// (extengine.Server).
+type engineServer interface {
+	Engine() *extengine.Registration
+	Changed() <-chan struct{}
+	Run(ctx context.Context, r extengine.Request) error
+}
+
+// engineArena is the agent's arena as externalRunner uses it
+// (transfer.Service).
+type engineArena interface {
+	ArenaOffset(p []byte) (int64, bool)
+	Alloc(n int64) (*transfer.Buffer, error)
 }
 
 func (x *externalRunner) Serves(st jobs.Stage, model string) bool {
@@ -236,7 +258,9 @@ func (x *externalRunner) inArena(b []byte) ([]byte, func(), error) {
 
 // run sends one request, classifying the failure as the worker needs it:
 // an engine that went away is transient (another agent or a restarted
-// engine takes the task); a task the engine failed fails the job.
+// engine takes the task); a denoise stopped at a checkpoint is
+// engine.ErrStopped and a resume refused engine.ErrBadCheckpoint, as the
+// built-in engine says them; a task the engine failed fails the job.
 func (x *externalRunner) run(ctx context.Context, r extengine.Request) error {
 	err := x.srv.Run(ctx, r)
 	switch {
@@ -244,6 +268,10 @@ func (x *externalRunner) run(ctx context.Context, r extengine.Request) error {
 		return err
 	case errors.Is(err, extengine.ErrEngineLost), errors.Is(err, extengine.ErrNoEngine), errors.Is(err, extengine.ErrNotInArena):
 		return fmt.Errorf("%w: %v", errTransient, err)
+	case errors.Is(err, extengine.ErrStopped):
+		return fmt.Errorf("%w: %w", engine.ErrStopped, err)
+	case errors.Is(err, extengine.ErrBadCheckpoint):
+		return fmt.Errorf("%w: %w", engine.ErrBadCheckpoint, err)
 	}
 	return err
 }
@@ -299,7 +327,28 @@ func (x *externalRunner) Denoise(ctx context.Context, d DenoiseCall) error {
 	req := extengine.Request{Stage: extengine.StageDenoise, Model: s.ModelName(), Spec: s,
 		Inputs:   []extengine.Tensor{{DType: string(cond.Meta.DType), Shape: cond.Meta.Shape, Data: in}},
 		Output:   extengine.Tensor{DType: string(meta.DType), Shape: meta.Shape, Data: out},
-		Progress: d.Progress}
+		Progress: d.Progress, CheckpointEvery: d.CheckpointEvery, Stop: d.Stop}
+	if d.KV != nil {
+		req.Tensors = d.KV // the same contract: Get's value is not modified, Put owns its value
+	}
+	if d.Resume != nil {
+		ck, err := extengine.FromEngineCheckpoint(*d.Resume)
+		if err != nil { // another engine's (the built-in one's) or damaged
+			done(false)
+			return fmt.Errorf("%w: %w", engine.ErrBadCheckpoint, err)
+		}
+		req.Resume = &ck
+	}
+	if d.Checkpoint != nil {
+		req.OnCheckpoint = func(ck extengine.Checkpoint) {
+			eck, err := ck.EngineCheckpoint() // copies out of the arena buffer the engine reuses
+			if err != nil {
+				x.log.Warn("engine checkpoint not encodable; not kept", zap.String("model", s.ModelName()), zap.Int("step", ck.Step), zap.Error(err))
+				return
+			}
+			d.Checkpoint(eck)
+		}
+	}
 	err = x.run(ctx, req)
 	done(err == nil)
 	if err != nil {
@@ -315,7 +364,7 @@ func (x *externalRunner) Denoise(ctx context.Context, d DenoiseCall) error {
 }
 
 // EncoderVersion is the registered engine's name and version when it
-// serves model's encode: protocol v1 says nothing finer, so any new engine
+// serves model's encode: the protocol says nothing finer, so any new engine
 // build is a new encoder version. The engine encodes both texts as one
 // tensor, so its conditioning is cached whole.
 func (x *externalRunner) EncoderVersion(model string) string {
@@ -326,9 +375,16 @@ func (x *externalRunner) EncoderVersion(model string) string {
 	return reg.Engine
 }
 
-// Checkpoints: external engines do not checkpoint yet (worker protocol
-// v2 adds it).
-func (x *externalRunner) Checkpoints(engine.Spec) (bool, int) { return false, 0 }
+// Checkpoints: s's denoise checkpoints when the engine's session granted
+// checkpoints and its model declared them; every is the model's
+// registered default period (0: the agent's flag decides).
+func (x *externalRunner) Checkpoints(s engine.Spec) (bool, int) {
+	ck, ok := x.srv.Engine().Checkpoints(s.ModelName())
+	if !ok {
+		return false, 0
+	}
+	return true, int(ck.Every)
+}
 
 func (x *externalRunner) NewDecoder(s engine.Spec) (FrameDecoder, error) {
 	m, err := x.model(jobs.Decode, s)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/extengine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 )
 
@@ -90,6 +91,9 @@ func TestNumpyDecoderMatchesBuiltin(t *testing.T) {
 		}
 	}
 	dec, _ := engineAgent(t, ctx, c, "decode-numpy", t.TempDir(), WorkerScript("numpy_decoder.py"), jobs.Decode)
+	if reg := dec.Engine(); reg.Version != extengine.Version1 || len(reg.Features) != 0 {
+		t.Fatalf("the numpy decoder registered protocol v%d with %v; it is the mesh's v1 engine", reg.Version, reg.Features)
+	}
 
 	// A model no member serves is refused at submission, not queued for ever.
 	if _, err := c.Agents[0].Submit(ctx, engine.Spec{Model: "nobody-serves-this", Prompt: "x"}.WithDefaults(), jobs.Options{}); err == nil || !strings.Contains(err.Error(), "no agent of this mesh serves it") {

@@ -246,9 +246,13 @@ func TestEngineCheck(t *testing.T) {
 		return extengine.CheckResult{}
 	}
 
+	// The numpy decoder is a protocol v1 engine: it passes as before.
 	res, ok, _ := run("numpy decoder", SystemPython, WorkerScript("numpy_decoder.py"))
 	if !ok || !find(res, "crash restart").Pass || !find(res, "malformed input").Pass {
 		t.Errorf("numpy decoder fails the check: %v", res)
+	}
+	if reg, v2 := find(res, "register"), find(res, "protocol v2"); !strings.Contains(reg.Detail, "protocol v1") || !v2.Skip {
+		t.Errorf("numpy decoder: %s; %s; want a v1 session and the v2 checks skipped", reg, v2)
 	}
 
 	res, ok, _ = run("torch pipeline", SystemPython, WorkerScript("torch_pipeline.py"), "--weights", weights, "--step-ms", "20")
@@ -258,6 +262,16 @@ func TestEngineCheck(t *testing.T) {
 	c := find(res, "cancel mid-denoise")
 	if !c.Pass || c.CancelStep != 10 || c.LastStep > c.CancelStep+1 {
 		t.Errorf("50-step torch denoise cancelled after step %d stopped at step %d; want step 10 and at most 11 (%s)", c.CancelStep, c.LastStep, c.Detail)
+	}
+	// Protocol v2: the torch worker checkpoints, resumes, stops and caches
+	// its negative branch, and resumes a killed process's checkpoint.
+	for _, name := range []string{"checkpoint", "resume", "stop", "tensor cache"} {
+		if r := find(res, name); !r.Pass {
+			t.Errorf("torch worker, v2: %s", r)
+		}
+	}
+	if r := find(res, "crash restart"); !strings.Contains(r.Detail, "resumed the killed process's checkpoint") {
+		t.Errorf("torch worker: %s; want the restarted process to resume the killed one's checkpoint", r)
 	}
 
 	res, ok, out := run("broken worker", SystemPython, filepath.Join("testdata", "broken_worker.py"))
@@ -446,4 +460,133 @@ func TestCancelTorchJobMidDenoise(t *testing.T) {
 	if err != nil || final.State != jobs.Cancelled {
 		t.Errorf("job after cancel: %s, %v", final.State, err)
 	}
+}
+
+// Criteria (issue 19, protocol v2): (a) kill -9 the torch engine of the
+// agent running a denoise with checkpoint_every set: the other denoise
+// agent's engine resumes the task from the newest checkpoint (the stage
+// record's resumed_from says so) and the file is byte-identical to an
+// uninterrupted run; (b) two jobs sharing a negative prompt: the second
+// gets its keys and values from the denoise agent's tensor cache (a hit in
+// its metrics), each file byte-identical to an uncached run. One mesh for
+// both: (b) runs where (a) left the only engine.
+func TestTorchEngineCheckpointsAndTensorCache(t *testing.T) {
+	weights := torchWeights(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	// 100 ms a step: a 12-step denoise takes over a second, time to see
+	// step 4 and kill its engine before the last step.
+	_, agents, workers := torchMesh(t, ctx, weights, 100, map[string]jobs.Stage{
+		"encode-t": jobs.Encode, "denoise-a": jobs.Denoise, "denoise-b": jobs.Denoise, "decode-t": jobs.Decode})
+	entry := agents["encode-t"]
+	finish := func(id string) (jobs.Job, []byte) {
+		t.Helper()
+		j, err := entry.Wait(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if j.State != jobs.Succeeded {
+			t.Fatalf("job %s: %s %+v", id, j.State, j.Error)
+		}
+		data, _, err := entry.Result(ctx, id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return j, rgba(t, data)
+	}
+	specs := []engine.Spec{
+		{Model: torchModel, Prompt: "a red fox", Seed: 11, Width: 64, Height: 64, Frames: 1, Steps: 12, GuidanceScale: 5},
+		{Model: torchModel, Prompt: "a lighthouse", NegativePrompt: "blurry, low quality", Seed: 12, Width: 64, Height: 64, Frames: 1, Steps: 4, GuidanceScale: 5},
+		{Model: torchModel, Prompt: "ocean waves", NegativePrompt: "blurry, low quality", Seed: 13, Width: 64, Height: 64, Frames: 1, Steps: 4, GuidanceScale: 5},
+	}
+	want := torchReference(t, weights, specs)
+
+	// (a) Checkpoints every 3 steps; the engine killed at step 4 or later.
+	every := 3
+	j, err := entry.Submit(ctx, specs[0], jobs.Options{Checkpointing: &jobs.Checkpointing{Every: &every}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var victim string
+	eventually(t, time.Minute, func() error {
+		got, err := entry.Get(ctx, j.ID)
+		if err != nil {
+			return err
+		}
+		if p := got.Progress; p != nil && p.Stage == jobs.Denoise && p.Step >= 4 {
+			victim = p.Node
+			return nil
+		}
+		return fmt.Errorf("denoise not past step 4: %+v", got.Progress)
+	})
+	survivor := map[string]string{"denoise-a": "denoise-b", "denoise-b": "denoise-a"}[victim]
+	if survivor == "" {
+		t.Fatalf("denoise runs on %q", victim)
+	}
+	workers[victim].Kill()
+	done, got := finish(j.ID)
+	d := done.Stages[jobs.Denoise]
+	if d.Node != survivor || d.Attempt < 2 || d.ResumedFrom < every || d.ResumedFrom%every != 0 || d.ResumedFrom >= specs[0].Steps {
+		t.Fatalf("denoise stage %+v: want it committed by %s on a later attempt, resumed from a checkpoint (a multiple of %d, at least %d)", d, survivor, every, every)
+	}
+	t.Logf("engine of %s killed; %s resumed from step %d", victim, survivor, d.ResumedFrom)
+	if !bytes.Equal(got, want[0]) {
+		t.Fatal("the resumed job's image differs from an uninterrupted run")
+	}
+
+	// (b) The same negative prompt twice, on the one engine left.
+	admin := agents[survivor].AdminAddr()
+	kv := func() (hits, misses float64) {
+		mf := families(t, scrapeMetrics(t, admin))
+		hits, _ = sample(mf, "latentmesh_kv_cache_hits_total", nil)
+		misses, _ = sample(mf, "latentmesh_kv_cache_misses_total", nil)
+		return hits, misses
+	}
+	hits0, misses0 := kv()
+	for i, s := range specs[1:] {
+		j, err := entry.Submit(ctx, s, jobs.Options{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		done, got := finish(j.ID)
+		if n := done.Stages[jobs.Denoise].Node; n != survivor {
+			t.Fatalf("job %d denoised on %s, want %s (the only engine left)", i+1, n, survivor)
+		}
+		if !bytes.Equal(got, want[i+1]) {
+			t.Fatalf("job %d (%q): the image differs from an uncached single-process run", i+1, s.Prompt)
+		}
+	}
+	hits, misses := kv()
+	if hits-hits0 != 1 || misses-misses0 != 1 {
+		t.Fatalf("tensor cache on %s: %v hits, %v misses for two jobs sharing a negative prompt; want the first to miss and the second to hit", survivor, hits-hits0, misses-misses0)
+	}
+}
+
+// torchReference runs specs through the torch pipeline in one process,
+// without latentmesh (its --reference mode, which caches nothing and never
+// checkpoints), and returns each one's RGBA bytes.
+func torchReference(t *testing.T, weights string, specs []engine.Spec) [][]byte {
+	t.Helper()
+	var in []map[string]any
+	n := 0
+	for _, s := range specs {
+		in = append(in, map[string]any{"prompt": s.Prompt, "negative_prompt": s.NegativePrompt, "seed": s.Seed,
+			"width": s.Width, "height": s.Height, "frames": s.Frames, "steps": s.Steps, "guidance_scale": s.GuidanceScale})
+		n += 4 * s.Width * s.Height * s.Frames
+	}
+	js, _ := json.Marshal(in)
+	path := filepath.Join(t.TempDir(), "ref.rgba")
+	if out, err := exec.Command(SystemPython, WorkerScript("torch_pipeline.py"), "--weights", weights, "--reference", string(js), path).CombinedOutput(); err != nil {
+		t.Fatalf("reference run: %v\n%s", err, out)
+	}
+	all, err := os.ReadFile(path)
+	if err != nil || len(all) != n {
+		t.Fatalf("reference wrote %d bytes (%v), want %d", len(all), err, n)
+	}
+	out := make([][]byte, len(specs))
+	for i, s := range specs {
+		k := 4 * s.Width * s.Height * s.Frames
+		out[i], all = all[:k], all[k:]
+	}
+	return out
 }

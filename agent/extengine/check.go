@@ -112,9 +112,11 @@ const (
 // Check drives an engine through the protocol, the way an agent does:
 // registration, each stage it serves twice (the whole output written,
 // deterministically), heartbeats while idle and while a task runs,
-// cancellation mid-denoise, a malformed input, and (with a Command) a
-// crash and restart. It writes one line per check to out and returns the
-// results; ok is false if any check failed.
+// cancellation mid-denoise, a malformed input, protocol v2's checkpoints,
+// resumes, stop and tensor cache when the engine negotiated them
+// (checkv2.go), and (with a Command) a crash and restart, resuming the
+// killed process's checkpoint. It writes one line per check to out and
+// returns the results; ok is false if any check failed.
 func Check(ctx context.Context, cfg CheckConfig, out io.Writer) (results []CheckResult, ok bool, err error) {
 	ar, err := arena.New(arena.Config{Name: "latentmesh-engine-check", Size: 64 << 20, Align: 4096})
 	if err != nil {
@@ -129,6 +131,7 @@ func Check(ctx context.Context, cfg CheckConfig, out io.Writer) (results []Check
 		return nil, false, err
 	}
 	defer srv.Close()
+	srv.fillCheckpoint = func(b []byte) { canary(b, ch.flip) }
 	ch.srv = srv
 	if len(cfg.Command) > 0 {
 		if err := ch.start(); err != nil {
@@ -156,6 +159,15 @@ type checker struct {
 	// stepTime is each model's denoise step time, measured by its task
 	// check (the run loop's goroutine only).
 	stepTime map[string]time.Duration
+	// flip picks the canary that fills the checkpoint buffers of the next
+	// tasks (the run loop's goroutine only, as is Run's use of it).
+	flip bool
+	// saved is a checkpoint of the checkpoint check, resumed by the crash
+	// check on the restarted process; savedReq builds its task and
+	// savedWant is the uninterrupted run's output.
+	saved     *Checkpoint
+	savedReq  func() (Request, error)
+	savedWant []byte
 }
 
 // beats records when the engine's heartbeats arrive (Server.OnFrame, on
@@ -291,7 +303,11 @@ func (c *checker) run(ctx context.Context) {
 	for _, m := range reg.Models {
 		names = append(names, fmt.Sprintf("%s%v", m.Name, m.Stages))
 	}
-	c.report(CheckResult{Name: "register", Pass: true, Detail: fmt.Sprintf("%s (pid %d) serves %v after %v", reg.Engine, reg.PID, names, time.Since(start).Round(time.Millisecond))})
+	proto := fmt.Sprintf("protocol v%d", reg.Version)
+	if len(reg.Features) > 0 {
+		proto += fmt.Sprintf(" %v", reg.Features)
+	}
+	c.report(CheckResult{Name: "register", Pass: true, Detail: fmt.Sprintf("%s (pid %d) serves %v after %v, %s", reg.Engine, reg.PID, names, time.Since(start).Round(time.Millisecond), proto)})
 	for _, m := range reg.Models {
 		for _, st := range []string{StageEncode, StageDenoise, StageDecode} {
 			if slices.Contains(m.Stages, st) {
@@ -302,6 +318,9 @@ func (c *checker) run(ctx context.Context) {
 	c.report(c.heartbeats(ctx, reg))
 	c.report(c.cancel(ctx, reg))
 	c.report(c.malformed(ctx, reg))
+	for _, r := range c.protocolV2(ctx, reg) {
+		c.report(r)
+	}
 	c.report(c.crash(ctx, reg))
 }
 
@@ -734,7 +753,19 @@ func (c *checker) crash(ctx context.Context, reg *Registration) CheckResult {
 	if !res.Pass {
 		return CheckResult{Name: name, Detail: "restarted, but " + res.Detail}
 	}
-	return CheckResult{Name: name, Pass: true, Detail: fmt.Sprintf("killed, registered again after %v, served a %s task", time.Since(start).Round(time.Millisecond), st)}
+	resumed := ""
+	if c.saved != nil {
+		// A checkpoint resumes on any process: the killed one's, here.
+		r, err := c.savedReq()
+		if err != nil {
+			return CheckResult{Name: name, Detail: err.Error()}
+		}
+		if why := c.resumeOnto(ctx, r, *c.saved, c.savedWant); why != "" {
+			return CheckResult{Name: name, Detail: "restarted, but " + why + " (the checkpoint came from the killed process)"}
+		}
+		resumed = fmt.Sprintf(", and resumed the killed process's checkpoint after step %d byte-identically", c.saved.Step)
+	}
+	return CheckResult{Name: name, Pass: true, Detail: fmt.Sprintf("killed, registered again after %v, served one %s task%s", time.Since(start).Round(time.Millisecond), st, resumed)}
 }
 
 // checkArena serves the check's own arena to the Server: the check frees
@@ -755,3 +786,14 @@ func (c checkArena) ArenaOffset(p []byte) (int64, bool) {
 	return int64(at - base), true
 }
 func (c checkArena) Retain([]byte) (func(), bool) { return func() {}, true }
+
+// AllocArena lends the Server arena memory (checkpoint buffers, cached
+// tensors), freed when it releases it.
+func (c checkArena) AllocArena(n int64) ([]byte, func(), error) {
+	b, err := c.a.Alloc(n)
+	if err != nil {
+		return nil, nil, err
+	}
+	var once sync.Once
+	return c.a.Slice(b), func() { once.Do(func() { c.a.Free(b) }) }, nil
+}

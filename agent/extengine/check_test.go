@@ -5,9 +5,12 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
+	"hash/crc32"
 	"math"
 	"net"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -30,6 +33,66 @@ type fakeEngine struct {
 	// halfDecode writes the first half of a decode's pixels only.
 	halfDecode bool
 	maxSteps   int32
+
+	// v2 negotiates protocol v2 with checkpoints and the tensor cache;
+	// the switches below break one v2 behaviour each.
+	v2 bool
+	// ckLate checkpoints one step after the steps asked for.
+	ckLate bool
+	// ckHalf writes half of a checkpoint's latent.
+	ckHalf bool
+	// resumeFromNoise ignores a resume's latent (the state alone).
+	resumeFromNoise bool
+	// ignoreStop runs on through a stop; stopNoCheckpoint ends stopped
+	// without checkpointing.
+	ignoreStop, stopNoCheckpoint bool
+	// noPut never puts a tensor; cacheSkew uses a cached tensor off by a
+	// little from the one it computes.
+	noPut, cacheSkew bool
+	// refuseResume fails every resume with bad_checkpoint.
+	refuseResume bool
+}
+
+// fakeSampler names the fake's checkpoints.
+const fakeSampler = "fake-sampler/1"
+
+// fakeSession is one connection of a fakeEngine.
+type fakeSession struct {
+	f       fakeEngine
+	c       *net.UnixConn
+	mem     []byte
+	version uint8
+	wmu     sync.Mutex
+	busy    atomic.Int32
+	stop    chan struct{} // closed when the session ends
+
+	mu sync.Mutex
+	// mu guards the fields below.
+	cancelled map[uint64]bool
+	stopped   map[uint64]bool
+	acks      map[uint64]chan int32 // checkpointed answers, by task
+	answers   map[uint64]chan *Msg  // tensor answers, by task
+}
+
+// fakeTask is one task of a fakeSession: its frame and the channels its
+// agent's answers arrive on (buffered: the reader loop never blocks).
+type fakeTask struct {
+	m       *Msg
+	acks    chan int32
+	answers chan *Msg
+}
+
+func (s *fakeSession) send(m *Msg) error {
+	s.wmu.Lock()
+	defer s.wmu.Unlock()
+	m.V = s.version
+	return WriteMsg(s.c, m)
+}
+
+func (s *fakeSession) flag(set map[uint64]bool, id uint64) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return set[id]
 }
 
 // serve dials path (retrying until the check listens), registers and
@@ -50,11 +113,17 @@ func (f fakeEngine) serve(ctx context.Context, path string) error {
 	defer c.Close()
 	stopDial := context.AfterFunc(ctx, func() { c.Close() })
 	defer stopDial()
-	reg := &Msg{T: TypeRegister, Engine: "fake/1", Models: []Model{{
+	model := Model{
 		Name: "fake", Stages: []string{StageDenoise, StageDecode}, MaxSteps: f.maxSteps,
 		Cond:   Layout{DType: "float32", Shape: []int64{2, 8, 16}},
 		Latent: LatentLayout{DType: "float32", Channels: 4, Scale: 8},
-	}}}
+	}
+	reg := &Msg{T: TypeRegister, Engine: "fake/1", Models: []Model{model}}
+	if f.v2 {
+		reg.Models[0].Checkpoint = &CheckpointSpec{Sampler: fakeSampler, DType: "float32", Channels: 4}
+		reg.Models[0].TensorCache = true
+		reg.Versions, reg.Features = []int32{Version1, Version2}, []string{FeatureCheckpoint, FeatureTensorCache, "named_cond"}
+	}
 	if err := WriteMsg(c, reg); err != nil {
 		return err
 	}
@@ -76,99 +145,216 @@ func (f fakeEngine) serve(ctx context.Context, path string) error {
 		unix.Close(fds[0])
 		return err
 	}
+	if f.v2 && (w.Version != Version2 || !slices.Equal(w.Features, []string{FeatureCheckpoint, FeatureTensorCache})) {
+		unix.Close(fds[0])
+		return fmt.Errorf("welcome chose version %d, features %v; want 2 and checkpoint, tensor_cache", w.Version, w.Features)
+	}
 	mem, err := unix.Mmap(fds[0], 0, int(w.ArenaSize), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	unix.Close(fds[0])
 	if err != nil {
 		return err
 	}
 	defer unix.Munmap(mem)
-
-	var (
-		wmu       sync.Mutex
-		busy      atomic.Int32
-		wg        sync.WaitGroup
-		mu        sync.Mutex
-		cancelled = map[uint64]bool{} // guarded by mu
-	)
-	stop := make(chan struct{})
-	send := func(m *Msg) error {
-		wmu.Lock()
-		defer wmu.Unlock()
-		return WriteMsg(c, m)
-	}
+	s := &fakeSession{f: f, c: c, mem: mem, version: max(w.Version, Version1), stop: make(chan struct{}),
+		cancelled: map[uint64]bool{}, stopped: map[uint64]bool{}, acks: map[uint64]chan int32{}, answers: map[uint64]chan *Msg{}}
+	var wg sync.WaitGroup
 	wg.Go(func() {
 		t := time.NewTicker(time.Duration(w.HeartbeatMS) * time.Millisecond)
 		defer t.Stop()
 		for {
 			select {
-			case <-stop:
+			case <-s.stop:
 				return
 			case <-t.C:
 			}
-			if f.beats == "always" || (f.beats == "idle" && busy.Load() == 0) {
-				send(&Msg{T: TypeHeartbeat})
+			if f.beats == "always" || (f.beats == "idle" && s.busy.Load() == 0) {
+				s.send(&Msg{T: TypeHeartbeat})
 			}
 		}
 	})
-	run := func(m *Msg) {
-		defer busy.Add(-1)
-		out := mem[m.Output.Off : m.Output.Off+m.Output.Len]
-		switch m.Stage {
-		case StageDenoise:
-			steps := int32(m.Spec.Steps)
-			for i := int32(1); i <= steps; i++ {
-				mu.Lock()
-				stopped := cancelled[m.Task] && !f.ignoreCancel
-				mu.Unlock()
-				if stopped {
-					send(&Msg{T: TypeFailed, Task: m.Task, Code: CodeCancelled, Reason: "cancelled"})
-					return
-				}
-				if f.step > 0 {
-					select {
-					case <-stop:
-						return
-					case <-time.After(f.step):
-					}
-				}
-				if send(&Msg{T: TypeProgress, Task: m.Task, Step: i, Total: steps}) != nil {
-					return
-				}
-			}
-			for i := 0; i+4 <= len(out); i += 4 {
-				binary.LittleEndian.PutUint32(out[i:], math.Float32bits(0.25))
-			}
-		case StageDecode:
-			in := m.Inputs[0]
-			if math.IsNaN(float64(math.Float32frombits(binary.LittleEndian.Uint32(mem[in.Off:])))) {
-				send(&Msg{T: TypeFailed, Task: m.Task, Code: CodeBadInput, Reason: "latent holds NaN"})
-				return
-			}
-			if f.halfDecode {
-				out = out[:len(out)/2]
-			}
-			for i := range out {
-				out[i] = 0xff // all white: a legitimate image
-			}
-		}
-		send(&Msg{T: TypeDone, Task: m.Task})
-	}
-	defer func() { close(stop); wg.Wait() }()
+	defer func() { close(s.stop); wg.Wait() }()
 	for {
 		m, err := ReadMsg(c)
 		if err != nil {
 			return nil // the check closed the connection
 		}
+		s.mu.Lock()
 		switch m.T {
 		case TypeTask:
-			busy.Add(1)
-			wg.Go(func() { run(m) })
+			s.busy.Add(1)
+			t := &fakeTask{m: m, acks: make(chan int32, 1), answers: make(chan *Msg, 1)}
+			s.acks[m.Task], s.answers[m.Task] = t.acks, t.answers
+			wg.Go(func() { s.run(t) })
 		case TypeCancel:
-			mu.Lock()
-			cancelled[m.Task] = true
-			mu.Unlock()
+			s.cancelled[m.Task] = true
+		case TypeStop:
+			s.stopped[m.Task] = true
+		case TypeCheckpointed:
+			s.acks[m.Task] <- m.Step
+		case TypeTensor:
+			s.answers[m.Task] <- m
+		}
+		s.mu.Unlock()
+	}
+}
+
+func (s *fakeSession) run(t *fakeTask) {
+	defer s.busy.Add(-1)
+	m := t.m
+	out := s.mem[m.Output.Off : m.Output.Off+m.Output.Len]
+	switch m.Stage {
+	case StageDenoise:
+		if end := s.denoise(t, out); end != nil {
+			s.send(end)
+			return
+		}
+	case StageDecode:
+		in := m.Inputs[0]
+		if math.IsNaN(float64(math.Float32frombits(binary.LittleEndian.Uint32(s.mem[in.Off:])))) {
+			s.send(&Msg{T: TypeFailed, Task: m.Task, Code: CodeBadInput, Reason: "latent holds NaN"})
+			return
+		}
+		if s.f.halfDecode {
+			out = out[:len(out)/2]
+		}
+		for i := range out {
+			out[i] = 0xff // all white: a legitimate image
 		}
 	}
+	s.send(&Msg{T: TypeDone, Task: m.Task})
+}
+
+// denoise runs the fake sampler: x starts from the seed and each step k
+// mixes in k and the "negative branch" nb, a function of the
+// conditioning's second row (cached when the session has a tensor cache).
+// It returns the frame that ends the task, or nil when the output is
+// written.
+func (s *fakeSession) denoise(t *fakeTask, out []byte) *Msg {
+	f, m := s.f, t.m
+	steps := int32(m.Spec.Steps)
+	x := make([]float32, len(out)/4)
+	for i := range x {
+		x[i] = float32(m.Spec.Seed%97)*0.01 + float32(i)*0.001
+	}
+	start := int32(0)
+	if r := m.Resume; r != nil {
+		if f.refuseResume {
+			return &Msg{T: TypeFailed, Task: m.Task, Code: CodeBadCheckpoint, Reason: "this engine resumes nothing"}
+		}
+		if r.Sampler != fakeSampler || len(r.State) != 4 || int32(binary.LittleEndian.Uint32(r.State)) != r.Step {
+			return &Msg{T: TypeFailed, Task: m.Task, Code: CodeBadCheckpoint, Reason: "not this sampler's checkpoint"}
+		}
+		start = r.Step
+		if !f.resumeFromNoise {
+			lat := s.mem[r.Latent.Off : r.Latent.Off+r.Latent.Len]
+			for i := range x {
+				x[i] = math.Float32frombits(binary.LittleEndian.Uint32(lat[4*i:]))
+			}
+		}
+	}
+	nb := s.negativeBranch(t)
+	lastCk, acked := start, true
+	checkpoint := func(step int32) {
+		if !acked {
+			<-t.acks // the buffer is ours again once the agent copied the last one
+		}
+		buf := s.mem[m.CheckpointBuf.Off : m.CheckpointBuf.Off+m.CheckpointBuf.Len]
+		if f.ckHalf {
+			buf = buf[:len(buf)/2]
+		}
+		for i := 0; i+4 <= len(buf); i += 4 {
+			binary.LittleEndian.PutUint32(buf[i:], math.Float32bits(x[i/4]))
+		}
+		s.send(&Msg{T: TypeCheckpoint, Task: m.Task, Step: step, Total: steps, State: binary.LittleEndian.AppendUint32(nil, uint32(step))})
+		lastCk, acked = step, false
+	}
+	for i := start + 1; i <= steps; i++ {
+		if s.flag(s.cancelled, m.Task) && !f.ignoreCancel {
+			return &Msg{T: TypeFailed, Task: m.Task, Code: CodeCancelled, Reason: "cancelled"}
+		}
+		if s.flag(s.stopped, m.Task) && !f.ignoreStop {
+			if lastCk != i-1 && !f.stopNoCheckpoint {
+				checkpoint(i - 1)
+			}
+			return &Msg{T: TypeFailed, Task: m.Task, Code: CodeStopped, Reason: "stopped"}
+		}
+		if f.step > 0 {
+			select {
+			case <-s.stop:
+				return &Msg{T: TypeFailed, Task: m.Task, Code: CodeCancelled, Reason: "closing"}
+			case <-time.After(f.step):
+			}
+		}
+		for j := range x {
+			x[j] = x[j]*0.75 + 0.01*float32(i) + nb[j%len(nb)]
+		}
+		if s.send(&Msg{T: TypeProgress, Task: m.Task, Step: i, Total: steps}) != nil {
+			return &Msg{T: TypeFailed, Task: m.Task, Code: CodeInternal, Reason: "connection"}
+		}
+		at := i
+		if f.ckLate {
+			at--
+		}
+		if e := m.CheckpointEvery; e > 0 && at > 0 && at%e == 0 && i < steps {
+			checkpoint(i)
+		}
+	}
+	for i := range x {
+		binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(x[i]))
+	}
+	return nil
+}
+
+// negativeBranch is the fake's tensor computed from conditioning alone:
+// from the cache when the task may use it, else computed (and put).
+func (s *fakeSession) negativeBranch(t *fakeTask) []float32 {
+	m := t.m
+	cond := m.Inputs[0]
+	half := s.mem[cond.Off+cond.Len/2 : cond.Off+cond.Len]
+	nb := make([]float32, 16)
+	for j := range nb {
+		nb[j] = math.Float32frombits(binary.LittleEndian.Uint32(half[4*j:]))*0.5 + 0.001*float32(j)
+	}
+	if s.version < Version2 {
+		return nb
+	}
+	sum := crc32.Checksum(half, castagnoli)
+	key := fmt.Sprintf("neg/%08x", sum)
+	if s.send(&Msg{T: TypeTensorGet, Task: m.Task, Key: key, Len: 4 * int64(len(nb))}) != nil {
+		return nb
+	}
+	var a *Msg
+	select {
+	case a = <-t.answers:
+	case <-s.stop:
+		return nb
+	}
+	if a.Found {
+		v := s.mem[a.Region.Off : a.Region.Off+a.Region.Len]
+		for j := range nb {
+			nb[j] = math.Float32frombits(binary.LittleEndian.Uint32(v[4*j:]))
+			if s.f.cacheSkew {
+				nb[j] += 0.001
+			}
+		}
+		return nb
+	}
+	if s.f.noPut {
+		return nb
+	}
+	put := &Msg{T: TypeTensorPut, Task: m.Task, Key: key}
+	var v []byte
+	if a.Region != nil {
+		v = s.mem[a.Region.Off : a.Region.Off+a.Region.Len]
+	} else {
+		v = make([]byte, 4*len(nb))
+		put.Data = v
+	}
+	for j, f := range nb {
+		binary.LittleEndian.PutUint32(v[4*j:], math.Float32bits(f))
+	}
+	s.send(put)
+	return nb
 }
 
 // runCheck runs `engine check` against f, at a tenth of an agent's
@@ -206,23 +392,78 @@ func result(t *testing.T, res []CheckResult, name string) CheckResult {
 	return CheckResult{}
 }
 
-// A correct engine passes every check; its decoder writes an all-white
-// image, which the old "not every byte left 0xff" heuristic failed.
+// A correct engine passes every check, of protocol v1 and of v2; its
+// decoder writes an all-white image, which the old "not every byte left
+// 0xff" heuristic failed.
 func TestCheckPassesCorrectEngine(t *testing.T) {
-	res, ok, out := runCheck(t, fakeEngine{beats: "always", step: 20 * time.Millisecond})
-	if !ok {
-		t.Fatalf("a correct engine fails the check:\n%s", out)
-	}
-	for _, r := range res {
-		if r.Name == "crash restart" {
-			if !r.Skip {
-				t.Errorf("crash restart without a command: %s", r)
+	for _, v2 := range []bool{false, true} {
+		t.Run(fmt.Sprintf("v2=%v", v2), func(t *testing.T) {
+			res, ok, out := runCheck(t, fakeEngine{beats: "always", step: 20 * time.Millisecond, v2: v2})
+			if !ok {
+				t.Fatalf("a correct engine fails the check:\n%s", out)
 			}
-			continue
-		}
-		if !r.Pass {
-			t.Errorf("a correct engine: %s", r)
-		}
+			names := map[string]bool{}
+			for _, r := range res {
+				names[r.Name] = true
+				switch {
+				case r.Name == "crash restart" || (r.Name == "protocol v2" && !v2):
+					if !r.Skip {
+						t.Errorf("want a skip: %s", r)
+					}
+				case !r.Pass:
+					t.Errorf("a correct engine: %s", r)
+				}
+			}
+			for _, n := range []string{"checkpoint", "resume", "stop", "tensor cache"} {
+				if names[n] != v2 {
+					t.Errorf("check %q ran: %v, want %v", n, names[n], v2)
+				}
+			}
+			if want := "protocol v2 [checkpoint tensor_cache]"; v2 && !strings.Contains(result(t, res, "register").Detail, want) {
+				t.Errorf("register line %q does not say %q", result(t, res, "register"), want)
+			}
+		})
+	}
+}
+
+// Each broken v2 behaviour fails its check with a line saying what is
+// wrong, and the others still pass.
+func TestCheckFailsBrokenV2(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		f     fakeEngine
+		check string
+		want  string
+		// alsoFails are the checks the same fault fails too (a stop's
+		// checkpoint is resumed, so a bad resume fails both).
+		alsoFails []string
+	}{
+		{"checkpoints a step late", fakeEngine{ckLate: true}, "checkpoint", "asked for a checkpoint every 3 steps of 8, got checkpoints after steps [4 7], want [3 6]", nil},
+		{"half a checkpoint latent", fakeEngine{ckHalf: true}, "checkpoint", "the checkpoint after step 3 left 512 of its latent's 1024 bytes unwritten (first at byte 512)", []string{"stop"}},
+		{"resume ignores the latent", fakeEngine{resumeFromNoise: true}, "resume", "resumed from the checkpoint after step 3 of 8, the output differs from an uninterrupted run's", []string{"stop"}},
+		{"refuses its own checkpoints", fakeEngine{refuseResume: true}, "resume", "a resume from the checkpoint after step 3 of 8 failed: engine failed the task (bad_checkpoint): this engine resumes nothing", []string{"stop"}},
+		{"ignores a stop", fakeEngine{ignoreStop: true}, "stop", "stopped after step 10 of 50, but the engine went on to step 50 (it must stop within one step)", nil},
+		{"stops without a checkpoint", fakeEngine{stopNoCheckpoint: true}, "stop", "but sent no checkpoint: a stop must checkpoint the last step done", nil},
+		{"puts nothing", fakeEngine{noPut: true}, "tensor cache", "model fake declares tensor_cache, but a denoise with an empty cache put no tensor (it asked for [neg/", nil},
+		{"a cached tensor changes the output", fakeEngine{cacheSkew: true}, "tensor cache", "with the tensors the first run put the output differs from a run without a cache", nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := tc.f
+			f.beats, f.step, f.v2 = "always", 10*time.Millisecond, true
+			res, ok, out := runCheck(t, f)
+			r := result(t, res, tc.check)
+			if ok || !r.Failed() {
+				t.Fatalf("an engine that %s passes:\n%s", tc.name, out)
+			}
+			if !strings.Contains(r.Detail, tc.want) {
+				t.Errorf("%s line %q, want it to contain %q", tc.check, r, tc.want)
+			}
+			for _, other := range res {
+				if other.Name != tc.check && other.Failed() && !slices.Contains(tc.alsoFails, other.Name) {
+					t.Errorf("an engine that only %s fails another check too: %s", tc.name, other)
+				}
+			}
+		})
 	}
 }
 

@@ -8,6 +8,14 @@
 // by offset; the engine reports progress, finishes or fails each task, and
 // stops a cancelled one at its next step boundary. Both sides heartbeat.
 //
+// Protocol v2, negotiated in register and welcome (an engine of either
+// version works with an agent of either), adds two features the agent
+// grants per session: step checkpoints (a denoise's sampler state inline
+// and its latent in a lent arena buffer; resumes; a stop at a checkpoint)
+// and a tensor cache the engine reads and fills through lent regions.
+// Checkpoint is the checkpoint as this package hands it on, with a CRC'd
+// binary encoding the agent stores as an engine.Checkpoint's state.
+//
 // The agent owns everything else (claims, fencing, credits, transfers,
 // commits); this package only runs one stage call at a time per task on
 // whatever engine is connected, and says when none is. The agent and the

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/transfer"
 )
 
 // Errors of the engine connection.
@@ -37,6 +38,15 @@ type TaskError struct {
 
 func (e *TaskError) Error() string {
 	return fmt.Sprintf("engine failed the task (%s): %s", e.Code, e.Reason)
+}
+
+// Unwrap makes a resume the engine refused (CodeBadCheckpoint) an
+// ErrBadCheckpoint, as the Server's own refusals are.
+func (e *TaskError) Unwrap() error {
+	if e.Code == CodeBadCheckpoint {
+		return ErrBadCheckpoint
+	}
+	return nil
 }
 
 // Config configures the engine socket.
@@ -86,12 +96,67 @@ type Arena interface {
 	Retain(p []byte) (release func(), ok bool)
 }
 
-// Registration is what the connected engine declared.
+// ArenaAllocator is an Arena that lends the Server memory of its own:
+// checkpoint buffers, a resume's latent, cached tensors. The Server grants
+// FeatureCheckpoint and FeatureTensorCache only with an allocator: an
+// Arena implementing this, or transfer.Service (its Alloc).
+type ArenaAllocator interface {
+	AllocArena(n int64) (p []byte, release func(), err error)
+}
+
+// bufferAllocator is transfer.Service's allocation.
+type bufferAllocator interface {
+	Alloc(n int64) (*transfer.Buffer, error)
+}
+
+// allocatorOf is a's allocation, or nil.
+func allocatorOf(a Arena) func(int64) ([]byte, func(), error) {
+	switch al := a.(type) {
+	case ArenaAllocator:
+		return al.AllocArena
+	case bufferAllocator:
+		return func(n int64) ([]byte, func(), error) {
+			b, err := al.Alloc(n)
+			if err != nil {
+				return nil, nil, err
+			}
+			return b.Bytes(), b.Release, nil
+		}
+	}
+	return nil
+}
+
+// features are the features this agent grants, given an allocator.
+var features = []string{FeatureCheckpoint, FeatureTensorCache}
+
+// Registration is what the connected engine declared, and what its
+// welcome granted.
 type Registration struct {
 	Engine string
 	PID    int32
+	// Models as declared, less what the session does not grant: a model's
+	// Checkpoint and TensorCache are kept only with their feature.
 	Models []Model
 	Slots  map[string]int32
+	// Version is the protocol version the welcome chose; Features the
+	// features it granted (none below Version2).
+	Version  int
+	Features []string
+}
+
+// Supports reports whether the session granted feature.
+func (r *Registration) Supports(feature string) bool {
+	return r != nil && slices.Contains(r.Features, feature)
+}
+
+// Checkpoints returns the checkpoint spec of model's denoise, if it
+// checkpoints in this session.
+func (r *Registration) Checkpoints(model string) (CheckpointSpec, bool) {
+	m, ok := r.Model(StageDenoise, model)
+	if !ok || m.Checkpoint == nil || !r.Supports(FeatureCheckpoint) {
+		return CheckpointSpec{}, false
+	}
+	return *m.Checkpoint, true
 }
 
 // Serves reports whether the engine serves stage of model.
@@ -136,8 +201,12 @@ func (r *Registration) SlotsFor(stage string) int {
 type Server struct {
 	cfg   Config
 	arena Arena
+	alloc func(int64) ([]byte, func(), error) // nil: no v2 features
 	log   *zap.Logger
 	ln    *net.UnixListener
+	// fillCheckpoint, if set, fills each checkpoint buffer before its task
+	// is sent: `engine check` fills canaries, to see a latent written whole.
+	fillCheckpoint func([]byte)
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -185,7 +254,7 @@ func Listen(cfg Config, a Arena) (*Server, error) {
 		ln.Close()
 		return nil, fmt.Errorf("extengine: %w", err)
 	}
-	s := &Server{cfg: cfg, arena: a, log: cfg.Logger.Named("engine"), ln: ln, changed: make(chan struct{})}
+	s := &Server{cfg: cfg, arena: a, alloc: allocatorOf(a), log: cfg.Logger.Named("engine"), ln: ln, changed: make(chan struct{})}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Go(s.accept)
 	return s, nil
@@ -262,7 +331,7 @@ func (s *Server) serve(uc *net.UnixConn) {
 		return
 	}
 	log := s.log.With(zap.Int32("pid", cred.Pid))
-	c := &conn{s: s, uc: uc, pid: cred.Pid, pidfd: -1, tasks: map[uint64]*pending{}, dead: make(chan struct{})}
+	c := &conn{s: s, uc: uc, pid: cred.Pid, pidfd: -1, version: Version1, tasks: map[uint64]*pending{}, dead: make(chan struct{})}
 	if fd, err := unix.PidfdOpen(int(cred.Pid), 0); err == nil {
 		c.pidfd = fd
 	}
@@ -299,7 +368,8 @@ func (s *Server) serve(uc *net.UnixConn) {
 	for i, m := range reg.Models {
 		names[i] = m.Name
 	}
-	c.log.Info("engine registered", zap.Strings("models", names), zap.Any("slots", reg.Slots))
+	c.log.Info("engine registered", zap.Strings("models", names), zap.Any("slots", reg.Slots),
+		zap.Int("protocol", reg.Version), zap.Strings("features", reg.Features))
 
 	var wg sync.WaitGroup
 	wg.Go(c.heartbeats)
@@ -318,15 +388,32 @@ func (s *Server) serve(uc *net.UnixConn) {
 // memory an engine may still write is never handed to anyone else. When ctx
 // ends, the task is cancelled and Run waits up to CancelGrace for the
 // engine to stop; an engine that does not is disconnected.
+//
+// A denoise of a model that checkpoints in this session (Registration.
+// Checkpoints) gets a checkpoint buffer when it may checkpoint (r's
+// CheckpointEvery or Stop is set), and r's Resume, CheckpointEvery,
+// OnCheckpoint and Stop apply; otherwise they are ignored, but for a
+// Resume, which fails with ErrBadCheckpoint. A resume the engine refuses
+// (CodeBadCheckpoint) is a TaskError that is also an ErrBadCheckpoint.
 func (s *Server) Run(ctx context.Context, r Request) error {
 	s.mu.Lock()
 	c := s.cur
 	s.mu.Unlock()
-	if c == nil || !c.reg.Serves(r.Stage, r.Model) {
+	if c == nil {
 		return ErrNoEngine
 	}
-	m := &Msg{V: ProtocolVersion, T: TypeTask, Stage: r.Stage, Model: r.Model, Spec: &r.Spec, FirstFrame: int32(r.FirstFrame), Frames: int32(r.Frames)}
-	p := &pending{progress: r.Progress, preview: r.Preview, result: make(chan error, 1)}
+	mo, ok := c.reg.Model(r.Stage, r.Model)
+	if !ok {
+		return ErrNoEngine
+	}
+	m := &Msg{T: TypeTask, Stage: r.Stage, Model: r.Model, Spec: &r.Spec, FirstFrame: int32(r.FirstFrame), Frames: int32(r.Frames)}
+	p := &pending{progress: r.Progress, preview: r.Preview, result: make(chan error, 1), total: r.Spec.Steps}
+	ok = false
+	defer func() {
+		if !ok {
+			p.release() // never sent: the engine never saw these regions
+		}
+	}()
 	region := func(t Tensor) (Region, error) {
 		off, ok := s.arena.ArenaOffset(t.Data)
 		if !ok {
@@ -342,37 +429,71 @@ func (s *Server) Run(ctx context.Context, r Request) error {
 	for _, in := range r.Inputs {
 		reg, err := region(in)
 		if err != nil {
-			p.release()
 			return err
 		}
 		m.Inputs = append(m.Inputs, reg)
 	}
 	out, err := region(r.Output)
 	if err != nil {
-		p.release()
 		return err
 	}
 	m.Output = &out
-	for _, reg := range append(m.Inputs, out) {
+	check := append(slices.Clone(m.Inputs), out)
+	ck, checkpoints := c.reg.Checkpoints(r.Model)
+	checkpoints = checkpoints && r.Stage == StageDenoise
+	if r.Resume != nil && !checkpoints {
+		return fmt.Errorf("%w: the engine's %s of model %q does not resume checkpoints", ErrBadCheckpoint, r.Stage, r.Model)
+	}
+	if checkpoints {
+		if err := s.checkpointing(m, p, mo, ck, r); err != nil {
+			return err
+		}
+		if m.CheckpointBuf != nil {
+			check = append(check, *m.CheckpointBuf)
+		}
+		if m.Resume != nil {
+			check = append(check, m.Resume.Latent)
+		}
+	}
+	p.tensors, p.tensorCache = r.Tensors, r.Stage == StageDenoise && mo.TensorCache && c.reg.Supports(FeatureTensorCache)
+	p.model = r.Model
+	for _, reg := range check {
 		if err := reg.validate(); err != nil {
-			p.release()
 			return fmt.Errorf("%w: %v", ErrBadFrame, err)
 		}
 	}
-	id, ok := c.add(p)
-	if !ok {
-		p.release() // never sent: the engine never saw these regions
+	id, added := c.add(p)
+	if !added {
 		return ErrEngineLost
 	}
+	ok = true // the engine may see the regions from here on: the answer releases them
 	m.Task = id
 	if err := c.write(m); err != nil {
 		c.fail(fmt.Errorf("send task: %w", err))
 		return fmt.Errorf("%w: %v", ErrEngineLost, err)
 	}
-	select {
-	case err := <-p.result:
-		return err
-	case <-ctx.Done():
+	stop, stopped := r.Stop, false
+	if !checkpoints {
+		stop = nil // nothing to stop at: the caller cancels instead
+	}
+wait:
+	for {
+		select {
+		case err := <-p.result:
+			var te *TaskError
+			if stopped && errors.As(err, &te) && te.Code == CodeStopped {
+				return ErrStopped
+			}
+			return err
+		case <-stop:
+			stop, stopped = nil, true
+			if err := c.write(&Msg{T: TypeStop, Task: id}); err != nil {
+				c.fail(fmt.Errorf("send stop: %w", err))
+				return fmt.Errorf("%w: %v", ErrEngineLost, err)
+			}
+		case <-ctx.Done():
+			break wait
+		}
 	}
 	if err := c.write(&Msg{T: TypeCancel, Task: id}); err != nil {
 		c.fail(fmt.Errorf("send cancel: %w", err))
@@ -383,7 +504,7 @@ func (s *Server) Run(ctx context.Context, r Request) error {
 	select {
 	case err := <-p.result:
 		var te *TaskError
-		if err == nil || (errors.As(err, &te) && te.Code == CodeCancelled) {
+		if err == nil || (errors.As(err, &te) && (te.Code == CodeCancelled || te.Code == CodeStopped)) {
 			return ctx.Err()
 		}
 		return err
@@ -391,6 +512,80 @@ func (s *Server) Run(ctx context.Context, r Request) error {
 		c.fail(fmt.Errorf("task %d still running %v after its cancel", id, s.cfg.CancelGrace))
 		return ctx.Err()
 	}
+}
+
+// checkpointing adds a checkpointing denoise's fields to task m: the
+// checkpoint buffer the engine writes each checkpoint's latent into (lent
+// only when the task may checkpoint: periodically, or at a stop), the
+// period, and the checkpoint to resume from, its latent copied into the
+// arena unless it lies there already.
+func (s *Server) checkpointing(m *Msg, p *pending, mo Model, ck CheckpointSpec, r Request) error {
+	lay, n := mo.CheckpointLatent(r.Spec)
+	if n < 1 || n > MaxCheckpointLatent {
+		return fmt.Errorf("%w: a checkpoint latent of %d bytes, want 1-%d", ErrBadCheckpoint, n, MaxCheckpointLatent)
+	}
+	lend := func(b []byte) (Region, []byte, error) {
+		if b == nil {
+			buf, rel, err := s.alloc(n)
+			if err != nil {
+				return Region{}, nil, fmt.Errorf("%w: checkpoint buffer: %v", ErrNotInArena, err)
+			}
+			p.retained = append(p.retained, rel)
+			b = buf
+		} else if rel, ok := s.arena.Retain(b); ok {
+			p.retained = append(p.retained, rel)
+		} else {
+			return Region{}, nil, ErrNotInArena
+		}
+		off, ok := s.arena.ArenaOffset(b)
+		if !ok || int64(len(b)) != n {
+			return Region{}, nil, ErrNotInArena
+		}
+		return Region{Off: off, Len: n, DType: lay.DType, Shape: lay.Shape}, b, nil
+	}
+	if r.CheckpointEvery > 0 && r.CheckpointEvery < r.Spec.Steps {
+		m.CheckpointEvery = int32(min(r.CheckpointEvery, MaxLimitSteps))
+	}
+	if m.CheckpointEvery > 0 || r.Stop != nil {
+		buf, ckb, err := lend(nil)
+		if err != nil {
+			return err
+		}
+		if s.fillCheckpoint != nil {
+			s.fillCheckpoint(ckb)
+		}
+		m.CheckpointBuf, p.ck, p.sampler, p.onCheckpoint = &buf, ckb, ck.Sampler, r.OnCheckpoint
+	}
+	res := r.Resume
+	if res == nil {
+		return nil
+	}
+	switch {
+	case res.Sampler != ck.Sampler:
+		return fmt.Errorf("%w: sampler %q, the engine's model %q has %q", ErrBadCheckpoint, res.Sampler, mo.Name, ck.Sampler)
+	case int64(len(res.Latent)) != n:
+		return fmt.Errorf("%w: latent of %d bytes, the model's checkpoint latent for this spec is %d", ErrBadCheckpoint, len(res.Latent), n)
+	case res.Step < 1 || res.Step >= res.Total || res.Total > MaxLimitSteps || res.Step >= r.Spec.Steps || len(res.State) > MaxState:
+		return fmt.Errorf("%w: step %d of %d (state of %d bytes) for a %d-step denoise", ErrBadCheckpoint, res.Step, res.Total, len(res.State), r.Spec.Steps)
+	}
+	var (
+		lat Region
+		err error
+	)
+	if _, in := s.arena.ArenaOffset(res.Latent); in {
+		lat, _, err = lend(res.Latent)
+	} else {
+		var b []byte
+		if lat, b, err = lend(nil); err == nil {
+			copy(b, res.Latent)
+		}
+	}
+	if err != nil {
+		return err
+	}
+	m.Resume = &Resume{Sampler: res.Sampler, Step: int32(res.Step), Total: int32(res.Total), State: res.State, Latent: lat}
+	p.ckFloor = res.Step
+	return nil
 }
 
 // Request is one stage call.
@@ -406,6 +601,29 @@ type Request struct {
 	Progress func(step, total int)
 	// Preview, if set, is called the same way with each preview image.
 	Preview func(step int, png []byte)
+
+	// Resume, if not nil, continues a denoise from a checkpoint taken by
+	// an engine of the same model (the same CheckpointSpec.Sampler).
+	Resume *Checkpoint
+	// CheckpointEvery > 0 asks a checkpointing engine for a checkpoint
+	// after every N-th step but the last.
+	CheckpointEvery int
+	// OnCheckpoint receives each checkpoint. It runs on the connection's
+	// reader goroutine and must not block; State and Latent are valid
+	// during the call only (Latent is the task's checkpoint buffer, which
+	// the engine reuses once the call returns): copy what is kept, as
+	// MarshalBinary does.
+	OnCheckpoint func(Checkpoint)
+	// Stop, when closed, asks the engine to finish its current step,
+	// checkpoint it and end the task; Run then returns ErrStopped (after
+	// OnCheckpoint was called) — or the normal result if the engine
+	// finished first.
+	Stop <-chan struct{}
+	// Tensors, if not nil, answers the engine's tensor_get and stores its
+	// tensor_put, under keys the Server prefixes with "extengine/", the
+	// engine's name and the model's (cacheKey), so that no engine reads
+	// another's values or the agent's own.
+	Tensors TensorCache
 }
 
 // Tensor is a tensor in the arena.
@@ -420,6 +638,22 @@ type pending struct {
 	preview  func(step int, png []byte)
 	result   chan error // buffered: the answer, sent once
 	retained []func()
+	model    string
+	total    int // the spec's steps
+
+	// A checkpointing denoise's, set before the task is sent and then
+	// used by the reader goroutine only.
+	ck           []byte // the checkpoint buffer; nil: the task does not checkpoint
+	sampler      string
+	onCheckpoint func(Checkpoint)
+	ckFloor      int // a checkpoint must come after this step: the resume's, then the last one's
+
+	// The tensor cache's: tensorCache says the task may use it; lent
+	// counts regions lent, reserved holds those lent for a tensor_put.
+	tensors     TensorCache
+	tensorCache bool
+	lent        int
+	reserved    map[string][]byte
 }
 
 func (p *pending) release() {
@@ -437,6 +671,9 @@ type conn struct {
 	pid   int32
 	pidfd int // -1 if pidfd_open failed: retained regions then leak at a crash
 	reg   *Registration
+	// version is the session's protocol version, stamped on every frame
+	// after the welcome and required of every frame the engine sends.
+	version uint8
 
 	wmu sync.Mutex // serialises frames written
 
@@ -461,6 +698,7 @@ func (c *conn) add(p *pending) (uint64, bool) {
 }
 
 func (c *conn) write(m *Msg) error {
+	m.V = c.version
 	b, err := EncodeMsg(m)
 	if err != nil {
 		return err
@@ -473,6 +711,10 @@ func (c *conn) write(m *Msg) error {
 	return err
 }
 
+// register reads the engine's register frame and negotiates the session:
+// the highest version both speak, and (from Version2) the features asked
+// for that this agent grants. What a model declares of a feature not
+// granted is dropped, so the Registration says only what the session does.
 func (c *conn) register() (*Registration, error) {
 	c.uc.SetReadDeadline(time.Now().Add(c.s.cfg.RegisterTimeout))
 	m, err := ReadMsg(c.uc)
@@ -480,12 +722,44 @@ func (c *conn) register() (*Registration, error) {
 		c.refuse(err.Error())
 		return nil, err
 	}
-	if m.T != TypeRegister {
-		err := fmt.Errorf("%w: first frame is %q, want %q", ErrBadFrame, m.T, TypeRegister)
+	if m.T != TypeRegister || m.V != Version1 {
+		err := fmt.Errorf("%w: first frame is %q of version %d, want %q of version %d", ErrBadFrame, m.T, m.V, TypeRegister, Version1)
 		c.refuse(err.Error())
 		return nil, err
 	}
-	return &Registration{Engine: m.Engine, PID: c.pid, Models: m.Models, Slots: m.Slots}, nil
+	offered := m.Versions
+	if len(offered) == 0 {
+		offered = []int32{Version1}
+	}
+	var version uint8
+	for _, v := range offered {
+		if v >= Version1 && v <= ProtocolVersion {
+			version = max(version, uint8(v))
+		}
+	}
+	if version == 0 {
+		err := fmt.Errorf("%w: the engine speaks protocol versions %v, this agent %d-%d", ErrBadFrame, offered, Version1, ProtocolVersion)
+		c.refuse(err.Error())
+		return nil, err
+	}
+	reg := &Registration{Engine: m.Engine, PID: c.pid, Slots: m.Slots, Version: int(version)}
+	if version >= Version2 && c.s.alloc != nil {
+		for _, f := range features {
+			if slices.Contains(m.Features, f) {
+				reg.Features = append(reg.Features, f)
+			}
+		}
+	}
+	for _, mo := range m.Models {
+		if !reg.Supports(FeatureCheckpoint) {
+			mo.Checkpoint = nil
+		}
+		if !reg.Supports(FeatureTensorCache) {
+			mo.TensorCache = false
+		}
+		reg.Models = append(reg.Models, mo)
+	}
+	return reg, nil
 }
 
 func (c *conn) refuse(reason string) {
@@ -495,10 +769,16 @@ func (c *conn) refuse(reason string) {
 	c.write(&Msg{T: TypeRefused, Reason: reason})
 }
 
-// welcome answers the registration with the arena's memfd attached.
+// welcome answers the registration with the arena's memfd attached, the
+// version chosen and the features granted. It is a Version1 frame, so
+// that an engine of any version reads it; the session's frames follow.
 func (c *conn) welcome() error {
 	fd, size, _ := c.s.arena.ArenaFd()
-	b, err := EncodeMsg(&Msg{T: TypeWelcome, ArenaSize: size, HeartbeatMS: c.s.cfg.HeartbeatEvery.Milliseconds(), Node: c.s.cfg.Node})
+	m := &Msg{V: Version1, T: TypeWelcome, ArenaSize: size, HeartbeatMS: c.s.cfg.HeartbeatEvery.Milliseconds(), Node: c.s.cfg.Node}
+	if c.reg.Version > Version1 {
+		m.Version, m.Features = uint8(c.reg.Version), c.reg.Features
+	}
+	b, err := EncodeMsg(m)
 	if err != nil {
 		return err
 	}
@@ -506,6 +786,9 @@ func (c *conn) welcome() error {
 	defer c.wmu.Unlock()
 	c.uc.SetWriteDeadline(time.Now().Add(c.s.cfg.RegisterTimeout))
 	_, _, err = c.uc.WriteMsgUnix(b, unix.UnixRights(fd), nil)
+	if err == nil {
+		c.version = uint8(c.reg.Version)
+	}
 	return err
 }
 
@@ -538,6 +821,9 @@ func (c *conn) read() error {
 			}
 			return err
 		}
+		if m.V != c.version {
+			return fmt.Errorf("%w: a version %d %s in a version %d session", ErrBadFrame, m.V, m.T, c.version)
+		}
 		if c.s.cfg.OnFrame != nil {
 			c.s.cfg.OnFrame(m.T)
 		}
@@ -569,10 +855,156 @@ func (c *conn) read() error {
 			} else {
 				p.result <- &TaskError{Code: m.Code, Reason: m.Reason}
 			}
+		case TypeCheckpoint:
+			if err := c.checkpoint(m); err != nil {
+				return err
+			}
+		case TypeTensorGet:
+			if err := c.tensorGet(m); err != nil {
+				return err
+			}
+		case TypeTensorPut:
+			if err := c.tensorPut(m); err != nil {
+				return err
+			}
 		default:
 			return fmt.Errorf("%w: an engine may not send %q", ErrBadFrame, m.T)
 		}
 	}
+}
+
+// task is the unanswered task id, or nil.
+func (c *conn) task(id uint64) *pending {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.tasks[id]
+}
+
+// checkpoint takes a checkpoint of a running task: its latent is copied
+// out of the task's checkpoint buffer and handed on with the state, then
+// the engine is told the buffer is its own again (checkpointed). A
+// checkpoint out of order, of a task that does not checkpoint or of
+// another step count ends the connection: the engine's checkpoints could
+// not be trusted.
+func (c *conn) checkpoint(m *Msg) error {
+	if !c.reg.Supports(FeatureCheckpoint) {
+		return fmt.Errorf("%w: checkpoint, but the session has no %s feature", ErrBadFrame, FeatureCheckpoint)
+	}
+	p := c.task(m.Task)
+	if p == nil {
+		c.log.Debug("checkpoint of unknown task", zap.Uint64("task", m.Task))
+		return nil
+	}
+	switch step, total := int(m.Step), int(m.Total); {
+	case p.ck == nil:
+		return fmt.Errorf("%w: checkpoint of task %d, which has no checkpoint buffer", ErrBadFrame, m.Task)
+	case total != p.total:
+		return fmt.Errorf("%w: checkpoint of task %d after step %d of %d; the task has %d steps", ErrBadFrame, m.Task, step, total, p.total)
+	case step <= p.ckFloor:
+		return fmt.Errorf("%w: checkpoint of task %d after step %d, not after step %d (its last checkpoint or resume)", ErrBadFrame, m.Task, step, p.ckFloor)
+	}
+	p.ckFloor = int(m.Step)
+	if p.onCheckpoint != nil {
+		// Views: the callee copies what it keeps before checkpointed
+		// hands the buffer back.
+		p.onCheckpoint(Checkpoint{Sampler: p.sampler, Step: int(m.Step), Total: int(m.Total), State: m.State, Latent: p.ck})
+	}
+	if err := c.write(&Msg{T: TypeCheckpointed, Task: m.Task, Step: m.Step}); err != nil {
+		return fmt.Errorf("send checkpointed: %w", err)
+	}
+	return nil
+}
+
+// cacheKey is the TensorCache key of an engine's key for model: prefixed
+// with the engine's registered name (name and version, by convention) and
+// the model's, so an engine's keys never meet another engine's, another
+// version's or the agent's own.
+func cacheKey(engine, model, key string) string {
+	return "extengine/" + engine + "/" + model + "/" + key
+}
+
+// tensorGet answers a tensor_get: the cached value copied into an arena
+// region lent to the task (until it ends), or, on a miss, a region of the
+// asked length to write the value into for a tensor_put; or neither, when
+// the task has no cache, has been lent MaxTaskTensors regions, or the
+// arena is full. An engine computes what it does not get.
+func (c *conn) tensorGet(m *Msg) error {
+	if !c.reg.Supports(FeatureTensorCache) {
+		return fmt.Errorf("%w: tensor_get, but the session has no %s feature", ErrBadFrame, FeatureTensorCache)
+	}
+	ans := &Msg{T: TypeTensor, Task: m.Task, Key: m.Key}
+	p := c.task(m.Task)
+	switch {
+	case p == nil:
+		c.log.Debug("tensor_get of unknown task", zap.Uint64("task", m.Task))
+	case !p.tensorCache:
+		return fmt.Errorf("%w: tensor_get in task %d, whose model does not declare tensor_cache", ErrBadFrame, m.Task)
+	case p.tensors == nil || p.lent >= MaxTaskTensors:
+	default:
+		v, found := p.tensors.Get(cacheKey(c.reg.Engine, p.model, m.Key))
+		n := m.Len
+		if found {
+			n = int64(len(v))
+		}
+		if n < 1 || n > MaxTensor {
+			break
+		}
+		b, rel, err := c.s.alloc(n)
+		if err != nil {
+			c.log.Debug("no arena room for a cached tensor", zap.Int64("bytes", n), zap.Error(err))
+			break
+		}
+		off, ok := c.s.arena.ArenaOffset(b)
+		if !ok {
+			rel()
+			break
+		}
+		p.retained = append(p.retained, rel)
+		p.lent++
+		ans.Region = &Region{Off: off, Len: n, DType: "uint8", Shape: []int64{n}}
+		if found {
+			copy(b, v)
+			ans.Found = true
+		} else {
+			if p.reserved == nil {
+				p.reserved = map[string][]byte{}
+			}
+			p.reserved[m.Key] = b
+		}
+	}
+	if err := c.write(ans); err != nil {
+		return fmt.Errorf("send tensor: %w", err)
+	}
+	return nil
+}
+
+// tensorPut stores a tensor_put's value: inline, or the region lent for
+// its key by the tensor_get that missed.
+func (c *conn) tensorPut(m *Msg) error {
+	if !c.reg.Supports(FeatureTensorCache) {
+		return fmt.Errorf("%w: tensor_put, but the session has no %s feature", ErrBadFrame, FeatureTensorCache)
+	}
+	p := c.task(m.Task)
+	switch {
+	case p == nil:
+		c.log.Debug("tensor_put of unknown task", zap.Uint64("task", m.Task))
+		return nil
+	case !p.tensorCache:
+		return fmt.Errorf("%w: tensor_put in task %d, whose model does not declare tensor_cache", ErrBadFrame, m.Task)
+	}
+	v := m.Data
+	if len(v) == 0 {
+		b, ok := p.reserved[m.Key]
+		if !ok {
+			return fmt.Errorf("%w: tensor_put of %q in task %d with no data and no region lent for it", ErrBadFrame, m.Key, m.Task)
+		}
+		delete(p.reserved, m.Key)
+		v = b
+	}
+	if p.tensors != nil {
+		p.tensors.Put(cacheKey(c.reg.Engine, p.model, m.Key), append([]byte(nil), v...))
+	}
+	return nil
 }
 
 // fail ends the connection once: every unanswered task fails with

@@ -17,6 +17,13 @@ import (
 
 func testServer(t *testing.T) (*Server, *arena.Arena) {
 	t.Helper()
+	return testServerOn(t, func(ar *arena.Arena) Arena { return checkArena{ar} })
+}
+
+// testServerOn is testServer with the Server's view of the arena made by
+// wrap (one without an allocator grants no v2 feature).
+func testServerOn(t *testing.T, wrap func(*arena.Arena) Arena) (*Server, *arena.Arena) {
+	t.Helper()
 	ar, err := arena.New(arena.Config{Name: "extengine-test", Size: 4 << 20, Align: 4096})
 	if err != nil {
 		t.Fatal(err)
@@ -25,7 +32,7 @@ func testServer(t *testing.T) (*Server, *arena.Arena) {
 	cfg := DefaultConfig(filepath.Join(t.TempDir(), "engine.sock"))
 	cfg.HeartbeatEvery, cfg.HeartbeatTimeout, cfg.CancelGrace = 50*time.Millisecond, 300*time.Millisecond, time.Second
 	cfg.Logger = zaptest.NewLogger(t)
-	s, err := Listen(cfg, checkArena{ar})
+	s, err := Listen(cfg, wrap(ar))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -36,18 +43,25 @@ func testServer(t *testing.T) (*Server, *arena.Arena) {
 // goEngine is a minimal engine written against the wire format, standing
 // in for the Python SDK on the other end of the socket.
 type goEngine struct {
-	c   *net.UnixConn
-	mem []byte // the agent's arena, mapped from the fd it passed
+	c       *net.UnixConn
+	mem     []byte // the agent's arena, mapped from the fd it passed
+	welcome *Msg
 }
 
 func dialEngine(t *testing.T, s *Server) *goEngine {
+	t.Helper()
+	return dialEngineWith(t, s, validRegister())
+}
+
+// dialEngineWith connects and registers with reg.
+func dialEngineWith(t *testing.T, s *Server, reg *Msg) *goEngine {
 	t.Helper()
 	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: s.Addr(), Net: "unix"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	if err := WriteMsg(c, validRegister()); err != nil {
+	if err := WriteMsg(c, reg); err != nil {
 		t.Fatal(err)
 	}
 	buf, oob := make([]byte, 4096), make([]byte, unix.CmsgSpace(4))
@@ -73,7 +87,16 @@ func dialEngine(t *testing.T, s *Server) *goEngine {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { unix.Munmap(mem) })
-	return &goEngine{c: c, mem: mem}
+	return &goEngine{c: c, mem: mem, welcome: m}
+}
+
+// send writes m stamped with the session's version.
+func (e *goEngine) send(t *testing.T, m *Msg) {
+	t.Helper()
+	m.V = max(e.welcome.Version, Version1)
+	if err := WriteMsg(e.c, m); err != nil {
+		t.Fatal(err)
+	}
 }
 
 // next reads frames until one that is not a heartbeat.

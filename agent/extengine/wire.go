@@ -7,6 +7,8 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"slices"
+	"strings"
 
 	"github.com/vmihailenco/msgpack/v5"
 
@@ -14,9 +16,26 @@ import (
 	"github.com/latentmesh/latentmesh/gossip/msgpackcheck"
 )
 
-// ProtocolVersion is the version of the worker protocol this package speaks.
-// Every frame carries it; a frame of another version is refused.
-const ProtocolVersion = 1
+// Versions of the worker protocol. Every frame carries one in `v`: register
+// and welcome (and refused) always Version1, so that either side of any
+// version reads them; every later frame of a connection the version its
+// welcome chose. A frame of another version ends the connection.
+const (
+	Version1 = 1
+	// Version2 adds step checkpoints (FeatureCheckpoint) and the tensor
+	// cache (FeatureTensorCache), each granted in the welcome.
+	Version2 = 2
+	// ProtocolVersion is the newest version this package speaks.
+	ProtocolVersion = Version2
+)
+
+// Features of Version2 an engine asks for in register (Msg.Features) and
+// the agent grants, a subset, in welcome. A later version adds features to
+// this list; names the agent does not know are not granted, never an error.
+const (
+	FeatureCheckpoint  = "checkpoint"   // checkpoint_every, resume, stop, checkpoint
+	FeatureTensorCache = "tensor_cache" // tensor_get, tensor, tensor_put
+)
 
 // Bounds on what an engine may send, checked before anything is decoded:
 // msgpack/v5 sizes allocations from the headers it reads (and is reported
@@ -36,6 +55,32 @@ const (
 	MaxText = 1024
 	// maxDepth bounds msgpack nesting: frame > models > model > layout > shape.
 	maxDepth = 6
+
+	// MaxVersions and MaxFeatures bound register's lists; a feature's
+	// name is at most maxFeatureLen bytes.
+	MaxVersions   = 8
+	MaxFeatures   = 16
+	maxFeatureLen = 32
+	// MaxSampler bounds a checkpoint format's name.
+	MaxSampler = 128
+	// MaxState bounds a checkpoint's sampler state, which travels inline
+	// (checkpoint, and a task's resume): it must fit a frame with room to
+	// spare; what is as large as the latent goes through the arena.
+	MaxState = 768 << 10
+	// MaxCheckpointLatent bounds a checkpoint's latent: with the state and
+	// Checkpoint.MarshalBinary's header it stays within what the agent's
+	// checkpoint store takes (256 MiB).
+	MaxCheckpointLatent = 255 << 20
+	// MaxKey bounds a tensor cache key.
+	MaxKey = 128
+	// MaxTensor bounds a cached tensor (and a tensor_get's len), and
+	// MaxInlineTensor one put inline in a tensor_put.
+	MaxTensor       = 64 << 20
+	MaxInlineTensor = 768 << 10
+	// MaxTaskTensors bounds the arena regions one task is lent for
+	// cached tensors (found or to be put); past it, a tensor_get is
+	// answered not found with nothing lent.
+	MaxTaskTensors = 16
 )
 
 // Message types.
@@ -50,13 +95,34 @@ const (
 	TypePreview   = "preview"   // engine -> agent: a small PNG of the work so far
 	TypeDone      = "done"      // engine -> agent: Task's output is written
 	TypeFailed    = "failed"    // engine -> agent: Task failed (Code, Reason)
+
+	// Version2, FeatureCheckpoint.
+	TypeStop         = "stop"         // agent -> engine: checkpoint at the next step boundary and end Task (CodeStopped)
+	TypeCheckpoint   = "checkpoint"   // engine -> agent: sampler state after Step, latent in the task's checkpoint_buf
+	TypeCheckpointed = "checkpointed" // agent -> engine: checkpoint Step is copied; checkpoint_buf is the engine's again
+	// Version2, FeatureTensorCache.
+	TypeTensorGet = "tensor_get" // engine -> agent: the cached tensor Key, if any (Len: its size, to be lent a region on a miss)
+	TypeTensor    = "tensor"     // agent -> engine: tensor_get's answer (Found, Region)
+	TypeTensorPut = "tensor_put" // engine -> agent: cache Key's value (Data, or the Region lent for it)
 )
+
+// v2Only are the types a Version1 frame may not have.
+var v2Only = map[string]bool{
+	TypeStop: true, TypeCheckpoint: true, TypeCheckpointed: true,
+	TypeTensorGet: true, TypeTensor: true, TypeTensorPut: true,
+}
 
 // Failure codes an engine reports in Msg.Code.
 const (
 	CodeCancelled = "cancelled" // stopped after a Cancel
 	CodeBadInput  = "bad_input" // the task's inputs or spec were unusable
 	CodeInternal  = "engine_error"
+	// CodeStopped: ended after a Stop, its last step checkpointed (v2).
+	CodeStopped = "stopped"
+	// CodeBadCheckpoint: the task's resume cannot be continued from (a
+	// state of another format, schedule or spec); the agent then starts
+	// the denoise over from noise (v2).
+	CodeBadCheckpoint = "bad_checkpoint"
 )
 
 // Stage names, as in jobs.Stage (this package does not import jobs).
@@ -79,11 +145,18 @@ type Msg struct {
 	Engine string           `msgpack:"engine,omitempty"` // name and version, for logs
 	Models []Model          `msgpack:"models,omitempty"`
 	Slots  map[string]int32 `msgpack:"slots,omitempty"` // stage -> tasks run at once
+	// Versions the engine speaks (none: Version1 only), a msgpack array
+	// of ints (int32, not uint8: msgpack/v5 would write []uint8 as bin);
+	// Features, of Version2 on, it asks for. Welcome's Features are the
+	// granted ones.
+	Versions []int32  `msgpack:"versions,omitempty"`
+	Features []string `msgpack:"features,omitempty"`
 
 	// welcome
 	ArenaSize   int64  `msgpack:"arena_size,omitempty"`
 	HeartbeatMS int64  `msgpack:"heartbeat_ms,omitempty"`
 	Node        string `msgpack:"node,omitempty"`
+	Version     uint8  `msgpack:"version,omitempty"` // the version chosen (omitted: Version1)
 
 	// task
 	Stage      string       `msgpack:"stage,omitempty"`
@@ -93,15 +166,40 @@ type Msg struct {
 	Output     *Region      `msgpack:"output,omitempty"`
 	FirstFrame int32        `msgpack:"first_frame,omitempty"` // decode: latent frame of the input's first
 	Frames     int32        `msgpack:"frames,omitempty"`      // decode: frames in the input
+	// task, v2 (FeatureCheckpoint): checkpoint after every
+	// CheckpointEvery-th step; the checkpoints' latent goes to
+	// CheckpointBuf; Resume continues from a checkpoint.
+	CheckpointEvery int32   `msgpack:"checkpoint_every,omitempty"`
+	CheckpointBuf   *Region `msgpack:"checkpoint_buf,omitempty"`
+	Resume          *Resume `msgpack:"resume,omitempty"`
 
 	// progress, preview
 	Step  int32  `msgpack:"step,omitempty"`
 	Total int32  `msgpack:"total,omitempty"`
 	Image []byte `msgpack:"image,omitempty"` // preview: PNG
+	// checkpoint: the sampler state after Step of Total (v2).
+	State []byte `msgpack:"state,omitempty"`
+
+	// tensor_get, tensor, tensor_put (v2, FeatureTensorCache).
+	Key    string  `msgpack:"key,omitempty"`
+	Len    int64   `msgpack:"len,omitempty"`    // tensor_get: the value's size, lent on a miss (0: none)
+	Found  bool    `msgpack:"found,omitempty"`  // tensor: Region holds the cached value
+	Region *Region `msgpack:"region,omitempty"` // tensor: the value, or where to write it for tensor_put
+	Data   []byte  `msgpack:"data,omitempty"`   // tensor_put: the value inline (else it is in the lent region)
 
 	// failed, refused
 	Code   string `msgpack:"code,omitempty"`
 	Reason string `msgpack:"reason,omitempty"`
+}
+
+// Resume is where a task continues from (v2): the sampler state after
+// Step of Total, and its latent in the arena.
+type Resume struct {
+	Sampler string `msgpack:"sampler"`
+	Step    int32  `msgpack:"step"`
+	Total   int32  `msgpack:"total"`
+	State   []byte `msgpack:"state"`
+	Latent  Region `msgpack:"latent"`
 }
 
 // Region is a tensor in the agent's arena: Len bytes at Off, of DType and
@@ -140,6 +238,39 @@ type Model struct {
 	// Latent is denoise's output (decode's input): [frames, channels,
 	// height/scale, width/scale], frame-major so each frame is a chunk.
 	Latent LatentLayout `msgpack:"latent"`
+	// Checkpoint, if set, says the model's denoise checkpoints and
+	// resumes (v2, FeatureCheckpoint); the agent drops it unless granted.
+	Checkpoint *CheckpointSpec `msgpack:"checkpoint,omitempty"`
+	// TensorCache says the model's denoise uses the tensor cache (v2,
+	// FeatureTensorCache); the agent drops it unless granted.
+	TensorCache bool `msgpack:"tensor_cache,omitempty"`
+}
+
+// CheckpointSpec is what a model's checkpoints are.
+type CheckpointSpec struct {
+	// Sampler names the state's format and schedule; a checkpoint resumes
+	// only on a model registering the same name.
+	Sampler string `msgpack:"sampler"`
+	// DType and Channels lay out the checkpoint's latent: [frames,
+	// channels, height/scale, width/scale] (the scale the latent's), so a
+	// sampler keeping more than one latent (a multistep solver) stacks
+	// them as channels.
+	DType    string `msgpack:"dtype"`
+	Channels int32  `msgpack:"channels"`
+	// Every is the model's default checkpoint period in steps (0: none).
+	Every int32 `msgpack:"every,omitempty"`
+}
+
+// CheckpointLatent is the layout of mo's checkpoint latent for s (mo must
+// have a Checkpoint), and its size in bytes.
+func (mo Model) CheckpointLatent(s engine.Spec) (Layout, int64) {
+	sc := int64(mo.Latent.Scale)
+	l := Layout{DType: mo.Checkpoint.DType, Shape: []int64{int64(s.Frames), int64(mo.Checkpoint.Channels), int64(s.Height) / sc, int64(s.Width) / sc}}
+	n := DTypeSize(l.DType)
+	for _, d := range l.Shape {
+		n *= d
+	}
+	return l, n
 }
 
 // Bounds on the limits a model may register: far beyond any model today,
@@ -202,7 +333,7 @@ var (
 	ErrTooLarge = errors.New("extengine: frame too large")
 )
 
-// WriteMsg encodes m (stamping the version) as one length-prefixed frame.
+// WriteMsg encodes m as one length-prefixed frame (EncodeMsg).
 func WriteMsg(w io.Writer, m *Msg) error {
 	b, err := EncodeMsg(m)
 	if err != nil {
@@ -212,9 +343,12 @@ func WriteMsg(w io.Writer, m *Msg) error {
 	return err
 }
 
-// EncodeMsg returns m as one length-prefixed frame.
+// EncodeMsg returns m as one length-prefixed frame, stamped Version1 when
+// m.V is 0 (a connection stamps the version its welcome chose).
 func EncodeMsg(m *Msg) ([]byte, error) {
-	m.V = ProtocolVersion
+	if m.V == 0 {
+		m.V = Version1
+	}
 	var buf bytes.Buffer
 	buf.Write([]byte{0, 0, 0, 0})
 	enc := msgpack.NewEncoder(&buf)
@@ -270,16 +404,27 @@ func DecodeMsg(b []byte) (*Msg, error) {
 	return &m, nil
 }
 
-// Validate checks the fields a frame of its type uses.
+// Validate checks the fields a frame of its type uses: the version is one
+// this package speaks and has the type, and every field is within bounds.
+// Whether the version is the connection's is the connection's check.
 func (m *Msg) Validate() error {
 	bad := func(format string, a ...any) error {
 		return fmt.Errorf("%w: %s: %s", ErrBadFrame, m.T, fmt.Sprintf(format, a...))
 	}
-	if m.V != ProtocolVersion {
-		return fmt.Errorf("%w: protocol version %d, this agent speaks %d", ErrBadFrame, m.V, ProtocolVersion)
+	if m.V < Version1 || m.V > ProtocolVersion {
+		return fmt.Errorf("%w: protocol version %d, this agent speaks %d-%d", ErrBadFrame, m.V, Version1, ProtocolVersion)
+	}
+	if v2Only[m.T] && m.V < Version2 {
+		return bad("a version %d frame (%s is version %d)", m.V, m.T, Version2)
 	}
 	if len(m.Engine) > MaxText || len(m.Reason) > MaxText || len(m.Code) > 64 || len(m.Node) > MaxText {
 		return bad("text field longer than %d bytes", MaxText)
+	}
+	if len(m.State) > MaxState {
+		return bad("state of %d bytes, at most %d", len(m.State), MaxState)
+	}
+	if m.V < Version2 && (m.CheckpointEvery != 0 || m.CheckpointBuf != nil || m.Resume != nil) {
+		return bad("version %d fields in a version %d frame", Version2, m.V)
 	}
 	switch m.T {
 	case TypeHeartbeat:
@@ -305,9 +450,21 @@ func (m *Msg) Validate() error {
 				return bad("slots %q: %d (want a stage and 1-1024)", st, n)
 			}
 		}
+		if len(m.Versions) > MaxVersions {
+			return bad("%d versions, at most %d", len(m.Versions), MaxVersions)
+		}
+		if err := validFeatures(m.Features); err != nil {
+			return bad("%v", err)
+		}
 	case TypeWelcome:
 		if m.ArenaSize <= 0 || m.HeartbeatMS <= 0 {
 			return bad("arena size %d, heartbeat %d ms", m.ArenaSize, m.HeartbeatMS)
+		}
+		if m.Version > ProtocolVersion {
+			return bad("version %d chosen, this package speaks %d-%d", m.Version, Version1, ProtocolVersion)
+		}
+		if err := validFeatures(m.Features); err != nil {
+			return bad("%v", err)
 		}
 	case TypeRefused:
 	case TypeTask:
@@ -319,7 +476,26 @@ func (m *Msg) Validate() error {
 				return bad("%v", err)
 			}
 		}
-	case TypeCancel, TypeDone:
+		if m.CheckpointEvery < 0 || m.CheckpointEvery > MaxLimitSteps {
+			return bad("checkpoint_every %d, want 0-%d", m.CheckpointEvery, MaxLimitSteps)
+		}
+		if m.CheckpointBuf != nil {
+			if err := m.CheckpointBuf.validate(); err != nil {
+				return bad("checkpoint_buf: %v", err)
+			}
+		}
+		if r := m.Resume; r != nil {
+			if err := validSampler(r.Sampler); err != nil {
+				return bad("resume: %v", err)
+			}
+			if err := validSteps(r.Step, r.Total, r.State); err != nil {
+				return bad("resume: %v", err)
+			}
+			if err := r.Latent.validate(); err != nil {
+				return bad("resume latent: %v", err)
+			}
+		}
+	case TypeCancel, TypeDone, TypeStop:
 		if m.Task == 0 {
 			return bad("no task id")
 		}
@@ -335,8 +511,101 @@ func (m *Msg) Validate() error {
 		if m.Task == 0 || m.Code == "" {
 			return bad("no task id or code")
 		}
+	case TypeCheckpoint:
+		if m.Task == 0 {
+			return bad("no task id")
+		}
+		if err := validSteps(m.Step, m.Total, m.State); err != nil {
+			return bad("%v", err)
+		}
+	case TypeCheckpointed:
+		if m.Task == 0 || m.Step < 1 {
+			return bad("task %d, step %d", m.Task, m.Step)
+		}
+	case TypeTensorGet, TypeTensor, TypeTensorPut:
+		if m.Task == 0 {
+			return bad("no task id")
+		}
+		if err := ValidKey(m.Key); err != nil {
+			return bad("%v", err)
+		}
+		switch {
+		case m.Len < 0 || m.Len > MaxTensor:
+			return bad("len %d, want 0-%d", m.Len, MaxTensor)
+		case len(m.Data) > MaxInlineTensor:
+			return bad("%d bytes inline, at most %d", len(m.Data), MaxInlineTensor)
+		case m.T == TypeTensor && m.Found && m.Region == nil:
+			return bad("found, but no region")
+		}
+		if m.Region != nil {
+			if err := m.Region.validate(); err != nil {
+				return bad("%v", err)
+			}
+			if m.Region.Len > MaxTensor {
+				return bad("region of %d bytes, at most %d", m.Region.Len, MaxTensor)
+			}
+		}
 	default:
 		return fmt.Errorf("%w: unknown type %q", ErrBadFrame, m.T)
+	}
+	return nil
+}
+
+// validFeatures bounds a feature list: names of lower-case letters, digits
+// and '_', unknown ones included (a newer engine asks for more).
+func validFeatures(fs []string) error {
+	if len(fs) > MaxFeatures {
+		return fmt.Errorf("%d features, at most %d", len(fs), MaxFeatures)
+	}
+	for _, f := range fs {
+		if f == "" || len(f) > maxFeatureLen {
+			return fmt.Errorf("feature name of %d bytes, want 1-%d", len(f), maxFeatureLen)
+		}
+		for _, c := range []byte(f) {
+			if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '_') {
+				return fmt.Errorf("feature %q: want [a-z0-9_]", f)
+			}
+		}
+	}
+	return nil
+}
+
+// ValidKey reports whether key can name a cached tensor: 1 to MaxKey bytes
+// of [A-Za-z0-9._:/=+-].
+func ValidKey(key string) error {
+	if key == "" || len(key) > MaxKey {
+		return fmt.Errorf("key of %d bytes, want 1-%d", len(key), MaxKey)
+	}
+	for _, c := range []byte(key) {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || strings.IndexByte("._:/=+-", c) >= 0) {
+			return fmt.Errorf("key %q: want [A-Za-z0-9._:/=+-]", key)
+		}
+	}
+	return nil
+}
+
+// validSampler reports whether s can name a checkpoint format: 1 to
+// MaxSampler printable ASCII bytes.
+func validSampler(s string) error {
+	if s == "" || len(s) > MaxSampler {
+		return fmt.Errorf("sampler name of %d bytes, want 1-%d", len(s), MaxSampler)
+	}
+	for _, c := range []byte(s) {
+		if c < 0x21 || c > 0x7e {
+			return fmt.Errorf("sampler name %q: want printable ASCII", s)
+		}
+	}
+	return nil
+}
+
+// validSteps bounds a checkpoint's step and state: it is taken after a
+// step that is not the last (after the last the output is written).
+func validSteps(step, total int32, state []byte) error {
+	if step < 1 || step >= total || total > MaxLimitSteps {
+		return fmt.Errorf("step %d of %d, want 1 <= step < total <= %d", step, total, MaxLimitSteps)
+	}
+	if len(state) > MaxState {
+		return fmt.Errorf("state of %d bytes, at most %d", len(state), MaxState)
 	}
 	return nil
 }
@@ -394,6 +663,17 @@ func (mo *Model) validate() error {
 	l := mo.Latent
 	if !validDType(l.DType) || l.Channels < 1 || l.Channels > 1024 || l.Scale < 1 || l.Scale > 64 {
 		return fmt.Errorf("latent layout %s, %d channels, scale %d", l.DType, l.Channels, l.Scale)
+	}
+	if ck := mo.Checkpoint; ck != nil {
+		if !slices.Contains(mo.Stages, StageDenoise) {
+			return errors.New("checkpoint declared, but the model's denoise is not served")
+		}
+		if err := validSampler(ck.Sampler); err != nil {
+			return fmt.Errorf("checkpoint: %v", err)
+		}
+		if !validDType(ck.DType) || ck.Channels < 1 || ck.Channels > 4096 || ck.Every < 0 || ck.Every > MaxLimitSteps {
+			return fmt.Errorf("checkpoint latent %s, %d channels, every %d", ck.DType, ck.Channels, ck.Every)
+		}
 	}
 	return nil
 }

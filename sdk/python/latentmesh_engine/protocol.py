@@ -2,18 +2,38 @@
 
 Frames are a 4-byte big-endian length and a msgpack map. The agent attaches
 its arena's memfd (SCM_RIGHTS) to the welcome frame, once.
+
+Versions: register, welcome and refused are always version 1 frames; the
+engine offers the versions it speaks in register, the agent names the one
+chosen (and the features granted) in welcome, and every later frame of the
+connection carries that version.
 """
 from __future__ import annotations
 
 import array
+import re
 import socket
 import struct
 from typing import Any, Dict, List, Optional, Tuple
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+VERSION_1 = 1
+VERSION_2 = 2  # step checkpoints and the tensor cache, each a feature
+PROTOCOL_VERSION = VERSION_2  # the newest this SDK speaks
+VERSIONS = (VERSION_1, VERSION_2)
 MAX_FRAME = 1 << 20  # as the agent's extengine.MaxFrame
+
+# Features of version 2 an engine asks for in register; welcome grants a subset.
+FEATURE_CHECKPOINT = "checkpoint"
+FEATURE_TENSOR_CACHE = "tensor_cache"
+
+# Bounds the agent enforces (extengine), checked here before sending.
+MAX_STATE = 768 << 10  # a checkpoint's sampler state, inline
+MAX_KEY = 128  # a tensor cache key
+MAX_TENSOR = 64 << 20  # a cached tensor
+MAX_INLINE_TENSOR = 768 << 10  # a tensor put inline
+_KEY = re.compile(r"^[A-Za-z0-9._:/=+-]{1,%d}$" % MAX_KEY)
 
 TYPE_REGISTER = "register"
 TYPE_WELCOME = "welcome"
@@ -25,19 +45,34 @@ TYPE_PROGRESS = "progress"
 TYPE_PREVIEW = "preview"
 TYPE_DONE = "done"
 TYPE_FAILED = "failed"
+# Version 2, FEATURE_CHECKPOINT.
+TYPE_STOP = "stop"  # agent -> engine: checkpoint at the next step boundary and end the task
+TYPE_CHECKPOINT = "checkpoint"  # engine -> agent: state after step, latent in checkpoint_buf
+TYPE_CHECKPOINTED = "checkpointed"  # agent -> engine: checkpoint_buf is the engine's again
+# Version 2, FEATURE_TENSOR_CACHE.
+TYPE_TENSOR_GET = "tensor_get"
+TYPE_TENSOR = "tensor"
+TYPE_TENSOR_PUT = "tensor_put"
 
 CODE_CANCELLED = "cancelled"
 CODE_BAD_INPUT = "bad_input"
 CODE_INTERNAL = "engine_error"
+CODE_STOPPED = "stopped"  # version 2: ended after a stop, its last step checkpointed
+CODE_BAD_CHECKPOINT = "bad_checkpoint"  # version 2: the resume cannot be continued from
 
 
 class ProtocolError(Exception):
     """The agent sent something this SDK cannot use, or refused us."""
 
 
-def encode_frame(msg: Dict[str, Any]) -> bytes:
+def valid_key(key: str) -> bool:
+    """Whether key can name a cached tensor: 1-128 bytes of [A-Za-z0-9._:/=+-]."""
+    return bool(_KEY.match(key))
+
+
+def encode_frame(msg: Dict[str, Any], version: int = VERSION_1) -> bytes:
     msg = dict(msg)
-    msg["v"] = PROTOCOL_VERSION
+    msg["v"] = version
     body = msgpack.packb(msg, use_bin_type=True)
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
@@ -45,12 +80,16 @@ def encode_frame(msg: Dict[str, Any]) -> bytes:
 
 
 class FrameReader:
-    """Reads frames from a stream socket, collecting any passed fds."""
+    """Reads frames from a stream socket, collecting any passed fds.
+
+    ``version`` is the version every frame must carry: 1 until the welcome,
+    then the session's (the worker sets it)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
         self.fds: List[int] = []
+        self.version = VERSION_1
 
     def _fill(self) -> None:
         fds = array.array("i")
@@ -75,8 +114,9 @@ class FrameReader:
         del self.buf[: 4 + n]
         msg = msgpack.unpackb(body, raw=False, max_bin_len=MAX_FRAME, max_str_len=MAX_FRAME,
                               max_array_len=1 << 12, max_map_len=1 << 12)
-        if not isinstance(msg, dict) or msg.get("v") != PROTOCOL_VERSION:
-            raise ProtocolError(f"agent speaks protocol {msg.get('v') if isinstance(msg, dict) else '?'}, this SDK {PROTOCOL_VERSION}")
+        if not isinstance(msg, dict) or msg.get("v") != self.version:
+            got = msg.get("v") if isinstance(msg, dict) else "?"
+            raise ProtocolError(f"agent frame of protocol version {got} in a version {self.version} session")
         return msg
 
 

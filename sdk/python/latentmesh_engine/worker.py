@@ -1,29 +1,54 @@
-"""The worker event loop: connect, register, serve tasks with three callbacks."""
+"""The worker event loop: connect, register, serve tasks with three callbacks.
+
+Protocol version 2 (negotiated at registration; an agent of version 1 grants
+nothing and the worker behaves as before) adds, for a model that declares
+them, step checkpoints (``Task.checkpoint``, ``Task.resume``,
+``Task.should_stop``, ``Task.stop``) and the agent's tensor cache
+(``Task.tensor_get``, ``Task.tensor_put``).
+"""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import mmap
 import os
+import queue
 import socket
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
 from . import protocol as p
 
+log = logging.getLogger("latentmesh_engine")
+
 _DTYPES = {"float32": np.float32, "float16": np.float16, "uint8": np.uint8}
+
+Region = Tuple[int, int, str, Tuple[int, ...]]
 
 
 class Cancelled(Exception):
-    """Raised at a step boundary of a task the agent cancelled."""
+    """Raised at a step boundary of a task the agent cancelled (or whose
+    connection closed)."""
 
 
 class BadInput(Exception):
     """Raise from a callback to fail a task for unusable inputs (NaN latents,
     a spec the model cannot take): the agent fails the job with the reason."""
+
+
+class Stopped(Exception):
+    """Raised by ``Task.stop``: the task ends at its checkpoint, as the
+    agent's ``stop`` asked (a preemption or a drain); it runs again
+    elsewhere from that checkpoint."""
+
+
+class BadCheckpoint(Exception):
+    """Raise from a denoise callback when ``task.resume`` cannot be continued
+    from (another sampler's state, another schedule or spec): the agent then
+    starts the denoise over from noise."""
 
 
 @dataclasses.dataclass
@@ -37,6 +62,26 @@ class LatentLayout:
     dtype: str
     channels: int
     scale: int  # pixels per latent position along a side
+
+
+@dataclasses.dataclass
+class CheckpointSpec:
+    """What a model's denoise checkpoints are (protocol version 2).
+
+    ``sampler`` names the state's format and schedule: a checkpoint resumes
+    only on a model registering the same name, so change it with anything
+    that changes the output. The checkpoint's latent is ``[frames, channels,
+    height/scale, width/scale]`` of ``dtype`` (the scale the latent's); a
+    sampler keeping several latents stacks them as channels. ``every`` is
+    the model's default period in steps (0: the agent's setting decides)."""
+
+    sampler: str
+    dtype: str
+    channels: int
+    every: int = 0
+
+    def wire(self) -> Dict[str, Any]:
+        return {"sampler": self.sampler, "dtype": self.dtype, "channels": self.channels, "every": self.every}
 
 
 @dataclasses.dataclass
@@ -59,9 +104,13 @@ class Model:
     side_multiple: int = 0  # sides are multiples of it (0: the latent scale)
     frame_step: int = 0  # frames = frame_step*k + frame_offset (Wan: 4k+1); 0: any count
     frame_offset: int = 0
+    # Protocol version 2: the denoise checkpoints and resumes; it uses the
+    # agent's tensor cache. Each is dropped when the agent does not grant it.
+    checkpoint: Optional[CheckpointSpec] = None
+    tensor_cache: bool = False
 
     def wire(self) -> Dict[str, Any]:
-        return {
+        d: Dict[str, Any] = {
             "name": self.name, "stages": list(self.stages), "default_steps": self.default_steps,
             "max_side": self.max_side, "max_frames": self.max_frames, "max_steps": self.max_steps,
             "min_side": self.min_side, "max_frame_pixels": self.max_frame_pixels, "max_pixels": self.max_pixels,
@@ -69,6 +118,11 @@ class Model:
             "cond": {"dtype": self.cond.dtype, "shape": list(self.cond.shape)},
             "latent": {"dtype": self.latent.dtype, "channels": self.latent.channels, "scale": self.latent.scale},
         }
+        if self.checkpoint is not None:
+            d["checkpoint"] = self.checkpoint.wire()
+        if self.tensor_cache:
+            d["tensor_cache"] = True
+        return d
 
 
 @dataclasses.dataclass
@@ -93,10 +147,51 @@ class Spec:
                     steps=int(d.get("steps", 0)), guidance_scale=float(d.get("guidance_scale", 0.0)))
 
 
+def _bytes_of(a: Any) -> np.ndarray:
+    """a (a numpy array, a torch tensor or anything bytes-like) as a flat
+    uint8 array of its bytes, without a copy where it is contiguous."""
+    if hasattr(a, "detach"):  # a torch tensor
+        a = a.detach().contiguous().cpu().numpy()
+    if isinstance(a, np.ndarray):
+        return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return np.frombuffer(memoryview(a).cast("B"), dtype=np.uint8)
+
+
+@dataclasses.dataclass
+class Resume:
+    """Where a denoise continues from (protocol version 2): the sampler
+    state after ``step`` of ``total`` steps, and the latent (the model's
+    checkpoint layout) in the arena."""
+
+    sampler: str
+    step: int
+    total: int
+    state: bytes
+    _task: "Task"
+    _latent: Region
+
+    @property
+    def latent(self) -> np.ndarray:
+        """The checkpoint's latent: a numpy view of the arena (copy what you keep)."""
+        return self._task._view(self._latent)
+
+    def torch_latent(self) -> Any:
+        """The latent as a torch tensor sharing the arena (clone what you keep)."""
+        return _torch_view(self._task._w.arena, self._latent)
+
+
 class Task:
     """One stage call. Callbacks report progress and meet cancellation
     through it: iterate ``task.steps(n)`` in a denoise loop, or call
-    ``task.progress(step, total)`` and ``task.check_cancelled()``."""
+    ``task.progress(step, total)`` and ``task.check_cancelled()``.
+
+    A denoise of a model that checkpoints (protocol version 2) also gets
+    ``checkpoint_every`` and ``resume``, calls ``task.checkpoint`` after the
+    steps ``task.wants_checkpoint`` names, and at each step boundary where
+    ``task.should_stop()`` calls ``task.stop``. One that uses the tensor
+    cache calls ``task.tensor_get`` and ``task.tensor_put``. Without the
+    features (an older agent) these are no-ops: ``wants_checkpoint`` and
+    ``should_stop`` are False, ``tensor_get`` returns None."""
 
     def __init__(self, worker: "Worker", msg: Dict[str, Any]) -> None:
         self._w = worker
@@ -110,8 +205,24 @@ class Task:
         self._output = p.region_of(msg["output"])
         self._cancel = threading.Event()
         self.last_step = 0  # the last step reported with progress
+        # Version 2, checkpoints.
+        self.checkpoint_every: int = int(msg.get("checkpoint_every", 0))
+        self._ckbuf: Optional[Region] = p.region_of(msg["checkpoint_buf"]) if msg.get("checkpoint_buf") else None
+        self.resume: Optional[Resume] = None
+        if msg.get("resume"):
+            r = msg["resume"]
+            self.resume = Resume(sampler=str(r["sampler"]), step=int(r["step"]), total=int(r["total"]),
+                                 state=bytes(r.get("state") or b""), _task=self, _latent=p.region_of(r["latent"]))
+        self.last_checkpoint = self.resume.step if self.resume else 0  # the newest step checkpointed (or resumed)
+        self._stop = threading.Event()
+        self._ack = threading.Condition()
+        self._acked = True  # the checkpoint buffer is ours (guarded by _ack)
+        # Version 2, tensor cache.
+        self._cache = worker._uses_tensor_cache(self.model, self.stage)
+        self._answers: "queue.Queue[Dict[str, Any]]" = queue.Queue()
+        self._lent: Dict[str, Region] = {}  # regions the agent lent for a tensor_put, by key
 
-    def _view(self, region: Any) -> np.ndarray:
+    def _view(self, region: Region) -> np.ndarray:
         off, n, dtype, shape = region
         if dtype not in _DTYPES:
             raise BadInput(f"dtype {dtype} has no numpy view here")
@@ -119,6 +230,12 @@ class Task:
             raise BadInput(f"region [{off},{off + n}) outside the {self._w.arena_size}-byte arena")
         dt = np.dtype(_DTYPES[dtype]).newbyteorder("<")
         return np.frombuffer(self._w.arena, dtype=dt, count=n // dt.itemsize, offset=off).reshape(shape)
+
+    def _bytes(self, region: Region) -> np.ndarray:
+        off, n, _, _ = region
+        if off < 0 or off + n > self._w.arena_size:
+            raise BadInput(f"region [{off},{off + n}) outside the {self._w.arena_size}-byte arena")
+        return np.frombuffer(self._w.arena, dtype=np.uint8, count=n, offset=off)
 
     @property
     def inputs(self) -> List[np.ndarray]:
@@ -152,13 +269,144 @@ class Task:
     def preview(self, step: int, png: bytes) -> None:
         self._w._send({"t": p.TYPE_PREVIEW, "task": self.id, "step": step, "image": png})
 
-    def steps(self, total: int) -> Iterator[int]:
-        """Yields 0..total-1; after each step reports progress, and before
-        each raises Cancelled if the agent cancelled the task."""
-        for i in range(total):
+    def steps(self, total: int, start: int = 0) -> Iterator[int]:
+        """Yields start..total-1 (start: the steps a resume already did);
+        after each step reports progress, and before each raises Cancelled
+        if the agent cancelled the task."""
+        for i in range(start, total):
             self.check_cancelled()
             yield i
             self.progress(i + 1, total)
+
+    # --- protocol version 2: checkpoints ---
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether this task can checkpoint (the agent lent it a buffer)."""
+        return self._ckbuf is not None
+
+    def wants_checkpoint(self, step: int) -> bool:
+        """Whether the agent asked for a checkpoint after ``step`` (1-based:
+        steps done): every ``checkpoint_every``-th step, counted from the
+        start of the whole run, never after the last."""
+        e = self.checkpoint_every
+        return self._ckbuf is not None and e > 0 and step % e == 0 and self.last_checkpoint < step < self.spec.steps
+
+    def should_stop(self) -> bool:
+        """Whether the agent asked the task to stop at a checkpoint (a
+        preemption or a drain): call ``stop`` at this step boundary."""
+        return self._stop.is_set()
+
+    def checkpoint(self, step: int, state: bytes, latent: Any) -> bool:
+        """Publishes the sampler's state after ``step`` of ``spec.steps``:
+        ``state`` (at most 768 KiB, inline) and ``latent`` (a numpy array,
+        torch tensor or bytes of exactly the checkpoint buffer's size, the
+        model's checkpoint layout) written into the task's checkpoint
+        buffer. The buffer is reused only once the agent has copied the
+        previous checkpoint (``checkpointed``): this waits for that, not
+        for this one. Returns False, doing nothing, when the task cannot
+        checkpoint or ``step`` is already checkpointed."""
+        if self._ckbuf is None or step <= self.last_checkpoint:
+            return False
+        if not 1 <= step < self.spec.steps:
+            raise ValueError(f"a checkpoint after step {step} of {self.spec.steps}: want 1 <= step < steps")
+        if len(state) > p.MAX_STATE:
+            raise ValueError(f"checkpoint state of {len(state)} bytes, at most {p.MAX_STATE}")
+        src = _bytes_of(latent)
+        buf = self._bytes(self._ckbuf)
+        if src.size != buf.size:
+            raise ValueError(f"checkpoint latent of {src.size} bytes, the buffer holds {buf.size}")
+        self._await_ack()
+        buf[:] = src
+        with self._ack:
+            self._acked = False
+        self.last_checkpoint = step
+        self._w._send({"t": p.TYPE_CHECKPOINT, "task": self.id, "step": step, "total": self.spec.steps,
+                       "state": bytes(state)})
+        return True
+
+    def stop(self, step: int, state: bytes, latent: Any) -> NoReturn:
+        """Ends the task as the agent's stop asked: checkpoints ``step``
+        (the steps done) unless it is already checkpointed or is not a
+        step a checkpoint may follow, then raises Stopped."""
+        if 1 <= step < self.spec.steps:
+            self.checkpoint(step, state, latent)
+        raise Stopped()
+
+    def _await_ack(self) -> None:
+        with self._ack:
+            while not self._acked:
+                if self._cancel.is_set():
+                    raise Cancelled()
+                self._ack.wait()
+
+    def _checkpointed(self) -> None:
+        with self._ack:
+            self._acked = True
+            self._ack.notify_all()
+
+    def _abort(self) -> None:
+        """Cancels the task, waking whatever of it waits on the agent."""
+        self._cancel.set()
+        with self._ack:
+            self._ack.notify_all()
+        self._answers.put({})
+
+    # --- protocol version 2: the tensor cache ---
+
+    @property
+    def tensor_cache(self) -> bool:
+        """Whether this task may use the agent's tensor cache."""
+        return self._cache
+
+    def tensor_get(self, key: str, nbytes: int) -> Optional[np.ndarray]:
+        """The cached tensor ``key`` (computed from conditioning alone, e.g.
+        the negative prompt's attention keys and values), as a uint8 view of
+        the arena valid until the task ends (copy what you keep), or None.
+        On a miss the agent may lend ``nbytes`` of arena for the value, which
+        ``tensor_put`` then fills in place. The key must say everything the
+        value depends on beyond this engine's name and the model's (weights,
+        the conditioning's hash)."""
+        if not self._cache:
+            return None
+        self.check_cancelled()
+        if not p.valid_key(key):
+            raise ValueError(f"tensor cache key {key!r}: want 1-{p.MAX_KEY} bytes of [A-Za-z0-9._:/=+-]")
+        if not 0 <= nbytes <= p.MAX_TENSOR:
+            raise ValueError(f"tensor of {nbytes} bytes, at most {p.MAX_TENSOR}")
+        self._w._send({"t": p.TYPE_TENSOR_GET, "task": self.id, "key": key, "len": nbytes})
+        while True:
+            a = self._answers.get()
+            self.check_cancelled()  # _abort's wake-up, or a cancel meanwhile
+            if a.get("key") == key:
+                break
+        region = p.region_of(a["region"]) if a.get("region") else None
+        if a.get("found") and region is not None:
+            return self._bytes(region)
+        if region is not None:
+            self._lent[key] = region
+        return None
+
+    def tensor_put(self, key: str, value: Any) -> bool:
+        """Offers ``value`` (bytes, a numpy array or a torch tensor) to the
+        agent's cache under ``key``: written into the region lent by the
+        ``tensor_get`` that missed, or inline when small enough. Returns
+        whether it was sent."""
+        if not self._cache:
+            return False
+        if not p.valid_key(key):
+            raise ValueError(f"tensor cache key {key!r}: want 1-{p.MAX_KEY} bytes of [A-Za-z0-9._:/=+-]")
+        src = _bytes_of(value)
+        region = self._lent.pop(key, None)
+        if region is not None and region[1] == src.size:
+            self._bytes(region)[:] = src
+            self._w._send({"t": p.TYPE_TENSOR_PUT, "task": self.id, "key": key})
+            return True
+        if 0 < src.size <= p.MAX_INLINE_TENSOR:
+            self._w._send({"t": p.TYPE_TENSOR_PUT, "task": self.id, "key": key, "data": src.tobytes()})
+            return True
+        log.debug("tensor %s of %d bytes not cached: no region lent for it and too large to send inline", key, src.size)
+        return False
 
 
 def _torch_view(arena: mmap.mmap, region: Any) -> Any:
@@ -183,17 +431,29 @@ class Worker:
     (conditioning -> latent, reporting steps), decode (latent frames ->
     RGBA pixels ``[frames, height, width, 4]`` uint8; the agent encodes the
     PNG or GIF).
+
+    The worker offers ``versions`` (by default 1 and 2) and asks for the
+    features its models declare (``Model.checkpoint``,
+    ``Model.tensor_cache``); ``version`` and ``features`` say what the agent
+    granted. Offering version 1 alone registers exactly as an engine from
+    before version 2 does.
     """
 
-    def __init__(self, engine: str, models: List[Model], slots: Optional[Dict[str, int]] = None) -> None:
+    def __init__(self, engine: str, models: List[Model], slots: Optional[Dict[str, int]] = None,
+                 versions: Sequence[int] = p.VERSIONS) -> None:
+        if not versions or any(v not in p.VERSIONS for v in versions):
+            raise ValueError(f"protocol versions {list(versions)}: this SDK speaks {list(p.VERSIONS)}")
         self.engine = engine
         self.models = models
         self.slots = dict(slots or {})
+        self.versions = sorted(set(versions))
         self.on_encode: Optional[EncodeFn] = None
         self.on_denoise: Optional[DenoiseFn] = None
         self.on_decode: Optional[DecodeFn] = None
         self.arena: Any = None
         self.arena_size = 0
+        self.version = p.VERSION_1  # the session's, once welcomed
+        self.features: Set[str] = set()  # granted
         self._sock: Optional[socket.socket] = None
         self._wlock = threading.Lock()
         self._tasks: Dict[int, Task] = {}
@@ -212,8 +472,20 @@ class Worker:
         self.on_decode = fn
         return fn
 
+    def _wanted_features(self) -> List[str]:
+        f = []
+        if any(m.checkpoint is not None for m in self.models):
+            f.append(p.FEATURE_CHECKPOINT)
+        if any(m.tensor_cache for m in self.models):
+            f.append(p.FEATURE_TENSOR_CACHE)
+        return f
+
+    def _uses_tensor_cache(self, model: str, stage: str) -> bool:
+        return stage == "denoise" and p.FEATURE_TENSOR_CACHE in self.features and any(
+            m.name == model and m.tensor_cache for m in self.models)
+
     def _send(self, msg: Dict[str, Any]) -> None:
-        frame = p.encode_frame(msg)
+        frame = p.encode_frame(msg, self.version)
         with self._wlock:
             if self._sock is None:
                 return
@@ -222,6 +494,10 @@ class Worker:
             except OSError:
                 self._closed.set()
 
+    def _task(self, msg: Dict[str, Any]) -> Optional[Task]:
+        with self._tlock:
+            return self._tasks.get(int(msg.get("task", 0)))
+
     def run(self, path: str) -> None:
         """Connects to the agent's engine socket, registers and serves tasks
         until the agent closes the connection (then returns)."""
@@ -229,16 +505,29 @@ class Worker:
         sock.connect(path)
         self._sock = sock
         reader = p.FrameReader(sock)
-        self._send({"t": p.TYPE_REGISTER, "engine": self.engine, "models": [m.wire() for m in self.models],
-                    "slots": self.slots})
+        reg: Dict[str, Any] = {"t": p.TYPE_REGISTER, "engine": self.engine, "slots": self.slots,
+                               "models": [m.wire() for m in self.models]}
+        if self.versions != [p.VERSION_1]:
+            reg["versions"], reg["features"] = self.versions, self._wanted_features()
+        else:  # a version 1 register: models as version 1 knew them
+            for m in reg["models"]:
+                m.pop("checkpoint", None)
+                m.pop("tensor_cache", None)
+        self._send(reg)
         msg = reader.read()
         if msg.get("t") == p.TYPE_REFUSED:
             raise p.ProtocolError(f"agent refused registration: {msg.get('reason', '')}")
         if msg.get("t") != p.TYPE_WELCOME:
             raise p.ProtocolError(f"expected welcome, got {msg.get('t')}")
+        version = int(msg.get("version") or p.VERSION_1)
+        if version not in self.versions:
+            raise p.ProtocolError(f"agent chose protocol version {version}, this worker offered {self.versions}")
         fd = p.take_fd(reader)
         if fd is None:
             raise p.ProtocolError("welcome carried no arena fd")
+        self.version, reader.version = version, version
+        self.features = set(msg.get("features") or []) if version >= p.VERSION_2 else set()
+        log.info("registered with agent %s: protocol v%d, features %s", msg.get("node", ""), version, sorted(self.features))
         self.arena_size = int(msg["arena_size"])
         self.arena = mmap.mmap(fd, self.arena_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
@@ -258,15 +547,23 @@ class Worker:
                     with self._tlock:
                         self._tasks[task.id] = task
                     pool.submit(self._run_task, task)
-                elif t == p.TYPE_CANCEL:
-                    with self._tlock:
-                        task = self._tasks.get(int(msg["task"]))
-                    if task is not None:
-                        task._cancel.set()
+                    continue
+                task = self._task(msg)
+                if task is None:
+                    continue
+                if t == p.TYPE_CANCEL:
+                    task._abort()
+                elif t == p.TYPE_STOP:
+                    task._stop.set()
+                elif t == p.TYPE_CHECKPOINTED:
+                    task._checkpointed()
+                elif t == p.TYPE_TENSOR:
+                    task._answers.put(msg)
         finally:
             self._closed.set()
-            for task in list(self._tasks.values()):
-                task._cancel.set()
+            with self._tlock:
+                for task in self._tasks.values():
+                    task._abort()
             pool.shutdown(wait=True)
             with self._wlock:
                 sock.close()
@@ -284,13 +581,19 @@ class Worker:
             fn(task)
             self._send({"t": p.TYPE_DONE, "task": task.id})
         except Cancelled:
-            print(f"latentmesh_engine: task {task.id} ({task.stage}) cancelled after step {task.last_step} of {task.spec.steps}",
-                  file=sys.stderr, flush=True)
+            log.info("task %d (%s) cancelled after step %d of %d", task.id, task.stage, task.last_step, task.spec.steps)
             self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_CANCELLED, "reason": "cancelled"})
+        except Stopped:
+            log.info("task %d (%s) stopped after step %d of %d, checkpointed after step %d", task.id, task.stage,
+                     task.last_step, task.spec.steps, task.last_checkpoint)
+            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_STOPPED, "reason": "stopped at a checkpoint"})
+        except BadCheckpoint as e:
+            log.warning("task %d (%s): resume refused: %s", task.id, task.stage, e)
+            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_BAD_CHECKPOINT, "reason": str(e)[:1000]})
         except BadInput as e:
             self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_BAD_INPUT, "reason": str(e)[:1000]})
         except Exception as e:  # a bug in a callback fails the task, not the worker
-            print(f"latentmesh_engine: task {task.id} ({task.stage}) failed: {e!r}", file=sys.stderr)
+            log.exception("task %d (%s) failed", task.id, task.stage)
             self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_INTERNAL, "reason": repr(e)[:1000]})
         finally:
             with self._tlock:

@@ -40,6 +40,7 @@ class FakeAgent:
         self.arena = memoryview(bytearray(0))
         self.conn: socket.socket | None = None
         self.reader: p.FrameReader | None = None
+        self.version = p.VERSION_1
 
     def accept(self) -> dict:
         self.conn, _ = self.ln.accept()
@@ -47,14 +48,19 @@ class FakeAgent:
         self.reader = p.FrameReader(self.conn)
         return self.reader.read()
 
-    def welcome(self) -> None:
-        assert self.conn is not None
-        self.conn.sendmsg([p.encode_frame({"t": p.TYPE_WELCOME, "arena_size": ARENA, "heartbeat_ms": 50})],
-                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.fd]))])
+    def welcome(self, version: int = p.VERSION_1, features: list[str] | None = None) -> None:
+        """Welcomes the engine as an agent of version (1: an agent from
+        before protocol v2, whose welcome has no version key)."""
+        assert self.conn is not None and self.reader is not None
+        msg = {"t": p.TYPE_WELCOME, "arena_size": ARENA, "heartbeat_ms": 50}
+        if version > p.VERSION_1:
+            msg["version"], msg["features"] = version, list(features or [])
+        self.conn.sendmsg([p.encode_frame(msg)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [self.fd]))])
+        self.version = self.reader.version = version
 
     def send(self, msg: dict) -> None:
         assert self.conn is not None
-        self.conn.sendall(p.encode_frame(msg))
+        self.conn.sendall(p.encode_frame(msg, self.version))
 
     def read_until(self, t: str) -> dict:
         assert self.reader is not None
@@ -128,7 +134,9 @@ class WorkerTest(unittest.TestCase):
     def test_register_declares_models_and_slots(self) -> None:
         reg = self.handshake()
         self.assertEqual(reg["t"], p.TYPE_REGISTER)
-        self.assertEqual(reg["v"], p.PROTOCOL_VERSION)
+        self.assertEqual(reg["v"], p.VERSION_1)  # register is a version 1 frame whatever the versions offered
+        self.assertEqual(reg["versions"], [1, 2])
+        self.assertEqual(reg["features"], [])  # the toy model declares no v2 feature
         self.assertEqual(reg["engine"], "toy-engine")
         self.assertEqual(reg["slots"], {"denoise": 1, "decode": 1})
         (m,) = reg["models"]
@@ -204,6 +212,13 @@ class ProtocolTest(unittest.TestCase):
             a.sendall(struct.pack(">I", len(body)) + body)
             with self.assertRaises(p.ProtocolError):
                 p.FrameReader(b).read()
+            # A v2 session takes only v2 frames.
+            r = p.FrameReader(b)
+            r.version = p.VERSION_2
+            a.sendall(p.encode_frame({"t": p.TYPE_HEARTBEAT}, p.VERSION_2) + p.encode_frame({"t": p.TYPE_HEARTBEAT}, p.VERSION_1))
+            self.assertEqual(r.read()["v"], p.VERSION_2)
+            with self.assertRaises(p.ProtocolError):
+                r.read()
         finally:
             a.close()
             b.close()

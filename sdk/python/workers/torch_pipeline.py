@@ -8,6 +8,12 @@ Model ``latentmesh-tiny-torch``:
 - denoiser: a conditional U-Net (conv stem, timestep embedding, one
   down/up level with skip connection, cross-attention to the text) that
   predicts noise, sampled with DDIM (eta 0) and classifier-free guidance;
+  the text's attention keys and values are projected once per denoise, and
+  the negative prompt's come from the agent's tensor cache when an earlier
+  request had the same one (protocol v2; the same bytes either way);
+  the sampler checkpoints (step index, seed and size as state, the latent
+  at full float32 precision) and resumes byte-identically, and stops at a
+  checkpoint when the agent asks (protocol v2);
 - VAE decoder: convolutions and three 2x upsamplings from the 4-channel
   latent to RGB.
 
@@ -18,30 +24,41 @@ latentmesh, for comparison. Everything runs on one CPU thread so results are
 bit-identical across processes.
 
     torch_pipeline.py --write-weights W
-    torch_pipeline.py --weights W --socket PATH [--stages encode,denoise,decode] [--step-ms N]
+    torch_pipeline.py --weights W --socket PATH [--stages encode,denoise,decode] [--step-ms N] [--checkpoint-every N]
     torch_pipeline.py --weights W --reference SPEC_JSON OUT_RGBA
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import logging
 import math
 import struct
 import sys
 import time
 from pathlib import Path
-from typing import Dict
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from latentmesh_engine import BadInput, LatentLayout, Layout, Model, Task, Worker, socket_from_args  # noqa: E402
+from latentmesh_engine import (BadCheckpoint, BadInput, CheckpointSpec, LatentLayout, Layout, Model, Task,  # noqa: E402
+                               Worker, socket_from_args)
 
 MODEL = "latentmesh-tiny-torch"
 TOKENS, DIM, CHANNELS, SCALE = 32, 64, 4, 8
 TRAIN_STEPS = 1000
+# SAMPLER names the checkpoint state's format and the schedule; change it
+# with anything that changes the sampler's output.
+SAMPLER = "torch-tiny/ddim/1"
+
+log = logging.getLogger("torch_pipeline")
+
+KV = List[Tuple[torch.Tensor, torch.Tensor]]  # per cross-attention layer: keys, values [batch, TOKENS, channels]
 
 torch.set_num_threads(1)  # one thread: the same reductions in every process
 
@@ -110,15 +127,39 @@ def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class CrossAttention(nn.Module):
+    """Multi-head cross-attention from the latent to the text, its keys and
+    values projected by the caller (project_kv) so they can be computed
+    once per denoise, and the negative prompt's taken from a cache."""
+
     def __init__(self, ch: int) -> None:
         super().__init__()
         self.norm = nn.GroupNorm(8, ch)
-        self.attn = nn.MultiheadAttention(ch, 4, kdim=DIM, vdim=DIM, batch_first=True)
+        self.attn = nn.MultiheadAttention(ch, 4, kdim=DIM, vdim=DIM, batch_first=True)  # holds the weights
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    def _weights(self) -> Tuple[torch.Tensor, ...]:
+        a, e = self.attn, self.attn.embed_dim
+        if a._qkv_same_embed_dim:
+            wq, wk, wv = a.in_proj_weight.split(e)
+        else:
+            wq, wk, wv = a.q_proj_weight, a.k_proj_weight, a.v_proj_weight
+        bq, bk, bv = a.in_proj_bias.split(e)
+        return wq, wk, wv, bq, bk, bv
+
+    def project_kv(self, ctx: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of text ctx [batch, TOKENS, DIM]."""
+        _, wk, wv, _, bk, bv = self._weights()
+        return F.linear(ctx, wk, bk), F.linear(ctx, wv, bv)
+
+    def forward(self, x: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         b, c, h, w = x.shape
-        q = self.norm(x).flatten(2).transpose(1, 2)
-        y, _ = self.attn(q, ctx, ctx, need_weights=False)
+        wq, _, _, bq, _, _ = self._weights()
+        heads = self.attn.num_heads
+        hd = c // heads
+        q = F.linear(self.norm(x).flatten(2).transpose(1, 2), wq, bq)
+        q = q.reshape(b, h * w, heads, hd).transpose(1, 2)
+        k, v = (t.reshape(b, -1, heads, hd).transpose(1, 2) for t in kv)
+        att = torch.softmax((q @ k.transpose(-2, -1)) / math.sqrt(hd), dim=-1)
+        y = self.attn.out_proj((att @ v).transpose(1, 2).reshape(b, h * w, c))
         return x + y.transpose(1, 2).reshape(b, c, h, w)
 
 
@@ -150,12 +191,53 @@ class UNet(nn.Module):
         self.attn_up = CrossAttention(32)
         self.out = nn.Sequential(nn.GroupNorm(8, 32), nn.SiLU(), nn.Conv2d(32, CHANNELS, 3, padding=1))
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    def branch_kv(self, text: torch.Tensor) -> KV:
+        """One branch's keys and values, text [1, TOKENS, DIM]: they depend
+        on the text alone, so the negative prompt's can be cached."""
+        return [layer.project_kv(text) for layer in (self.attn, self.attn_up)]
+
+    def context_kv(self, cond: torch.Tensor, frames: int, uncond: Optional[KV] = None) -> KV:
+        """Both branches' keys and values for a batch of frames latents,
+        each frame's prompt then negative prompt (the order of forward's
+        batch); uncond, if given, is the negative prompt's branch_kv."""
+        kc = self.branch_kv(cond[0:1].clone())
+        ku = uncond if uncond is not None else self.branch_kv(cond[1:2].clone())
+        return [(torch.cat([k1, k2]).repeat(frames, 1, 1), torch.cat([v1, v2]).repeat(frames, 1, 1))
+                for (k1, v1), (k2, v2) in zip(kc, ku)]
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor, kv: KV) -> torch.Tensor:
         te = self.temb(timestep_embedding(t, 64))
         h0 = self.down1(self.stem(x), te)
-        h = self.attn(self.mid(self.down(h0), te), ctx)
+        h = self.attn(self.mid(self.down(h0), te), kv[0])
         h = self.up1(torch.cat([self.up(h), h0], dim=1), te)
-        return self.out(self.attn_up(h, ctx))
+        return self.out(self.attn_up(h, kv[1]))
+
+
+def kv_shapes() -> List[Tuple[int, int]]:
+    """The shapes of one branch's keys (and values) per layer: [TOKENS, channels]."""
+    return [(TOKENS, 64), (TOKENS, 32)]
+
+
+def kv_bytes() -> int:
+    return sum(2 * 4 * t * c for t, c in kv_shapes())
+
+
+def kv_pack(kv: KV) -> np.ndarray:
+    """One branch's keys and values as bytes: each layer's keys then values, float32."""
+    return np.concatenate([t.detach().contiguous().numpy().astype("<f4").reshape(-1) for pair in kv for t in pair]).view(np.uint8)
+
+
+def kv_unpack(b: np.ndarray) -> KV:
+    """kv_pack's inverse, into fresh tensors (copies, never views of b)."""
+    flat = torch.from_numpy(np.array(b, dtype=np.uint8).view("<f4").astype(np.float32))
+    out, at = [], 0
+    for t, c in kv_shapes():
+        n = t * c
+        k = flat[at:at + n].reshape(1, t, c).clone()
+        v = flat[at + n:at + 2 * n].reshape(1, t, c).clone()
+        out.append((k, v))
+        at += 2 * n
+    return out
 
 
 class VAEDecoder(nn.Module):
@@ -179,6 +261,7 @@ class Pipeline(nn.Module):
         self.vae = VAEDecoder()
         betas = torch.linspace(1e-4, 0.02, TRAIN_STEPS, dtype=torch.float64)
         self.alphas_cumprod = torch.cumprod(1 - betas, dim=0)
+        self.weights_id = ""  # build sets it
 
     # Each stage reads and writes arrays (views of the arena in a worker),
     # so the reference run and the mesh run the very same code.
@@ -189,17 +272,28 @@ class Pipeline(nn.Module):
         out.copy_(self.text(ids))
 
     @torch.no_grad()
-    def denoise(self, cond: torch.Tensor, seed: int, steps: int, guidance: float, out: torch.Tensor, each_step) -> None:
+    def denoise(self, cond: torch.Tensor, seed: int, steps: int, guidance: float, out: torch.Tensor,
+                each_step: Callable[[int, int, bool, torch.Tensor], None],
+                resume: Optional[Tuple[int, torch.Tensor]] = None, uncond_kv: Optional[KV] = None) -> None:
+        """DDIM from the seed's noise, or from resume (the steps done and
+        the latent after them); each_step(i, steps, before, x) runs before
+        and after step i. The run is a function of the seed, the
+        conditioning and the latent at the step it starts from, so a resume
+        gives the uninterrupted run's bytes."""
         frames, c, h, w = out.shape
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randn((frames, c, h, w), generator=g, dtype=torch.float32)
+        if resume is None:
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn((frames, c, h, w), generator=g, dtype=torch.float32)
+            start = 0
+        else:
+            start, x = resume
         ts = torch.linspace(TRAIN_STEPS - 1, 0, steps, dtype=torch.float64).round().long()
-        ctx = cond.repeat_interleave(frames, dim=0).reshape(2, frames, TOKENS, DIM).transpose(0, 1).reshape(2 * frames, TOKENS, DIM)
-        for i in range(steps):
-            each_step(i, steps, True)
+        kv = self.unet.context_kv(cond, frames, uncond_kv)
+        for i in range(start, steps):
+            each_step(i, steps, True, x)
             t = ts[i]
             xin = x.repeat_interleave(2, dim=0)
-            eps = self.unet(xin, t.repeat(2 * frames), ctx)
+            eps = self.unet(xin, t.repeat(2 * frames), kv)
             e_c, e_u = eps[0::2], eps[1::2]
             e = e_u + guidance * (e_c - e_u)
             a_t = self.alphas_cumprod[t].float()
@@ -207,7 +301,7 @@ class Pipeline(nn.Module):
             x0 = (x - (1 - a_t).sqrt() * e) / a_t.sqrt()
             x0 = x0.clamp(-4, 4)
             x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * e
-            each_step(i, steps, False)
+            each_step(i, steps, False, x)
         out.copy_(x)
 
     @torch.no_grad()
@@ -222,6 +316,9 @@ def build(weights: str) -> Pipeline:
     p = Pipeline()
     state = load_safetensors(weights)
     p.load_state_dict(state, strict=True)
+    # The weights' identity, in tensor cache keys: values computed with
+    # other weights are never used.
+    p.weights_id = hashlib.sha256(Path(weights).read_bytes()).hexdigest()[:16]
     return p.eval()
 
 
@@ -233,14 +330,74 @@ def write_weights(path: str) -> None:
     save_safetensors(path, p.state_dict())
 
 
-def model_decl(stages) -> Model:
+def model_decl(stages, checkpoint_every: int = 0) -> Model:
+    denoises = "denoise" in stages
     return Model(name=MODEL, stages=stages, cond=Layout("float32", [2, TOKENS, DIM]),
                  latent=LatentLayout("float32", CHANNELS, SCALE), default_steps=12, max_side=256, max_frames=4,
-                 max_steps=200)
+                 max_steps=200,
+                 # The checkpoint's latent is the sampler's x, float32 like the latent.
+                 checkpoint=CheckpointSpec(SAMPLER, "float32", CHANNELS, checkpoint_every) if denoises else None,
+                 tensor_cache=denoises)
 
 
-def serve(p: Pipeline, stages, step_ms: int) -> None:
-    w = Worker(engine="torch-tiny/1", models=[model_decl(stages)], slots={s: 1 for s in stages})
+# The sampler state of a checkpoint: magic, version, steps done, the
+# run's step count, seed, frames, height, width (the latent rides in the
+# checkpoint buffer).
+_STATE = struct.Struct("<4sBIIqIII")
+_STATE_MAGIC, _STATE_VERSION = b"TTDS", 1
+
+
+def sampler_state(step: int, spec) -> bytes:
+    return _STATE.pack(_STATE_MAGIC, _STATE_VERSION, step, spec.steps, spec.seed, spec.frames, spec.height, spec.width)
+
+
+def resume_point(task: Task) -> Optional[Tuple[int, torch.Tensor]]:
+    """Where task's denoise starts: None (the seed's noise), or the steps
+    done and a copy of the latent after them. A checkpoint of another
+    sampler, schedule (step count), seed or size is refused (BadCheckpoint:
+    the agent starts over from noise); the prompt may differ (a fork)."""
+    r, s = task.resume, task.spec
+    if r is None:
+        return None
+    if r.sampler != SAMPLER:
+        raise BadCheckpoint(f"sampler {r.sampler!r}, this worker's is {SAMPLER!r}")
+    if len(r.state) != _STATE.size:
+        raise BadCheckpoint(f"a state of {len(r.state)} bytes, want {_STATE.size}")
+    magic, version, step, steps, seed, frames, height, width = _STATE.unpack(r.state)
+    if (magic, version) != (_STATE_MAGIC, _STATE_VERSION):
+        raise BadCheckpoint(f"state {magic!r} version {version}, want {_STATE_MAGIC!r} version {_STATE_VERSION}")
+    if step != r.step or r.total != s.steps or steps != s.steps or not 1 <= step < steps:
+        raise BadCheckpoint(f"taken after step {step} of {steps} (resume: {r.step} of {r.total}); "
+                            f"this sampler resumes only its own {s.steps}-step schedule")
+    if (seed, frames, height, width) != (s.seed, s.frames, s.height, s.width):
+        raise BadCheckpoint(f"taken for seed {seed}, {width}x{height}x{frames}; the request is seed {s.seed}, "
+                            f"{s.width}x{s.height}x{s.frames}")
+    x = r.torch_latent().clone()  # a copy: the region is the agent's once the task ends
+    if not bool(torch.isfinite(x).all()):
+        raise BadCheckpoint("the checkpoint's latent holds NaN or infinite values")
+    return step, x
+
+
+def uncond_kv(p: Pipeline, task: Task, cond: torch.Tensor) -> Optional[KV]:
+    """The negative prompt's keys and values from the agent's tensor cache,
+    or computed and offered to it; None when the task has no cache (the
+    denoise then computes them)."""
+    if not task.tensor_cache:
+        return None
+    neg = cond[1:2].clone()
+    key = f"negkv/{p.weights_id}/{hashlib.sha256(neg.numpy().tobytes()).hexdigest()}"
+    got = task.tensor_get(key, kv_bytes())
+    if got is not None and got.size == kv_bytes():
+        log.debug("task %d: the negative prompt's keys and values from the tensor cache", task.id)
+        return kv_unpack(got)
+    with torch.no_grad():
+        kv = p.unet.branch_kv(neg)
+    task.tensor_put(key, kv_pack(kv))
+    return kv
+
+
+def serve(p: Pipeline, stages, step_ms: int, checkpoint_every: int = 0) -> None:
+    w = Worker(engine="torch-tiny/1", models=[model_decl(stages, checkpoint_every)], slots={s: 1 for s in stages})
 
     @w.encode
     def _encode(task: Task) -> None:
@@ -252,16 +409,22 @@ def serve(p: Pipeline, stages, step_ms: int) -> None:
         if not bool(torch.isfinite(cond).all()):
             raise BadInput("conditioning holds NaN or infinite values")
         s = task.spec
+        resume = resume_point(task)
 
-        def each_step(i: int, total: int, before: bool) -> None:
-            if before:
-                task.check_cancelled()  # a step boundary: stop here if cancelled
+        def each_step(i: int, total: int, before: bool, x: torch.Tensor) -> None:
+            if before:  # a step boundary, i steps done
+                task.check_cancelled()
+                if task.should_stop():
+                    task.stop(i, sampler_state(i, s), x)  # checkpoints step i, raises Stopped
                 if step_ms:
                     time.sleep(step_ms / 1000)  # stands in for a larger model's step time
             else:
                 task.progress(i + 1, total)
+                if task.wants_checkpoint(i + 1):
+                    task.checkpoint(i + 1, sampler_state(i + 1, s), x)
 
-        p.denoise(cond, s.seed, s.steps, s.guidance_scale, task.torch_output(), each_step)
+        p.denoise(cond, s.seed, s.steps, s.guidance_scale, task.torch_output(), each_step,
+                  resume=resume, uncond_kv=uncond_kv(p, task, cond))
 
     @w.decode
     def _decode(task: Task) -> None:
@@ -299,8 +462,10 @@ def main() -> None:
     ap.add_argument("--socket")
     ap.add_argument("--stages", default="encode,denoise,decode")
     ap.add_argument("--step-ms", type=int, default=0)
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="the model's default checkpoint period in steps (0: the agent's)")
     ap.add_argument("--reference", nargs=2, metavar=("SPEC_JSON", "OUT_RGBA"))
     a = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     if a.write_weights:
         write_weights(a.write_weights)
         return
@@ -308,7 +473,7 @@ def main() -> None:
     if a.reference:
         reference(p, json.loads(a.reference[0]), a.reference[1])
         return
-    serve(p, a.stages.split(","), a.step_ms)
+    serve(p, a.stages.split(","), a.step_ms, a.checkpoint_every)
 
 
 if __name__ == "__main__":

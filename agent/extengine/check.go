@@ -554,14 +554,30 @@ func (c *checker) heartbeats(ctx context.Context, reg *Registration) CheckResult
 		if err != nil {
 			return CheckResult{Name: name, Detail: err.Error()}
 		}
+		// The window opens at the first step's progress, when the engine
+		// is surely busy: a beat it sent while the task was on its way
+		// (still idle) is no beat while busy.
+		var mu sync.Mutex
+		var s time.Time
+		r.Progress = func(int, int) {
+			mu.Lock()
+			defer mu.Unlock()
+			if s.IsZero() {
+				s = time.Now()
+			}
+		}
 		tctx, cancel := context.WithTimeout(ctx, c.cfg.TaskTimeout)
-		s := time.Now()
 		err = c.srv.Run(tctx, r)
 		e := time.Now()
 		cancel()
 		if err != nil {
 			return CheckResult{Name: name, Detail: fmt.Sprintf("%s; a %d-step denoise run to watch heartbeats while busy failed: %v (%s)", idle, steps, err, drops)}
 		}
+		mu.Lock()
+		if s.IsZero() {
+			s = e // no progress: nothing known of when it was busy
+		}
+		mu.Unlock()
 		windows = append(windows, [2]time.Time{s, e})
 		busyFor += e.Sub(s)
 	}

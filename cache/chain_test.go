@@ -341,12 +341,13 @@ func TestChainHolderFailsMidChain(t *testing.T) {
 }
 
 // buildOf serves the store protocol as a build that speaks versions up to
-// v did: a newer request is refused as bad.
-func buildOf(s *Store, v int) network.StreamHandler {
+// v did, reading frames of at most maxFrame: a newer request is refused
+// as bad.
+func buildOf(s *Store, v, maxFrame int) network.StreamHandler {
 	return func(str network.Stream) {
 		defer str.Close()
 		var req request
-		err := transfer.ReadFrame(str, s.cfg.MaxFrame, &req)
+		err := transfer.ReadFrame(str, maxFrame, &req)
 		if err == nil && req.V > v {
 			err = fmt.Errorf("%w: request v%d", transfer.ErrVersion, req.V)
 		}
@@ -383,7 +384,7 @@ func TestChainIssuesTheSourceTicket(t *testing.T) {
 				xtune: func(x *transfer.Config) { x.Transport = tc.transport }})
 			if tc.old {
 				for _, n := range c.nodes[1:] {
-					n.h.SetStreamHandler(ProtocolID, buildOf(n.s, chainVersion))
+					n.h.SetStreamHandler(ProtocolID, buildOf(n.s, chainVersion, n.s.cfg.MaxFrame))
 				}
 			}
 			ctx := testCtx(t)

@@ -206,23 +206,7 @@ func TestInlineMismatchRefused(t *testing.T) {
 
 // oldBuild serves the store protocol as a version-1 build did: a frame of
 // at most 16 KiB, version 1 only, no Data.
-func oldBuild(s *Store) network.StreamHandler {
-	return func(str network.Stream) {
-		defer str.Close()
-		var req request
-		err := transfer.ReadFrame(str, 16<<10, &req)
-		if err == nil && req.V != baseVersion {
-			err = fmt.Errorf("%w: request v%d", transfer.ErrVersion, req.V)
-		}
-		if err != nil {
-			transfer.WriteFrame(str, &response{V: baseVersion, ErrCode: codeBad, ErrMsg: err.Error()})
-			return
-		}
-		r := s.serve(str.Conn().RemotePeer(), &req)
-		r.V = baseVersion
-		transfer.WriteFrame(str, &r)
-	}
-}
+func oldBuild(s *Store) network.StreamHandler { return buildOf(s, baseVersion, 16<<10) }
 
 // A holder that refuses an inline request as malformed, being of an older
 // build or reading smaller frames, is asked again to pull, and the put

@@ -284,6 +284,58 @@ func TestEngineCheck(t *testing.T) {
 	_ = res
 }
 
+// failoverMesh is the torch mesh of the failover tests: an encode and a
+// decode agent and two denoise agents, denoise-a and denoise-b, each with
+// an engine of its own at 100 ms a step (time to kill one mid-denoise).
+func failoverMesh(t *testing.T, ctx context.Context, weights string) (map[string]*agent.Agent, map[string]*Worker) {
+	t.Helper()
+	_, agents, workers := torchMesh(t, ctx, weights, 100, map[string]jobs.Stage{
+		"encode-t": jobs.Encode, "denoise-a": jobs.Denoise, "denoise-b": jobs.Denoise, "decode-t": jobs.Decode})
+	return agents, workers
+}
+
+// finishTorchJob waits at entry for job id to succeed and returns it with
+// its file.
+func finishTorchJob(t *testing.T, ctx context.Context, entry *agent.Agent, id string) (jobs.Job, []byte) {
+	t.Helper()
+	j, err := entry.Wait(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if j.State != jobs.Succeeded {
+		t.Fatalf("job %s: %s %+v", id, j.State, j.Error)
+	}
+	data, _, err := entry.Result(ctx, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return j, data
+}
+
+// killDenoiseEngine waits for job id's denoise (on a failoverMesh) to
+// pass step, then kills the engine running it; it returns that agent and
+// the other denoise agent.
+func killDenoiseEngine(t *testing.T, ctx context.Context, entry *agent.Agent, id string, workers map[string]*Worker, step int) (victim, survivor string) {
+	t.Helper()
+	eventually(t, time.Minute, func() error {
+		j, err := entry.Get(ctx, id)
+		if err != nil {
+			return err
+		}
+		if p := j.Progress; p != nil && p.Stage == jobs.Denoise && p.Step >= step {
+			victim = p.Node
+			return nil
+		}
+		return fmt.Errorf("denoise not past step %d: %+v", step, j.Progress)
+	})
+	survivor = map[string]string{"denoise-a": "denoise-b", "denoise-b": "denoise-a"}[victim]
+	if survivor == "" {
+		t.Fatalf("denoise runs on %q", victim)
+	}
+	workers[victim].Kill()
+	return victim, survivor
+}
+
 // Criterion: kill -9 an engine mid-denoise: the task completes on another
 // agent's engine, the job succeeds once, and the dead engine's agent claims
 // nothing until a new engine registers.
@@ -292,8 +344,7 @@ func TestEngineCrashFailsOver(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	// 100 ms per step: a 30-step denoise takes 3 s, time to kill it midway.
-	_, agents, workers := torchMesh(t, ctx, weights, 100, map[string]jobs.Stage{
-		"encode-t": jobs.Encode, "denoise-a": jobs.Denoise, "denoise-b": jobs.Denoise, "decode-t": jobs.Decode})
+	agents, workers := failoverMesh(t, ctx, weights)
 	entry := agents["encode-t"]
 	spec := engine.Spec{Model: torchModel, Prompt: "a red fox", Seed: 11, Width: 64, Height: 64, Frames: 1, Steps: 30, GuidanceScale: 5}
 	submit := func() string {
@@ -304,39 +355,13 @@ func TestEngineCrashFailsOver(t *testing.T) {
 		return j.ID
 	}
 	finish := func(id string) (jobs.Job, []byte) {
-		j, err := entry.Wait(ctx, id)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if j.State != jobs.Succeeded {
-			t.Fatalf("job %s: %s %+v", id, j.State, j.Error)
-		}
-		data, _, err := entry.Result(ctx, id)
-		if err != nil {
-			t.Fatal(err)
-		}
+		j, data := finishTorchJob(t, ctx, entry, id)
 		rgba(t, data) // a valid PNG
 		return j, data
 	}
 
 	id := submit()
-	var victim string
-	eventually(t, time.Minute, func() error {
-		j, err := entry.Get(ctx, id)
-		if err != nil {
-			return err
-		}
-		if p := j.Progress; p != nil && p.Stage == jobs.Denoise && p.Step >= 3 {
-			victim = p.Node
-			return nil
-		}
-		return fmt.Errorf("denoise not under way: %+v", j.Progress)
-	})
-	other := map[string]string{"denoise-a": "denoise-b", "denoise-b": "denoise-a"}[victim]
-	if other == "" {
-		t.Fatalf("denoise runs on %q", victim)
-	}
-	workers[victim].Kill()
+	victim, other := killDenoiseEngine(t, ctx, entry, id, workers, 3)
 	t.Logf("killed %s's engine mid-denoise", victim)
 
 	j, first := finish(id)
@@ -476,22 +501,11 @@ func TestTorchEngineCheckpointsAndTensorCache(t *testing.T) {
 	defer cancel()
 	// 100 ms a step: a 12-step denoise takes over a second, time to see
 	// step 4 and kill its engine before the last step.
-	_, agents, workers := torchMesh(t, ctx, weights, 100, map[string]jobs.Stage{
-		"encode-t": jobs.Encode, "denoise-a": jobs.Denoise, "denoise-b": jobs.Denoise, "decode-t": jobs.Decode})
+	agents, workers := failoverMesh(t, ctx, weights)
 	entry := agents["encode-t"]
 	finish := func(id string) (jobs.Job, []byte) {
 		t.Helper()
-		j, err := entry.Wait(ctx, id)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if j.State != jobs.Succeeded {
-			t.Fatalf("job %s: %s %+v", id, j.State, j.Error)
-		}
-		data, _, err := entry.Result(ctx, id)
-		if err != nil {
-			t.Fatal(err)
-		}
+		j, data := finishTorchJob(t, ctx, entry, id)
 		return j, rgba(t, data)
 	}
 	specs := []engine.Spec{
@@ -507,23 +521,7 @@ func TestTorchEngineCheckpointsAndTensorCache(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var victim string
-	eventually(t, time.Minute, func() error {
-		got, err := entry.Get(ctx, j.ID)
-		if err != nil {
-			return err
-		}
-		if p := got.Progress; p != nil && p.Stage == jobs.Denoise && p.Step >= 4 {
-			victim = p.Node
-			return nil
-		}
-		return fmt.Errorf("denoise not past step 4: %+v", got.Progress)
-	})
-	survivor := map[string]string{"denoise-a": "denoise-b", "denoise-b": "denoise-a"}[victim]
-	if survivor == "" {
-		t.Fatalf("denoise runs on %q", victim)
-	}
-	workers[victim].Kill()
+	victim, survivor := killDenoiseEngine(t, ctx, entry, j.ID, workers, 4)
 	done, got := finish(j.ID)
 	d := done.Stages[jobs.Denoise]
 	if d.Node != survivor || d.Attempt < 2 || d.ResumedFrom < every || d.ResumedFrom%every != 0 || d.ResumedFrom >= specs[0].Steps {

@@ -91,6 +91,8 @@ type StageTiming struct {
 	// encode that did.
 	Cached    bool     `json:"cached,omitempty"`
 	CacheHits []string `json:"cache_hits,omitempty"`
+	// Attempt counts the claims the stage's task took (1: it ran once).
+	Attempt int `json:"attempt,omitempty"`
 }
 
 // DemoJob is one job of the report.
@@ -150,7 +152,7 @@ func RunDemo(ctx context.Context, cfg DemoConfig) (DemoReport, error) {
 		dj := DemoJob{ID: job.ID, Prompt: job.Spec.Prompt, Seed: job.Spec.Seed, Output: path, Stages: map[string]StageTiming{}}
 		for _, st := range jobs.Stages() {
 			if r := job.Stages[st]; r != nil {
-				dj.Stages[string(st)] = StageTiming{Ms: r.Millis, Node: r.Node, Cached: r.Cached, CacheHits: r.CacheHits}
+				dj.Stages[string(st)] = StageTiming{Ms: r.Millis, Node: r.Node, Cached: r.Cached, CacheHits: r.CacheHits, Attempt: r.Attempt}
 			}
 		}
 		rep.Jobs = append(rep.Jobs, dj)

@@ -222,6 +222,10 @@ func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool)
 // but the membership's safety-net read (its queue gauges come from its
 // watch-fed views).
 func TestIdleAgentEtcdLoad(t *testing.T) {
+	// Idle for a minute, it runs beside the other parallel test, whose
+	// mesh is on an external etcd process: raftProposals reads this
+	// process's embedded etcd alone.
+	t.Parallel()
 	ctx := context.Background()
 	srv, err := etcdembed.Start(ctx, etcdembed.DefaultConfig())
 	if err != nil {

@@ -345,6 +345,9 @@ func TestNoSpaceAlarmRefusesJobs(t *testing.T) {
 // After the result TTL and the job retention (shortened here) nothing of the
 // jobs is left in etcd or the Store.
 func TestManyJobsOnDefaultExternalEtcd(t *testing.T) {
+	// Beside TestIdleAgentEtcdLoad, which idles: on an external etcd
+	// process, it adds no proposal to the embedded etcd that test counts.
+	t.Parallel()
 	if _, err := EtcdBinaryAvailable(); err != nil {
 		if os.Geteuid() != 0 {
 			t.Skipf("no etcd binary and not root to install it: %v", err)

@@ -542,7 +542,9 @@ func (c *checker) heartbeats(ctx context.Context, reg *Registration) CheckResult
 	want := timeout // a beat of margin over the bound, so a late last beat still shows
 	steps := c.cfg.Steps
 	if d := c.stepTime[m.Name]; d > 0 {
-		steps = int(want/d) + 1
+		// The busy window opens at the first step's progress, so a task
+		// is busy for steps-1 steps: one more than want/d outlasts want.
+		steps = int(want/d) + 2
 	}
 	steps = max(1, min(steps, stepLimit(m)))
 	// Denoise back to back until the busy time reaches want: one task when

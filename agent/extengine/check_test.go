@@ -122,7 +122,7 @@ func (f fakeEngine) serve(ctx context.Context, path string) error {
 	if f.v2 {
 		reg.Models[0].Checkpoint = &CheckpointSpec{Sampler: fakeSampler, DType: "float32", Channels: 4}
 		reg.Models[0].TensorCache = true
-		reg.Versions, reg.Features = []int32{Version1, Version2}, []string{FeatureCheckpoint, FeatureTensorCache, "named_cond"}
+		reg.Versions, reg.Features = []int32{Version1, Version2}, []string{FeatureCheckpoint, FeatureTensorCache, "not_a_feature"}
 	}
 	if err := WriteMsg(c, reg); err != nil {
 		return err

@@ -420,11 +420,13 @@ func ApplyParams(schema []ParamSpec, in Params) (Params, error) {
 	for _, p := range schema {
 		v, given := in[p.Name]
 		if !given {
-			out[p.Name] = p.Default
-			continue
+			v = p.Default // as the schema takes it: a JSON record reads 5.0 as an integer
 		}
 		got, err := p.check(v)
 		if err != nil {
+			if !given {
+				return nil, bad("%q: the model's default: %v", p.Name, err)
+			}
 			return nil, bad("%q: %v", p.Name, err)
 		}
 		out[p.Name] = got

@@ -91,6 +91,13 @@ func TestApplyParams(t *testing.T) {
 	if _, err := ApplyParams(nil, Params{"shift": NumberParam(2)}); err == nil || !strings.Contains(err.Error(), "the model takes no parameters") {
 		t.Errorf("params for a model without a schema: %v", err)
 	}
+	// A default read back from JSON (a node record) as an integer is
+	// still a number parameter's number.
+	sc := schema()
+	sc[0].Default = IntegerParam(3)
+	if p, err := ApplyParams(sc, nil); err != nil || p["shift"] != NumberParam(3) {
+		t.Errorf("an integer default of a number parameter: %v, %v; want the number 3", p["shift"], err)
+	}
 	if p, err := ApplyParams(nil, nil); p != nil || err != nil {
 		t.Errorf("no schema, no params: %v, %v", p, err)
 	}

@@ -39,6 +39,11 @@ var errImageLost = errors.New("agent: reference image lost")
 // staging when the submission fails after it.
 func (a *Agent) submitInputs(ctx context.Context, spec *engine.Spec, opts *jobs.Options) (abort func(), err error) {
 	abort = func() {}
+	if spec.Image != nil {
+		// Only a fork copies a spec with an image: the image is its
+		// job's, released when that job ends.
+		return abort, &engine.FieldError{Field: "image", Msg: "a job with a reference image cannot be forked: its image ends with it; submit the image again"}
+	}
 	rec, _ := a.modelRecordFor(spec.ModelName())
 	params, err := engine.ApplyParams(rec.Inputs.Params, spec.Params)
 	if err != nil {

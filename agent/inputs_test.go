@@ -198,6 +198,11 @@ func TestSubmitInputs(t *testing.T) {
 	if task.Stage != extengine.StageEncode || !bytes.Equal(got, pix) || task.Params["shift"] != engine.NumberParam(5) {
 		t.Errorf("encode task %s: image of %d bytes (equal to the upload: %v), params %v", task.Stage, len(got), bytes.Equal(got, pix), task.Params)
 	}
+	// A fork copies the spec, image reference and all: refused, the image
+	// being its job's.
+	if _, err := a.Submit(ctx, j.Spec, jobs.Options{}); err == nil || !strings.Contains(err.Error(), "cannot be forked") {
+		t.Errorf("a spec referring to another job's image: %v, want refused", err)
+	}
 	done, err := a.Wait(ctx, j.ID)
 	if err != nil || done.State != jobs.Failed {
 		t.Fatalf("job after the engine refused it: %s, %v", done.State, err)

@@ -101,7 +101,7 @@ func (a *Agent) modelRecordFor(model string) (r modelRecord, ok bool) {
 			continue
 		}
 		var rec modelRecord
-		if err := json.Unmarshal(raw, &rec); err != nil || rec.Limits.MaxSide == 0 {
+		if err := json.Unmarshal(raw, &rec); err != nil || rec.Limits.MaxSide == 0 || engine.ValidateSchema(rec.Inputs.Params) != nil {
 			continue // an agent that writes something else: not ours to read
 		}
 		if !ok || rec.Limits.MaxPixels > r.Limits.MaxPixels {

@@ -210,7 +210,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		if a.ext, err = extengine.Listen(ec, a.xfer); err != nil {
 			return nil, fmt.Errorf("agent: %w", err)
 		}
-		a.runner = &externalRunner{srv: a.ext, xfer: a.xfer, limits: cfg.Engine.Limits, log: a.log.Named("engine")}
+		a.runner = &externalRunner{srv: a.ext, xfer: a.xfer, limits: cfg.Engine.Limits, log: a.log.Named("engine"), images: a}
 	}
 	jc := cfg.Jobs
 	jc.Logger = a.log
@@ -620,6 +620,11 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 		a.metrics.JobRefused()
 		return jobs.Job{}, err
 	}
+	abort, err := a.submitInputs(ctx, &spec, &opts)
+	if err != nil {
+		a.metrics.JobRefused()
+		return jobs.Job{}, err
+	}
 	first := jobs.Encode
 	if opts.Cond == nil {
 		if opts.Cond = a.cachedCond(spec); opts.Cond != nil {
@@ -634,10 +639,13 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 		opts.Cond = a.issueTickets(opts.Cond, opts.Push.Node) // for the entries held here
 	}
 	var j jobs.Job
-	err := a.onEtcd(ctx, func(ctx context.Context) (err error) {
+	err = a.onEtcd(ctx, func(ctx context.Context) (err error) {
 		j, err = a.store.Submit(ctx, spec, opts)
 		return err
 	})
+	if err != nil {
+		abort() // the job's staged objects (its image) are no one's
+	}
 	if jobs.IsNoSpace(err) {
 		a.alarms.Observe(err)
 		return jobs.Job{}, a.alarms.NoSpace() // ErrNoSpace with what to do: a 503

@@ -117,6 +117,12 @@ func TestEarliest(t *testing.T) {
 // etcd, all closed when the test ends.
 func startAgent(t *testing.T, node string) (*Agent, *clientv3.Client, Config) {
 	t.Helper()
+	return startAgentWith(t, node, nil)
+}
+
+// startAgentWith is startAgent with edit applied to the local config.
+func startAgentWith(t *testing.T, node string, edit func(*Config)) (*Agent, *clientv3.Client, Config) {
+	t.Helper()
 	srv, err := etcdembed.Start(context.Background(), etcdembed.DefaultConfig())
 	if err != nil {
 		t.Fatal(err)
@@ -129,6 +135,9 @@ func startAgent(t *testing.T, node string) (*Agent, *clientv3.Client, Config) {
 	t.Cleanup(func() { cli.Close() })
 	cfg := DefaultLocalConfig()
 	cfg.NodeID = node
+	if edit != nil {
+		edit(&cfg)
+	}
 	a, err := New(cfg, cli)
 	if err != nil {
 		t.Fatal(err)

@@ -101,13 +101,28 @@ type condEntry struct {
 // makes each text alone (textEncoder).
 func condEntries(s engine.Spec, version string, split bool) []condEntry {
 	model := s.ModelName()
-	if !split {
-		return []condEntry{{id: condID(model, version, s.Prompt, s.NegativePrompt), kind: condWhole, texts: []string{s.Prompt, s.NegativePrompt}}}
+	if extra := condExtras(s); !split || len(extra) > 0 {
+		key := append([]string{s.Prompt, s.NegativePrompt}, extra...)
+		return []condEntry{{id: condID(model, version, key...), kind: condWhole, texts: []string{s.Prompt, s.NegativePrompt}}}
 	}
 	return []condEntry{
 		{id: condID(model, version, s.Prompt), kind: condPrompt, texts: []string{s.Prompt}},
 		{id: condID(model, version, s.NegativePrompt), kind: condNegative, texts: []string{s.NegativePrompt}},
 	}
+}
+
+// condExtras is what an encode may see of s beyond its texts (protocol
+// v2: the model's parameters and the reference image), which an entry's
+// key must name too; such conditioning is cached whole.
+func condExtras(s engine.Spec) []string {
+	var out []string
+	if len(s.Params) > 0 {
+		out = append(out, "params:"+engine.CanonicalParams(s.Params))
+	}
+	if s.Image != nil {
+		out = append(out, "image:"+s.Image.SHA256)
+	}
+	return out
 }
 
 // condCaching reports whether this agent caches conditioning.
@@ -220,7 +235,7 @@ func (a *Agent) encodeCached(ctx context.Context, c *jobs.Claim) (out jobs.Outpu
 	if split {
 		// Halves only where they make the whole: else it is cached whole.
 		half, err = te.BranchMeta(s)
-		split = err == nil && 2*half.Bytes() == whole.Bytes()
+		split = err == nil && 2*half.Bytes() == whole.Bytes() && len(condExtras(s)) == 0
 	}
 	var hits []string
 	for _, e := range condEntries(s, version, split) {

@@ -28,6 +28,12 @@ type modelRecord struct {
 	// makes the prompt's and the negative prompt's halves apart.
 	Encoder   string `json:"encoder,omitempty"`
 	SplitCond bool   `json:"split_cond,omitempty"`
+	// Inputs are what an external model takes beyond the spec (a
+	// parameter schema, a reference image) and Temporal its latent's
+	// temporal compression (protocol v2, inputs.go): checked at
+	// submission like the limits.
+	Inputs   engine.ModelInputs `json:"inputs,omitzero"`
+	Temporal int                `json:"temporal,omitempty"`
 }
 
 // modelRecords is what this node's record says of the models its runner
@@ -39,7 +45,7 @@ func (a *Agent) modelRecords() map[string]json.RawMessage {
 	if a.ext != nil {
 		if reg := a.ext.Engine(); reg != nil {
 			for _, m := range reg.Models {
-				recs[m.Name] = modelRecord{Limits: m.Limits(a.cfg.Engine.Limits)}
+				recs[m.Name] = modelRecord{Limits: m.Limits(a.cfg.Engine.Limits), Inputs: m.Inputs(), Temporal: int(m.Latent.Temporal)}
 			}
 		}
 	}
@@ -78,8 +84,16 @@ func (a *Agent) publishModels() {
 // ok is false for the built-in model and for a model no record names, which
 // get the agent's own limits.
 func (a *Agent) modelLimits(model string) (l engine.Limits, ok bool) {
+	rec, ok := a.modelRecordFor(model)
+	return rec.Limits, ok
+}
+
+// modelRecordFor is what a live agent serving model registered for it,
+// the largest pixel budget first (modelLimits); ok is false for the
+// built-in model and a model no record names.
+func (a *Agent) modelRecordFor(model string) (r modelRecord, ok bool) {
 	if model == "" || model == engine.DefaultModel {
-		return engine.Limits{}, false
+		return modelRecord{}, false
 	}
 	for _, p := range a.member.Peers() {
 		raw, has := p.Record.Models[model]
@@ -87,14 +101,14 @@ func (a *Agent) modelLimits(model string) (l engine.Limits, ok bool) {
 			continue
 		}
 		var rec modelRecord
-		if err := json.Unmarshal(raw, &rec); err != nil || rec.Limits.MaxSide == 0 {
+		if err := json.Unmarshal(raw, &rec); err != nil || rec.Limits.MaxSide == 0 || engine.ValidateSchema(rec.Inputs.Params) != nil {
 			continue // an agent that writes something else: not ours to read
 		}
-		if !ok || rec.Limits.MaxPixels > l.MaxPixels {
-			l, ok = rec.Limits, true
+		if !ok || rec.Limits.MaxPixels > r.Limits.MaxPixels {
+			r, ok = rec, true
 		}
 	}
-	return l, ok
+	return r, ok
 }
 
 // ModelLimits returns the limits a request for model is checked against at

@@ -145,6 +145,9 @@ type externalRunner struct {
 	xfer   engineArena
 	limits engine.Limits
 	log    *zap.Logger
+	// images reads a job's reference image for a model that takes one
+	// (nil: no image can be delivered; such tasks fail).
+	images jobImages
 }
 
 // engineServer is the engine socket as externalRunner uses it
@@ -229,12 +232,15 @@ func (x *externalRunner) LatentMeta(s engine.Spec) (transfer.TensorMeta, error) 
 	return latentMeta(m, s), nil
 }
 
+// latentMeta is m's latent for s: one chunk per latent frame, which a
+// temporal latent has fewer of than the video has frames.
 func latentMeta(m extengine.Model, s engine.Spec) transfer.TensorMeta {
 	sc := int64(m.Latent.Scale)
+	frames := m.LatentFrames(s.Frames)
 	return transfer.TensorMeta{
 		DType:     transfer.DType(m.Latent.DType),
-		Shape:     []int64{int64(s.Frames), int64(m.Latent.Channels), int64(s.Height) / sc, int64(s.Width) / sc},
-		NumChunks: max(s.Frames, 1),
+		Shape:     []int64{int64(frames), int64(m.Latent.Channels), int64(s.Height) / sc, int64(s.Width) / sc},
+		NumChunks: max(frames, 1),
 	}
 }
 
@@ -285,7 +291,13 @@ func (x *externalRunner) Encode(ctx context.Context, s engine.Spec, dst []byte) 
 	if err != nil {
 		return err
 	}
-	if err := x.run(ctx, extengine.Request{Stage: extengine.StageEncode, Model: s.ModelName(), Spec: s,
+	img, relImg, err := x.refImage(ctx, extengine.StageEncode, s)
+	if err != nil {
+		done(false)
+		return err
+	}
+	defer relImg()
+	if err := x.run(ctx, extengine.Request{Stage: extengine.StageEncode, Model: s.ModelName(), Spec: s, Image: img,
 		Output: extengine.Tensor{DType: string(meta.DType), Shape: meta.Shape, Data: out}}); err != nil {
 		done(false)
 		return err
@@ -320,11 +332,16 @@ func (x *externalRunner) Denoise(ctx context.Context, d DenoiseCall) error {
 		return err
 	}
 	defer relIn()
+	img, relImg, err := x.refImage(ctx, extengine.StageDenoise, s)
+	if err != nil {
+		return err
+	}
+	defer relImg()
 	out, done, err := x.outBuf(d.Dst)
 	if err != nil {
 		return err
 	}
-	req := extengine.Request{Stage: extengine.StageDenoise, Model: s.ModelName(), Spec: s,
+	req := extengine.Request{Stage: extengine.StageDenoise, Model: s.ModelName(), Spec: s, Image: img,
 		Inputs:   []extengine.Tensor{{DType: string(cond.Meta.DType), Shape: cond.Meta.Shape, Data: in}},
 		Output:   extengine.Tensor{DType: string(meta.DType), Shape: meta.Shape, Data: out},
 		Progress: d.Progress, CheckpointEvery: d.CheckpointEvery, Stop: d.Stop}
@@ -422,13 +439,18 @@ func (d *externalDecoder) DecodeFrames(ctx context.Context, first int, frames []
 	}
 	k := len(frames) / d.frameBytes
 	lm := latentMeta(d.m, d.s)
+	if first < 0 || first+k > int(lm.Shape[0]) {
+		return fmt.Errorf("%w: latent frames [%d,%d) outside [0,%d)", engine.ErrBadTensor, first, first+k, lm.Shape[0])
+	}
+	// A temporal latent's frames decode to more video frames (VideoFrames).
+	vfirst, n := d.VideoFrames(first, k)
 	in, relIn, err := d.x.inArena(frames)
 	if err != nil {
 		return err
 	}
 	defer relIn()
 	pix := 4 * d.s.Width * d.s.Height
-	buf, err := d.x.xfer.Alloc(int64(k * pix))
+	buf, err := d.x.xfer.Alloc(int64(n * pix))
 	if err != nil {
 		return fmt.Errorf("%w: arena buffer for decoded pixels: %v", errTransient, err)
 	}
@@ -439,19 +461,25 @@ func (d *externalDecoder) DecodeFrames(ctx context.Context, first int, frames []
 	}
 	err = d.x.run(ctx, extengine.Request{Stage: extengine.StageDecode, Model: d.s.ModelName(), Spec: d.s,
 		Inputs:     []extengine.Tensor{{DType: string(lm.DType), Shape: []int64{int64(k), lm.Shape[1], lm.Shape[2], lm.Shape[3]}, Data: in}},
-		Output:     extengine.Tensor{DType: "uint8", Shape: []int64{int64(k), int64(d.s.Height), int64(d.s.Width), 4}, Data: out},
+		Output:     extengine.Tensor{DType: "uint8", Shape: []int64{int64(n), int64(d.s.Height), int64(d.s.Width), 4}, Data: out},
 		FirstFrame: first, Frames: k})
 	done(err == nil)
 	if err != nil {
 		return err
 	}
 	rgba := buf.Bytes()
-	for i := range k {
-		if err := d.sink.PutRGBA(first+i, rgba[i*pix:(i+1)*pix]); err != nil {
+	for i := range n {
+		if err := d.sink.PutRGBA(vfirst+i, rgba[i*pix:(i+1)*pix]); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// VideoFrames is the range of video frames latent frames [first,
+// first+k) decode to (the worker previews those).
+func (d *externalDecoder) VideoFrames(first, k int) (vfirst, n int) {
+	return d.m.VideoFrames(first, k)
 }
 
 // Engine is the external engine registered on this agent's engine socket,

@@ -158,3 +158,70 @@ func TestExternalRunnerCheckpoints(t *testing.T) {
 		}
 	}
 }
+
+// imagesOf serves one reference image from memory.
+type imagesOf []byte
+
+func (i imagesOf) jobImage(context.Context, engine.ImageRef) ([]byte, func(), error) {
+	return i, func() {}, nil
+}
+
+// A temporal latent has a chunk per latent frame (81 frames: 21), a
+// decoder maps its latent frames to the video frames they make, and a
+// model taking its image at denoise gets it there and nowhere else.
+func TestExternalRunnerShapes(t *testing.T) {
+	m := i2vModel()
+	m.Image.Stages = []string{extengine.StageDenoise}
+	reg := &extengine.Registration{Engine: "fake/2", Version: extengine.Version2, Models: []extengine.Model{m},
+		Features: []string{extengine.FeatureTemporal, extengine.FeatureImage, extengine.FeatureParams}}
+	pix := bytes.Repeat([]byte{9}, 16*8*4)
+	srv := &fakeEngineServer{reg: reg}
+	x := &externalRunner{srv: srv, xfer: inPlaceArena{}, limits: engine.DefaultLimits(), log: zaptest.NewLogger(t), images: imagesOf(pix)}
+	spec := engine.Spec{Model: "i2v", Prompt: "p", Seed: 1, Width: 64, Height: 64, Frames: 81, Steps: 2, GuidanceScale: 5,
+		Image: &engine.ImageRef{Object: "j.input.image", Width: 16, Height: 8}}
+	meta, err := x.LatentMeta(spec)
+	if err != nil || meta.Shape[0] != 21 || meta.Chunks() != 21 {
+		t.Fatalf("latent meta %+v (%v): want 21 frames, a chunk each", meta, err)
+	}
+	fd, err := x.NewDecoder(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fd.FrameBytes() != 4*4*8*8 {
+		t.Errorf("a latent frame of %d bytes, want %d", fd.FrameBytes(), 4*4*8*8)
+	}
+	vf, ok := fd.(videoFrames)
+	if !ok {
+		t.Fatal("the external decoder does not map latent frames to video frames")
+	}
+	if first, n := vf.VideoFrames(1, 1); first != 1 || n != 4 {
+		t.Errorf("latent frame 1 decodes to video frames %d+%d, want 1+4", first, n)
+	}
+
+	var stages []string
+	srv.run = func(r extengine.Request) error {
+		stages = append(stages, r.Stage)
+		if got := r.Image != nil; got != (r.Stage == extengine.StageDenoise) {
+			t.Errorf("%s: image sent %v", r.Stage, got)
+		}
+		if r.Image != nil && (!bytes.Equal(r.Image.Data, pix) || r.Image.Shape[0] != 8 || r.Image.Shape[1] != 16) {
+			t.Errorf("%s: image %v of %d bytes", r.Stage, r.Image.Shape, len(r.Image.Data))
+		}
+		return nil
+	}
+	call := DenoiseCall{Spec: spec, Cond: engine.Tensor{Meta: transfer.TensorMeta{DType: "float32", Shape: []int64{2, 8}, NumChunks: 1}, Data: make([]byte, 64)},
+		Dst: make([]byte, meta.Bytes())}
+	if err := x.Denoise(context.Background(), call); err != nil {
+		t.Fatal(err)
+	}
+	if err := x.Encode(context.Background(), spec, make([]byte, 64)); err != nil {
+		t.Fatal(err)
+	}
+	if len(stages) != 2 {
+		t.Errorf("stages run: %v", stages)
+	}
+	x.images = nil
+	if err := x.Denoise(context.Background(), call); !errors.Is(err, extengine.ErrNoImage) {
+		t.Errorf("a denoise with no way to read its image: %v, want ErrNoImage", err)
+	}
+}

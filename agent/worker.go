@@ -1301,7 +1301,11 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 			if decodeErr = fd.DecodeFrames(ctx, first, ch.Data); decodeErr != nil {
 				cancel() // stop the pull; the loop drains what already landed
 			} else if spec.Frames > 1 {
-				a.previewFrames(ctx, c, fd, first, framesPerChunk)
+				vfirst, n := first, framesPerChunk
+				if tv, ok := fd.(videoFrames); ok { // a temporal latent: more video frames than latent ones
+					vfirst, n = tv.VideoFrames(first, framesPerChunk)
+				}
+				a.previewFrames(ctx, c, fd, vfirst, n)
 			}
 		}
 	}
@@ -1312,6 +1316,13 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 		return nil, "", a.pullFailed(ctx, in, err)
 	}
 	return fd.Finish()
+}
+
+// videoFrames is a FrameDecoder whose latent frames decode to more video
+// frames (a temporal latent, externalDecoder): latent frames [first,
+// first+k) to video frames [vfirst, vfirst+n).
+type videoFrames interface {
+	VideoFrames(first, k int) (vfirst, n int)
 }
 
 // previewFrames publishes decoded frames [first, first+n) as previews. They

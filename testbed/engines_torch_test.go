@@ -218,8 +218,9 @@ func absDiff(a, b byte) int {
 
 // Criteria: `engine check` passes against both reference workers (the
 // torch worker stopping a 50-step denoise within one step of a cancel
-// after step 10), and fails, with a clear line, against a worker that
-// ignores cancellation.
+// after step 10, and its video model passing the shape checks; the numpy
+// decoder as a protocol v1 engine), and fails, with a clear line, against
+// a worker that ignores cancellation.
 func TestEngineCheck(t *testing.T) {
 	weights := torchWeights(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
@@ -268,6 +269,13 @@ func TestEngineCheck(t *testing.T) {
 	for _, name := range []string{"checkpoint", "resume", "stop", "tensor cache"} {
 		if r := find(res, name); !r.Pass {
 			t.Errorf("torch worker, v2: %s", r)
+		}
+	}
+	// Its video model's shapes (issue 20): named tensors, a temporal
+	// latent decoded chunk by chunk, a reference image, a parameter.
+	for _, name := range []string{"named conditioning", "temporal latent", "image input", "params"} {
+		if r := find(res, name); !r.Pass {
+			t.Errorf("torch worker, model shapes: %s", r)
 		}
 	}
 	if r := find(res, "crash restart"); !strings.Contains(r.Detail, "resumed the killed process's checkpoint") {

@@ -21,6 +21,12 @@ type Spec struct {
 	Frames         int     `json:"frames" msgpack:"frames"` // 1 = image (PNG), >1 = video (GIF)
 	Steps          int     `json:"steps" msgpack:"steps"`
 	GuidanceScale  float64 `json:"guidance_scale" msgpack:"guidance_scale"`
+	// Params are the model's own parameters, complete (defaults applied
+	// at submission; params.go), and Image the request's reference image:
+	// both reach an engine beside the spec (extengine's task fields), not
+	// in it, so the spec a v1 engine reads is what it always was.
+	Params Params    `json:"params,omitempty" msgpack:"-"`
+	Image  *ImageRef `json:"image,omitempty" msgpack:"-"`
 }
 
 // DefaultModel is the built-in engine's model name, what a Spec without a

@@ -123,9 +123,15 @@ func Check(ctx context.Context, cfg CheckConfig, out io.Writer) (results []Check
 		return nil, false, err
 	}
 	defer ar.Close()
-	ch := &checker{cfg: cfg, ar: ar, out: out, beats: newBeats(), stepTime: map[string]time.Duration{}}
+	ch := &checker{cfg: cfg, ar: ar, out: out, beats: newBeats(), stepTime: map[string]time.Duration{}, refused: make(chan string, 1)}
 	sc := cfg.Server
 	sc.Socket, sc.Logger, sc.OnFrame = cfg.Socket, cfg.Logger, ch.beats.frame
+	sc.OnRefused = func(why string) {
+		select {
+		case ch.refused <- why:
+		default:
+		}
+	}
 	srv, err := Listen(sc, checkArena{ar})
 	if err != nil {
 		return nil, false, err
@@ -168,6 +174,10 @@ type checker struct {
 	saved     *Checkpoint
 	savedReq  func() (Request, error)
 	savedWant []byte
+	// refused receives the reason of a refused registration (buffered,
+	// the first kept); refusedWhy is the one waitEngine took.
+	refused    chan string
+	refusedWhy string
 }
 
 // beats records when the engine's heartbeats arrive (Server.OnFrame, on
@@ -284,6 +294,8 @@ func (c *checker) waitEngine(ctx context.Context, present bool, d time.Duration)
 		}
 		select {
 		case <-ch:
+		case c.refusedWhy = <-c.refused:
+			return false
 		case <-t.C:
 			return false
 		case <-ctx.Done():
@@ -295,7 +307,11 @@ func (c *checker) waitEngine(ctx context.Context, present bool, d time.Duration)
 func (c *checker) run(ctx context.Context) {
 	start := time.Now()
 	if !c.waitEngine(ctx, true, c.cfg.RegisterTimeout) {
-		c.report(CheckResult{Name: "register", Detail: fmt.Sprintf("no engine registered within %v", c.cfg.RegisterTimeout)})
+		why := fmt.Sprintf("no engine registered within %v", c.cfg.RegisterTimeout)
+		if c.refusedWhy != "" {
+			why = "the registration was refused: " + c.refusedWhy
+		}
+		c.report(CheckResult{Name: "register", Detail: why})
 		return
 	}
 	reg := c.srv.Engine()
@@ -319,6 +335,9 @@ func (c *checker) run(ctx context.Context) {
 	c.report(c.cancel(ctx, reg))
 	c.report(c.malformed(ctx, reg))
 	for _, r := range c.protocolV2(ctx, reg) {
+		c.report(r)
+	}
+	for _, r := range c.shapeChecks(ctx, reg) {
 		c.report(r)
 	}
 	c.report(c.crash(ctx, reg))
@@ -399,7 +418,7 @@ func (c *checker) request(m Model, st string, steps int, inFill byte) (Request, 
 	}
 	outT.Data = o
 	r.Output = outT
-	return r, nil
+	return r, c.shapeRequest(&r, m, st, 0)
 }
 
 // canary fills b with the check's canary pattern, or (flip) its
@@ -503,7 +522,7 @@ func (c *checker) task(ctx context.Context, m Model, st string) CheckResult {
 	n := len(outs[0])
 	switch unwritten, differ, first := compareRuns(outs[0], outs[1]); {
 	case unwritten > 0:
-		return CheckResult{Name: name, Detail: fmt.Sprintf("done, but %d of the output's %d bytes were never written (first at byte %d%s): they kept the check's fill in two runs over different fills; the engine must write its whole output region", unwritten, n, first, where(st, first, n))}
+		return CheckResult{Name: name, Detail: fmt.Sprintf("done, but %d of the output's %d bytes were never written (first at byte %d%s%s): they kept the check's fill in two runs over different fills; the engine must write its whole output region", unwritten, n, first, where(st, first, n), whereNamed(m, st, first))}
 	case differ > 0:
 		return CheckResult{Name: name, Detail: fmt.Sprintf("done, but two runs of the same task (same seed, spec and inputs) wrote outputs differing in %d of %d bytes (first at byte %d): the engine must be deterministic, so that the check can see it wrote its whole output and a retried task gives the same bytes", differ, n, first)}
 	}

@@ -51,6 +51,11 @@ type fakeEngine struct {
 	noPut, cacheSkew bool
 	// refuseResume fails every resume with bad_checkpoint.
 	refuseResume bool
+
+	// shapes also registers fakeShapes (checkshapes_test.go), with its
+	// faults.
+	shapes bool
+	shapeFaults
 }
 
 // fakeSampler names the fake's checkpoints.
@@ -122,10 +127,21 @@ func (f fakeEngine) serve(ctx context.Context, path string) error {
 	if f.v2 {
 		reg.Models[0].Checkpoint = &CheckpointSpec{Sampler: fakeSampler, DType: "float32", Channels: 4}
 		reg.Models[0].TensorCache = true
-		reg.Versions, reg.Features = []int32{Version1, Version2}, []string{FeatureCheckpoint, FeatureTensorCache, "named_cond"}
+		reg.Versions, reg.Features = []int32{Version1, Version2}, []string{FeatureCheckpoint, FeatureTensorCache, "not_a_feature"}
+	}
+	if f.shapes {
+		reg.Models = append(reg.Models, fakeShapes(f.shapeFaults))
+		reg.Versions, reg.Features = []int32{Version1, Version2}, append(reg.Features, shapeFeatures...)
 	}
 	if err := WriteMsg(c, reg); err != nil {
 		return err
+	}
+	if f.badSchema { // refused: the check reports why
+		m, err := ReadMsg(c)
+		if err != nil || m.T != TypeRefused {
+			return fmt.Errorf("a malformed schema got %+v, %v; want refused", m, err)
+		}
+		return nil
 	}
 	buf, oob := make([]byte, 4096), make([]byte, unix.CmsgSpace(4))
 	n, oobn, _, _, err := c.ReadMsgUnix(buf, oob)
@@ -145,7 +161,7 @@ func (f fakeEngine) serve(ctx context.Context, path string) error {
 		unix.Close(fds[0])
 		return err
 	}
-	if f.v2 && (w.Version != Version2 || !slices.Equal(w.Features, []string{FeatureCheckpoint, FeatureTensorCache})) {
+	if want := []string{FeatureCheckpoint, FeatureTensorCache}; f.v2 && (w.Version != Version2 || !slices.Equal(w.Features[:min(2, len(w.Features))], want)) {
 		unix.Close(fds[0])
 		return fmt.Errorf("welcome chose version %d, features %v; want 2 and checkpoint, tensor_cache", w.Version, w.Features)
 	}
@@ -201,6 +217,10 @@ func (f fakeEngine) serve(ctx context.Context, path string) error {
 func (s *fakeSession) run(t *fakeTask) {
 	defer s.busy.Add(-1)
 	m := t.m
+	if m.Model == fakeShapesName {
+		s.send(s.runShapes(m))
+		return
+	}
 	out := s.mem[m.Output.Off : m.Output.Off+m.Output.Len]
 	switch m.Stage {
 	case StageDenoise:

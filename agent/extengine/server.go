@@ -72,7 +72,10 @@ type Config struct {
 	// must not block) with the type of every frame the registered engine
 	// sends: `engine check` times the engine's heartbeats with it.
 	OnFrame func(t string)
-	Logger  *zap.Logger
+	// OnRefused, if set, is called (it must not block) with the reason of
+	// every registration refused: `engine check` reports it.
+	OnRefused func(reason string)
+	Logger    *zap.Logger
 }
 
 // DefaultConfig suits a real engine: a denoise step of a large model may
@@ -126,8 +129,9 @@ func allocatorOf(a Arena) func(int64) ([]byte, func(), error) {
 	return nil
 }
 
-// features are the features this agent grants, given an allocator.
-var features = []string{FeatureCheckpoint, FeatureTensorCache}
+// features are the features this agent grants: the shape features to any
+// v2 engine, the others given an allocator (needsAlloc).
+var features = append([]string{FeatureCheckpoint, FeatureTensorCache}, shapeFeatures...)
 
 // Registration is what the connected engine declared, and what its
 // welcome granted.
@@ -338,6 +342,9 @@ func (s *Server) serve(uc *net.UnixConn) {
 	reg, err := c.register()
 	if err != nil {
 		log.Warn("engine registration failed", zap.Error(err))
+		if s.cfg.OnRefused != nil {
+			s.cfg.OnRefused(err.Error())
+		}
 		c.closeFd()
 		uc.Close()
 		return
@@ -456,6 +463,15 @@ func (s *Server) Run(ctx context.Context, r Request) error {
 		}
 	}
 	p.tensors, p.tensorCache = r.Tensors, r.Stage == StageDenoise && mo.TensorCache && c.reg.Supports(FeatureTensorCache)
+	if err := s.shapeTask(m, p, mo, r, region); err != nil {
+		return err
+	}
+	if m.RefImage != nil {
+		check = append(check, *m.RefImage)
+	}
+	for _, nr := range m.Conds {
+		check = append(check, nr.Region())
+	}
 	p.model = r.Model
 	for _, reg := range check {
 		if err := reg.validate(); err != nil {
@@ -483,6 +499,9 @@ wait:
 			var te *TaskError
 			if stopped && errors.As(err, &te) && te.Code == CodeStopped {
 				return ErrStopped
+			}
+			if err == nil {
+				err = p.finishShapes()
 			}
 			return err
 		case <-stop:
@@ -601,6 +620,9 @@ type Request struct {
 	Progress func(step, total int)
 	// Preview, if set, is called the same way with each preview image.
 	Preview func(step int, png []byte)
+	// Image is the request's reference image, uint8 [height, width, 4],
+	// for a model that takes one at Stage (v2, FeatureImage).
+	Image *Tensor
 
 	// Resume, if not nil, continues a denoise from a checkpoint taken by
 	// an engine of the same model (the same CheckpointSpec.Sampler).
@@ -654,6 +676,12 @@ type pending struct {
 	tensorCache bool
 	lent        int
 	reserved    map[string][]byte
+
+	// A named encode's (shapes.go): its output's layout and bytes, and
+	// the lengths its done reported.
+	cond    *CondLayout
+	condOut []byte
+	lens    map[string]int32
 }
 
 func (p *pending) release() {
@@ -743,9 +771,9 @@ func (c *conn) register() (*Registration, error) {
 		return nil, err
 	}
 	reg := &Registration{Engine: m.Engine, PID: c.pid, Slots: m.Slots, Version: int(version)}
-	if version >= Version2 && c.s.alloc != nil {
+	if version >= Version2 {
 		for _, f := range features {
-			if slices.Contains(m.Features, f) {
+			if slices.Contains(m.Features, f) && (c.s.alloc != nil || !needsAlloc(f)) {
 				reg.Features = append(reg.Features, f)
 			}
 		}
@@ -757,6 +785,7 @@ func (c *conn) register() (*Registration, error) {
 		if !reg.Supports(FeatureTensorCache) {
 			mo.TensorCache = false
 		}
+		dropUngranted(&mo, reg)
 		reg.Models = append(reg.Models, mo)
 	}
 	return reg, nil
@@ -851,6 +880,7 @@ func (c *conn) read() error {
 			}
 			p.release() // the engine is done with the regions
 			if m.T == TypeDone {
+				p.lens = m.Lens
 				p.result <- nil
 			} else {
 				p.result <- &TaskError{Code: m.Code, Reason: m.Reason}

@@ -65,7 +65,7 @@ func TestNegotiation(t *testing.T) {
 	}{
 		{"v1 engine", lending, nil, nil, Version1, nil},
 		{"v1 engine asking for features", lending, []int32{Version1}, both, Version1, nil},
-		{"v2 engine, an unknown feature too", lending, []int32{Version1, Version2}, append(slices.Clone(both), "named_cond"), Version2, both},
+		{"v2 engine, an unknown feature too", lending, []int32{Version1, Version2}, append(slices.Clone(both), "not_a_feature"), Version2, both},
 		{"v2 engine, the tensor cache only", lending, []int32{Version2}, []string{FeatureTensorCache}, Version2, []string{FeatureTensorCache}},
 		{"a newer engine", lending, []int32{Version1, Version2, 3}, both, Version2, both},
 		{"an agent that cannot lend memory", func(ar *arena.Arena) Arena { return noAllocArena{checkArena{ar}} }, []int32{Version1, Version2}, both, Version2, nil},

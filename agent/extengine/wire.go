@@ -53,7 +53,8 @@ const (
 	MaxDims = 8
 	// MaxText bounds free-text fields (engine name, reasons).
 	MaxText = 1024
-	// maxDepth bounds msgpack nesting: frame > models > model > layout > shape.
+	// maxDepth bounds msgpack nesting: frame > models > model > layout >
+	// shape, and frame > models > model > conds > tensor > shape.
 	maxDepth = 6
 
 	// MaxVersions and MaxFeatures bound register's lists; a feature's
@@ -172,6 +173,18 @@ type Msg struct {
 	CheckpointEvery int32   `msgpack:"checkpoint_every,omitempty"`
 	CheckpointBuf   *Region `msgpack:"checkpoint_buf,omitempty"`
 	Resume          *Resume `msgpack:"resume,omitempty"`
+	// task, v2 (shapes.go): the named tensors of a named-conditioning
+	// model (encode's outputs, denoise's inputs), the complete model
+	// parameters, the reference image, and the video frames a decode of a
+	// temporal latent writes.
+	Conds       []NamedRegion `msgpack:"conds,omitempty"`
+	Params      engine.Params `msgpack:"params,omitempty"`
+	RefImage    *Region       `msgpack:"ref_image,omitempty"`
+	VideoFirst  int32         `msgpack:"video_first,omitempty"`
+	VideoFrames int32         `msgpack:"video_frames,omitempty"`
+	// done, v2 (FeatureNamedCond): the length an encode wrote of each
+	// named tensor of variable length.
+	Lens map[string]int32 `msgpack:"lens,omitempty"`
 
 	// progress, preview
 	Step  int32  `msgpack:"step,omitempty"`
@@ -244,6 +257,12 @@ type Model struct {
 	// TensorCache says the model's denoise uses the tensor cache (v2,
 	// FeatureTensorCache); the agent drops it unless granted.
 	TensorCache bool `msgpack:"tensor_cache,omitempty"`
+	// Conds, Image and Params are the model's named conditioning tensors,
+	// reference image and parameter schema (v2, shapes.go); the agent
+	// drops each unless its feature is granted.
+	Conds  []CondTensor       `msgpack:"conds,omitempty"`
+	Image  *ImageDecl         `msgpack:"image,omitempty"`
+	Params []engine.ParamSpec `msgpack:"params,omitempty"`
 }
 
 // CheckpointSpec is what a model's checkpoints are.
@@ -265,7 +284,7 @@ type CheckpointSpec struct {
 // have a Checkpoint), and its size in bytes.
 func (mo Model) CheckpointLatent(s engine.Spec) (Layout, int64) {
 	sc := int64(mo.Latent.Scale)
-	l := Layout{DType: mo.Checkpoint.DType, Shape: []int64{int64(s.Frames), int64(mo.Checkpoint.Channels), int64(s.Height) / sc, int64(s.Width) / sc}}
+	l := Layout{DType: mo.Checkpoint.DType, Shape: []int64{int64(mo.LatentFrames(s.Frames)), int64(mo.Checkpoint.Channels), int64(s.Height) / sc, int64(s.Width) / sc}}
 	n := DTypeSize(l.DType)
 	for _, d := range l.Shape {
 		n *= d
@@ -325,6 +344,10 @@ type LatentLayout struct {
 	DType    string `msgpack:"dtype"`
 	Channels int32  `msgpack:"channels"`
 	Scale    int32  `msgpack:"scale"` // pixels per latent position along a side
+	// Temporal is the latent's temporal compression (v2,
+	// FeatureTemporal): 0 or 1 none, else video frames Temporal*k+1 make
+	// k+1 latent frames (Model.LatentFrames).
+	Temporal int32 `msgpack:"temporal,omitempty"`
 }
 
 // Errors of the wire format.
@@ -425,6 +448,9 @@ func (m *Msg) Validate() error {
 	}
 	if m.V < Version2 && (m.CheckpointEvery != 0 || m.CheckpointBuf != nil || m.Resume != nil) {
 		return bad("version %d fields in a version %d frame", Version2, m.V)
+	}
+	if err := m.validateShapeFields(); err != nil {
+		return err
 	}
 	switch m.T {
 	case TypeHeartbeat:
@@ -675,7 +701,7 @@ func (mo *Model) validate() error {
 			return fmt.Errorf("checkpoint latent %s, %d channels, every %d", ck.DType, ck.Channels, ck.Every)
 		}
 	}
-	return nil
+	return mo.validateShapes()
 }
 
 // DTypeSize is the bytes per element of a dtype the protocol knows.

@@ -51,7 +51,7 @@ func TestMsgRoundTrip(t *testing.T) {
 		{T: TypePreview, Task: 3, Step: 2, Image: []byte("png")},
 		{T: TypeDone, Task: 9},
 		{T: TypeFailed, Task: 9, Code: CodeBadInput, Reason: "NaN"},
-	}, v2Frames()...) {
+	}, append(v2Frames(), shapeFrames()...)...) {
 		b, err := EncodeMsg(m)
 		if err != nil {
 			t.Fatal(err)
@@ -147,9 +147,11 @@ func checkpointOfDecode() []byte {
 
 // FuzzDecodeMsg feeds the agent's decoder arbitrary bytes: it must return
 // a frame or an error, never panic, and whatever it accepts must validate
-// and encode again. The seeds hold a frame of every type, v2's included.
+// and encode again. The seeds hold a frame of every type, v2's included,
+// and every field of the model shapes (shapeFrames).
 func FuzzDecodeMsg(f *testing.F) {
-	for _, m := range append([]*Msg{validRegister(), {T: TypeHeartbeat}, {T: TypeProgress, Task: 1, Step: 1, Total: 2}, {T: TypeFailed, Task: 1, Code: "x"}}, v2Frames()...) {
+	seeds := append(v2Frames(), shapeFrames()...)
+	for _, m := range append([]*Msg{validRegister(), {T: TypeHeartbeat}, {T: TypeProgress, Task: 1, Step: 1, Total: 2}, {T: TypeFailed, Task: 1, Code: "x"}}, seeds...) {
 		b, err := EncodeMsg(m)
 		if err != nil {
 			f.Fatal(err)

@@ -27,10 +27,12 @@ type fakeJobs struct {
 	jobs    map[string]*jobs.Job
 	data    map[string][]byte
 	changed chan struct{} // closed and replaced on every change
+	// images are the reference images submitted, by job.
+	images map[string]*jobs.ImageUpload
 }
 
 func newFakeJobs(auto bool) *fakeJobs {
-	return &fakeJobs{auto: auto, jobs: map[string]*jobs.Job{}, data: map[string][]byte{}, changed: make(chan struct{})}
+	return &fakeJobs{auto: auto, jobs: map[string]*jobs.Job{}, data: map[string][]byte{}, changed: make(chan struct{}), images: map[string]*jobs.ImageUpload{}}
 }
 
 // fakeOutput is what every fake job produces: it depends on the seed, so
@@ -55,6 +57,9 @@ func (f *fakeJobs) Submit(ctx context.Context, spec engine.Spec, opts jobs.Optio
 	j := &jobs.Job{ID: fmt.Sprintf("job-%d", f.next), Spec: spec, Class: opts.Class, Transfer: opts.Transfer, State: jobs.Queued, Stage: jobs.Encode, CreatedAt: now, UpdatedAt: now, Owner: opts.Owner,
 		Checkpointing: opts.Checkpointing, Fork: opts.Fork}
 	f.jobs[j.ID] = j
+	if opts.Image != nil {
+		f.images[j.ID] = opts.Image
+	}
 	if f.auto {
 		f.succeedLocked(j)
 	}

@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -454,7 +455,7 @@ func TestJobLifecycle(t *testing.T) {
 		t.Fatalf("Location = %q for job %q", loc, j.ID)
 	}
 	want := engine.Spec{Prompt: "fox", Seed: 3, Steps: 4, Width: 64, Height: 128, Frames: 2, GuidanceScale: 0}
-	if j.Spec != want || j.State != jobs.Queued || j.Class.String() != "batch" {
+	if !reflect.DeepEqual(j.Spec, want) || j.State != jobs.Queued || j.Class.String() != "batch" {
 		t.Fatalf("job = %+v", j)
 	}
 
@@ -823,7 +824,7 @@ func TestRunGenerate(t *testing.T) {
 	}
 	j := f.jobs["job-1"]
 	want := engine.Spec{Prompt: "a fox", NegativePrompt: "blur", Seed: 42, Steps: 4, Width: 64, Height: 128, Frames: 1, GuidanceScale: 7.5}
-	if j.Spec != want || j.Class.String() != "interactive" {
+	if !reflect.DeepEqual(j.Spec, want) || j.Class.String() != "interactive" {
 		t.Fatalf("spec %+v class %v", j.Spec, j.Class)
 	}
 	got, err := os.ReadFile(out)

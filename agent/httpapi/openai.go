@@ -45,6 +45,8 @@ type imagesRequest struct {
 	TransferMode      string   `json:"transfer_mode"`
 	Frames            *int     `json:"frames"`
 	DeadlineMS        *int64   `json:"deadline_ms"` // see JobRequest.DeadlineMS
+	// Params are the model's own parameters (JobRequest.Params).
+	Params engine.Params `json:"params"`
 }
 
 // ImagesResponse is the body of a successful POST /v1/images/generations.
@@ -101,6 +103,7 @@ func (q imagesRequest) specs(l engine.Limits, maxN int, modelSteps func(string) 
 		Priority:       q.Priority,
 		TransferMode:   q.TransferMode,
 		DeadlineMS:     q.DeadlineMS,
+		Params:         q.Params,
 	}
 	if q.Size != "" && q.Size != "auto" {
 		w, h, err := parseSize(q.Size)
@@ -142,6 +145,12 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 		writeError(w, e)
 		return
 	}
+	s.generateImages(w, r, q, nil)
+}
+
+// generateImages runs an images request (generations; edits, with img)
+// and answers it when its jobs are done.
+func (s *server) generateImages(w http.ResponseWriter, r *http.Request, q imagesRequest, img *jobs.ImageUpload) {
 	specs, req, err := q.specs(s.limitsFor(q.Model), s.cfg.MaxN, s.cfg.ModelSteps)
 	var fe *engine.FieldError
 	if errors.As(err, &fe) && fe.Field == "stream" {
@@ -155,7 +164,7 @@ func (s *server) imagesGenerations(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	_, opts, _ := req.spec(s.limitsFor(q.Model), s.cfg.ModelSteps) // validated by specs
-	opts.Owner = owner(r)
+	opts.Owner, opts.Image = owner(r), img
 	s.warnIgnored(q)
 
 	s.holdOpen(w, s.cfg.SyncTimeout)

@@ -50,6 +50,13 @@ type JobRequest struct {
 	// as "1h"), for forks (POST /v1/jobs/{id}/fork); otherwise they are
 	// released when the denoise finishes.
 	KeepCheckpoints string `json:"keep_checkpoints,omitempty"`
+	// Params are the model's own parameters (its engine registers their
+	// schema: names, types, ranges, defaults); those left out get their
+	// defaults, and the job's spec holds them all.
+	Params engine.Params `json:"params,omitempty"`
+	// Image is a reference image (image-to-video, edits) for a model
+	// that takes one: a PNG or JPEG file, base64 or a data: URL.
+	Image string `json:"image,omitempty"`
 }
 
 // MaxDeadline bounds deadline_ms: a day, longer than any job should queue.
@@ -62,6 +69,7 @@ func (r JobRequest) spec(l engine.Limits, modelSteps func(string) int) (engine.S
 	s.Model = r.Model
 	s.Prompt = r.Prompt
 	s.NegativePrompt = r.NegativePrompt
+	s.Params = r.Params
 	s.Seed = randomSeed()
 	if r.Steps == nil && r.Model != "" && modelSteps != nil {
 		if n := modelSteps(r.Model); n > 0 {

@@ -76,6 +76,11 @@ type Config struct {
 	// StreamKeepAlive is how often an idle event stream sends a comment, so
 	// that proxies and clients see it alive while a job waits.
 	StreamKeepAlive time.Duration
+	// MaxImageBytes bounds a reference image's file (POST /v1/jobs'
+	// "image", /v1/images/edits), by which such a body may exceed
+	// MaxBodyBytes; MaxUploads bounds the bodies that large read at once.
+	MaxImageBytes int64
+	MaxUploads    int
 }
 
 // DefaultConfig returns a Config with every field set.
@@ -93,6 +98,10 @@ func DefaultConfig() Config {
 		FFmpeg:       "ffmpeg", // Debian's, on $PATH
 		// Below the 30 s idle timeouts of common proxies and of WriteTimeout.
 		StreamKeepAlive: 15 * time.Second,
+		// A 2048x2048 PNG of a photograph; four such bodies and their
+		// decoded pixels are about 100 MiB.
+		MaxImageBytes: 8 << 20,
+		MaxUploads:    4,
 	}
 }
 
@@ -107,6 +116,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.MaxBodyBytes <= 0 {
 		c.MaxBodyBytes = d.MaxBodyBytes
+	}
+	if c.MaxImageBytes <= 0 {
+		c.MaxImageBytes = d.MaxImageBytes
+	}
+	if c.MaxUploads <= 0 {
+		c.MaxUploads = d.MaxUploads
 	}
 	if c.SyncTimeout <= 0 {
 		c.SyncTimeout = d.SyncTimeout
@@ -133,6 +148,9 @@ type server struct {
 	log  *zap.Logger
 	enc  *videoenc.Encoder // nil: no ffmpeg, videos are served as GIF
 	warn *ignoredFields    // the OpenAI fields already warned about
+	// uploads holds a slot per request body being read that may carry an
+	// image (uploadSlot).
+	uploads chan struct{}
 }
 
 // NewHandler returns the client API. Unset fields of cfg take their
@@ -143,11 +161,12 @@ func NewHandler(cfg Config, j Jobs) http.Handler {
 		panic("httpapi: NewHandler needs a Jobs")
 	}
 	cfg = cfg.withDefaults()
-	s := &server{cfg: cfg, jobs: j, log: cfg.Logger.Named("httpapi"), warn: &ignoredFields{}}
+	s := &server{cfg: cfg, jobs: j, log: cfg.Logger.Named("httpapi"), warn: &ignoredFields{}, uploads: make(chan struct{}, cfg.MaxUploads)}
 	s.enc = newEncoder(cfg.FFmpeg, s.log)
 	mux := http.NewServeMux()
 	rt := router{mux: mux, log: s.log, metrics: cfg.Metrics}
 	rt.handle("/v1/images/generations", methods{http.MethodPost: s.imagesGenerations})
+	rt.handle("/v1/images/edits", methods{http.MethodPost: s.imagesEdits})
 	rt.handle("/v1/jobs", methods{http.MethodPost: s.createJob})
 	rt.handle("/v1/jobs/{id}", methods{http.MethodGet: s.getJob, http.MethodDelete: s.cancelJob})
 	rt.handle("/v1/jobs/{id}/cancel", methods{http.MethodPost: s.cancelOnly})
@@ -277,12 +296,27 @@ func jobID(w http.ResponseWriter, r *http.Request) (string, bool) {
 func validID(id string) bool { return len(id) <= 128 && cache.ValidID(id) }
 
 func (s *server) createJob(w http.ResponseWriter, r *http.Request) {
+	release, ok := s.uploadSlot(w, r) // the body may carry an image
+	if !ok {
+		return
+	}
+	defer release()
 	var req JobRequest
-	if e := decodeBody(w, r, s.cfg.MaxBodyBytes, &req); e != nil {
+	body := &countingBody{ReadCloser: r.Body}
+	r.Body = body
+	if e := decodeBody(w, r, s.imageBodyBytes(), &req); e != nil {
 		writeError(w, e)
 		return
 	}
+	if body.n > s.cfg.MaxBodyBytes && req.Image == "" { // only an image earns the larger bound
+		writeError(w, tooLarge(s.cfg.MaxBodyBytes))
+		return
+	}
 	spec, opts, err := req.spec(s.limitsFor(req.Model), s.cfg.ModelSteps)
+	if err == nil {
+		opts.Image, err = imageField(req.Image, s.cfg.MaxImageBytes)
+		req.Image = "" // decoded: let the base64 go
+	}
 	if err != nil {
 		writeError(w, fieldError(err))
 		return

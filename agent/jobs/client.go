@@ -46,7 +46,13 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 		first = Denoise
 		stages[Encode] = &StageRecord{Node: opt.Cond[0].Node, StartedAt: now, FinishedAt: now, Cached: true}
 	}
-	t := Task{ID: newID(), JobID: newID(), Stage: first, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, Spec: spec, EnqueuedAt: now,
+	jobID := opt.JobID
+	if jobID == "" {
+		jobID = newID()
+	} else if err := validJobID(jobID); err != nil {
+		return Job{}, err
+	}
+	t := Task{ID: newID(), JobID: jobID, Stage: first, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, Spec: spec, EnqueuedAt: now,
 		Inputs: opt.Cond, Checkpointing: opt.Checkpointing, Fork: opt.Fork}
 	t.Key = s.taskKey(&t)
 	push := opt.Push
@@ -54,12 +60,15 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 		Job: Job{
 			ID: t.JobID, Spec: spec, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, State: Queued, Stage: first,
 			Stages: stages, CreatedAt: now, UpdatedAt: now, Owner: opt.Owner,
-			Checkpointing: opt.Checkpointing, Fork: opt.Fork,
+			Checkpointing: opt.Checkpointing, Fork: opt.Fork, LatentFrames: opt.LatentFrames,
 		},
 		TaskKey: t.Key,
 	}
-	for {
+	for renewals := 0; ; renewals++ {
 		task, ops := t, []clientv3.Op{clientv3.OpPut(s.jobKey(t.JobID), mustJSON(rec))}
+		for _, r := range opt.Records {
+			ops = append(ops, r.Op())
+		}
 		if push != nil {
 			task.Attempt, task.Hint = 1, push.Node
 			ops = append(ops, s.pushOps(&task, push, now)...)
@@ -71,6 +80,12 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 			Commit()
 		if push != nil && cache.LeaseGone(err) {
 			push = nil // the worker's lease ended: queue the task for anyone
+			continue
+		}
+		if len(opt.Records) > 0 && cache.LeaseGone(err) && renewals < leaseRenewals {
+			if rerr := s.renewLeases(ctx, 0, opt.Records); rerr != nil {
+				return Job{}, fmt.Errorf("jobs: submit: %w", rerr)
+			}
 			continue
 		}
 		if err != nil {
@@ -257,6 +272,7 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 			}
 		}
 		ops = append(ops, s.releaseCheckpointsOps(&rec)...)
+		ops = append(ops, s.releaseInputsOps(&rec)...)
 		rec.State, rec.Stage, rec.TaskKey = Cancelled, "", ""
 		rec.UpdatedAt = s.cfg.Now()
 		rec.Error = &Error{Code: "cancelled", Message: "cancelled by request"}

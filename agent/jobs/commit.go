@@ -243,6 +243,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 			ops = append(ops, s.releaseCheckpointsOps(rec)...)
 		}
 		if last {
+			ops = append(ops, s.releaseInputsOps(rec)...)
 			rec.State, rec.Stage, rec.TaskKey = Succeeded, "", ""
 			res := *out.Result
 			rec.Result = &res
@@ -274,7 +275,8 @@ func (s *Store) Fail(ctx context.Context, c *Claim, code, msg string) error {
 	return s.update(ctx, c, "fail", nil, nil, func(rec *record) ([]clientv3.Op, error) {
 		rec.State, rec.Stage, rec.TaskKey = Failed, "", ""
 		rec.Error = &Error{Code: code, Message: msg}
-		return append(s.releaseOps(c.Task.Inputs), s.releaseCheckpointsOps(rec)...), nil
+		ops := append(s.releaseOps(c.Task.Inputs), s.releaseCheckpointsOps(rec)...)
+		return append(ops, s.releaseInputsOps(rec)...), nil
 	})
 }
 
@@ -286,6 +288,7 @@ func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
 		ops := s.releaseOps(c.Task.Inputs)
 		if rec.Rewinds >= s.cfg.MaxRewinds {
 			ops = append(ops, s.releaseCheckpointsOps(rec)...)
+			ops = append(ops, s.releaseInputsOps(rec)...)
 			rec.State, rec.Stage, rec.TaskKey = Failed, "", ""
 			rec.Error = &Error{Code: "payload_lost", Message: fmt.Sprintf("input lost %d times; last: %s", rec.Rewinds+1, reason)}
 			return ops, nil

@@ -104,6 +104,14 @@ type Options struct {
 	// job has no encode task, its first task is the denoise, and its
 	// encode stage record says so (StageRecord.Cached).
 	Cond []Input
+	// Image is the request's reference image, which the agent stages
+	// (inputs.go); JobID, if set, is the job's id (NewID), preset so that
+	// such objects can be named for it, and Records are written with the
+	// job (the staged objects' records). LatentFrames is Job's.
+	Image        *ImageUpload
+	JobID        string
+	Records      []StagedRecord
+	LatentFrames int
 }
 
 // Job is the durable record of one generation request, stored as JSON at
@@ -121,6 +129,10 @@ type Job struct {
 	Result   *Result                `json:"result,omitempty"`
 	Error    *Error                 `json:"error,omitempty"`
 	Rewinds  int                    `json:"rewinds,omitempty"` // restarts from encode after a lost payload
+	// LatentFrames is how many latent frames the video maps to, for a
+	// model whose latent compresses time (81 frames -> 21); 0: as many as
+	// frames.
+	LatentFrames int `json:"latent_frames,omitempty"`
 	// Checkpointing and Fork are Options'.
 	Checkpointing *Checkpointing `json:"checkpointing,omitempty"`
 	Fork          *ForkFrom      `json:"fork,omitempty"`

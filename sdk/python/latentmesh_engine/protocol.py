@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import msgpack
 
 VERSION_1 = 1
-VERSION_2 = 2  # step checkpoints and the tensor cache, each a feature
+VERSION_2 = 2  # step checkpoints, the tensor cache and the model shapes, each a feature
 PROTOCOL_VERSION = VERSION_2  # the newest this SDK speaks
 VERSIONS = (VERSION_1, VERSION_2)
 MAX_FRAME = 1 << 20  # as the agent's extengine.MaxFrame
@@ -27,6 +27,12 @@ MAX_FRAME = 1 << 20  # as the agent's extengine.MaxFrame
 # Features of version 2 an engine asks for in register; welcome grants a subset.
 FEATURE_CHECKPOINT = "checkpoint"
 FEATURE_TENSOR_CACHE = "tensor_cache"
+# The model shapes (issue 20): named conditioning tensors, a latent that
+# compresses time, a reference image, a parameter schema.
+FEATURE_NAMED_COND = "named_cond"
+FEATURE_TEMPORAL = "temporal_latent"
+FEATURE_IMAGE = "image_input"
+FEATURE_PARAMS = "model_params"
 
 # Bounds the agent enforces (extengine), checked here before sending.
 MAX_STATE = 768 << 10  # a checkpoint's sampler state, inline
@@ -34,6 +40,12 @@ MAX_KEY = 128  # a tensor cache key
 MAX_TENSOR = 64 << 20  # a cached tensor
 MAX_INLINE_TENSOR = 768 << 10  # a tensor put inline
 _KEY = re.compile(r"^[A-Za-z0-9._:/=+-]{1,%d}$" % MAX_KEY)
+MAX_CONDS = 8  # named conditioning tensors of a model
+COND_ALIGN = 64  # each named tensor starts at a multiple of it in the payload
+MAX_PARAMS = 16
+_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # a named tensor's or a parameter's name
+
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}
 
 TYPE_REGISTER = "register"
 TYPE_WELCOME = "welcome"
@@ -68,6 +80,33 @@ class ProtocolError(Exception):
 def valid_key(key: str) -> bool:
     """Whether key can name a cached tensor: 1-128 bytes of [A-Za-z0-9._:/=+-]."""
     return bool(_KEY.match(key))
+
+
+def valid_name(name: str) -> bool:
+    """Whether name can name a conditioning tensor or a parameter."""
+    return bool(_NAME.match(name))
+
+
+def cond_layout(conds: List[Tuple[str, str, List[int], bool]]) -> Tuple[List[int], List[int], int]:
+    """The conditioning payload of named tensors (name, dtype, shape,
+    var_len), as the agent lays it out (extengine.CondLayout): each tensor
+    at a multiple of COND_ALIGN at its maximum size, in order; after the
+    last, aligned up, a little-endian uint32 per var_len tensor (its
+    length). Returns each tensor's offset and byte size, and the total."""
+    offs, sizes, at, nvar = [], [], 0, 0
+    for _name, dtype, shape, var_len in conds:
+        n = DTYPE_SIZES[dtype]
+        for d in shape:
+            n *= int(d)
+        at = -(-at // COND_ALIGN) * COND_ALIGN
+        offs.append(at)
+        sizes.append(n)
+        at += n
+        nvar += 1 if var_len else 0
+    total = at
+    if nvar:
+        total = -(-at // COND_ALIGN) * COND_ALIGN + 4 * nvar
+    return offs, sizes, total
 
 
 def encode_frame(msg: Dict[str, Any], version: int = VERSION_1) -> bytes:

@@ -3,8 +3,12 @@
 Protocol version 2 (negotiated at registration; an agent of version 1 grants
 nothing and the worker behaves as before) adds, for a model that declares
 them, step checkpoints (``Task.checkpoint``, ``Task.resume``,
-``Task.should_stop``, ``Task.stop``) and the agent's tensor cache
-(``Task.tensor_get``, ``Task.tensor_put``).
+``Task.should_stop``, ``Task.stop``), the agent's tensor cache
+(``Task.tensor_get``, ``Task.tensor_put``) and the model shapes: named
+conditioning tensors (``Model.conds``, ``Task.conds``, ``Task.set_len``), a
+latent that compresses time (``LatentLayout.temporal``,
+``Task.video_first``), a reference image (``Model.image``, ``Task.image``)
+and a parameter schema (``Model.params``, ``Task.params``).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import queue
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 
@@ -62,6 +66,91 @@ class LatentLayout:
     dtype: str
     channels: int
     scale: int  # pixels per latent position along a side
+    # Protocol v2 (temporal_latent): 0 or 1, one latent frame per video
+    # frame; t > 1, videos of t*k+1 frames make k+1 latent frames (Wan: 4,
+    # 81 frames -> 21): the first alone, then each group of t. The model's
+    # frame_step must be t and frame_offset 1.
+    temporal: int = 0
+
+
+@dataclasses.dataclass
+class CondTensor:
+    """One named conditioning tensor of a model (protocol v2, named_cond):
+    encode's output, denoise's input. With ``var_len`` dimension 0 is a
+    sequence length that varies per request, up to ``shape[0]``: the encode
+    says the length it wrote (``Task.set_len``) and the denoise gets the
+    tensor at that length."""
+
+    name: str
+    dtype: str
+    shape: List[int]
+    var_len: bool = False
+
+    def wire(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"name": self.name, "dtype": self.dtype, "shape": [int(x) for x in self.shape]}
+        if self.var_len:
+            d["var_len"] = True
+        return d
+
+
+@dataclasses.dataclass
+class ImageSpec:
+    """How a model takes a request's reference image (protocol v2,
+    image_input): at which stages (encode and/or denoise), and whether a
+    request must carry one. The image arrives as RGBA uint8 ``[height,
+    width, 4]`` at its own size (resize it as the model needs)."""
+
+    stages: List[str]
+    required: bool = False
+
+    def wire(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"stages": list(self.stages)}
+        if self.required:
+            d["required"] = True
+        return d
+
+
+ParamValue = Union[float, int, bool, str]
+
+
+@dataclasses.dataclass
+class Param:
+    """One model parameter (protocol v2, model_params): ``type`` number,
+    integer (both with ``min`` and ``max``), bool, or enum (one of
+    ``values``), and the ``default`` a request that leaves it out gets.
+    The agent checks requests against it at submission; ``Task.params``
+    holds every parameter."""
+
+    name: str
+    type: str
+    default: ParamValue
+    min: float = 0.0
+    max: float = 0.0
+    values: Optional[List[str]] = None
+
+    @staticmethod
+    def number(name: str, lo: float, hi: float, default: float) -> "Param":
+        return Param(name, "number", float(default), float(lo), float(hi))
+
+    @staticmethod
+    def integer(name: str, lo: int, hi: int, default: int) -> "Param":
+        return Param(name, "integer", int(default), float(lo), float(hi))
+
+    @staticmethod
+    def boolean(name: str, default: bool) -> "Param":
+        return Param(name, "bool", bool(default))
+
+    @staticmethod
+    def enum(name: str, values: Sequence[str], default: str) -> "Param":
+        return Param(name, "enum", str(default), values=list(values))
+
+    def wire(self) -> Dict[str, Any]:
+        d: Dict[str, Any] = {"name": self.name, "type": self.type, "default": self.default}
+        if self.type in ("number", "integer"):
+            d["min"], d["max"] = float(self.min), float(self.max)
+        if self.values:
+            d["values"] = list(self.values)
+        return d
 
 
 @dataclasses.dataclass
@@ -86,12 +175,16 @@ class CheckpointSpec:
 
 @dataclasses.dataclass
 class Model:
-    """A model and the stages this worker serves of it."""
+    """A model and the stages this worker serves of it.
+
+    ``cond`` is encode's output (denoise's input); a model with named
+    conditioning tensors (``conds``) leaves it out: it is then the one
+    payload the agent moves them in, ``uint8 [n]``."""
 
     name: str
     stages: List[str]
-    cond: Layout
-    latent: LatentLayout
+    cond: Optional[Layout] = None
+    latent: Optional[LatentLayout] = None
     default_steps: int = 0
     max_side: int = 0
     max_frames: int = 0
@@ -108,6 +201,49 @@ class Model:
     # agent's tensor cache. Each is dropped when the agent does not grant it.
     checkpoint: Optional[CheckpointSpec] = None
     tensor_cache: bool = False
+    # Protocol version 2, the model shapes; each is dropped when the agent
+    # does not grant its feature (see Worker for what the SDK then does).
+    conds: Optional[List[CondTensor]] = None
+    image: Optional[ImageSpec] = None
+    params: Optional[List[Param]] = None
+
+    def __post_init__(self) -> None:
+        if self.latent is None:
+            raise ValueError(f"model {self.name}: no latent layout")
+        if self.conds:
+            if len(self.conds) > p.MAX_CONDS or len({c.name for c in self.conds}) != len(self.conds) or \
+                    not all(p.valid_name(c.name) for c in self.conds):
+                raise ValueError(f"model {self.name}: want 1-{p.MAX_CONDS} named tensors of distinct [a-z0-9_] names")
+            payload = Layout("uint8", [self.cond_layout()[2]])
+            if self.cond is not None and (self.cond.dtype, list(self.cond.shape)) != (payload.dtype, payload.shape):
+                raise ValueError(f"model {self.name}: cond must be {payload} with named tensors (or left out)")
+            self.cond = payload
+        if self.cond is None:
+            raise ValueError(f"model {self.name}: no cond layout and no named tensors")
+        t = self.latent.temporal
+        if t > 1 and (self.frame_step, self.frame_offset) != (t, 1):
+            raise ValueError(f"model {self.name}: latent temporal {t} needs frame_step {t} and frame_offset 1")
+
+    def cond_layout(self) -> Tuple[List[int], List[int], int]:
+        """Each named tensor's offset and size in the payload, and its size."""
+        return p.cond_layout([(c.name, c.dtype, list(c.shape), c.var_len) for c in self.conds or []])
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a video of frames frames (81 -> 21 at temporal 4)."""
+        t = self.latent.temporal if self.latent else 0
+        return frames if t <= 1 or frames <= 1 else (frames - 1) // t + 1
+
+    def video_frames(self, first: int, k: int) -> Tuple[int, int]:
+        """The video frames latent frames [first, first+k) decode to: the
+        first video frame and how many."""
+        t = self.latent.temporal if self.latent else 0
+        if t <= 1:
+            return first, k
+        v0 = 0 if first == 0 else t * (first - 1) + 1
+        return v0, t * (first + k - 1) + 1 - v0
+
+    def param_defaults(self) -> Dict[str, ParamValue]:
+        return {q.name: q.default for q in self.params or []}
 
     def wire(self) -> Dict[str, Any]:
         d: Dict[str, Any] = {
@@ -122,7 +258,18 @@ class Model:
             d["checkpoint"] = self.checkpoint.wire()
         if self.tensor_cache:
             d["tensor_cache"] = True
+        if self.latent.temporal > 1:
+            d["latent"]["temporal"] = self.latent.temporal
+        if self.conds:
+            d["conds"] = [c.wire() for c in self.conds]
+        if self.image is not None:
+            d["image"] = self.image.wire()
+        if self.params:
+            d["params"] = [q.wire() for q in self.params]
         return d
+
+    # The version 2 keys of wire(), left out of a version 1 register.
+    V2_KEYS = ("checkpoint", "tensor_cache", "conds", "image", "params")
 
 
 @dataclasses.dataclass
@@ -221,6 +368,95 @@ class Task:
         self._cache = worker._uses_tensor_cache(self.model, self.stage)
         self._answers: "queue.Queue[Dict[str, Any]]" = queue.Queue()
         self._lent: Dict[str, Region] = {}  # regions the agent lent for a tensor_put, by key
+        # Version 2, the model shapes.
+        self._model = worker._model(self.model)
+        granted = worker.features
+        self.params: Dict[str, ParamValue] = dict(msg.get("params") or {})
+        if p.FEATURE_PARAMS not in granted and self._model is not None:
+            self.params = self._model.param_defaults()  # the agent sends none: the defaults
+        self._image: Optional[Region] = p.region_of(msg["ref_image"]) if msg.get("ref_image") else None
+        self.video_first: int = int(msg.get("video_first", 0))  # decode of a temporal latent: its first video frame
+        self.video_frames: int = int(msg.get("video_frames", 0))  # ... and how many it writes
+        if not self.video_frames and self.stage == "decode":
+            self.video_first, self.video_frames = self.first_frame, self.frames
+        self._conds: Dict[str, Region] = {str(c["name"]): p.region_of(c) for c in msg.get("conds") or []}
+        self._lens: Dict[str, int] = {}
+        self._split = False  # named tensors the agent did not split: this SDK splits the payload (_prepare)
+
+    def _prepare(self) -> None:
+        """What the task needs before its callback runs (in the worker's
+        try: a bad payload fails the task, not the worker)."""
+        if self._model is not None and self._model.conds and not self._conds and self.stage in ("encode", "denoise"):
+            self._split_payload()
+
+    def _split_payload(self) -> None:
+        """The named tensors of a session without named_cond: the SDK lays
+        the one payload out as the agent would (and completes an encode's
+        on done)."""
+        assert self._model is not None and self._model.conds
+        offs, sizes, total = self._model.cond_layout()
+        whole = self._output if self.stage == "encode" else (self._inputs[0] if self._inputs else None)
+        if whole is None or whole[1] != total:
+            return  # the callback sees the payload as it came, and fails on it
+        self._split = True
+        lens = self._trailer_lens(whole) if self.stage == "denoise" else {}
+        for c, off, n in zip(self._model.conds, offs, sizes):
+            shape = list(c.shape)
+            if c.var_len and c.name in lens:
+                n = n // shape[0] * lens[c.name]
+                shape[0] = lens[c.name]
+            self._conds[c.name] = (whole[0] + off, n, c.dtype, tuple(shape))
+
+    def _trailer_lens(self, whole: Region) -> Dict[str, int]:
+        """The lengths a payload's trailer holds."""
+        assert self._model is not None and self._model.conds
+        offs, sizes, total = self._model.cond_layout()
+        raw = self._bytes(whole)
+        at, lens = total - 4 * sum(1 for c in self._model.conds if c.var_len), {}
+        for c in self._model.conds:
+            if c.var_len:
+                n = int(raw[at:at + 4].view("<u4")[0])
+                if not 1 <= n <= c.shape[0]:
+                    raise BadInput(f"named tensor {c.name} of length {n}, want 1-{c.shape[0]}")
+                lens[c.name] = n
+                at += 4
+        return lens
+
+    def _finish_payload(self) -> None:
+        """Completes a split encode's payload as the agent does on done:
+        the rows past each length and the padding zeroed, the lengths in
+        the trailer."""
+        assert self._model is not None and self._model.conds
+        offs, sizes, total = self._model.cond_layout()
+        raw = self._bytes(self._output)
+        at = 0
+        tail = total - 4 * sum(1 for c in self._model.conds if c.var_len)
+        trailer = []
+        for c, off, n in zip(self._model.conds, offs, sizes):
+            raw[at:off] = 0
+            used = n
+            if c.var_len:
+                length = self._lens.get(c.name, c.shape[0])
+                used = n // c.shape[0] * length
+                trailer.append(length)
+            raw[off + used:off + n] = 0
+            at = off + n
+        raw[at:tail] = 0
+        if trailer:
+            raw[tail:] = np.array(trailer, dtype="<u4").view(np.uint8)
+
+    def _shape_refusal(self) -> Optional[str]:
+        """Why this task cannot run in a session without a shape feature
+        its model needs (None: it can)."""
+        m, granted = self._model, self._w.features
+        if m is None:
+            return None
+        if m.latent is not None and m.latent.temporal > 1 and p.FEATURE_TEMPORAL not in granted:
+            return (f"model {m.name} has a temporal latent, but the agent did not grant {p.FEATURE_TEMPORAL}: "
+                    f"it would lay out one latent frame per video frame")
+        if m.image is not None and m.image.required and self.stage in m.image.stages and self._image is None:
+            return f"model {m.name} needs a reference image at {self.stage}, and the task has none"
+        return None
 
     def _view(self, region: Region) -> np.ndarray:
         off, n, dtype, shape = region
@@ -253,6 +489,41 @@ class Task:
 
     def torch_output(self) -> Any:
         return _torch_view(self._w.arena, self._output)
+
+    # --- protocol version 2: the model shapes ---
+
+    @property
+    def conds(self) -> Dict[str, np.ndarray]:
+        """The named conditioning tensors, as numpy views of the arena: an
+        encode's outputs at their maximum shape (write them, and say each
+        variable one's length with ``set_len``), a denoise's inputs at the
+        lengths the encode said. (bfloat16 has no numpy view: use
+        ``torch_conds``.)"""
+        return {k: self._view(r) for k, r in self._conds.items()}
+
+    def torch_conds(self) -> Dict[str, Any]:
+        """The named tensors as torch tensors sharing the arena."""
+        return {k: _torch_view(self._w.arena, r) for k, r in self._conds.items()}
+
+    def set_len(self, name: str, n: int) -> None:
+        """Says the length an encode wrote of named tensor ``name`` (of
+        variable length): dimension 0's rows past it are zeroed by the agent
+        and the denoise gets the tensor at this length. Unset: the maximum."""
+        c = next((c for c in (self._model.conds if self._model and self._model.conds else []) if c.name == name), None)
+        if c is None or not c.var_len:
+            raise ValueError(f"{name!r} is not a named tensor of variable length of model {self.model}")
+        if not 1 <= n <= c.shape[0]:
+            raise ValueError(f"length {n} of {name!r}: want 1-{c.shape[0]}")
+        self._lens[name] = int(n)
+
+    @property
+    def image(self) -> Optional[np.ndarray]:
+        """The request's reference image, RGBA uint8 ``[height, width, 4]``
+        (a view of the arena), at the stages the model takes it; else None."""
+        return self._view(self._image) if self._image is not None else None
+
+    def torch_image(self) -> Any:
+        return _torch_view(self._w.arena, self._image) if self._image is not None else None
 
     @property
     def cancelled(self) -> bool:
@@ -478,7 +749,18 @@ class Worker:
             f.append(p.FEATURE_CHECKPOINT)
         if any(m.tensor_cache for m in self.models):
             f.append(p.FEATURE_TENSOR_CACHE)
+        if any(m.conds for m in self.models):
+            f.append(p.FEATURE_NAMED_COND)
+        if any(m.latent is not None and m.latent.temporal > 1 for m in self.models):
+            f.append(p.FEATURE_TEMPORAL)
+        if any(m.image is not None for m in self.models):
+            f.append(p.FEATURE_IMAGE)
+        if any(m.params for m in self.models):
+            f.append(p.FEATURE_PARAMS)
         return f
+
+    def _model(self, name: str) -> Optional[Model]:
+        return next((m for m in self.models if m.name == name), None)
 
     def _uses_tensor_cache(self, model: str, stage: str) -> bool:
         return stage == "denoise" and p.FEATURE_TENSOR_CACHE in self.features and any(
@@ -511,8 +793,9 @@ class Worker:
             reg["versions"], reg["features"] = self.versions, self._wanted_features()
         else:  # a version 1 register: models as version 1 knew them
             for m in reg["models"]:
-                m.pop("checkpoint", None)
-                m.pop("tensor_cache", None)
+                for k in Model.V2_KEYS:
+                    m.pop(k, None)
+                m["latent"].pop("temporal", None)
         self._send(reg)
         msg = reader.read()
         if msg.get("t") == p.TYPE_REFUSED:
@@ -578,8 +861,18 @@ class Worker:
         try:
             if fn is None:
                 raise BadInput(f"this worker has no {task.stage} callback")
+            why = task._shape_refusal()
+            if why is not None:
+                raise BadInput(why)
+            task._prepare()
             fn(task)
-            self._send({"t": p.TYPE_DONE, "task": task.id})
+            done: Dict[str, Any] = {"t": p.TYPE_DONE, "task": task.id}
+            if task._split:
+                if task.stage == "encode":
+                    task._finish_payload()
+            elif task._lens:
+                done["lens"] = dict(task._lens)
+            self._send(done)
         except Cancelled:
             log.info("task %d (%s) cancelled after step %d of %d", task.id, task.stage, task.last_step, task.spec.steps)
             self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_CANCELLED, "reason": "cancelled"})

@@ -1,6 +1,7 @@
 """The torch reference worker's sampler: a cached negative-prompt branch
 and a resume from a checkpoint each give the uninterrupted, uncached run's
-bytes (what the mesh tests rely on). Skipped without torch."""
+bytes (what the mesh tests rely on); its video model's named tensors,
+image, parameter and temporal decoder. Skipped without torch."""
 from __future__ import annotations
 
 import os
@@ -59,6 +60,61 @@ class TorchSamplerTest(unittest.TestCase):
         for step in (1, 3, 7):
             got = self.run_denoise(cond, resume=(step, seen[step].clone()))
             self.assertEqual(got, plain, f"a resume after step {step} differs from the uninterrupted run")
+
+
+@unittest.skipIf(torch is None, "torch is not installed")
+class TorchVideoTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        import torch_pipeline as tp
+        cls.tp = tp
+        d = tempfile.mkdtemp()
+        path = os.path.join(d, "w.safetensors")
+        tp.write_weights(path)
+        cls.p = tp.build(path)
+
+    def conds(self, prompt: str, negative: str):
+        tp = self.tp
+        c = {"tokens": torch.zeros(tp.TOKENS, tp.DIM), "tokens_neg": torch.zeros(tp.TOKENS, tp.DIM),
+             "pooled": torch.zeros(2, tp.POOLED, dtype=torch.float16)}
+        n, m = self.p.encode_video(prompt, negative, c)
+        return c, n, m
+
+    def latent(self, image, rescale: float = 0.0, prompt: str = "a fox"):
+        c, n, m = self.conds(prompt, "blurry")
+        out = torch.zeros(3, self.tp.CHANNELS, 2, 2)  # 9 frames: 3 latent frames of 16x16
+        self.p.denoise_video(c["tokens"][:n], c["tokens_neg"][:m], c["pooled"], image, 3, 3, 5.0, rescale, out, lambda *a: None)
+        return out
+
+    def image(self, v: int):
+        img = torch.full((12, 10, 4), v, dtype=torch.uint8)
+        img[:, :, 3] = 255
+        return img
+
+    def test_token_sequences_have_the_texts_lengths(self) -> None:
+        _, n, m = self.conds("abc", "")
+        self.assertEqual((n, m), (3, 1))
+        _, n, _ = self.conds("x" * 100, "")
+        self.assertEqual(n, self.tp.TOKENS)
+
+    def test_image_and_rescale_reach_the_output(self) -> None:
+        base = self.latent(self.image(40))
+        self.assertTrue(torch.equal(base, self.latent(self.image(40))), "the same inputs, different latents")
+        self.assertFalse(torch.equal(base, self.latent(self.image(200))), "the image does not reach the latent")
+        self.assertFalse(torch.equal(base, self.latent(self.image(40), rescale=0.7)), "guidance_rescale does nothing")
+        z = self.p.image_latent(self.image(40), 2, 2)
+        self.assertTrue(torch.equal(base[0], z), "the first latent frame is not the image's latent")
+
+    def test_a_latent_frame_decodes_alone(self) -> None:
+        lat = self.latent(self.image(90))
+        whole = torch.zeros(9, 16, 16, 4, dtype=torch.uint8)
+        self.p.decode_video(lat, 0, whole)
+        parts = [torch.zeros(1, 16, 16, 4, dtype=torch.uint8), torch.zeros(4, 16, 16, 4, dtype=torch.uint8),
+                 torch.zeros(4, 16, 16, 4, dtype=torch.uint8)]
+        for j, out in enumerate(parts):
+            self.p.decode_video(lat[j:j + 1], j, out)
+        self.assertTrue(torch.equal(whole, torch.cat(parts)), "decoding chunk by chunk differs from decoding whole")
+        self.assertFalse(torch.equal(whole[1], whole[2]), "the four frames of a latent frame are one image")
 
 
 if __name__ == "__main__":

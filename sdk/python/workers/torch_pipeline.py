@@ -17,15 +17,32 @@ Model ``latentmesh-tiny-torch``:
 - VAE decoder: convolutions and three 2x upsamplings from the 4-channel
   latent to RGB.
 
+Model ``latentmesh-tiny-video`` (protocol v2's model shapes), from the same
+text encoder and U-Net:
+- two named conditioning tensors per text: ``tokens`` / ``tokens_neg``, the
+  token sequence of the prompt / negative prompt at its own length (1-32
+  rows of 64, float32, variable length), and ``pooled``, a pooled vector of
+  each [2, 32] (float16);
+- a 4x temporal latent: videos of 4k+1 frames make k+1 latent frames, and
+  the VAE decoder up-samples time (latent frame 0 to one video frame, each
+  later one to four, each latent frame decoded alone);
+- a reference image (required, at denoise), encoded to the first latent
+  frame, which the sampler keeps on the image's noised latent;
+- one parameter, ``guidance_rescale`` (0-1, default 0): classifier-free
+  guidance rescaled towards the conditional prediction's spread.
+
 Weights are generated from a fixed seed (no download) and stored in a
 safetensors file (``--write-weights``); workers load them with ``--weights``.
 ``--reference`` runs the whole pipeline in this one process, without
 latentmesh, for comparison. Everything runs on one CPU thread so results are
 bit-identical across processes.
 
+``--device cuda`` runs the same worker on a GPU (not bit-identical to the
+CPU, and not across GPU models).
+
     torch_pipeline.py --write-weights W
-    torch_pipeline.py --weights W --socket PATH [--stages encode,denoise,decode] [--step-ms N] [--checkpoint-every N]
-    torch_pipeline.py --weights W --reference SPEC_JSON OUT_RGBA
+    torch_pipeline.py --weights W --socket PATH [--stages encode,denoise,decode] [--step-ms N] [--checkpoint-every N] [--device D]
+    torch_pipeline.py --weights W --reference SPEC_JSON OUT_RGBA [--device D]
 """
 from __future__ import annotations
 
@@ -46,11 +63,13 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from latentmesh_engine import (BadCheckpoint, BadInput, CheckpointSpec, LatentLayout, Layout, Model, Task,  # noqa: E402
-                               Worker, socket_from_args)
+from latentmesh_engine import (BadCheckpoint, BadInput, CheckpointSpec, CondTensor, ImageSpec,  # noqa: E402
+                               LatentLayout, Layout, Model, Param, Task, Worker, socket_from_args)
 
 MODEL = "latentmesh-tiny-torch"
+VIDEO_MODEL = "latentmesh-tiny-video"
 TOKENS, DIM, CHANNELS, SCALE = 32, 64, 4, 8
+POOLED, TEMPORAL = 32, 4  # the video model's pooled vector, its latent's temporal compression
 TRAIN_STEPS = 1000
 # SAMPLER names the checkpoint state's format and the schedule; change it
 # with anything that changes the sampler's output.
@@ -121,7 +140,7 @@ def tokenize(text: str) -> list:
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
     half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32) / half)
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
     a = t.float()[:, None] * freqs[None]
     return torch.cat([torch.sin(a), torch.cos(a)], dim=1)
 
@@ -224,12 +243,12 @@ def kv_bytes() -> int:
 
 def kv_pack(kv: KV) -> np.ndarray:
     """One branch's keys and values as bytes: each layer's keys then values, float32."""
-    return np.concatenate([t.detach().contiguous().numpy().astype("<f4").reshape(-1) for pair in kv for t in pair]).view(np.uint8)
+    return np.concatenate([t.detach().contiguous().cpu().numpy().astype("<f4").reshape(-1) for pair in kv for t in pair]).view(np.uint8)
 
 
 def kv_unpack(b: np.ndarray) -> KV:
     """kv_pack's inverse, into fresh tensors (copies, never views of b)."""
-    flat = torch.from_numpy(np.array(b, dtype=np.uint8).view("<f4").astype(np.float32))
+    flat = torch.from_numpy(np.array(b, dtype=np.uint8).view("<f4").astype(np.float32))  # the caller moves it
     out, at = [], 0
     for t, c in kv_shapes():
         n = t * c
@@ -262,13 +281,15 @@ class Pipeline(nn.Module):
         betas = torch.linspace(1e-4, 0.02, TRAIN_STEPS, dtype=torch.float64)
         self.alphas_cumprod = torch.cumprod(1 - betas, dim=0)
         self.weights_id = ""  # build sets it
+        self.video = VideoParts()  # made last: the weights above are what they always were
+        self.device = torch.device("cpu")  # build moves it
 
     # Each stage reads and writes arrays (views of the arena in a worker),
     # so the reference run and the mesh run the very same code.
 
     @torch.no_grad()
     def encode(self, prompt: str, negative: str, out: torch.Tensor) -> None:
-        ids = torch.tensor([tokenize(prompt), tokenize(negative)], dtype=torch.long)
+        ids = torch.tensor([tokenize(prompt), tokenize(negative)], dtype=torch.long, device=self.device)
         out.copy_(self.text(ids))
 
     @torch.no_grad()
@@ -282,18 +303,22 @@ class Pipeline(nn.Module):
         gives the uninterrupted run's bytes."""
         frames, c, h, w = out.shape
         if resume is None:
-            g = torch.Generator().manual_seed(seed)
-            x = torch.randn((frames, c, h, w), generator=g, dtype=torch.float32)
+            g = torch.Generator().manual_seed(seed)  # on the CPU: the same noise on any device
+            x = torch.randn((frames, c, h, w), generator=g, dtype=torch.float32).to(self.device)
             start = 0
         else:
             start, x = resume
+            x = x.to(self.device)
         ts = torch.linspace(TRAIN_STEPS - 1, 0, steps, dtype=torch.float64).round().long()
+        cond = cond.to(self.device)
+        if uncond_kv is not None:
+            uncond_kv = [(k.to(self.device), v.to(self.device)) for k, v in uncond_kv]
         kv = self.unet.context_kv(cond, frames, uncond_kv)
         for i in range(start, steps):
             each_step(i, steps, True, x)
             t = ts[i]
             xin = x.repeat_interleave(2, dim=0)
-            eps = self.unet(xin, t.repeat(2 * frames), kv)
+            eps = self.unet(xin, t.repeat(2 * frames).to(self.device), kv)
             e_c, e_u = eps[0::2], eps[1::2]
             e = e_u + guidance * (e_c - e_u)
             a_t = self.alphas_cumprod[t].float()
@@ -306,20 +331,147 @@ class Pipeline(nn.Module):
 
     @torch.no_grad()
     def decode(self, latent: torch.Tensor, out: torch.Tensor) -> None:
-        rgb = self.vae(latent)  # [F, 3, H, W] in (-1, 1)
-        pix = ((rgb + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
-        out[:, :, :, :3].copy_(pix.permute(0, 2, 3, 1))
+        rgb = self.vae(latent.to(self.device))  # [F, 3, H, W] in (-1, 1)
+        out[:, :, :, :3].copy_(to_pixels(rgb).permute(0, 2, 3, 1))
+        out[:, :, :, 3] = 255
+
+    # --- the video model (protocol v2's shapes) ---
+
+    @torch.no_grad()
+    def encode_text(self, text: str, tokens: torch.Tensor) -> Tuple[int, torch.Tensor]:
+        """One text's token sequence into tokens [TOKENS, DIM] (the first n
+        rows; n, 1-32, is the text's length in bytes, an empty text one
+        padding token) and its pooled vector [POOLED]."""
+        ids = list(text.encode("utf-8")[:TOKENS]) or [256]
+        n = len(ids)
+        t = self.text
+        x = t.tok(torch.tensor([ids], dtype=torch.long, device=self.device)) + t.pos[:n]
+        for layer in t.layers:
+            x = layer(x)
+        x = t.norm(x)[0]  # [n, DIM]
+        tokens[:n].copy_(x)
+        return n, self.video.pool(x.mean(dim=0))
+
+    @torch.no_grad()
+    def encode_video(self, prompt: str, negative: str, conds: Dict[str, torch.Tensor]) -> Tuple[int, int]:
+        """The named tensors: tokens, tokens_neg (their lengths returned)
+        and pooled [2, POOLED] (float16)."""
+        n, pc = self.encode_text(prompt, conds["tokens"])
+        m, pu = self.encode_text(negative, conds["tokens_neg"])
+        conds["pooled"].copy_(torch.stack([pc, pu]))
+        return n, m
+
+    @torch.no_grad()
+    def image_latent(self, image: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """The reference image, RGBA uint8 [H0, W0, 4] at any size, resized
+        to the request's and encoded to a latent frame [CHANNELS, h, w]."""
+        rgb = image[:, :, :3].to(self.device).permute(2, 0, 1)[None].float() / 127.5 - 1
+        rgb = F.interpolate(rgb, size=(h * SCALE, w * SCALE), mode="bilinear", align_corners=False)
+        return self.video.enc(rgb)[0]
+
+    @torch.no_grad()
+    def denoise_video(self, tokens: torch.Tensor, tokens_neg: torch.Tensor, pooled: torch.Tensor, image: torch.Tensor,
+                      seed: int, steps: int, guidance: float, rescale: float, out: torch.Tensor,
+                      each_step: Callable[[int, int, bool, torch.Tensor], None]) -> None:
+        """DDIM over a video latent [F, C, h, w]: the prompt's and the
+        negative prompt's branches run apart (their sequences differ in
+        length); the pooled vectors steer each branch's noise; the first
+        latent frame is held on the reference image's latent at the step's
+        noise level; guidance_rescale pulls the guided prediction's spread
+        towards the conditional one's."""
+        frames, c, h, w = out.shape
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn((frames, c, h, w), generator=g, dtype=torch.float32).to(self.device)
+        noise0 = x[0].clone()
+        z = self.image_latent(image, h, w)
+        ts = torch.linspace(TRAIN_STEPS - 1, 0, steps, dtype=torch.float64).round().long()
+        kv_c = [(k.repeat(frames, 1, 1), v.repeat(frames, 1, 1)) for k, v in self.unet.branch_kv(tokens.to(self.device)[None])]
+        kv_u = [(k.repeat(frames, 1, 1), v.repeat(frames, 1, 1)) for k, v in self.unet.branch_kv(tokens_neg.to(self.device)[None])]
+        bias = torch.tanh(self.video.pooled_bias(pooled.to(self.device).float()))[:, :, None, None] * 0.1  # [2, C, 1, 1]
+        x[0] = self.alphas_cumprod[ts[0]].float().sqrt() * z + (1 - self.alphas_cumprod[ts[0]].float()).sqrt() * noise0
+        for i in range(steps):
+            each_step(i, steps, True, x)
+            t = ts[i].repeat(frames).to(self.device)
+            e_c = self.unet(x, t, kv_c) + bias[0]
+            e_u = self.unet(x, t, kv_u) + bias[1]
+            e = e_u + guidance * (e_c - e_u)
+            if rescale > 0:
+                std_c = e_c.std(dim=(1, 2, 3), keepdim=True)
+                std_g = e.std(dim=(1, 2, 3), keepdim=True)
+                e = rescale * (e * (std_c / std_g)) + (1 - rescale) * e
+            a_t = self.alphas_cumprod[ts[i]].float()
+            a_prev = self.alphas_cumprod[ts[i + 1]].float() if i + 1 < steps else torch.tensor(1.0)
+            x0 = ((x - (1 - a_t).sqrt() * e) / a_t.sqrt()).clamp(-4, 4) + 0.1 * z
+            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * e
+            x[0] = a_prev.sqrt() * z + (1 - a_prev).sqrt() * noise0
+            each_step(i, steps, False, x)
+        out.copy_(x)
+
+    @torch.no_grad()
+    def decode_video(self, latent: torch.Tensor, first: int, out: torch.Tensor) -> None:
+        """Latent frames first, first+1, ... ([k, C, h, w]) into their video
+        frames (out [n, H, W, 4]): latent frame 0 to one, each later one to
+        TEMPORAL. Each latent frame is decoded alone, so a chunk decodes to
+        the same bytes as the whole."""
+        at = 0
+        for j in range(latent.shape[0]):
+            sub = self.video.vae(latent[j:j + 1].to(self.device))  # [TEMPORAL, 3, H, W]
+            if first + j == 0:
+                sub = sub[:1]
+            n = sub.shape[0]
+            out[at:at + n, :, :, :3].copy_(to_pixels(sub).permute(0, 2, 3, 1))
+            at += n
+        if at != out.shape[0]:
+            raise BadInput(f"latent frames {first}-{first + latent.shape[0] - 1} make {at} video frames, the output holds {out.shape[0]}")
         out[:, :, :, 3] = 255
 
 
-def build(weights: str) -> Pipeline:
+def to_pixels(rgb: torch.Tensor) -> torch.Tensor:
+    """RGB in (-1, 1) to uint8, on the CPU."""
+    return ((rgb + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).cpu()
+
+
+class VideoParts(nn.Module):
+    """What the video model adds to the shared text encoder and U-Net: the
+    pooled projection, the pooled vector's bias on the noise, the image
+    encoder and the temporal VAE decoder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = nn.Linear(DIM, POOLED)
+        self.pooled_bias = nn.Linear(POOLED, CHANNELS)
+        self.enc = nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.SiLU(),
+                                 nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.SiLU(),
+                                 nn.Conv2d(32, CHANNELS, 3, stride=2, padding=1))
+        self.vae = TemporalVAEDecoder()
+
+
+class TemporalVAEDecoder(nn.Module):
+    """The VAE decoder with time up-sampled: one latent frame to TEMPORAL
+    RGB frames (the head's channels split in time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers = [nn.Conv2d(CHANNELS, 64, 3, padding=1), nn.SiLU()]
+        for cin, cout in ((64, 48), (48, 32), (32, 16)):
+            layers += [nn.Upsample(scale_factor=2, mode="nearest"), nn.Conv2d(cin, cout, 3, padding=1), nn.SiLU()]
+        layers += [nn.Conv2d(16, 3 * TEMPORAL, 3, padding=1)]
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        y = self.net(z)  # [1, 3*TEMPORAL, H, W]
+        return torch.tanh(y.reshape(TEMPORAL, 3, y.shape[2], y.shape[3]))
+
+
+def build(weights: str, device: str = "cpu") -> Pipeline:
     p = Pipeline()
     state = load_safetensors(weights)
     p.load_state_dict(state, strict=True)
     # The weights' identity, in tensor cache keys: values computed with
     # other weights are never used.
     p.weights_id = hashlib.sha256(Path(weights).read_bytes()).hexdigest()[:16]
-    return p.eval()
+    p.device = torch.device(device)
+    return p.to(p.device).eval()
 
 
 def write_weights(path: str) -> None:
@@ -338,6 +490,20 @@ def model_decl(stages, checkpoint_every: int = 0) -> Model:
                  # The checkpoint's latent is the sampler's x, float32 like the latent.
                  checkpoint=CheckpointSpec(SAMPLER, "float32", CHANNELS, checkpoint_every) if denoises else None,
                  tensor_cache=denoises)
+
+
+def video_decl(stages) -> Model:
+    """The video model: named tensors, a 4x temporal latent (videos of
+    4k+1 frames, up to 81: 21 latent frames), a required reference image at
+    denoise, and guidance_rescale."""
+    return Model(name=VIDEO_MODEL, stages=stages,
+                 conds=[CondTensor("tokens", "float32", [TOKENS, DIM], var_len=True),
+                        CondTensor("tokens_neg", "float32", [TOKENS, DIM], var_len=True),
+                        CondTensor("pooled", "float16", [2, POOLED])],
+                 latent=LatentLayout("float32", CHANNELS, SCALE, temporal=TEMPORAL),
+                 default_steps=8, max_side=128, max_frames=81, max_steps=200, frame_step=TEMPORAL, frame_offset=1,
+                 image=ImageSpec(stages=["denoise"], required=True),
+                 params=[Param.number("guidance_rescale", 0.0, 1.0, 0.0)])
 
 
 # The sampler state of a checkpoint: magic, version, steps done, the
@@ -391,20 +557,29 @@ def uncond_kv(p: Pipeline, task: Task, cond: torch.Tensor) -> Optional[KV]:
         log.debug("task %d: the negative prompt's keys and values from the tensor cache", task.id)
         return kv_unpack(got)
     with torch.no_grad():
-        kv = p.unet.branch_kv(neg)
+        kv = p.unet.branch_kv(neg.to(p.device))
     task.tensor_put(key, kv_pack(kv))
     return kv
 
 
 def serve(p: Pipeline, stages, step_ms: int, checkpoint_every: int = 0) -> None:
-    w = Worker(engine="torch-tiny/1", models=[model_decl(stages, checkpoint_every)], slots={s: 1 for s in stages})
+    w = Worker(engine="torch-tiny/1", models=[model_decl(stages, checkpoint_every), video_decl(stages)],
+               slots={s: 1 for s in stages})
 
     @w.encode
     def _encode(task: Task) -> None:
+        if task.model == VIDEO_MODEL:
+            n, m = p.encode_video(task.spec.prompt, task.spec.negative_prompt, task.torch_conds())
+            task.set_len("tokens", n)
+            task.set_len("tokens_neg", m)
+            return
         p.encode(task.spec.prompt, task.spec.negative_prompt, task.torch_output())
 
     @w.denoise
     def _denoise(task: Task) -> None:
+        if task.model == VIDEO_MODEL:
+            denoise_video(p, task, step_ms)
+            return
         (cond,) = task.torch_inputs()
         if not bool(torch.isfinite(cond).all()):
             raise BadInput("conditioning holds NaN or infinite values")
@@ -431,9 +606,34 @@ def serve(p: Pipeline, stages, step_ms: int, checkpoint_every: int = 0) -> None:
         (lat,) = task.torch_inputs()
         if not bool(torch.isfinite(lat).all()):
             raise BadInput("latent holds NaN or infinite values")
+        if task.model == VIDEO_MODEL:
+            p.decode_video(lat, task.first_frame, task.torch_output())
+            return
         p.decode(lat, task.torch_output())
 
     w.run(socket_from_args(sys.argv[1:]))
+
+
+def denoise_video(p: Pipeline, task: Task, step_ms: int) -> None:
+    conds = task.torch_conds()
+    for name, t in conds.items():
+        if not bool(torch.isfinite(t).all()):
+            raise BadInput(f"conditioning {name} holds NaN or infinite values")
+    image = task.torch_image()
+    if image is None:
+        raise BadInput("the video model needs a reference image")
+    s = task.spec
+
+    def each_step(i: int, total: int, before: bool, x: torch.Tensor) -> None:
+        if before:
+            task.check_cancelled()
+            if step_ms:
+                time.sleep(step_ms / 1000)
+        else:
+            task.progress(i + 1, total)
+
+    p.denoise_video(conds["tokens"], conds["tokens_neg"], conds["pooled"], image, s.seed, s.steps, s.guidance_scale,
+                    float(task.params.get("guidance_rescale", 0.0)), task.torch_output(), each_step)
 
 
 def reference(p: Pipeline, specs, out_path: str) -> None:
@@ -445,6 +645,8 @@ def reference(p: Pipeline, specs, out_path: str) -> None:
 
 
 def reference_one(p: Pipeline, spec: dict) -> bytes:
+    if spec.get("model") == VIDEO_MODEL:
+        return reference_video(p, spec)
     frames, h, w = spec.get("frames", 1), spec["height"], spec["width"]
     cond = torch.zeros(2, TOKENS, DIM)
     p.encode(spec["prompt"], spec.get("negative_prompt", ""), cond)
@@ -452,6 +654,31 @@ def reference_one(p: Pipeline, spec: dict) -> bytes:
     p.denoise(cond, spec["seed"], spec["steps"], spec["guidance_scale"], lat, lambda *a: None)
     out = torch.zeros(frames, h, w, 4, dtype=torch.uint8)
     p.decode(lat, out)
+    return out.numpy().tobytes()
+
+
+def reference_video(p: Pipeline, spec: dict) -> bytes:
+    """The video model in one process, as the mesh runs it: the named
+    tensors written at their maximum and read at their lengths (pooled
+    through float16), the image as raw RGBA (spec["image"]: path, width,
+    height), one latent frame decoded at a time."""
+    frames, h, w = spec.get("frames", 1), spec["height"], spec["width"]
+    conds = {"tokens": torch.zeros(TOKENS, DIM), "tokens_neg": torch.zeros(TOKENS, DIM),
+             "pooled": torch.zeros(2, POOLED, dtype=torch.float16)}
+    n, m = p.encode_video(spec["prompt"], spec.get("negative_prompt", ""), conds)
+    im = spec["image"]
+    raw = np.frombuffer(Path(im["path"]).read_bytes(), dtype=np.uint8).reshape(im["height"], im["width"], 4)
+    lf = video_decl(["decode"]).latent_frames(frames)
+    lat = torch.zeros(lf, CHANNELS, h // SCALE, w // SCALE)
+    p.denoise_video(conds["tokens"][:n], conds["tokens_neg"][:m], conds["pooled"], torch.from_numpy(raw.copy()), spec["seed"],
+                    spec["steps"], spec["guidance_scale"], float(spec.get("params", {}).get("guidance_rescale", 0.0)), lat,
+                    lambda *a: None)
+    out = torch.zeros(frames, h, w, 4, dtype=torch.uint8)
+    at = 0
+    for j in range(lf):
+        n_out = 1 if j == 0 else TEMPORAL
+        p.decode_video(lat[j:j + 1], j, out[at:at + n_out])
+        at += n_out
     return out.numpy().tobytes()
 
 
@@ -464,12 +691,13 @@ def main() -> None:
     ap.add_argument("--step-ms", type=int, default=0)
     ap.add_argument("--checkpoint-every", type=int, default=0, help="the model's default checkpoint period in steps (0: the agent's)")
     ap.add_argument("--reference", nargs=2, metavar=("SPEC_JSON", "OUT_RGBA"))
+    ap.add_argument("--device", default="cpu", help="torch device to run on: cpu (bit-identical across processes), cuda, cuda:1, ...")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     if a.write_weights:
         write_weights(a.write_weights)
         return
-    p = build(a.weights)
+    p = build(a.weights, a.device)
     if a.reference:
         reference(p, json.loads(a.reference[0]), a.reference[1])
         return

@@ -251,6 +251,15 @@ func TestMemoWithinCacheEntries(t *testing.T) {
 		}); err != nil {
 			t.Fatal(err)
 		}
+		// Only an entry its holder has seen recorded can be evicted: a
+		// copy whose record is still on its way counts in the room and is
+		// nobody's to drop, so the next Memo would find no room.
+		eventually(t, 10*time.Second, id+" recorded", func() error {
+			if _, ok := n.s.Entry(id); !ok {
+				return errors.New("not yet")
+			}
+			return nil
+		})
 	}
 	eventually(t, 10*time.Second, "two evicted", func() error {
 		if st := n.s.LocalStats(); st.CacheEntries != 3 || st.Evictions != 2 {

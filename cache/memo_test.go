@@ -246,7 +246,9 @@ func TestMemoWithinCacheEntries(t *testing.T) {
 	lease := c.lease(t)
 	for i := range 5 {
 		id := fmt.Sprintf("cond.e%d", i)
-		if _, _, err := n.s.Memo(ctx, MemoSpec{ID: id, Lease: lease}, func(context.Context) ([]byte, transfer.TensorMeta, error) { return pattern(100, 1), bytesMeta(100), nil }); err != nil {
+		if _, _, err := n.s.Memo(ctx, MemoSpec{ID: id, Lease: lease}, func(context.Context) ([]byte, transfer.TensorMeta, error) {
+			return pattern(100, 1), bytesMeta(100), nil
+		}); err != nil {
 			t.Fatal(err)
 		}
 	}

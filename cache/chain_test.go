@@ -46,11 +46,12 @@ func fillPending(t *testing.T, p *transfer.Pending, meta transfer.TensorMeta, da
 
 // A chained put sends the source once, whatever R: the first holder pulls
 // it, each next holder pulls the holder before it. With FirstCopy the put
-// returns at the first copy, and the source may go at once: the chain
-// completes from the holders. The record, written once, names every copy,
-// and each reads back whole; over tcp each read is checked against the
-// block checksums the source was published with, which every copy in
-// flight serves on as its pull verified them.
+// is done at the first copy (FirstCopied), and the source may go then:
+// the chain completes from the holders. The record, written once, names
+// every copy and carries the source's checksum, and each copy reads back
+// whole; over tcp each read is checked against the block checksums the
+// source was published with, which every copy in flight serves on as its
+// pull verified them.
 func TestChainedPutSendsSourceOnce(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
@@ -89,15 +90,21 @@ func TestChainedPutSendsSourceOnce(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			p.x.Release(src.ID) // the chain needs the source no more
 			if err := st.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
+			if err := st.FirstCopied(ctx); err != nil {
+				t.Fatal(err)
+			}
+			p.x.Release(src.ID) // the chain needs the source no more
 			if n := len(st.Record.Holders); n != 3 {
 				t.Fatalf("record names %d holders, want 3", n)
 			}
+			if st.Record.Checksum != src.Checksum || src.Checksum == 0 {
+				t.Fatalf("record checksum %x, want the source's %x", st.Record.Checksum, src.Checksum)
+			}
 			if r := st.Replication(); r.Complete < 1 || r.Wanted != 3 {
-				t.Fatalf("at return: %+v, want a complete copy of 3", r)
+				t.Fatalf("once the first copy is done: %+v, want a complete copy of 3", r)
 			}
 			r, err := st.WaitReplicated(ctx)
 			if err != nil || r.Complete != 3 || r.AllCopies < r.FirstCopy {
@@ -304,6 +311,9 @@ func TestChainHolderFailsMidChain(t *testing.T) {
 	if err := st.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
+	if err := st.FirstCopied(ctx); err != nil {
+		t.Fatal(err)
+	}
 	p.x.Release(src.ID)
 	rep, err := st.WaitReplicated(ctx)
 	if err == nil || rep.Complete != 2 {
@@ -411,6 +421,9 @@ func TestChainIssuesTheSourceTicket(t *testing.T) {
 				t.Fatal(err)
 			}
 			if err := st.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if err := st.FirstCopied(ctx); err != nil {
 				t.Fatal(err)
 			}
 			if _, err := st.WaitReplicated(ctx); err != nil {

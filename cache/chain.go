@@ -34,9 +34,15 @@ import (
 // readers will pull, before the first copy's bytes land, so the caller
 // commits the record (written once, naming every copy) while they do, and
 // then waits for the first copy (Staged.FirstCopied): the put is done
-// when that copy is whole. The second copy of a one-chunk object (a
-// checkpoint) starts only then: holder 2's pull waits on holder 1's only
-// chunk, so the two copies never share the memory bandwidth. A reader
+// when that copy is whole. The second copy starts only then, and only
+// once the putter knows it: its holder publishes it at once but defers
+// its fill (Deferred) until the putter, having seen the first copy
+// complete, asks it to fill (the fill op), or until half its fill's time
+// has passed without that (the putter is gone: the copy is still made).
+// So the second copy never shares the cores and memory bandwidth with the
+// first (a chunked object's would pipeline behind it), nor with the
+// putter learning that the first is whole; later copies pull the copy
+// before them, chunk by chunk as it lands. A reader
 // that finds the record meanwhile reaches a copy still in flight and
 // waits for its chunks (the transfer service answers "wait" until each
 // is ready); every pull checks what lands as a pull of a copy staged
@@ -54,14 +60,16 @@ import (
 // chainOpts are the chain fields of one stage request.
 type chainOpts struct {
 	early    bool
+	deferred bool // with early: fill when asked (opFill)
 	fallback []transfer.Ref
 }
 
-// chained is one copy a chained stage made: its holder, and whether it
-// was staged in flight (its fill may still be running).
+// chained is one copy a chained stage made: its holder, whether it was
+// staged in flight (its fill may still be running), and whether its fill
+// waits to be asked for.
 type chained struct {
 	Holder
-	inFlight bool
+	inFlight, deferred bool
 }
 
 // earlyCopy reports whether the copy at chain position i (of want) is
@@ -91,7 +99,9 @@ func (s *Store) stageChain(ctx context.Context, spec PutSpec, src source, cands 
 		m := cands[0]
 		cands = cands[1:]
 		i := len(out)
-		opts := chainOpts{early: earlyCopy(spec, src.ref.Meta, i, want), fallback: fitFallback(spec.ID, upstream, fallback)}
+		// The second copy of a FirstCopy put fills once the putter has
+		// seen the first complete (followChain asks it).
+		opts := chainOpts{early: earlyCopy(spec, src.ref.Meta, i, want), deferred: spec.FirstCopy && i == 1, fallback: fitFallback(spec.ID, upstream, fallback)}
 		h, err := s.stageOn(ctx, m, spec.ID, spec.Mode, source{ref: upstream}, &opts)
 		if err != nil && opts.early && i == 0 && errIsFull(err) && ctx.Err() == nil {
 			// In flight only so the next copy could pipeline, or the
@@ -108,7 +118,7 @@ func (s *Store) stageChain(ctx context.Context, spec PutSpec, src source, cands 
 			}
 			continue
 		}
-		out = append(out, chained{Holder: h, inFlight: opts.early})
+		out = append(out, chained{Holder: h, inFlight: opts.early, deferred: opts.early && opts.deferred})
 		fallback = append([]transfer.Ref{upstream}, fallback...)
 		upstream = h.Ref
 	}
@@ -155,9 +165,10 @@ func fitFallback(id string, src transfer.Ref, fallback []transfer.Ref) []transfe
 // memory copy published at once (transfer.Begin), filled in the
 // background from srcs in order, each chunk readable as it lands; issued,
 // when not nil, is a ticket for the first that its producer issued to
-// this node. The fill is bounded by RequestTimeout; a fill that fails
-// drops the copy.
-func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []transfer.Ref, issued []byte) (Holder, error) {
+// this node. A deferred fill starts when asked (filling.start, by the
+// fill op) or after half of RequestTimeout, whichever is first. The fill
+// is bounded by RequestTimeout; a fill that fails drops the copy.
+func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []transfer.Ref, issued []byte, deferred bool) (Holder, error) {
 	if !s.enter() {
 		return Holder{}, ErrClosed
 	}
@@ -198,15 +209,21 @@ func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []tra
 	if len(issued) > 0 {
 		fctx = transfer.WithIssued(fctx, srcs[0].ID, issued)
 	}
-	f := &filling{done: make(chan struct{}), cancel: cancel}
+	f := &filling{done: make(chan struct{}), cancel: cancel, start: make(chan struct{})}
+	if !deferred {
+		f.begin()
+	}
 	c := &copyOf{object: id, ref: ref, tier: Memory, size: size, mode: mode, stagedAt: s.cfg.Now(), fill: f}
 	s.hold.add(c)
 	handedOff = true
 	go func() {
 		defer s.wg.Done()
 		defer cancel()
+		err := f.waitStart(fctx, s.cfg.RequestTimeout/2)
 		start := time.Now()
-		err := s.fillEarly(fctx, p, srcs)
+		if err == nil {
+			err = s.fillEarly(fctx, p, srcs)
+		}
 		p.Done()
 		if err != nil {
 			if s.hold.dropIf(ref.ID, func(x *copyOf) bool { return x == c }) {
@@ -276,15 +293,19 @@ func (s *Store) fillEarly(ctx context.Context, p *transfer.Pending, srcs []trans
 	return fmt.Errorf("cache: fill a copy in flight (%d of %d chunks): %w", len(ready)-left, len(ready), errors.Join(errs...))
 }
 
-// waitLocal waits until this node's copy payload of object is complete.
-// ErrNotFound: the copy is not held (its fill failed, or it was dropped).
-func (s *Store) waitLocal(ctx context.Context, object, payload string) error {
+// waitLocal waits until this node's copy payload of object is complete,
+// first starting its fill if it is deferred and start is set. ErrNotFound:
+// the copy is not held (its fill failed, or it was dropped).
+func (s *Store) waitLocal(ctx context.Context, object, payload string, start bool) error {
 	f, held := s.hold.filling(object, payload)
 	if !held {
 		return fmt.Errorf("%w: no copy %s of %s", transfer.ErrNotFound, payload, object)
 	}
 	if f == nil {
 		return nil
+	}
+	if start {
+		f.begin()
 	}
 	select {
 	case <-f.done:
@@ -296,16 +317,22 @@ func (s *Store) waitLocal(ctx context.Context, object, payload string) error {
 	}
 }
 
-// waitOn waits until h's copy of id is complete, asking its node.
-func (s *Store) waitOn(ctx context.Context, h Holder, id string) error {
+// waitOn waits until h's copy of id is complete, asking its node; with
+// start, it first starts the copy's fill if that is deferred.
+func (s *Store) waitOn(ctx context.Context, h Holder, id string, start bool) error {
 	if h.Node == s.cfg.Node {
-		return s.waitLocal(ctx, id, h.Ref.ID)
+		return s.waitLocal(ctx, id, h.Ref.ID, start)
 	}
 	m, ok := s.member(h.Node)
 	if !ok {
 		return fmt.Errorf("%w: %s is not a live member", transfer.ErrUnreachable, h.Node)
 	}
-	_, err := s.call(ctx, m, &request{V: chainVersion, Op: opWait, Object: id, Payload: h.Ref.ID})
+	req := &request{Op: opWait, Object: id, Payload: h.Ref.ID}
+	if start {
+		req.Op = opFill
+	}
+	req.V = req.version()
+	_, err := s.call(ctx, m, req)
 	return err
 }
 
@@ -352,7 +379,7 @@ func closedReplication(res Replication) *replication {
 func (s *Store) settle(ctx context.Context, id string, cs []chained) (kept []chained, errs []error) {
 	for _, c := range cs {
 		if c.inFlight {
-			if err := s.waitOn(ctx, c.Holder, id); err != nil {
+			if err := s.waitOn(ctx, c.Holder, id, true); err != nil {
 				errs = append(errs, fmt.Errorf("%s: %w", c.Node, err))
 				s.dropOn(context.WithoutCancel(ctx), c.Holder, id)
 				continue
@@ -365,11 +392,12 @@ func (s *Store) settle(ctx context.Context, id string, cs []chained) (kept []cha
 }
 
 // followChain waits, in the background, for the copies of st still in
-// flight (cs, in chain order): it ends st's wait for the first copy once
-// that one ended, then calls release (the put's source is pulled by the
-// first holder only; each later one pulls the copy before it), and closes
-// st's replication once every copy ended. A copy whose holder cannot be
-// asked counts as failed: the put cannot tell that it landed.
+// flight (cs, in chain order, at least one in flight): it ends st's wait
+// for the first copy once that one ended, then calls release (the put's
+// source is pulled by the first holder only; each later one pulls the
+// copy before it) and asks a deferred copy to fill, and closes st's
+// replication once every copy ended. A copy whose holder cannot be asked
+// counts as failed: the put cannot tell that it landed.
 func (s *Store) followChain(st *Staged, cs []chained, start time.Time, release func()) {
 	r := st.repl
 	firstEnded := func(err error) {
@@ -389,22 +417,11 @@ func (s *Store) followChain(st *Staged, cs []chained, start time.Time, release f
 		r.mu.Unlock()
 		close(r.done)
 	}
-	var pending []int // chain positions
-	for i, c := range cs {
-		if c.inFlight {
-			pending = append(pending, i)
-		}
-	}
-	if !cs[0].inFlight {
-		firstEnded(nil)
-	}
-	if len(pending) == 0 {
-		finish(nil)
-		return
-	}
 	if !s.enter() {
 		if cs[0].inFlight {
 			firstEnded(ErrClosed)
+		} else {
+			firstEnded(nil)
 		}
 		finish([]error{ErrClosed})
 		return
@@ -415,25 +432,44 @@ func (s *Store) followChain(st *Staged, cs []chained, start time.Time, release f
 		defer cancel()
 		var mu sync.Mutex
 		var errs []error
+		follow := func(c chained) error {
+			err := s.waitOn(ctx, c.Holder, st.Record.ID, c.deferred)
+			if err != nil {
+				mu.Lock()
+				errs = append(errs, fmt.Errorf("%s: %w", c.Node, err))
+				mu.Unlock()
+				return err
+			}
+			r.mu.Lock()
+			r.res.Complete++
+			r.mu.Unlock()
+			return nil
+		}
 		var wg sync.WaitGroup
-		for _, i := range pending {
-			c := cs[i]
-			wg.Go(func() {
-				err := s.waitOn(ctx, c.Holder, st.Record.ID)
-				if err == nil {
-					r.mu.Lock()
-					r.res.Complete++
-					r.mu.Unlock()
-				}
-				if i == 0 {
-					firstEnded(err)
-				}
-				if err != nil {
-					mu.Lock()
-					errs = append(errs, fmt.Errorf("%s: %w", c.Node, err))
-					mu.Unlock()
-				}
-			})
+		var deferred []chained
+		for _, c := range cs[1:] {
+			switch {
+			case c.deferred:
+				deferred = append(deferred, c)
+			case c.inFlight:
+				wg.Go(func() { follow(c) })
+			}
+		}
+		var err error
+		if cs[0].inFlight {
+			err = follow(cs[0])
+		}
+		firstEnded(err)
+		for _, c := range deferred {
+			if err != nil {
+				// Left to the put's withdrawal (FirstCopied), or to fill
+				// from what is left once its deferral runs out.
+				mu.Lock()
+				errs = append(errs, fmt.Errorf("%s: not filled: the first copy failed", c.Node))
+				mu.Unlock()
+				continue
+			}
+			wg.Go(func() { follow(c) })
 		}
 		wg.Wait()
 		if len(errs) > 0 {

@@ -57,8 +57,8 @@ func fetchAsync(ctx context.Context, n *node, id string) <-chan fetched {
 // record is committed while they do: a reader that finds the record
 // meanwhile waits on the copy and gets the right bytes, the watch commits
 // the copy in flight and maintenance passes leave it and the record
-// alone, the second copy does not start before the first is whole (it
-// pulls the first's only chunk), and FirstCopied returns once it is.
+// alone, the second copy is published with its fill deferred until the
+// putter has seen the first whole, and FirstCopied returns once it is.
 func TestFirstCopyCommitsWhileItLands(t *testing.T) {
 	for _, tc := range []struct{ name, transport string }{
 		{"Shm", transfer.TransportAuto},
@@ -103,8 +103,8 @@ func TestFirstCopyCommitsWhileItLands(t *testing.T) {
 			if got := c.rawRecord(ctx, id); len(got.Kvs) != 1 || got.Kvs[0].ModRevision != rev {
 				t.Fatal("maintenance rewrote or removed the record of a copy in flight")
 			}
-			if f, held := second.s.hold.filling(id, h2.Ref.ID); !held || f == nil || isClosed(f.done) {
-				t.Fatalf("%s: second copy held %v, want it waiting on the first", second.name, held)
+			if f, held := second.s.hold.filling(id, h2.Ref.ID); !held || f == nil || isClosed(f.done) || isClosed(f.start) {
+				t.Fatalf("%s: second copy held %v, want it published with its fill deferred", second.name, held)
 			}
 
 			fillPending(t, pend, meta, data)
@@ -248,4 +248,60 @@ func TestRepairFromFirstCopyInFlight(t *testing.T) {
 		}
 		return nil
 	})
+}
+
+// A copy staged with its fill deferred is published at once and fills
+// when its putter asks (the fill op), or, if no one asks (the putter is
+// gone), once half its fill's time has passed.
+func TestDeferredCopy(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		timeout time.Duration // RequestTimeout: a deferral lasts half
+		ask     bool
+	}{
+		{"Asked", time.Minute, true},
+		{"NeverAsked", 2 * time.Second, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c := newCluster(t, clusterConfig{nodes: 2, mem: 4 << 20, tune: func(c *Config) { c.RequestTimeout = tc.timeout }})
+			ctx := testCtx(t)
+			p, h := c.nodes[0], c.nodes[1]
+			meta := transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{1 << 20}}
+			data := pattern(int(meta.Bytes()), 25)
+			src, err := p.x.Publish(meta, data)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.x.Release(src.ID)
+			const id = "job-1.ckpt.000040"
+			held, err := h.s.stageEarly(ctx, id, TTL, []transfer.Ref{src}, nil, true)
+			if err != nil {
+				t.Fatal(err)
+			}
+			f, ok := h.s.hold.filling(id, held.Ref.ID)
+			if !ok || f == nil || isClosed(f.start) {
+				t.Fatal("a deferred copy started filling before it was asked")
+			}
+			if tc.ask {
+				done := make(chan error, 1)
+				go func() { done <- p.s.waitOn(ctx, held, id, true) }()
+				eventually(t, 10*time.Second, "the fill started on the putter's ask", func() error {
+					if !isClosed(f.start) {
+						return errors.New("not started")
+					}
+					return nil
+				})
+				if err := <-done; err != nil {
+					t.Fatal(err)
+				}
+			} else if err := h.s.waitLocal(ctx, id, held.Ref.ID, false); err != nil {
+				t.Fatalf("a deferred copy nobody asked for: %v", err)
+			}
+			rec := Record{ID: id, Size: meta.Bytes(), Meta: meta, Holders: []Holder{held}}
+			if got, err := fetchFrom(ctx, p, rec, held); err != nil || !bytes.Equal(got, data) {
+				t.Fatalf("deferred copy: %v (bytes equal %v)", err, bytes.Equal(got, data))
+			}
+			h.s.dropStaged(id, held.Ref.ID)
+		})
+	}
 }

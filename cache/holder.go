@@ -47,6 +47,31 @@ type filling struct {
 	done   chan struct{} // closed once the fill ended; err is set before
 	err    error         // nil: every chunk landed
 	cancel func()        // ends the fill (the copy was dropped)
+	start  chan struct{} // closed when the fill may start (at once unless deferred)
+	once   sync.Once
+}
+
+// begin lets a deferred fill start; idempotent.
+func (f *filling) begin() { f.once.Do(func() { close(f.start) }) }
+
+// waitStart waits until the fill may start: begin was called, or limit
+// passed (a deferred copy whose putter never asked is still filled), or
+// ctx ended (the copy was dropped).
+func (f *filling) waitStart(ctx context.Context, limit time.Duration) error {
+	select {
+	case <-f.start:
+		return nil
+	default:
+	}
+	t := time.NewTimer(limit)
+	defer t.Stop()
+	select {
+	case <-f.start:
+	case <-t.C:
+	case <-ctx.Done():
+		return fmt.Errorf("cache: a deferred copy ended before its fill started: %w", ctx.Err())
+	}
+	return nil
 }
 
 // holdings is what this node holds for the Store, and the room it has.

@@ -581,51 +581,50 @@ func (s *Store) self() Member {
 }
 
 // stageOn asks m (or this node) to take a staged copy of src: inline, with
-// the bytes in the request, when src has them, else by pulling src.ref. A
-// holder that refuses the inline request as malformed (an older build, or
-// a MaxFrame too small for it) is asked once more to pull. opts, when not
-// nil, are a chained put's: the copy in flight (early), and the sources to
-// fall back on; a holder of an older build that refuses them is asked for
-// a plain copy of src, whole, and opts.early is cleared to say so.
+// the bytes in the request, when src has them, else by pulling src.ref.
+// opts, when not nil, are a chained put's: the copy in flight (early), its
+// fill deferred until asked (deferred), and the sources to fall back on.
+// A holder that refuses a request as malformed (an older build, or a
+// MaxFrame too small for inline bytes) is asked again without the newest
+// of its fields, one at a time: the deferral (it fills at once), the
+// putter's ticket (it asks for one), then the chain fields or the bytes (a
+// plain copy of src, whole); opts says what was kept.
 func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src source, opts *chainOpts) (Holder, error) {
 	if opts == nil {
 		opts = &chainOpts{}
 	}
 	if m.Node == s.cfg.Node {
 		if opts.early {
-			return s.stageEarly(ctx, id, mode, append([]transfer.Ref{src.ref}, opts.fallback...), nil)
+			return s.stageEarly(ctx, id, mode, append([]transfer.Ref{src.ref}, opts.fallback...), nil, opts.deferred)
 		}
 		return s.stageLocalFrom(ctx, id, mode, src, opts.fallback)
 	}
-	req := &request{V: baseVersion, Op: opStage, Object: id, Mode: mode, Src: src.ref}
-	switch {
-	case src.data != nil:
-		req.V, req.Data = inlineVersion, src.data
-	case opts.early || len(opts.fallback) > 0:
-		req.V, req.Early, req.Fallback = chainVersion, opts.early, opts.fallback
-	}
-	if src.data == nil {
+	req := &request{Op: opStage, Object: id, Mode: mode, Src: src.ref}
+	if src.data != nil {
+		req.Data = src.data
+	} else {
+		req.Early, req.Deferred, req.Fallback = opts.early, opts.early && opts.deferred, opts.fallback
 		req.Issued = s.issueFor(m, src.ref)
 	}
-	if req.Issued != nil {
-		v := req.V
-		req.V = issuedVersion
+	for {
+		req.V = req.version()
 		resp, err := s.call(ctx, m, req)
 		if !errors.Is(err, ErrProtocol) || ctx.Err() != nil {
 			return stageAnswer(m, resp, err)
 		}
-		// An older holder: the request again without the ticket; it asks.
-		s.log.Debug("issued ticket refused; the holder asks for one", zap.String("object", id), zap.String("on", m.Node), zap.Error(err))
-		req.V, req.Issued = v, nil
+		switch {
+		case req.Deferred:
+			req.Deferred = false
+		case len(req.Issued) > 0:
+			req.Issued = nil // it asks for a ticket
+		case req.V > baseVersion:
+			req.Data, req.Early, req.Fallback = nil, false, nil
+		default:
+			return stageAnswer(m, resp, err)
+		}
+		opts.early, opts.deferred = req.Early, req.Deferred
+		s.log.Debug("stage request refused; asking with fewer fields", zap.String("object", id), zap.String("on", m.Node), zap.Int("v", req.V), zap.Error(err))
 	}
-	resp, err := s.call(ctx, m, req)
-	if req.V > baseVersion && errors.Is(err, ErrProtocol) && ctx.Err() == nil {
-		s.log.Debug("stage refused; asking for a plain pull", zap.String("object", id), zap.String("on", m.Node), zap.Int("v", req.V), zap.Error(err))
-		req.V, req.Data, req.Early, req.Fallback = baseVersion, nil, false, nil
-		opts.early = false
-		resp, err = s.call(ctx, m, req)
-	}
-	return stageAnswer(m, resp, err)
 }
 
 // stageAnswer is the holder m's answer to a stage request.
@@ -839,10 +838,10 @@ func (s *Store) serve(remote peer.ID, req *request) response {
 			return response{ErrCode: codeNotFound, ErrMsg: fmt.Sprintf("no copy %s of %s", req.Payload, req.Object)}
 		}
 		return response{}
-	case opWait:
+	case opWait, opFill:
 		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
 		defer cancel()
-		err := s.waitLocal(ctx, req.Object, req.Payload)
+		err := s.waitLocal(ctx, req.Object, req.Payload, req.Op == opFill)
 		switch {
 		case err == nil:
 			return response{}
@@ -873,7 +872,7 @@ func (s *Store) serve(remote peer.ID, req *request) response {
 		var h Holder
 		var err error
 		if req.Early {
-			h, err = s.stageEarly(ctx, req.Object, req.Mode, append([]transfer.Ref{req.Src}, req.Fallback...), req.Issued)
+			h, err = s.stageEarly(ctx, req.Object, req.Mode, append([]transfer.Ref{req.Src}, req.Fallback...), req.Issued, req.Deferred)
 		} else {
 			h, err = s.stageLocalFrom(ctx, req.Object, req.Mode, src, req.Fallback)
 		}

@@ -34,15 +34,16 @@ import (
 // readers will pull, before the first copy's bytes land, so the caller
 // commits the record (written once, naming every copy) while they do, and
 // then waits for the first copy (Staged.FirstCopied): the put is done
-// when that copy is whole. The second copy starts only then, and only
-// once the putter knows it: its holder publishes it at once but defers
-// its fill (Deferred) until the putter, having seen the first copy
-// complete, asks it to fill (the fill op), or until half its fill's time
-// has passed without that (the putter is gone: the copy is still made).
-// So the second copy never shares the cores and memory bandwidth with the
-// first (a chunked object's would pipeline behind it), nor with the
-// putter learning that the first is whole; later copies pull the copy
-// before them, chunk by chunk as it lands. A reader
+// when that copy is whole. The later copies start only then, and only
+// once the putter knows it: their holders publish them at once but defer
+// their fills (Deferred) until the putter, having seen the first copy
+// complete, asks them to fill (the fill op), a reader asks for one (a
+// ticket for it: the reader waits on it), or half the fill's time has
+// passed (the putter is gone: the copy is still made). So the second copy
+// never shares the cores and memory bandwidth with the first (a chunked
+// object's would pipeline behind it), nor with the putter learning that
+// the first is whole; a third pulls the second chunk by chunk as it
+// lands. A reader
 // that finds the record meanwhile reaches a copy still in flight and
 // waits for its chunks (the transfer service answers "wait" until each
 // is ready); every pull checks what lands as a pull of a copy staged
@@ -99,9 +100,9 @@ func (s *Store) stageChain(ctx context.Context, spec PutSpec, src source, cands 
 		m := cands[0]
 		cands = cands[1:]
 		i := len(out)
-		// The second copy of a FirstCopy put fills once the putter has
-		// seen the first complete (followChain asks it).
-		opts := chainOpts{early: earlyCopy(spec, src.ref.Meta, i, want), deferred: spec.FirstCopy && i == 1, fallback: fitFallback(spec.ID, upstream, fallback)}
+		// The later copies of a FirstCopy put fill once the putter has
+		// seen the first complete (followChain asks them).
+		opts := chainOpts{early: earlyCopy(spec, src.ref.Meta, i, want), deferred: spec.FirstCopy && i > 0, fallback: fitFallback(spec.ID, upstream, fallback)}
 		h, err := s.stageOn(ctx, m, spec.ID, spec.Mode, source{ref: upstream}, &opts)
 		if err != nil && opts.early && i == 0 && errIsFull(err) && ctx.Err() == nil {
 			// In flight only so the next copy could pipeline, or the

@@ -251,16 +251,20 @@ func TestRepairFromFirstCopyInFlight(t *testing.T) {
 }
 
 // A copy staged with its fill deferred is published at once and fills
-// when its putter asks (the fill op), or, if no one asks (the putter is
-// gone), once half its fill's time has passed.
+// when its putter asks (the fill op), when a reader asks for it (its
+// ticket: the reader waits on the copy), or, if no one does (the putter
+// is gone), once half its fill's time has passed.
 func TestDeferredCopy(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
 		timeout time.Duration // RequestTimeout: a deferral lasts half
-		ask     bool
+		ask     string
 	}{
-		{"Asked", time.Minute, true},
-		{"NeverAsked", 2 * time.Second, false},
+		// Asked: a deferral (1 min) outlasts the test's context (45 s), so
+		// only the ask can have started the fill.
+		{"AskedByPutter", 2 * time.Minute, "fill"},
+		{"AskedByReader", 2 * time.Minute, "read"},
+		{"NeverAsked", 2 * time.Second, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := newCluster(t, clusterConfig{nodes: 2, mem: 4 << 20, tune: func(c *Config) { c.RequestTimeout = tc.timeout }})
@@ -282,23 +286,26 @@ func TestDeferredCopy(t *testing.T) {
 			if !ok || f == nil || isClosed(f.start) {
 				t.Fatal("a deferred copy started filling before it was asked")
 			}
-			if tc.ask {
-				done := make(chan error, 1)
-				go func() { done <- p.s.waitOn(ctx, held, id, true) }()
-				eventually(t, 10*time.Second, "the fill started on the putter's ask", func() error {
-					if !isClosed(f.start) {
-						return errors.New("not started")
-					}
-					return nil
-				})
-				if err := <-done; err != nil {
+			rec := Record{ID: id, Size: meta.Bytes(), Meta: meta, Holders: []Holder{held}}
+			var got []byte
+			switch tc.ask {
+			case "fill":
+				if err := p.s.waitOn(ctx, held, id, true); err != nil {
 					t.Fatal(err)
 				}
-			} else if err := h.s.waitLocal(ctx, id, held.Ref.ID, false); err != nil {
-				t.Fatalf("a deferred copy nobody asked for: %v", err)
+			case "read":
+				if got, err = fetchFrom(ctx, p, rec, held); err != nil {
+					t.Fatal(err)
+				}
+			default:
+				if err := h.s.waitLocal(ctx, id, held.Ref.ID, false); err != nil {
+					t.Fatalf("a deferred copy nobody asked for: %v", err)
+				}
 			}
-			rec := Record{ID: id, Size: meta.Bytes(), Meta: meta, Holders: []Holder{held}}
-			if got, err := fetchFrom(ctx, p, rec, held); err != nil || !bytes.Equal(got, data) {
+			if got == nil {
+				got, err = fetchFrom(ctx, p, rec, held)
+			}
+			if err != nil || !bytes.Equal(got, data) {
 				t.Fatalf("deferred copy: %v (bytes equal %v)", err, bytes.Equal(got, data))
 			}
 			h.s.dropStaged(id, held.Ref.ID)

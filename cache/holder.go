@@ -474,13 +474,21 @@ func (h *holdings) forgetRevisions() {
 	}
 }
 
-// touch moves a Cache copy to the back of the LRU order (a ticket was
-// issued for it, or it was read locally).
+// touch notes a use of a copy (a ticket was issued for it, or it is read
+// locally): a Cache copy moves to the back of the LRU order, and a copy
+// whose fill is deferred starts filling, since a reader now waits on it.
 func (h *holdings) touch(payload string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if c := h.copies[payload]; c != nil && c.lru != nil {
+	c := h.copies[payload]
+	if c == nil {
+		return
+	}
+	if c.lru != nil {
 		h.lru.MoveToBack(c.lru)
+	}
+	if c.fill != nil {
+		c.fill.begin()
 	}
 }
 

@@ -1019,11 +1019,11 @@ func (s *Store) Fetch(ctx context.Context, rec Record, dst []byte) error {
 	}
 	var errs []error
 	for _, h := range s.Nearest(rec) {
+		if h.Node == s.cfg.Node {
+			s.hold.touch(h.Ref.ID) // no ticket for a local read
+		}
 		err := s.xfer.PullInto(transfer.ForStore(ctx), h.Ref, dst)
 		if err == nil {
-			if h.Node == s.cfg.Node {
-				s.hold.touch(h.Ref.ID)
-			}
 			s.gets.Add(1)
 			return nil
 		}

@@ -198,8 +198,9 @@ type PutSpec struct {
 	// record (written once, naming every copy) while they do; then
 	// Staged.FirstCopied waits for the first copy, and the put is done
 	// when it returns nil. Until then the caller keeps the source
-	// published (StageBytes does it for its own). The later copies
-	// complete in the background (Staged.Replicated). A reader that
+	// published (StageBytes does it for its own). The later copies start
+	// once the first is whole and complete in the background
+	// (Staged.Replicated). A reader that
 	// finds the record before a copy is complete waits for its chunks. A
 	// first copy that fails fails the put, and FirstCopied takes its
 	// record back; a later holder lost before its copy completed leaves

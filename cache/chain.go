@@ -489,9 +489,9 @@ func (s *Store) followChain(st *Staged, cs []chained, start time.Time, release f
 // FirstCopied takes it back: it deletes the record while the record still
 // names this put's copies (it may have been committed, and must not name
 // a copy that never was) and drops the copies. A reader that found the
-// record meanwhile was waiting on the copy, and its pull fails with
-// it. Without FirstCopy the copies are complete at Stage's return, and
-// FirstCopied returns nil at once.
+// record meanwhile waits on the copy: it gets the bytes only if they land
+// whole, else not found. Without FirstCopy the copies are complete at
+// Stage's return, and FirstCopied returns nil at once.
 func (st *Staged) FirstCopied(ctx context.Context) error {
 	if st.repl == nil {
 		return nil

@@ -45,9 +45,10 @@ func (a *Agent) checkpointEvery(t jobs.Task) int {
 // before is still being written replaces any waiting one (the newest is
 // all a resume needs). Each is one Store put and one etcd transaction,
 // which also deletes the record of the one before the checkpoint it
-// follows: the two newest are kept, so that a write whose second copy is
-// still on its way when the first copy's holder dies costs a resume from
-// the one before, not from noise. A job that
+// follows: the two newest are kept, so that a write whose copies are
+// still on their way when a holder dies costs a resume from the one
+// before, not from noise (the record is committed while the first copy
+// lands; a first copy that then fails has its record taken back). A job that
 // keeps its checkpoints for forks (keep_checkpoints) has every one written
 // and none deleted: a fork may start from any of them.
 type checkpointer struct {
@@ -139,9 +140,11 @@ func (k *checkpointer) write(ck engine.Checkpoint, prev, drop string) (string, e
 	if id == prev {
 		return id, nil // a stop right after a periodic checkpoint of the same step
 	}
-	// FirstCopy: the write is done once one copy is whole; the second
-	// follows it along the chain. A holder lost inside that window costs
-	// a resume from the checkpoint before (the record names both).
+	// FirstCopy: StageBytes returns once the holders have published their
+	// copies in flight, and the record is committed (fenced by the claim)
+	// while the first copy lands; the write is done once that copy is
+	// whole. The second follows it along the chain. A reader that finds
+	// the record meanwhile waits for the copy's bytes.
 	st, err := a.cstore.StageBytes(ctx, cache.PutSpec{
 		ID: id, Mode: cache.TTL, Job: c.Task.JobID, TTL: k.ttl, Replicas: checkpointReplicas,
 		ContentType: "application/x-latentmesh-checkpoint", FirstCopy: true,
@@ -153,6 +156,14 @@ func (k *checkpointer) write(ck engine.Checkpoint, prev, drop string) (string, e
 	if err := a.store.SaveCheckpoint(ctx, c, st, drop); err != nil {
 		st.Abort(a.ctx)
 		k.log.Warn("checkpoint not recorded", zap.Int("step", ck.Step), zap.Error(err))
+		return "", err
+	}
+	if err := st.FirstCopied(ctx); err != nil {
+		// The first copy failed after the commit: FirstCopied deleted the
+		// record (unfenced, but only while it names this write's copies),
+		// so none names a copy that never was. prev, the checkpoint
+		// before, is kept: a resume goes on from it.
+		k.log.Warn("checkpoint's first copy failed; its record taken back", zap.Int("step", ck.Step), zap.Error(err))
 		return "", err
 	}
 	a.metrics.Checkpointed()

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/transfer"
@@ -28,38 +29,59 @@ import (
 // (Fallback: the holders before its upstream, then the putter's payload)
 // and falls back on them, in order, when its upstream fails.
 //
-// With PutSpec.FirstCopy the put returns once one copy is complete:
-// every later copy is staged in flight, so its holder answers at once with
-// the payload readers will pull, and the record, written once, names all
-// of them. A reader that reaches a copy still in flight waits for its
-// chunks (the transfer service answers "wait" until each is ready); a
-// copy whose fill fails is dropped by its holder, which ends those waits
-// with ErrNotFound, so the reader goes on to the next holder, and the
-// holder then unlists itself from the record, for repair to restore R.
+// With PutSpec.FirstCopy every copy is staged in flight, the first one
+// too: Stage returns as soon as each holder has published the payload
+// readers will pull, before the first copy's bytes land, so the caller
+// commits the record (written once, naming every copy) while they do, and
+// then waits for the first copy (Staged.FirstCopied): the put is done
+// when that copy is whole. The later copies start only then, and only
+// once the putter knows it: their holders publish them at once but defer
+// their fills (Deferred) until the putter, having seen the first copy
+// complete, asks them to fill (the fill op), a reader asks for one (a
+// ticket for it: the reader waits on it), or half the fill's time has
+// passed (the putter is gone: the copy is still made). So the second copy
+// never shares the cores and memory bandwidth with the first (a chunked
+// object's would pipeline behind it), nor with the putter learning that
+// the first is whole; a third pulls the second chunk by chunk as it
+// lands. A reader
+// that finds the record meanwhile reaches a copy still in flight and
+// waits for its chunks (the transfer service answers "wait" until each
+// is ready); every pull checks what lands as a pull of a copy staged
+// whole does (over tcp, against the block checksums the source was
+// published with, which a copy in flight serves on as its pull verified
+// them). A copy whose fill fails is dropped by its holder, which ends
+// those waits with ErrNotFound, so the reader goes on to the next holder,
+// and the holder then unlists itself from the record, for repair to
+// restore R. When the failed copy is the first, the put fails:
+// FirstCopied deletes the record while it still names this put's copies
+// and drops them, so no record is left naming a copy that never was.
 // Staged.Replicated says when every copy is complete. Without FirstCopy
 // the put returns once every copy is complete, as before the chain.
 
 // chainOpts are the chain fields of one stage request.
 type chainOpts struct {
 	early    bool
+	deferred bool // with early: fill when asked (opFill)
 	fallback []transfer.Ref
 }
 
-// chained is one copy a chained stage made: its holder, and whether it
-// was staged in flight (its fill may still be running).
+// chained is one copy a chained stage made: its holder, whether it was
+// staged in flight (its fill may still be running), and whether its fill
+// waits to be asked for.
 type chained struct {
 	Holder
-	inFlight bool
+	inFlight, deferred bool
 }
 
 // earlyCopy reports whether the copy at chain position i (of want) is
-// staged in flight: every copy after the first of a FirstCopy put (the
-// put does not wait for them), and, for a non-durable object of several
-// chunks, every copy that a next one pulls from, so the next pulls its
-// chunks as they land. A durable mode's copies are otherwise staged whole:
-// they are written through to disk before the holder answers.
+// staged in flight: every copy of a FirstCopy put (the put waits for the
+// first only after its record is committed, and for no other), and, for a
+// non-durable object of several chunks, every copy that a next one pulls
+// from, so the next pulls its chunks as they land. A durable mode's
+// copies are otherwise staged whole: they are written through to disk
+// before the holder answers.
 func earlyCopy(spec PutSpec, meta transfer.TensorMeta, i, want int) bool {
-	if spec.FirstCopy && i > 0 {
+	if spec.FirstCopy {
 		return true
 	}
 	return meta.Chunks() > 1 && i < want-1 && !durable(spec.Mode)
@@ -78,11 +100,14 @@ func (s *Store) stageChain(ctx context.Context, spec PutSpec, src source, cands 
 		m := cands[0]
 		cands = cands[1:]
 		i := len(out)
-		opts := chainOpts{early: earlyCopy(spec, src.ref.Meta, i, want), fallback: fitFallback(spec.ID, upstream, fallback)}
+		// The later copies of a FirstCopy put fill once the putter has
+		// seen the first complete (followChain asks them).
+		opts := chainOpts{early: earlyCopy(spec, src.ref.Meta, i, want), deferred: spec.FirstCopy && i > 0, fallback: fitFallback(spec.ID, upstream, fallback)}
 		h, err := s.stageOn(ctx, m, spec.ID, spec.Mode, source{ref: upstream}, &opts)
 		if err != nil && opts.early && i == 0 && errIsFull(err) && ctx.Err() == nil {
-			// In flight only so the next copy could pipeline: whole will do
-			// (a disk copy, or memory the arena could not give Begin).
+			// In flight only so the next copy could pipeline, or the
+			// record be committed while it lands: whole will do (a disk
+			// copy, or memory the arena could not give Begin).
 			opts.early = false
 			h, err = s.stageOn(ctx, m, spec.ID, spec.Mode, source{ref: upstream}, &opts)
 		}
@@ -94,7 +119,7 @@ func (s *Store) stageChain(ctx context.Context, spec PutSpec, src source, cands 
 			}
 			continue
 		}
-		out = append(out, chained{Holder: h, inFlight: opts.early})
+		out = append(out, chained{Holder: h, inFlight: opts.early, deferred: opts.early && opts.deferred})
 		fallback = append([]transfer.Ref{upstream}, fallback...)
 		upstream = h.Ref
 	}
@@ -141,9 +166,10 @@ func fitFallback(id string, src transfer.Ref, fallback []transfer.Ref) []transfe
 // memory copy published at once (transfer.Begin), filled in the
 // background from srcs in order, each chunk readable as it lands; issued,
 // when not nil, is a ticket for the first that its producer issued to
-// this node. The fill is bounded by RequestTimeout; a fill that fails
-// drops the copy.
-func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []transfer.Ref, issued []byte) (Holder, error) {
+// this node. A deferred fill starts when asked (filling.start, by the
+// fill op) or after half of RequestTimeout, whichever is first. The fill
+// is bounded by RequestTimeout; a fill that fails drops the copy.
+func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []transfer.Ref, issued []byte, deferred bool) (Holder, error) {
 	if !s.enter() {
 		return Holder{}, ErrClosed
 	}
@@ -184,15 +210,21 @@ func (s *Store) stageEarly(ctx context.Context, id string, mode Mode, srcs []tra
 	if len(issued) > 0 {
 		fctx = transfer.WithIssued(fctx, srcs[0].ID, issued)
 	}
-	f := &filling{done: make(chan struct{}), cancel: cancel}
+	f := &filling{done: make(chan struct{}), cancel: cancel, start: make(chan struct{})}
+	if !deferred {
+		f.begin()
+	}
 	c := &copyOf{object: id, ref: ref, tier: Memory, size: size, mode: mode, stagedAt: s.cfg.Now(), fill: f}
 	s.hold.add(c)
 	handedOff = true
 	go func() {
 		defer s.wg.Done()
 		defer cancel()
+		err := f.waitStart(fctx, s.cfg.RequestTimeout/2)
 		start := time.Now()
-		err := s.fillEarly(fctx, p, srcs)
+		if err == nil {
+			err = s.fillEarly(fctx, p, srcs)
+		}
 		p.Done()
 		if err != nil {
 			if s.hold.dropIf(ref.ID, func(x *copyOf) bool { return x == c }) {
@@ -262,15 +294,19 @@ func (s *Store) fillEarly(ctx context.Context, p *transfer.Pending, srcs []trans
 	return fmt.Errorf("cache: fill a copy in flight (%d of %d chunks): %w", len(ready)-left, len(ready), errors.Join(errs...))
 }
 
-// waitLocal waits until this node's copy payload of object is complete.
-// ErrNotFound: the copy is not held (its fill failed, or it was dropped).
-func (s *Store) waitLocal(ctx context.Context, object, payload string) error {
+// waitLocal waits until this node's copy payload of object is complete,
+// first starting its fill if it is deferred and start is set. ErrNotFound:
+// the copy is not held (its fill failed, or it was dropped).
+func (s *Store) waitLocal(ctx context.Context, object, payload string, start bool) error {
 	f, held := s.hold.filling(object, payload)
 	if !held {
 		return fmt.Errorf("%w: no copy %s of %s", transfer.ErrNotFound, payload, object)
 	}
 	if f == nil {
 		return nil
+	}
+	if start {
+		f.begin()
 	}
 	select {
 	case <-f.done:
@@ -282,16 +318,22 @@ func (s *Store) waitLocal(ctx context.Context, object, payload string) error {
 	}
 }
 
-// waitOn waits until h's copy of id is complete, asking its node.
-func (s *Store) waitOn(ctx context.Context, h Holder, id string) error {
+// waitOn waits until h's copy of id is complete, asking its node; with
+// start, it first starts the copy's fill if that is deferred.
+func (s *Store) waitOn(ctx context.Context, h Holder, id string, start bool) error {
 	if h.Node == s.cfg.Node {
-		return s.waitLocal(ctx, id, h.Ref.ID)
+		return s.waitLocal(ctx, id, h.Ref.ID, start)
 	}
 	m, ok := s.member(h.Node)
 	if !ok {
 		return fmt.Errorf("%w: %s is not a live member", transfer.ErrUnreachable, h.Node)
 	}
-	_, err := s.call(ctx, m, &request{V: chainVersion, Op: opWait, Object: id, Payload: h.Ref.ID})
+	req := &request{Op: opWait, Object: id, Payload: h.Ref.ID}
+	if start {
+		req.Op = opFill
+	}
+	req.V = req.version()
+	_, err := s.call(ctx, m, req)
 	return err
 }
 
@@ -311,28 +353,34 @@ type Replication struct {
 
 // replication tracks the copies of a Staged put still filling.
 type replication struct {
-	done chan struct{} // closed when every copy ended; res is final then
-	mu   sync.Mutex
-	// mu guards res until done is closed.
-	res Replication
+	first chan struct{} // closed when the first copy (in chain order) ended; firstErr is final then
+	done  chan struct{} // closed when every copy ended; res is final then
+	mu    sync.Mutex
+	// mu guards the fields below until their channel is closed.
+	firstErr error
+	res      Replication
+}
+
+func newReplication(res Replication) *replication {
+	return &replication{first: make(chan struct{}), done: make(chan struct{}), res: res}
 }
 
 // closedReplication is the replication of a put with nothing in flight.
 func closedReplication(res Replication) *replication {
-	r := &replication{done: make(chan struct{}), res: res}
+	r := newReplication(res)
+	close(r.first)
 	close(r.done)
 	return r
 }
 
-// settle waits for the copies of cs in flight: with all, for every one;
-// else for the first that completes, in chain order (a copy staged whole
-// is complete already). It returns the copies not known failed, those it
-// did not wait for still in flight. A failed copy is gone (its holder
-// dropped it, and is asked again to, in case it only could not answer).
-func (s *Store) settle(ctx context.Context, id string, cs []chained, all bool) (kept []chained, errs []error) {
-	for i, c := range cs {
+// settle waits for every copy of cs in flight, in chain order (a copy
+// staged whole is complete already). It returns the copies not known
+// failed. A failed copy is gone (its holder dropped it, and is asked
+// again to, in case it only could not answer).
+func (s *Store) settle(ctx context.Context, id string, cs []chained) (kept []chained, errs []error) {
+	for _, c := range cs {
 		if c.inFlight {
-			if err := s.waitOn(ctx, c.Holder, id); err != nil {
+			if err := s.waitOn(ctx, c.Holder, id, true); err != nil {
 				errs = append(errs, fmt.Errorf("%s: %w", c.Node, err))
 				s.dropOn(context.WithoutCancel(ctx), c.Holder, id)
 				continue
@@ -340,37 +388,42 @@ func (s *Store) settle(ctx context.Context, id string, cs []chained, all bool) (
 			c.inFlight = false
 		}
 		kept = append(kept, c)
-		if !all {
-			return append(kept, cs[i+1:]...), errs
-		}
 	}
 	return kept, errs
 }
 
-// followChain waits, in the background, for the copies of st still in flight
-// and then closes its replication. A copy whose holder cannot be asked
+// followChain waits, in the background, for the copies of st still in
+// flight (cs, in chain order, at least one in flight): it ends st's wait
+// for the first copy once that one ended, then calls release (the put's
+// source is pulled by the first holder only; each later one pulls the
+// copy before it) and asks a deferred copy to fill, and closes st's
+// replication once every copy ended. A copy whose holder cannot be asked
 // counts as failed: the put cannot tell that it landed.
-func (s *Store) followChain(st *Staged, cs []chained, start time.Time, complete int) {
+func (s *Store) followChain(st *Staged, cs []chained, start time.Time, release func()) {
 	r := st.repl
+	firstEnded := func(err error) {
+		r.mu.Lock()
+		r.firstErr = err
+		if err == nil {
+			r.res.FirstCopy = time.Since(start)
+		}
+		r.mu.Unlock()
+		close(r.first)
+		release()
+	}
 	finish := func(errs []error) {
 		r.mu.Lock()
-		r.res.Complete = complete
 		r.res.AllCopies = time.Since(start)
 		r.res.Err = errors.Join(errs...)
 		r.mu.Unlock()
 		close(r.done)
 	}
-	var pending []chained
-	for _, c := range cs {
-		if c.inFlight {
-			pending = append(pending, c)
-		}
-	}
-	if len(pending) == 0 {
-		finish(nil)
-		return
-	}
 	if !s.enter() {
+		if cs[0].inFlight {
+			firstEnded(ErrClosed)
+		} else {
+			firstEnded(nil)
+		}
 		finish([]error{ErrClosed})
 		return
 	}
@@ -380,25 +433,130 @@ func (s *Store) followChain(st *Staged, cs []chained, start time.Time, complete 
 		defer cancel()
 		var mu sync.Mutex
 		var errs []error
-		var wg sync.WaitGroup
-		for _, c := range pending {
-			wg.Go(func() {
-				err := s.waitOn(ctx, c.Holder, st.Record.ID)
+		follow := func(c chained) error {
+			err := s.waitOn(ctx, c.Holder, st.Record.ID, c.deferred)
+			if err != nil {
 				mu.Lock()
-				defer mu.Unlock()
-				if err != nil {
-					errs = append(errs, fmt.Errorf("%s: %w", c.Node, err))
-					return
-				}
-				complete++
-			})
+				errs = append(errs, fmt.Errorf("%s: %w", c.Node, err))
+				mu.Unlock()
+				return err
+			}
+			r.mu.Lock()
+			r.res.Complete++
+			r.mu.Unlock()
+			return nil
+		}
+		var wg sync.WaitGroup
+		var deferred []chained
+		for _, c := range cs[1:] {
+			switch {
+			case c.deferred:
+				deferred = append(deferred, c)
+			case c.inFlight:
+				wg.Go(func() { follow(c) })
+			}
+		}
+		var err error
+		if cs[0].inFlight {
+			err = follow(cs[0])
+		}
+		firstEnded(err)
+		for _, c := range deferred {
+			if err != nil {
+				// Left to the put's withdrawal (FirstCopied), or to fill
+				// from what is left once its deferral runs out.
+				mu.Lock()
+				errs = append(errs, fmt.Errorf("%s: not filled: the first copy failed", c.Node))
+				mu.Unlock()
+				continue
+			}
+			wg.Go(func() { follow(c) })
 		}
 		wg.Wait()
 		if len(errs) > 0 {
-			s.log.Info("a put's chain ended short of copies; repair restores them", zap.String("object", st.Record.ID), zap.Errors("failed", errs))
+			s.log.Info("a put's chain ended short of copies", zap.String("object", st.Record.ID), zap.Errors("failed", errs))
 		}
 		finish(errs)
 	}()
+}
+
+// FirstCopied waits until the put's first copy is complete, and is how a
+// FirstCopy put ends: Stage returned as soon as that copy was published
+// in flight, the caller committed the record (Commit, or Op in its own
+// transaction) while its bytes landed, and the put is done when
+// FirstCopied returns nil. On an error (the copy failed, its holder
+// could not be asked, or ctx ended first) the put failed, and
+// FirstCopied takes it back: it deletes the record while the record still
+// names this put's copies (it may have been committed, and must not name
+// a copy that never was) and drops the copies. A reader that found the
+// record meanwhile waits on the copy: it gets the bytes only if they land
+// whole, else not found. Without FirstCopy the copies are complete at
+// Stage's return, and FirstCopied returns nil at once.
+func (st *Staged) FirstCopied(ctx context.Context) error {
+	if st.repl == nil {
+		return nil
+	}
+	var err error
+	select {
+	case <-st.repl.first:
+		st.repl.mu.Lock()
+		err = st.repl.firstErr
+		st.repl.mu.Unlock()
+	case <-ctx.Done():
+		err = ctx.Err()
+	}
+	if err == nil {
+		return nil
+	}
+	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), st.s.cfg.RequestTimeout)
+	defer cancel()
+	if werr := st.withdraw(wctx); werr != nil {
+		st.s.log.Warn("a failed put's record not taken back; its holders unlist themselves", zap.String("object", st.Record.ID), zap.Error(werr))
+		err = fmt.Errorf("%w (record not taken back: %v)", err, werr)
+	}
+	return fmt.Errorf("cache: put %s: first copy: %w", st.Record.ID, err)
+}
+
+// withdraw deletes the object's record if it names one of this put's
+// copies (a record of another put of the same id is left alone), then
+// drops the copies: those the record named are freed by their holders'
+// watch of the delete, the others by Abort. Each delete is conditional on
+// the record read, so a holder unlisting itself meanwhile costs a retry.
+func (st *Staged) withdraw(ctx context.Context) error {
+	defer st.Abort(ctx)
+	key := ObjectKey(st.s.cfg.Prefix, st.Record.ID)
+	for try := 0; try < 3; try++ {
+		resp, err := st.s.cli.Get(ctx, key)
+		if err != nil {
+			return err
+		}
+		if len(resp.Kvs) == 0 {
+			return nil
+		}
+		rec, err := decodeRecord(resp.Kvs[0].Value)
+		if err != nil || !st.namesOurs(rec) {
+			return nil
+		}
+		t, err := st.s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", resp.Kvs[0].ModRevision)).Then(clientv3.OpDelete(key)).Commit()
+		if err != nil {
+			return err
+		}
+		if t.Succeeded {
+			st.s.log.Info("a put whose first copy failed taken back", zap.String("object", st.Record.ID))
+			return nil
+		}
+	}
+	return fmt.Errorf("cache: the record of %s kept changing", st.Record.ID)
+}
+
+// namesOurs reports whether rec names one of this put's copies.
+func (st *Staged) namesOurs(rec Record) bool {
+	for _, h := range st.Record.Holders {
+		if ref, ok := rec.Holds(h.Node); ok && ref.ID == h.Ref.ID {
+			return true
+		}
+	}
+	return false
 }
 
 // Replicated is closed once every copy of the put has ended: at once

@@ -46,11 +46,12 @@ func fillPending(t *testing.T, p *transfer.Pending, meta transfer.TensorMeta, da
 
 // A chained put sends the source once, whatever R: the first holder pulls
 // it, each next holder pulls the holder before it. With FirstCopy the put
-// returns at the first copy, and the source may go at once: the chain
-// completes from the holders. The record, written once, names every copy,
-// and each reads back whole; over tcp each read is checked against the
-// block checksums the source was published with, which every copy in
-// flight serves on as its pull verified them.
+// is done at the first copy (FirstCopied), and the source may go then:
+// the chain completes from the holders. The record, written once, names
+// every copy and carries the source's checksum, and each copy reads back
+// whole; over tcp each read is checked against the block checksums the
+// source was published with, which every copy in flight serves on as its
+// pull verified them.
 func TestChainedPutSendsSourceOnce(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
@@ -89,15 +90,21 @@ func TestChainedPutSendsSourceOnce(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			p.x.Release(src.ID) // the chain needs the source no more
 			if err := st.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
+			if err := st.FirstCopied(ctx); err != nil {
+				t.Fatal(err)
+			}
+			p.x.Release(src.ID) // the chain needs the source no more
 			if n := len(st.Record.Holders); n != 3 {
 				t.Fatalf("record names %d holders, want 3", n)
 			}
+			if st.Record.Checksum != src.Checksum || src.Checksum == 0 {
+				t.Fatalf("record checksum %x, want the source's %x", st.Record.Checksum, src.Checksum)
+			}
 			if r := st.Replication(); r.Complete < 1 || r.Wanted != 3 {
-				t.Fatalf("at return: %+v, want a complete copy of 3", r)
+				t.Fatalf("once the first copy is done: %+v, want a complete copy of 3", r)
 			}
 			r, err := st.WaitReplicated(ctx)
 			if err != nil || r.Complete != 3 || r.AllCopies < r.FirstCopy {
@@ -185,7 +192,7 @@ func TestReaderOfCopyInFlight(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		h, err := early.s.stageEarly(ctx, "obj-wait", TTL, []transfer.Ref{src}, nil)
+		h, err := early.s.stageEarly(ctx, "obj-wait", TTL, []transfer.Ref{src}, nil, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -209,7 +216,7 @@ func TestReaderOfCopyInFlight(t *testing.T) {
 		if r.err != nil || !bytes.Equal(r.b, data) {
 			t.Fatalf("Fetch: %v (bytes equal %v)", r.err, bytes.Equal(r.b, data))
 		}
-		if err := reader.s.waitOn(ctx, h, rec.ID); err != nil {
+		if err := reader.s.waitOn(ctx, h, rec.ID, false); err != nil {
 			t.Fatalf("wait for the complete copy: %v", err)
 		}
 		reader.x.Release(src.ID)
@@ -220,7 +227,7 @@ func TestReaderOfCopyInFlight(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		h1, err := early.s.stageEarly(ctx, "obj-fail", TTL, []transfer.Ref{src}, nil)
+		h1, err := early.s.stageEarly(ctx, "obj-fail", TTL, []transfer.Ref{src}, nil, false)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -247,7 +254,7 @@ func TestReaderOfCopyInFlight(t *testing.T) {
 		if err := <-done; err != nil || !bytes.Equal(buf, data) {
 			t.Fatalf("Fetch: %v (bytes equal %v)", err, bytes.Equal(buf, data))
 		}
-		if err := reader.s.waitOn(ctx, h1, rec.ID); err == nil {
+		if err := reader.s.waitOn(ctx, h1, rec.ID, false); err == nil {
 			t.Fatal("the failed copy in flight reported complete")
 		}
 		if cs := early.s.hold.copiesOf(rec.ID); len(cs) != 0 {
@@ -302,6 +309,9 @@ func TestChainHolderFailsMidChain(t *testing.T) {
 	}
 	st := r.st
 	if err := st.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.FirstCopied(ctx); err != nil {
 		t.Fatal(err)
 	}
 	p.x.Release(src.ID)
@@ -365,28 +375,30 @@ func buildOf(s *Store, v, maxFrame int) network.StreamHandler {
 // ticket for the putter's own payload, so that holder's pull asks for
 // none, whether it copies whole or in flight (several chunks); a holder of
 // a build before issued tickets is asked again without one and copies all
-// the same.
+// the same, and one before deferred fills is asked again to fill at once.
 func TestChainIssuesTheSourceTicket(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
 		transport string
 		chunks    int
-		old       bool
+		build     int // the holders' build speaks up to this version; 0: this one
 	}{
-		{"Shm", transfer.TransportAuto, 1, false},
-		{"TCP", transfer.TransportTCP, 1, false},
-		{"InFlightShm", transfer.TransportAuto, 4, false},
-		{"InFlightTCP", transfer.TransportTCP, 4, false},
-		{"OldHolders", transfer.TransportAuto, 1, true},
+		{"Shm", transfer.TransportAuto, 1, 0},
+		{"TCP", transfer.TransportTCP, 1, 0},
+		{"InFlightShm", transfer.TransportAuto, 4, 0},
+		{"InFlightTCP", transfer.TransportTCP, 4, 0},
+		{"HoldersBeforeTickets", transfer.TransportAuto, 1, chainVersion},
+		{"HoldersBeforeDeferral", transfer.TransportAuto, 1, issuedVersion},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: noRoomOn("n0"),
 				xtune: func(x *transfer.Config) { x.Transport = tc.transport }})
-			if tc.old {
+			if tc.build > 0 {
 				for _, n := range c.nodes[1:] {
-					n.h.SetStreamHandler(ProtocolID, buildOf(n.s, chainVersion, n.s.cfg.MaxFrame))
+					n.h.SetStreamHandler(ProtocolID, buildOf(n.s, tc.build, n.s.cfg.MaxFrame))
 				}
 			}
+			old := tc.build > 0 && tc.build < issuedVersion
 			ctx := testCtx(t)
 			p := c.nodes[0]
 			meta := transfer.TensorMeta{DType: transfer.Uint8, Shape: []int64{int64(tc.chunks), 1 << 20}, NumChunks: tc.chunks}
@@ -414,15 +426,18 @@ func TestChainIssuesTheSourceTicket(t *testing.T) {
 			if err := st.Commit(ctx); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := st.WaitReplicated(ctx); err != nil {
+			if err := st.FirstCopied(ctx); err != nil {
 				t.Fatal(err)
+			}
+			if r, err := st.WaitReplicated(ctx); err != nil || r.Complete != 2 || len(st.Record.Holders) != 2 {
+				t.Fatalf("replication %+v (%v) of %d holders, want 2 complete copies", r, err, len(st.Record.Holders))
 			}
 			first := c.node(st.Record.Holders[0].Node)
 			issued := first.x.Stats().IssuedPulls
 			switch {
-			case tc.old && (issued != 0 || asked.Load() != 2):
+			case old && (issued != 0 || asked.Load() != 2):
 				t.Errorf("old holder: %d issued pulls, %d tickets for the source; want 0 and 2 (issued, refused, then asked)", issued, asked.Load())
-			case !tc.old && (issued != 1 || asked.Load() != 1):
+			case !old && (issued != 1 || asked.Load() != 1):
 				t.Errorf("first holder: %d issued pulls, %d tickets for the source; want 1 and 1", issued, asked.Load())
 			}
 			for _, h := range st.Record.Holders {

@@ -9,8 +9,10 @@
 // mesh already has (shm on one host, rdma, else tcp). Holders take their
 // copies the same way, by pulls along a chain (chain.go): the first pulls
 // the putter's payload, each next one the copy before it, as its chunks
-// land when that copy is staged in flight; a put returns at R copies, or
-// at the first with PutSpec.FirstCopy. An object of at most
+// land when that copy is staged in flight; a put returns at R copies, or,
+// with PutSpec.FirstCopy, as soon as every copy is published in flight,
+// its record then committed while the first copy lands and the put done
+// when that copy is whole (Staged.FirstCopied). An object of at most
 // Config.InlineMax bytes rides in the store request itself instead, and
 // the holder checks it against the object's XXH3 before it stages it.
 // The Store opens no data path of its own.
@@ -20,7 +22,9 @@
 // put is two-phase: Stage copies the bytes onto the holders, then the record
 // is written (by Commit, or inside a caller's own transaction through
 // Staged.Op); until then no reader can find the object, and holders drop a
-// staged copy whose record never appears. Lease modes say who frees an
+// staged copy whose record never appears. A FirstCopy put's record may
+// name copies still filling: readers wait on each chunk's readiness, and a
+// first copy that fails takes the record back. Lease modes say who frees an
 // object: the consuming stage's fenced commit (Consume), time (TTL, via an
 // etcd lease per retention bucket), nobody but an explicit delete or its
 // retention (Pinned), or the holder's LRU eviction (Cache). Holders watch the

@@ -47,6 +47,31 @@ type filling struct {
 	done   chan struct{} // closed once the fill ended; err is set before
 	err    error         // nil: every chunk landed
 	cancel func()        // ends the fill (the copy was dropped)
+	start  chan struct{} // closed when the fill may start (at once unless deferred)
+	once   sync.Once
+}
+
+// begin lets a deferred fill start; idempotent.
+func (f *filling) begin() { f.once.Do(func() { close(f.start) }) }
+
+// waitStart waits until the fill may start: begin was called, or limit
+// passed (a deferred copy whose putter never asked is still filled), or
+// ctx ended (the copy was dropped).
+func (f *filling) waitStart(ctx context.Context, limit time.Duration) error {
+	select {
+	case <-f.start:
+		return nil
+	default:
+	}
+	t := time.NewTimer(limit)
+	defer t.Stop()
+	select {
+	case <-f.start:
+	case <-t.C:
+	case <-ctx.Done():
+		return fmt.Errorf("cache: a deferred copy ended before its fill started: %w", ctx.Err())
+	}
+	return nil
 }
 
 // holdings is what this node holds for the Store, and the room it has.
@@ -449,13 +474,21 @@ func (h *holdings) forgetRevisions() {
 	}
 }
 
-// touch moves a Cache copy to the back of the LRU order (a ticket was
-// issued for it, or it was read locally).
+// touch notes a use of a copy (a ticket was issued for it, or it is read
+// locally): a Cache copy moves to the back of the LRU order, and a copy
+// whose fill is deferred starts filling, since a reader now waits on it.
 func (h *holdings) touch(payload string) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	if c := h.copies[payload]; c != nil && c.lru != nil {
+	c := h.copies[payload]
+	if c == nil {
+		return
+	}
+	if c.lru != nil {
 		h.lru.MoveToBack(c.lru)
+	}
+	if c.fill != nil {
+		c.fill.begin()
 	}
 }
 

@@ -219,7 +219,7 @@ func (s *Store) produce(ctx context.Context, spec MemoSpec, produce Produce, fly
 		return Record{}, err
 	}
 	defer s.xfer.Release(ref.ID)
-	st, err := s.stage(ctx, PutSpec{ID: spec.ID, Mode: Cache, Replicas: 1, Local: true}, ref, data)
+	st, err := s.stage(ctx, PutSpec{ID: spec.ID, Mode: Cache, Replicas: 1, Local: true}, ref, data, nil)
 	if err != nil {
 		return Record{}, err
 	}

@@ -192,12 +192,20 @@ type PutSpec struct {
 	// member has room, rather than failing (a decode's result: finishing it
 	// is what frees the latents filling the Store). Counted in LocalStats.
 	Overflow bool
-	// FirstCopy returns from Stage once one copy is complete: the others
-	// are staged in flight along the put's chain (chain.go) and complete
-	// in the background (Staged.Replicated). The record, written once,
-	// names them all. A holder lost before its copy completed leaves the
-	// object with fewer copies until repair restores them, and the later
-	// copies are memory copies, not written through to disk: for objects
+	// FirstCopy stages every copy in flight along the put's chain
+	// (chain.go): Stage returns once each holder has published its copy,
+	// before the first copy's bytes land, so the caller commits the
+	// record (written once, naming every copy) while they do; then
+	// Staged.FirstCopied waits for the first copy, and the put is done
+	// when it returns nil. Until then the caller keeps the source
+	// published (StageBytes does it for its own). The later copies start
+	// once the first is whole and complete in the background
+	// (Staged.Replicated). A reader that
+	// finds the record before a copy is complete waits for its chunks. A
+	// first copy that fails fails the put, and FirstCopied takes its
+	// record back; a later holder lost before its copy completed leaves
+	// the object with fewer copies until repair restores them. Every
+	// copy is a memory copy, not written through to disk: for objects
 	// that are cheap to lose for a while (step checkpoints: a lost one
 	// means resuming from the one before). Without it Stage returns when
 	// every copy is complete (and, for a durable mode, on disk): results.
@@ -220,12 +228,14 @@ func (p PutSpec) check() error {
 
 // Staged is a put whose copies exist but whose record is not written yet:
 // invisible to readers. Write the record with Commit, or put Op in a
-// transaction of your own (a stage's fenced commit); Abort otherwise.
+// transaction of your own (a stage's fenced commit); Abort otherwise. A
+// FirstCopy put's copies may still be filling: after the commit,
+// FirstCopied says whether the put succeeded.
 type Staged struct {
 	Record Record
 	s      *Store
 	lease  clientv3.LeaseID
-	repl   *replication // the copies still filling (FirstCopy); nil for none
+	repl   *replication // the copies still filling (FirstCopy); nil for none (a Staged built by hand)
 }
 
 // Op is the etcd operation that makes the object visible.
@@ -348,15 +358,24 @@ func (st *Staged) Abort(ctx context.Context) {
 // ErrFull when no member could take a copy; with fewer than R copies it
 // succeeds, and maintenance adds the missing ones when room appears. A
 // payload of this node's of at most Config.InlineMax bytes goes to remote
-// holders inside the store request; they pull a larger one from ref.
+// holders inside the store request; they pull a larger one from ref. With
+// spec.FirstCopy, keep ref published until FirstCopied returns.
 func (s *Store) Stage(ctx context.Context, spec PutSpec, ref transfer.Ref) (*Staged, error) {
-	return s.stage(ctx, spec, ref, nil)
+	return s.stage(ctx, spec, ref, nil, nil)
 }
 
 // stage is Stage; data, when not nil, is the payload's bytes, which the
 // caller published as ref and keeps unchanged until stage returns.
-func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data []byte) (*Staged, error) {
+// release, when not nil, is called once no copy will pull ref: when stage
+// returns, or, for a FirstCopy put whose first copy is in flight, when
+// that copy ended.
+func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data []byte, release func()) (_ *Staged, err error) {
 	start := time.Now()
+	defer func() {
+		if release != nil {
+			release()
+		}
+	}()
 	if err := spec.check(); err != nil {
 		return nil, err
 	}
@@ -388,9 +407,11 @@ func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data 
 		// side by side, each complete when its holder answers.
 		holders, err = s.stageOnto(ctx, spec.ID, spec.Mode, src, cands, want, 0)
 	} else if copies, err = s.stageChain(ctx, spec, src, cands, want); err == nil {
-		var failed []error
-		if copies, failed = s.settle(ctx, spec.ID, copies, !spec.FirstCopy); len(copies) == 0 {
-			err = errors.Join(failed...)
+		if !spec.FirstCopy {
+			var failed []error
+			if copies, failed = s.settle(ctx, spec.ID, copies); len(copies) == 0 {
+				err = errors.Join(failed...)
+			}
 		}
 		for _, c := range copies {
 			holders = append(holders, c.Holder)
@@ -437,8 +458,12 @@ func (s *Store) stage(ctx context.Context, spec PutSpec, ref transfer.Ref, data 
 	if inFlight == 0 {
 		st.repl = closedReplication(res)
 	} else {
-		st.repl = &replication{done: make(chan struct{}), res: res}
-		s.followChain(st, copies, start, res.Complete)
+		st.repl = newReplication(res)
+		if release == nil {
+			release = func() {}
+		}
+		s.followChain(st, copies, start, release)
+		release = nil // followChain's now
 	}
 	return st, nil
 }
@@ -557,51 +582,50 @@ func (s *Store) self() Member {
 }
 
 // stageOn asks m (or this node) to take a staged copy of src: inline, with
-// the bytes in the request, when src has them, else by pulling src.ref. A
-// holder that refuses the inline request as malformed (an older build, or
-// a MaxFrame too small for it) is asked once more to pull. opts, when not
-// nil, are a chained put's: the copy in flight (early), and the sources to
-// fall back on; a holder of an older build that refuses them is asked for
-// a plain copy of src, whole, and opts.early is cleared to say so.
+// the bytes in the request, when src has them, else by pulling src.ref.
+// opts, when not nil, are a chained put's: the copy in flight (early), its
+// fill deferred until asked (deferred), and the sources to fall back on.
+// A holder that refuses a request as malformed (an older build, or a
+// MaxFrame too small for inline bytes) is asked again without the newest
+// of its fields, one at a time: the deferral (it fills at once), the
+// putter's ticket (it asks for one), then the chain fields or the bytes (a
+// plain copy of src, whole); opts says what was kept.
 func (s *Store) stageOn(ctx context.Context, m Member, id string, mode Mode, src source, opts *chainOpts) (Holder, error) {
 	if opts == nil {
 		opts = &chainOpts{}
 	}
 	if m.Node == s.cfg.Node {
 		if opts.early {
-			return s.stageEarly(ctx, id, mode, append([]transfer.Ref{src.ref}, opts.fallback...), nil)
+			return s.stageEarly(ctx, id, mode, append([]transfer.Ref{src.ref}, opts.fallback...), nil, opts.deferred)
 		}
 		return s.stageLocalFrom(ctx, id, mode, src, opts.fallback)
 	}
-	req := &request{V: baseVersion, Op: opStage, Object: id, Mode: mode, Src: src.ref}
-	switch {
-	case src.data != nil:
-		req.V, req.Data = inlineVersion, src.data
-	case opts.early || len(opts.fallback) > 0:
-		req.V, req.Early, req.Fallback = chainVersion, opts.early, opts.fallback
-	}
-	if src.data == nil {
+	req := &request{Op: opStage, Object: id, Mode: mode, Src: src.ref}
+	if src.data != nil {
+		req.Data = src.data
+	} else {
+		req.Early, req.Deferred, req.Fallback = opts.early, opts.early && opts.deferred, opts.fallback
 		req.Issued = s.issueFor(m, src.ref)
 	}
-	if req.Issued != nil {
-		v := req.V
-		req.V = issuedVersion
+	for {
+		req.V = req.version()
 		resp, err := s.call(ctx, m, req)
 		if !errors.Is(err, ErrProtocol) || ctx.Err() != nil {
 			return stageAnswer(m, resp, err)
 		}
-		// An older holder: the request again without the ticket; it asks.
-		s.log.Debug("issued ticket refused; the holder asks for one", zap.String("object", id), zap.String("on", m.Node), zap.Error(err))
-		req.V, req.Issued = v, nil
+		switch {
+		case req.Deferred:
+			req.Deferred = false
+		case len(req.Issued) > 0:
+			req.Issued = nil // it asks for a ticket
+		case req.V > baseVersion:
+			req.Data, req.Early, req.Fallback = nil, false, nil
+		default:
+			return stageAnswer(m, resp, err)
+		}
+		opts.early, opts.deferred = req.Early, req.Deferred
+		s.log.Debug("stage request refused; asking with fewer fields", zap.String("object", id), zap.String("on", m.Node), zap.Int("v", req.V), zap.Error(err))
 	}
-	resp, err := s.call(ctx, m, req)
-	if req.V > baseVersion && errors.Is(err, ErrProtocol) && ctx.Err() == nil {
-		s.log.Debug("stage refused; asking for a plain pull", zap.String("object", id), zap.String("on", m.Node), zap.Int("v", req.V), zap.Error(err))
-		req.V, req.Data, req.Early, req.Fallback = baseVersion, nil, false, nil
-		opts.early = false
-		resp, err = s.call(ctx, m, req)
-	}
-	return stageAnswer(m, resp, err)
 }
 
 // stageAnswer is the holder m's answer to a stage request.
@@ -815,10 +839,10 @@ func (s *Store) serve(remote peer.ID, req *request) response {
 			return response{ErrCode: codeNotFound, ErrMsg: fmt.Sprintf("no copy %s of %s", req.Payload, req.Object)}
 		}
 		return response{}
-	case opWait:
+	case opWait, opFill:
 		ctx, cancel := context.WithTimeout(s.ctx, s.cfg.RequestTimeout)
 		defer cancel()
-		err := s.waitLocal(ctx, req.Object, req.Payload)
+		err := s.waitLocal(ctx, req.Object, req.Payload, req.Op == opFill)
 		switch {
 		case err == nil:
 			return response{}
@@ -849,7 +873,7 @@ func (s *Store) serve(remote peer.ID, req *request) response {
 		var h Holder
 		var err error
 		if req.Early {
-			h, err = s.stageEarly(ctx, req.Object, req.Mode, append([]transfer.Ref{req.Src}, req.Fallback...), req.Issued)
+			h, err = s.stageEarly(ctx, req.Object, req.Mode, append([]transfer.Ref{req.Src}, req.Fallback...), req.Issued, req.Deferred)
 		} else {
 			h, err = s.stageLocalFrom(ctx, req.Object, req.Mode, src, req.Fallback)
 		}
@@ -882,13 +906,14 @@ func (s *Store) isMember(p peer.ID) bool {
 }
 
 // Put stages src and commits its record: the object is readable when Put
-// returns.
+// returns (with FirstCopy, its first copy complete).
 func (s *Store) Put(ctx context.Context, spec PutSpec, src transfer.Ref) (Record, error) {
 	return commitStaged(ctx)(s.Stage(ctx, spec, src))
 }
 
-// commitStaged returns a function that commits what a Stage returned and
-// aborts it when the commit fails.
+// commitStaged returns a function that commits what a Stage returned,
+// aborting it when the commit fails, and then waits for its first copy
+// (FirstCopied takes the record back when that copy failed).
 func commitStaged(ctx context.Context) func(*Staged, error) (Record, error) {
 	return func(st *Staged, err error) (Record, error) {
 		if err != nil {
@@ -898,13 +923,18 @@ func commitStaged(ctx context.Context) func(*Staged, error) (Record, error) {
 			st.Abort(context.WithoutCancel(ctx))
 			return Record{}, err
 		}
+		if err := st.FirstCopied(ctx); err != nil {
+			return Record{}, err
+		}
 		return st.Record, nil
 	}
 }
 
-// StageBytes stages data (a file: a result, a preview) as an object. It is
-// published from this node's heap for the holders to pull, then released;
-// remote holders of a small one take data itself, inline.
+// StageBytes stages data (a file: a result, a preview, a checkpoint) as an
+// object. It is published from this node's heap for the holders to pull,
+// then released once the first copy is whole (for a FirstCopy put, maybe
+// after StageBytes returned: data must stay unchanged until FirstCopied
+// returns); remote holders of a small one take data itself, inline.
 func (s *Store) StageBytes(ctx context.Context, spec PutSpec, data []byte) (*Staged, error) {
 	if len(data) == 0 {
 		return nil, errors.New("cache: empty object")
@@ -913,8 +943,7 @@ func (s *Store) StageBytes(ctx context.Context, spec PutSpec, data []byte) (*Sta
 	if err != nil {
 		return nil, err
 	}
-	defer s.xfer.Release(ref.ID)
-	return s.stage(ctx, spec, ref, data)
+	return s.stage(ctx, spec, ref, data, func() { s.xfer.Release(ref.ID) })
 }
 
 // PutBytes is StageBytes and Commit.
@@ -991,11 +1020,11 @@ func (s *Store) Fetch(ctx context.Context, rec Record, dst []byte) error {
 	}
 	var errs []error
 	for _, h := range s.Nearest(rec) {
+		if h.Node == s.cfg.Node {
+			s.hold.touch(h.Ref.ID) // no ticket for a local read
+		}
 		err := s.xfer.PullInto(transfer.ForStore(ctx), h.Ref, dst)
 		if err == nil {
-			if h.Node == s.cfg.Node {
-				s.hold.touch(h.Ref.ID)
-			}
 			s.gets.Add(1)
 			return nil
 		}

@@ -22,6 +22,8 @@ const ProtocolID protocol.ID = "/latentmesh/store/1"
 //	   sources to fall back on (Fallback); the wait op.
 //	4: a stage request may carry a ticket for Src that its producer, the
 //	   putter, issued to the holder (Issued).
+//	5: a stage request in flight may defer its fill until asked
+//	   (Deferred); the fill op.
 //
 // A request is sent at the lowest version its fields need, so a holder of a
 // version-1 build still serves every request of a newer putter but an
@@ -30,15 +32,33 @@ const ProtocolID protocol.ID = "/latentmesh/store/1"
 // without Data, to be pulled (Store.stageOn); a version-2 holder refuses a
 // chained stage request so, and gets it again as a plain one: a complete
 // copy pulled from Src; a version-3 holder refuses an issued ticket so,
-// and gets the request again without it. Responses have not changed
+// and gets the request again without it; a version-4 holder refuses a
+// deferred fill so, and gets the request again filling at once
+// (Store.stageOn drops one field at a time). Responses have not changed
 // since version 1 and are sent as version 1, which every build reads.
 const (
-	WireVersion   = issuedVersion // the newest version this build speaks
-	baseVersion   = 1             // every response; every request without Data
-	inlineVersion = 2             // a stage request with Data
-	chainVersion  = 3             // a stage request with Early or Fallback; a wait
-	issuedVersion = 4             // a stage request with Issued
+	WireVersion     = deferredVersion // the newest version this build speaks
+	baseVersion     = 1               // every response; every request without Data
+	inlineVersion   = 2               // a stage request with Data
+	chainVersion    = 3               // a stage request with Early or Fallback; a wait
+	issuedVersion   = 4               // a stage request with Issued
+	deferredVersion = 5               // a stage request with Deferred; a fill
 )
+
+// version is the lowest version whose fields req uses: what it is sent as.
+func (m *request) version() int {
+	switch {
+	case m.Deferred || m.Op == opFill:
+		return deferredVersion
+	case len(m.Issued) > 0:
+		return issuedVersion
+	case m.Early || len(m.Fallback) > 0 || m.Op == opWait:
+		return chainVersion
+	case len(m.Data) > 0:
+		return inlineVersion
+	}
+	return baseVersion
+}
 
 // Request operations.
 const (
@@ -53,6 +73,9 @@ const (
 	// landed for one staged in flight (Early), and with an error when its
 	// fill failed (the copy is gone then).
 	opWait = "wait"
+	// opFill is opWait for a copy staged Deferred: it starts the copy's
+	// fill first (a copy already filling, or complete, is only waited for).
+	opFill = "fill"
 )
 
 // Bounds of variable-length fields, checked after decode.
@@ -115,6 +138,13 @@ type request struct {
 	// round trip. The transfer service checks it as any ticket, and pulls
 	// as usual when it does not fit.
 	Issued []byte `msgpack:"issued,omitempty"`
+	// Deferred, from version 5, with Early, asks the holder to publish its
+	// copy in flight at once but to start filling it only when the putter
+	// asks (opFill), or after half its fill's time if no one does: the
+	// putter of a FirstCopy put starts the second copy of its chain once
+	// it knows the first is whole, so that copy shares no core with the
+	// put (chain.go).
+	Deferred bool `msgpack:"deferred,omitempty"`
 }
 
 // response answers a request: the new holder on success, else a code.
@@ -149,16 +179,19 @@ func (m *request) Validate() error {
 		if err := m.validIssued(); err != nil {
 			return err
 		}
+		if m.Deferred && (!m.Early || m.V < deferredVersion) {
+			return fmt.Errorf("%w: a deferred fill not in flight, or in a v%d request", ErrProtocol, m.V)
+		}
 		return m.validInline()
-	case opDrop, opKeep, opWait:
+	case opDrop, opKeep, opWait, opFill:
 		if m.Payload == "" || len(m.Payload) > maxPayloadIDLen {
 			return fmt.Errorf("%w: payload id of %d bytes", ErrProtocol, len(m.Payload))
 		}
-		if len(m.Data) > 0 || m.Early || len(m.Fallback) > 0 || len(m.Issued) > 0 {
+		if len(m.Data) > 0 || m.Early || len(m.Fallback) > 0 || len(m.Issued) > 0 || m.Deferred {
 			return fmt.Errorf("%w: a %s with data, chain fields or a ticket", ErrProtocol, m.Op)
 		}
-		if m.Op == opWait && m.V < chainVersion {
-			return fmt.Errorf("%w: a wait in a v%d request", ErrProtocol, m.V)
+		if m.V < m.version() {
+			return fmt.Errorf("%w: a %s in a v%d request", ErrProtocol, m.Op, m.V)
 		}
 		return nil
 	}

@@ -54,7 +54,16 @@ func validRequests() []request {
 		{V: chainVersion, Op: opWait, Object: "job-1.ckpt", Payload: "0123456789abcdef"},
 		issuedRequest(chainRequest(false, 1), 300),
 		issuedRequest(request{V: baseVersion, Op: opStage, Object: "job-1.latent", Mode: Consume, Src: testRef()}, maxIssued),
+		deferredRequest(chainRequest(true, 1)),
+		deferredRequest(issuedRequest(chainRequest(true, 0), 300)),
+		{V: deferredVersion, Op: opFill, Object: "job-1.ckpt", Payload: "0123456789abcdef"},
 	}
+}
+
+// deferredRequest is stage request r (in flight) with its fill deferred.
+func deferredRequest(r request) request {
+	r.V, r.Deferred = deferredVersion, true
+	return r
 }
 
 // issuedRequest is stage request r carrying an issued ticket of n bytes.
@@ -154,6 +163,9 @@ func FuzzRequestFrame(f *testing.F) {
 		if n := len(m.Issued); n > 0 && (n > maxIssued || m.V < issuedVersion || m.Op != opStage || len(m.Data) > 0) {
 			t.Fatalf("accepted an issued ticket of %d bytes in a v%d %s with %d bytes of data", n, m.V, m.Op, len(m.Data))
 		}
+		if (m.Deferred || m.Op == opFill) && (m.V < deferredVersion || (m.Deferred && (!m.Early || m.Op != opStage))) {
+			t.Fatalf("accepted a deferred fill (early %v) in a v%d %s", m.Early, m.V, m.Op)
+		}
 		if n := len(m.Data); n > 0 && (n > maxInline || n > len(b) || int64(n) != m.Src.Meta.Bytes() || m.V < inlineVersion) {
 			t.Fatalf("accepted %d bytes of data (v%d) for a %d-byte object from a %d-byte frame", n, m.V, m.Src.Meta.Bytes(), len(b))
 		}
@@ -163,7 +175,7 @@ func FuzzRequestFrame(f *testing.F) {
 		}
 		if again.V != m.V || again.Op != m.Op || again.Object != m.Object || again.Payload != m.Payload || again.Src.ID != m.Src.ID ||
 			again.Src.Checksum != m.Src.Checksum || !bytes.Equal(again.Data, m.Data) || again.Early != m.Early || len(again.Fallback) != len(m.Fallback) ||
-			!bytes.Equal(again.Issued, m.Issued) {
+			!bytes.Equal(again.Issued, m.Issued) || again.Deferred != m.Deferred {
 			t.Fatalf("round trip changed the request: %+v -> %+v", m, again)
 		}
 		if m.checkInline() == nil && len(m.Data) > 0 && xxh3.Hash(m.Data) != m.Src.Checksum {
@@ -236,6 +248,11 @@ func TestRequestValidate(t *testing.T) {
 		{"IssuedOverBound", func(r *request) { *r = issuedRequest(*r, maxIssued+1) }, ErrProtocol},
 		{"IssuedWithData", func(r *request) { *r = inlineRequest(64); r.V, r.Issued = issuedVersion, []byte{1} }, ErrProtocol},
 		{"WaitWithIssued", func(r *request) { r.V, r.Op, r.Payload, r.Issued = issuedVersion, opWait, "p", []byte{1} }, ErrProtocol},
+		{"DeferredInV4", func(r *request) { *r = deferredRequest(chainRequest(true, 0)); r.V = issuedVersion }, ErrProtocol},
+		{"DeferredNotEarly", func(r *request) { *r = deferredRequest(chainRequest(false, 1)) }, ErrProtocol},
+		{"FillInV4", func(r *request) { r.V, r.Op, r.Payload = issuedVersion, opFill, "p" }, ErrProtocol},
+		{"FillWithoutPayload", func(r *request) { r.V, r.Op = deferredVersion, opFill }, ErrProtocol},
+		{"WaitDeferred", func(r *request) { r.V, r.Op, r.Payload, r.Deferred = deferredVersion, opWait, "p", true }, ErrProtocol},
 		{"DropWithFallback", func(r *request) {
 			r.V, r.Op, r.Payload, r.Fallback = chainVersion, opDrop, "p", []transfer.Ref{testRef()}
 		}, ErrProtocol},

@@ -140,3 +140,8 @@ func (x *externalRunner) Adapters(model string) []string {
 	}
 	return slices.Clone(reg.Adapters[model])
 }
+
+// AdapterServed reports whether, as this agent's view of the node records
+// has it, a live agent serving model's denoise has adapter loaded: what a
+// submission naming it needs.
+func (a *Agent) AdapterServed(model, adapter string) bool { return a.adapterServed(model, adapter) }

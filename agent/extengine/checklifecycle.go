@@ -62,7 +62,9 @@ func (c *checker) goneWhy() string {
 func (c *checker) onGone(err error) {
 	c.goneMu.Lock()
 	defer c.goneMu.Unlock()
-	c.gone = err
+	if c.gone == nil || !errors.Is(c.gone, ErrBadFrame) && !errors.Is(c.gone, ErrTooLarge) {
+		c.gone = err // the first refused frame is kept: later ends follow from it
+	}
 }
 
 // ranOrGone is why a task failed, with the agent's reason when it closed

@@ -330,7 +330,9 @@ func (s *Server) lifecycleTask(c *conn, reg *Registration, m *Msg, p *pending, r
 		}
 		m.Adapter = a
 	}
-	if r.Stage == StageDenoise && r.ChunkReady != nil && len(r.Output.Shape) > 0 {
+	if r.Stage == StageDenoise && len(r.Output.Shape) > 0 {
+		// Tracked whether or not the caller wants them: a chunk_ready is
+		// checked against the latent's chunks either way.
 		n := r.Output.Shape[0]
 		if n < 1 || n > MaxLimitFrames {
 			return fmt.Errorf("%w: a latent of %d chunks", ErrBadFrame, n)
@@ -356,6 +358,9 @@ func (p *pending) answered(ok bool) {
 // reportChunks reports the chunks of a finished denoise the engine did not
 // report ready itself: at done, the whole latent is final.
 func (p *pending) reportChunks() {
+	if p.lc.onChunk == nil {
+		return
+	}
 	for k, ready := range p.lc.chunks {
 		if !ready {
 			p.lc.onChunk(k)

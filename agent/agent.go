@@ -633,7 +633,7 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 	}
 	if opts.Push == nil {
 		// The first task goes, claimed, to a worker with a free slot.
-		_, opts.Push = a.pushTarget(first, spec.ModelName())
+		_, opts.Push = a.pushTarget(first, spec)
 	}
 	if opts.Push != nil && opts.Cond != nil {
 		opts.Cond = a.issueTickets(opts.Cond, opts.Push.Node) // for the entries held here

@@ -265,7 +265,7 @@ func (a *Agent) encodeCached(ctx context.Context, c *jobs.Claim) (out jobs.Outpu
 		out.Payloads = append(out.Payloads, a.entryInput(rec))
 	}
 	out.CacheHits = hits
-	out.Hint = a.pickHint(jobs.Denoise, s.ModelName())
+	out.Hint = a.pickHint(jobs.Denoise, s)
 	return out, true, nil
 }
 

@@ -34,6 +34,9 @@ type modelRecord struct {
 	// submission like the limits.
 	Inputs   engine.ModelInputs `json:"inputs,omitzero"`
 	Temporal int                `json:"temporal,omitempty"`
+	// Adapters are the model's adapters the engine has loaded now
+	// (adapters.go): a denoise naming one goes to a node listing it.
+	Adapters []string `json:"adapters,omitempty"`
 }
 
 // modelRecords is what this node's record says of the models its runner
@@ -45,7 +48,7 @@ func (a *Agent) modelRecords() map[string]json.RawMessage {
 	if a.ext != nil {
 		if reg := a.ext.Engine(); reg != nil {
 			for _, m := range reg.Models {
-				recs[m.Name] = modelRecord{Limits: m.Limits(a.cfg.Engine.Limits), Inputs: m.Inputs(), Temporal: int(m.Latent.Temporal)}
+				recs[m.Name] = modelRecord{Limits: m.Limits(a.cfg.Engine.Limits), Inputs: m.Inputs(), Temporal: int(m.Latent.Temporal), Adapters: reg.Adapters[m.Name]}
 			}
 		}
 	}

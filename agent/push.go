@@ -10,6 +10,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
+	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/transfer"
 )
@@ -25,8 +26,8 @@ import (
 // pushTarget is the worker of stage st that a new task for model should go
 // to (pickHint: one with a free slot), and, when the queue policy pushes,
 // the claim to make for it, on the lease its registration lives on.
-func (a *Agent) pushTarget(st jobs.Stage, model string) (hint string, push *jobs.Push) {
-	hint = a.pickHint(st, model)
+func (a *Agent) pushTarget(st jobs.Stage, s engine.Spec) (hint string, push *jobs.Push) {
+	hint = a.pickHint(st, s)
 	if hint == "" || !a.cfg.Queue.Push {
 		return hint, nil
 	}

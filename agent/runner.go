@@ -272,7 +272,8 @@ func (x *externalRunner) run(ctx context.Context, r extengine.Request) error {
 	switch {
 	case err == nil, ctx.Err() != nil:
 		return err
-	case errors.Is(err, extengine.ErrEngineLost), errors.Is(err, extengine.ErrNoEngine), errors.Is(err, extengine.ErrNotInArena):
+	case errors.Is(err, extengine.ErrEngineLost), errors.Is(err, extengine.ErrNoEngine), errors.Is(err, extengine.ErrNotInArena),
+		errors.Is(err, extengine.ErrLostState), errors.Is(err, extengine.ErrNoAdapter):
 		return fmt.Errorf("%w: %v", errTransient, err)
 	case errors.Is(err, extengine.ErrStopped):
 		return fmt.Errorf("%w: %w", engine.ErrStopped, err)
@@ -344,7 +345,10 @@ func (x *externalRunner) Denoise(ctx context.Context, d DenoiseCall) error {
 	req := extengine.Request{Stage: extengine.StageDenoise, Model: s.ModelName(), Spec: s, Image: img,
 		Inputs:   []extengine.Tensor{{DType: string(cond.Meta.DType), Shape: cond.Meta.Shape, Data: in}},
 		Output:   extengine.Tensor{DType: string(meta.DType), Shape: meta.Shape, Data: out},
-		Progress: d.Progress, CheckpointEvery: d.CheckpointEvery, Stop: d.Stop}
+		Progress: d.Progress, CheckpointEvery: d.CheckpointEvery, Stop: d.Stop,
+		// Each latent chunk as the engine says it is final (chunk_ready),
+		// the rest at done: the early handoff starts on chunk 0.
+		ChunkReady: d.ChunkDone}
 	if d.KV != nil {
 		req.Tensors = d.KV // the same contract: Get's value is not modified, Put owns its value
 	}
@@ -368,16 +372,7 @@ func (x *externalRunner) Denoise(ctx context.Context, d DenoiseCall) error {
 	}
 	err = x.run(ctx, req)
 	done(err == nil)
-	if err != nil {
-		return err
-	}
-	// The protocol hands the latent over whole: every chunk is final now.
-	if d.ChunkDone != nil {
-		for k := range meta.Chunks() {
-			d.ChunkDone(k)
-		}
-	}
-	return nil
+	return err
 }
 
 // EncoderVersion is the registered engine's name and version when it
@@ -427,6 +422,7 @@ type externalDecoder struct {
 	m          extengine.Model
 	sink       *engine.FrameDecoder
 	frameBytes int
+	stream     *extengine.Stream // nil: no job named (NewDecoder)
 }
 
 func (d *externalDecoder) FrameBytes() int                    { return d.frameBytes }
@@ -462,7 +458,9 @@ func (d *externalDecoder) DecodeFrames(ctx context.Context, first int, frames []
 	err = d.x.run(ctx, extengine.Request{Stage: extengine.StageDecode, Model: d.s.ModelName(), Spec: d.s,
 		Inputs:     []extengine.Tensor{{DType: string(lm.DType), Shape: []int64{int64(k), lm.Shape[1], lm.Shape[2], lm.Shape[3]}, Data: in}},
 		Output:     extengine.Tensor{DType: "uint8", Shape: []int64{int64(n), int64(d.s.Height), int64(d.s.Width), 4}, Data: out},
-		FirstFrame: first, Frames: k})
+		FirstFrame: first, Frames: k,
+		// The chunks of one decode stage are one stream (decodestream.go).
+		Stream: d.stream, LastChunk: first+k == int(lm.Shape[0])})
 	done(err == nil)
 	if err != nil {
 		return err

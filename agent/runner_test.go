@@ -26,7 +26,13 @@ func (f *fakeEngineServer) Engine() *extengine.Registration { return f.reg }
 func (f *fakeEngineServer) Changed() <-chan struct{}        { return nil }
 func (f *fakeEngineServer) Run(_ context.Context, r extengine.Request) error {
 	f.runs++
-	return f.run(r)
+	err := f.run(r)
+	if err == nil && r.ChunkReady != nil && len(r.Output.Shape) > 0 {
+		for k := range r.Output.Shape[0] { // as the Server does at done
+			r.ChunkReady(int(k))
+		}
+	}
+	return err
 }
 
 // inPlaceArena counts every buffer as in the arena: the fake server reads

@@ -299,6 +299,9 @@ func (a *Agent) checkSubmit(spec engine.Spec, opts jobs.Options) error {
 	if spec.ModelName() != engine.DefaultModel && !a.modelServed(spec.ModelName()) {
 		return &engine.FieldError{Field: "model", Msg: fmt.Sprintf("%q: no agent of this mesh serves it on every stage", spec.ModelName())}
 	}
+	if err := a.checkAdapter(spec); err != nil {
+		return err
+	}
 	mode := opts.Transfer
 	if mode == "" {
 		mode = a.cfg.TransferMode

@@ -179,6 +179,10 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			if !a.runner.Serves(st, t.Spec.ModelName()) {
 				continue // a model this node's engine does not serve (or none is registered)
 			}
+			if ok, at := a.takesAdapter(st, t, now); !ok {
+				wake = earliest(wake, at) // a worker with its adapter loaded takes it (adapters.go)
+				continue
+			}
 			if t.NotBefore.After(now) {
 				wake = earliest(wake, t.NotBefore)
 				continue
@@ -418,13 +422,14 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	return ok, down
 }
 
-// pickHint names the preferred worker of the next stage: power of two
+// pickHint names the preferred worker of stage st of s: power of two
 // choices among live peers taking work for it with a free slot, same host
-// first.
-func (a *Agent) pickHint(st jobs.Stage, model string) string {
+// first; for a denoise naming an adapter, among those that have it loaded.
+func (a *Agent) pickHint(st jobs.Stage, s engine.Spec) string {
 	var targets []routing.Target
+	model := s.ModelName()
 	for _, p := range a.member.Peers() {
-		if takesWork(p, st, model) {
+		if takesWork(p, st, model) && (st != jobs.Denoise || s.Adapter == "" || advertises(p, model, s.Adapter)) {
 			targets = append(targets, routing.Target{Node: p.Record.ID, Free: a.freeSlots(p, st), SameHost: a.sameHost(p)})
 		}
 	}
@@ -605,6 +610,8 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 		switch {
 		case errors.Is(err, errForkLost):
 			code = "checkpoint_lost"
+		case errors.Is(err, errAdapterGone):
+			code = "adapter_unavailable"
 		case errors.Is(err, errCommit):
 			code = "commit_failed"
 		case errors.Is(err, errTransient):
@@ -660,7 +667,7 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, wait
 		// The next stage's worker is chosen now, not when the stage began
 		// (a video's denoise takes minutes): one free now gets the task
 		// with its claim.
-		if hint, push := a.pushTarget(next, c.Task.Spec.ModelName()); push != nil {
+		if hint, push := a.pushTarget(next, c.Task.Spec); push != nil {
 			out.Hint, out.Push = hint, push
 			out.Payloads = a.issueTickets(out.Payloads, hint)
 		}
@@ -920,7 +927,7 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, 
 			a.release(ref.ID)
 			return out, nil, false, err
 		}
-		hint := a.pickHint(jobs.Denoise, spec.ModelName())
+		hint := a.pickHint(jobs.Denoise, spec)
 		if a.handoff(c.Task, hint, ref.Meta.Bytes()) == routing.HandoffStore {
 			return a.relayOutput(ctx, c, ref, hint, staged)
 		}
@@ -1008,6 +1015,9 @@ func (a *Agent) output(c *jobs.Claim, ref transfer.Ref, hint string) (jobs.Outpu
 // the consumer's pull fails with "not found", which rewinds the job.
 func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
 	spec := c.Task.Spec
+	if err := a.runAdapter(spec); err != nil {
+		return out, nil, false, err
+	}
 	pull := a.pull
 	if len(c.Task.Inputs) > 1 { // a prompt's and a negative prompt's cache entries
 		pull = func(ctx context.Context, ins []jobs.Input) (engine.Tensor, func(), error) {
@@ -1025,7 +1035,7 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 	}
 	// Decided before the sampler runs: a relay copies the whole latent into
 	// the Store, so it hands off after the last step, never early.
-	hint := a.pickHint(jobs.Decode, spec.ModelName())
+	hint := a.pickHint(jobs.Decode, spec)
 	relay := a.handoff(c.Task, hint, meta.Bytes()) == routing.HandoffStore
 	p, ref, err := a.begin(c, meta)
 	if err != nil {
@@ -1262,10 +1272,11 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 	if err != nil {
 		return nil, "", err
 	}
-	fd, err := a.runner.NewDecoder(spec)
+	fd, closeFd, err := a.newDecoder(spec, c.Task.JobID)
 	if err != nil {
 		return nil, "", err
 	}
+	defer closeFd()
 	meta := refs[0].Meta
 	if err := meta.Validate(a.cfg.Transfer.MaxPayloadBytes); err != nil {
 		return nil, "", fmt.Errorf("%w: latent meta: %v", errInputLost, err)
@@ -1292,7 +1303,7 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 		return nil, "", a.pullFailed(ctx, in, err)
 	}
 	var decodeErr error
-	for ch := range pull.Chunks() {
+	for ch := range inOrder(pull.Chunks()) { // a decode stream's chunks go in order (decodestream.go)
 		if ch.Index == 0 {
 			addPullTime(ctx, start) // to the first chunk: decoding overlaps the rest
 		}

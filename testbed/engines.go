@@ -40,9 +40,10 @@ func WorkerScript(name string) string {
 
 // Worker is an engine worker process.
 type Worker struct {
-	cmd  *exec.Cmd
-	done chan struct{}
-	err  error
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	done  chan struct{}
+	err   error
 }
 
 // StartWorker runs script (with args) under SystemPython, connected to the
@@ -52,15 +53,26 @@ func StartWorker(script, socket string, log io.Writer, args ...string) (*Worker,
 	cmd.Stdout, cmd.Stderr = log, log
 	cmd.Env = append(os.Environ(), "PYTHONDONTWRITEBYTECODE=1", "OMP_NUM_THREADS=1")
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
 	if err := cmd.Start(); err != nil {
 		return nil, err
 	}
-	w := &Worker{cmd: cmd, done: make(chan struct{})}
+	w := &Worker{cmd: cmd, stdin: stdin, done: make(chan struct{})}
 	go func() {
 		w.err = cmd.Wait()
 		close(w.done)
 	}()
 	return w, nil
+}
+
+// Control writes a line to the worker's standard input: a command to a
+// worker that reads them (the torch worker's --control).
+func (w *Worker) Control(line string) error {
+	_, err := io.WriteString(w.stdin, line+"\n")
+	return err
 }
 
 // Pid is the worker's process id.

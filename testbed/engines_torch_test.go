@@ -52,6 +52,12 @@ func torchMesh(t *testing.T, ctx context.Context, weights string, stepMS int, id
 // torchMeshOut is torchMesh with each worker's output going to out(id).
 func torchMeshOut(t *testing.T, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage, out func(id string) io.Writer) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
 	t.Helper()
+	return torchMeshArgs(t, ctx, weights, stepMS, ids, out, nil)
+}
+
+// torchMeshArgs is torchMeshOut with more arguments for some workers.
+func torchMeshArgs(t *testing.T, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage, out func(id string) io.Writer, args map[string][]string) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
+	t.Helper()
 	cfg := DefaultClusterConfig()
 	cfg.Topology = ""
 	cfg.Logger = testLogger(t)
@@ -72,7 +78,8 @@ func torchMeshOut(t *testing.T, ctx context.Context, weights string, stepMS int,
 			t.Fatal(err)
 		}
 		agents[id] = a
-		workers[id] = startEngineOut(t, ctx, a, out(id), WorkerScript("torch_pipeline.py"), "--weights", weights, "--stages", string(st), "--step-ms", fmt.Sprint(stepMS))
+		workers[id] = startEngineOut(t, ctx, a, out(id), WorkerScript("torch_pipeline.py"),
+			append([]string{"--weights", weights, "--stages", string(st), "--step-ms", fmt.Sprint(stepMS)}, args[id]...)...)
 	}
 	eventually(t, 30*time.Second, func() error {
 		for id, a := range agents {

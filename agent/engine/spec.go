@@ -27,6 +27,10 @@ type Spec struct {
 	// in it, so the spec a v1 engine reads is what it always was.
 	Params Params    `json:"params,omitempty" msgpack:"-"`
 	Image  *ImageRef `json:"image,omitempty" msgpack:"-"`
+	// Adapter names a LoRA-like weight delta of the model's denoiser
+	// ("lora" in the APIs; adapter.go), which an external engine loads at
+	// run time: only a worker whose engine has it loaded runs the denoise.
+	Adapter string `json:"lora,omitempty" msgpack:"-"`
 }
 
 // DefaultModel is the built-in engine's model name, what a Spec without a
@@ -147,6 +151,11 @@ func (s Spec) Validate(l Limits) error {
 	if s.Model != "" {
 		if err := ValidModel(s.Model); err != nil {
 			return &FieldError{Field: "model", Msg: err.Error()}
+		}
+	}
+	if s.Adapter != "" {
+		if err := ValidAdapter(s.Adapter); err != nil {
+			return &FieldError{Field: "lora", Msg: err.Error()}
 		}
 	}
 	switch {

@@ -132,6 +132,7 @@ func Check(ctx context.Context, cfg CheckConfig, out io.Writer) (results []Check
 		default:
 		}
 	}
+	sc.OnGone = ch.onGone
 	srv, err := Listen(sc, checkArena{ar})
 	if err != nil {
 		return nil, false, err
@@ -178,6 +179,9 @@ type checker struct {
 	// the first kept); refusedWhy is the one waitEngine took.
 	refused    chan string
 	refusedWhy string
+	// gone is why the engine's last connection ended (checklifecycle.go).
+	goneMu sync.Mutex
+	gone   error
 }
 
 // beats records when the engine's heartbeats arrive (Server.OnFrame, on
@@ -340,6 +344,10 @@ func (c *checker) run(ctx context.Context) {
 	for _, r := range c.shapeChecks(ctx, reg) {
 		c.report(r)
 	}
+	for _, r := range c.lifecycleChecks(ctx, reg) {
+		c.report(r)
+	}
+	c.report(c.protocolFrames())
 	c.report(c.crash(ctx, reg))
 }
 

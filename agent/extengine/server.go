@@ -43,8 +43,13 @@ func (e *TaskError) Error() string {
 // Unwrap makes a resume the engine refused (CodeBadCheckpoint) an
 // ErrBadCheckpoint, as the Server's own refusals are.
 func (e *TaskError) Unwrap() error {
-	if e.Code == CodeBadCheckpoint {
+	switch e.Code {
+	case CodeBadCheckpoint:
 		return ErrBadCheckpoint
+	case CodeLostState:
+		return ErrLostState
+	case CodeNoAdapter:
+		return ErrNoAdapter
 	}
 	return nil
 }
@@ -75,7 +80,11 @@ type Config struct {
 	// OnRefused, if set, is called (it must not block) with the reason of
 	// every registration refused: `engine check` reports it.
 	OnRefused func(reason string)
-	Logger    *zap.Logger
+	// OnGone, if set, is called (it must not block) with the reason a
+	// registered engine's connection ended: `engine check` reports a
+	// frame the agent refused.
+	OnGone func(err error)
+	Logger *zap.Logger
 }
 
 // DefaultConfig suits a real engine: a denoise step of a large model may
@@ -131,7 +140,7 @@ func allocatorOf(a Arena) func(int64) ([]byte, func(), error) {
 
 // features are the features this agent grants: the shape features to any
 // v2 engine, the others given an allocator (needsAlloc).
-var features = append([]string{FeatureCheckpoint, FeatureTensorCache}, shapeFeatures...)
+var features = slices.Concat([]string{FeatureCheckpoint, FeatureTensorCache}, shapeFeatures, lifecycleFeatures)
 
 // Registration is what the connected engine declared, and what its
 // welcome granted.
@@ -142,6 +151,10 @@ type Registration struct {
 	// Checkpoint and TensorCache are kept only with their feature.
 	Models []Model
 	Slots  map[string]int32
+	// Adapters are the adapters of each model the engine has loaded
+	// (FeatureAdapters), sorted. A Registration is never changed once
+	// handed out: a lifecycle frame makes a new one (lifecycle.go).
+	Adapters map[string][]string
 	// Version is the protocol version the welcome chose; Features the
 	// features it granted (none below Version2).
 	Version  int
@@ -291,7 +304,7 @@ func (s *Server) Engine() *Registration {
 	if s.cur == nil {
 		return nil
 	}
-	return s.cur.reg
+	return s.cur.live.Load()
 }
 
 // Changed returns a channel closed the next time an engine registers or
@@ -350,6 +363,7 @@ func (s *Server) serve(uc *net.UnixConn) {
 		return
 	}
 	c.reg = reg
+	c.live.Store(reg)
 	c.log = log.With(zap.String("engine", reg.Engine))
 	s.mu.Lock()
 	if s.cur != nil {
@@ -409,7 +423,8 @@ func (s *Server) Run(ctx context.Context, r Request) error {
 	if c == nil {
 		return ErrNoEngine
 	}
-	mo, ok := c.reg.Model(r.Stage, r.Model)
+	live := c.live.Load() // models and adapters as lifecycle frames left them
+	mo, ok := live.Model(r.Stage, r.Model)
 	if !ok {
 		return ErrNoEngine
 	}
@@ -446,7 +461,7 @@ func (s *Server) Run(ctx context.Context, r Request) error {
 	}
 	m.Output = &out
 	check := append(slices.Clone(m.Inputs), out)
-	ck, checkpoints := c.reg.Checkpoints(r.Model)
+	ck, checkpoints := live.Checkpoints(r.Model)
 	checkpoints = checkpoints && r.Stage == StageDenoise
 	if r.Resume != nil && !checkpoints {
 		return fmt.Errorf("%w: the engine's %s of model %q does not resume checkpoints", ErrBadCheckpoint, r.Stage, r.Model)
@@ -473,6 +488,9 @@ func (s *Server) Run(ctx context.Context, r Request) error {
 		check = append(check, nr.Region())
 	}
 	p.model = r.Model
+	if err := s.lifecycleTask(c, live, m, p, r); err != nil {
+		return err
+	}
 	for _, reg := range check {
 		if err := reg.validate(); err != nil {
 			return fmt.Errorf("%w: %v", ErrBadFrame, err)
@@ -503,6 +521,10 @@ wait:
 			if err == nil {
 				err = p.finishShapes()
 			}
+			p.answered(err == nil)
+			if err == nil {
+				p.reportChunks()
+			}
 			return err
 		case <-stop:
 			stop, stopped = nil, true
@@ -514,6 +536,7 @@ wait:
 			break wait
 		}
 	}
+	p.answered(false) // a cancelled chunk's stream state is dropped, however the engine answers
 	if err := c.write(&Msg{T: TypeCancel, Task: id}); err != nil {
 		c.fail(fmt.Errorf("send cancel: %w", err))
 		return ctx.Err()
@@ -641,6 +664,16 @@ type Request struct {
 	// OnCheckpoint was called) — or the normal result if the engine
 	// finished first.
 	Stop <-chan struct{}
+	// ChunkReady, if set, is called with each latent chunk (frame) of a
+	// denoise's output once it is final: as the engine reports it
+	// (chunk_ready, on the connection's reader goroutine: it must not
+	// block), and, at done, every chunk it did not report (on Run's).
+	ChunkReady func(k int)
+	// Stream places a decode in its decode stream (lifecycle.go), and
+	// LastChunk says it is the stream's last chunk: the engine keeps the
+	// stream's state from its first chunk to its last.
+	Stream    *Stream
+	LastChunk bool
 	// Tensors, if not nil, answers the engine's tensor_get and stores its
 	// tensor_put, under keys the Server prefixes with "extengine/", the
 	// engine's name and the model's (cacheKey), so that no engine reads
@@ -682,6 +715,8 @@ type pending struct {
 	cond    *CondLayout
 	condOut []byte
 	lens    map[string]int32
+
+	lc lifecycleTask // lifecycle.go
 }
 
 func (p *pending) release() {
@@ -697,8 +732,14 @@ type conn struct {
 	uc    *net.UnixConn
 	log   *zap.Logger
 	pid   int32
-	pidfd int // -1 if pidfd_open failed: retained regions then leak at a crash
-	reg   *Registration
+	pidfd int           // -1 if pidfd_open failed: retained regions then leak at a crash
+	reg   *Registration // as registered: its engine, version and features never change
+	// live is the registration as lifecycle frames changed its models
+	// and adapters (lifecycle.go), which lmu serialises; streams numbers
+	// decode streams.
+	live    atomic.Pointer[Registration]
+	lmu     sync.Mutex
+	streams atomic.Uint64
 	// version is the session's protocol version, stamped on every frame
 	// after the welcome and required of every frame the engine sends.
 	version uint8
@@ -779,14 +820,7 @@ func (c *conn) register() (*Registration, error) {
 		}
 	}
 	for _, mo := range m.Models {
-		if !reg.Supports(FeatureCheckpoint) {
-			mo.Checkpoint = nil
-		}
-		if !reg.Supports(FeatureTensorCache) {
-			mo.TensorCache = false
-		}
-		dropUngranted(&mo, reg)
-		reg.Models = append(reg.Models, mo)
+		reg.Models = append(reg.Models, grant(mo, reg))
 	}
 	return reg, nil
 }
@@ -895,6 +929,14 @@ func (c *conn) read() error {
 			}
 		case TypeTensorPut:
 			if err := c.tensorPut(m); err != nil {
+				return err
+			}
+		case TypeChunkReady:
+			if err := c.chunkReady(m); err != nil {
+				return err
+			}
+		case TypeAddModel, TypeRemoveModel, TypeAdapterLoaded, TypeAdapterUnloaded:
+			if err := c.lifecycle(m); err != nil {
 				return err
 			}
 		default:
@@ -1065,6 +1107,9 @@ func (c *conn) fail(err error) {
 	s.mu.Unlock()
 	c.log.Warn("engine gone; its tasks are abandoned and this agent claims no work for it until an engine registers",
 		zap.Int("tasks", len(tasks)), zap.Error(err))
+	if s.cfg.OnGone != nil {
+		s.cfg.OnGone(err)
+	}
 	var held []*pending
 	for _, p := range tasks {
 		p.result <- fmt.Errorf("%w: %v", ErrEngineLost, err)

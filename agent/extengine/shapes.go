@@ -90,7 +90,9 @@ func (nr NamedRegion) Region() Region {
 var shapeFeatures = []string{FeatureNamedCond, FeatureTemporal, FeatureImage, FeatureParams}
 
 // needsAlloc reports whether granting feature needs the Server's allocator.
-func needsAlloc(feature string) bool { return !slices.Contains(shapeFeatures, feature) }
+func needsAlloc(feature string) bool {
+	return !slices.Contains(shapeFeatures, feature) && !slices.Contains(lifecycleFeatures, feature)
+}
 
 // dropUngranted clears what mo declares of the shape features reg did not
 // grant: the agent neither sends their fields nor reads them.

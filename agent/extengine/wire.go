@@ -111,6 +111,9 @@ const (
 var v2Only = map[string]bool{
 	TypeStop: true, TypeCheckpoint: true, TypeCheckpointed: true,
 	TypeTensorGet: true, TypeTensor: true, TypeTensorPut: true,
+	// lifecycle.go
+	TypeChunkReady: true, TypeStreamEnd: true, TypeAddModel: true, TypeRemoveModel: true,
+	TypeAdapterLoaded: true, TypeAdapterUnloaded: true, TypeAck: true,
 }
 
 // Failure codes an engine reports in Msg.Code.
@@ -185,6 +188,14 @@ type Msg struct {
 	// done, v2 (FeatureNamedCond): the length an encode wrote of each
 	// named tensor of variable length.
 	Lens map[string]int32 `msgpack:"lens,omitempty"`
+	// v2 (lifecycle.go): a decode task's place in its stream (Stream, Job,
+	// Chunk, Last; stream_end's Stream), a denoise's chunk_ready (Chunk),
+	// and the adapter a denoise runs with or a lifecycle frame names.
+	Stream  uint64 `msgpack:"stream,omitempty"`
+	Job     string `msgpack:"job,omitempty"`
+	Chunk   int32  `msgpack:"chunk,omitempty"`
+	Last    bool   `msgpack:"last,omitempty"`
+	Adapter string `msgpack:"adapter,omitempty"`
 
 	// progress, preview
 	Step  int32  `msgpack:"step,omitempty"`
@@ -452,6 +463,9 @@ func (m *Msg) Validate() error {
 	if err := m.validateShapeFields(); err != nil {
 		return err
 	}
+	if err := m.validateLifecycleFields(); err != nil {
+		return err
+	}
 	switch m.T {
 	case TypeHeartbeat:
 	case TypeRegister:
@@ -571,6 +585,8 @@ func (m *Msg) Validate() error {
 				return bad("region of %d bytes, at most %d", m.Region.Len, MaxTensor)
 			}
 		}
+	case TypeChunkReady, TypeStreamEnd, TypeAddModel, TypeRemoveModel, TypeAdapterLoaded, TypeAdapterUnloaded, TypeAck:
+		return m.validateLifecycle()
 	default:
 		return fmt.Errorf("%w: unknown type %q", ErrBadFrame, m.T)
 	}

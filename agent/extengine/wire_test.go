@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/binary"
 	"errors"
+	"slices"
 	"strings"
 	"testing"
 
@@ -51,7 +52,7 @@ func TestMsgRoundTrip(t *testing.T) {
 		{T: TypePreview, Task: 3, Step: 2, Image: []byte("png")},
 		{T: TypeDone, Task: 9},
 		{T: TypeFailed, Task: 9, Code: CodeBadInput, Reason: "NaN"},
-	}, append(v2Frames(), shapeFrames()...)...) {
+	}, slices.Concat(v2Frames(), shapeFrames(), lifecycleFrames())...) {
 		b, err := EncodeMsg(m)
 		if err != nil {
 			t.Fatal(err)
@@ -150,7 +151,7 @@ func checkpointOfDecode() []byte {
 // and encode again. The seeds hold a frame of every type, v2's included,
 // and every field of the model shapes (shapeFrames).
 func FuzzDecodeMsg(f *testing.F) {
-	seeds := append(v2Frames(), shapeFrames()...)
+	seeds := slices.Concat(v2Frames(), shapeFrames(), lifecycleFrames())
 	for _, m := range append([]*Msg{validRegister(), {T: TypeHeartbeat}, {T: TypeProgress, Task: 1, Step: 1, Total: 2}, {T: TypeFailed, Task: 1, Code: "x"}}, seeds...) {
 		b, err := EncodeMsg(m)
 		if err != nil {

@@ -240,6 +240,8 @@ func (q *imagesRequest) setField(name, v string) *APIError {
 		q.Priority = v
 	case "transfer_mode":
 		q.TransferMode = v
+	case "lora":
+		q.Lora = v
 	case "n":
 		return atoi(&q.N)
 	case "num_inference_steps":

@@ -47,6 +47,8 @@ type imagesRequest struct {
 	DeadlineMS        *int64   `json:"deadline_ms"` // see JobRequest.DeadlineMS
 	// Params are the model's own parameters (JobRequest.Params).
 	Params engine.Params `json:"params"`
+	// Lora names an adapter of the model (JobRequest.Lora).
+	Lora string `json:"lora"`
 }
 
 // ImagesResponse is the body of a successful POST /v1/images/generations.
@@ -104,6 +106,7 @@ func (q imagesRequest) specs(l engine.Limits, maxN int, modelSteps func(string) 
 		TransferMode:   q.TransferMode,
 		DeadlineMS:     q.DeadlineMS,
 		Params:         q.Params,
+		Lora:           q.Lora,
 	}
 	if q.Size != "" && q.Size != "auto" {
 		w, h, err := parseSize(q.Size)

@@ -57,6 +57,11 @@ type JobRequest struct {
 	// Image is a reference image (image-to-video, edits) for a model
 	// that takes one: a PNG or JPEG file, base64 or a data: URL.
 	Image string `json:"image,omitempty"`
+	// Lora names an adapter of the model (a LoRA-like weight delta of its
+	// denoiser, 1-32 bytes of letters, digits and . _ -) that an engine of
+	// the mesh has loaded: the denoise runs on a worker that has it, and a
+	// name no agent has loaded is refused (400 "lora").
+	Lora string `json:"lora,omitempty"`
 }
 
 // MaxDeadline bounds deadline_ms: a day, longer than any job should queue.
@@ -70,6 +75,7 @@ func (r JobRequest) spec(l engine.Limits, modelSteps func(string) int) (engine.S
 	s.Prompt = r.Prompt
 	s.NegativePrompt = r.NegativePrompt
 	s.Params = r.Params
+	s.Adapter = r.Lora
 	s.Seed = randomSeed()
 	if r.Steps == nil && r.Model != "" && modelSteps != nil {
 		if n := modelSteps(r.Model); n > 0 {

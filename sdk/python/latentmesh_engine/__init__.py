@@ -3,9 +3,10 @@
 See docs/engines.md and docs/engine-protocol.md in the latentmesh repository.
 """
 from .protocol import PROTOCOL_VERSION, ProtocolError
-from .worker import (BadCheckpoint, BadInput, Cancelled, CheckpointSpec, CondTensor, ImageSpec, LatentLayout, Layout,
-                     Model, Param, ParamValue, Resume, Spec, Stopped, Task, Worker, socket_from_args)
+from .worker import (BadCheckpoint, BadInput, Cancelled, CheckpointSpec, CondTensor, DecodeStream, ImageSpec,
+                     LatentLayout, Layout, LifecycleRefused, LostState, Model, NoAdapter, Param, ParamValue, Resume, Spec,
+                     Stopped, Task, Worker, socket_from_args)
 
 __all__ = ["PROTOCOL_VERSION", "ProtocolError", "BadCheckpoint", "BadInput", "Cancelled", "CheckpointSpec", "CondTensor",
-           "ImageSpec", "LatentLayout", "Layout", "Model", "Param", "ParamValue", "Resume", "Spec", "Stopped", "Task",
-           "Worker", "socket_from_args"]
+           "DecodeStream", "ImageSpec", "LatentLayout", "Layout", "LifecycleRefused", "LostState", "Model", "NoAdapter",
+           "Param", "ParamValue", "Resume", "Spec", "Stopped", "Task", "Worker", "socket_from_args"]

@@ -33,6 +33,12 @@ FEATURE_NAMED_COND = "named_cond"
 FEATURE_TEMPORAL = "temporal_latent"
 FEATURE_IMAGE = "image_input"
 FEATURE_PARAMS = "model_params"
+# The lifecycle (issue 20): a decode's state across a job's chunks, a
+# denoise's chunks final before it ends, models and adapters at run time.
+FEATURE_DECODE_STATE = "decode_state"
+FEATURE_CHUNK_READY = "chunk_ready"
+FEATURE_MODEL_LIFECYCLE = "model_lifecycle"
+FEATURE_ADAPTERS = "adapters"
 
 # Bounds the agent enforces (extengine), checked here before sending.
 MAX_STATE = 768 << 10  # a checkpoint's sampler state, inline
@@ -44,6 +50,12 @@ MAX_CONDS = 8  # named conditioning tensors of a model
 COND_ALIGN = 64  # each named tensor starts at a multiple of it in the payload
 MAX_PARAMS = 16
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")  # a named tensor's or a parameter's name
+
+MAX_ADAPTERS = 16  # adapters of one model loaded at once
+MAX_ADAPTER_LEN = 32
+_ADAPTER = re.compile(r"^[A-Za-z0-9._-]{1,%d}$" % MAX_ADAPTER_LEN)
+STREAM_IDLE_S = 600.0  # a decode stream no chunk of which came for this long may be dropped
+MAX_MODELS = 6
 
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}
 
@@ -65,12 +77,22 @@ TYPE_CHECKPOINTED = "checkpointed"  # agent -> engine: checkpoint_buf is the eng
 TYPE_TENSOR_GET = "tensor_get"
 TYPE_TENSOR = "tensor"
 TYPE_TENSOR_PUT = "tensor_put"
+# Version 2, the lifecycle features.
+TYPE_CHUNK_READY = "chunk_ready"  # engine -> agent: a denoise's latent chunk is final
+TYPE_STREAM_END = "stream_end"  # agent -> engine: drop a decode stream's state
+TYPE_ADD_MODEL = "add_model"  # engine -> agent: serve one more model
+TYPE_REMOVE_MODEL = "remove_model"
+TYPE_ADAPTER_LOADED = "adapter_loaded"
+TYPE_ADAPTER_UNLOADED = "adapter_unloaded"
+TYPE_ACK = "ack"  # agent -> engine: a lifecycle frame taken, or refused with a reason
 
 CODE_CANCELLED = "cancelled"
 CODE_BAD_INPUT = "bad_input"
 CODE_INTERNAL = "engine_error"
 CODE_STOPPED = "stopped"  # version 2: ended after a stop, its last step checkpointed
 CODE_BAD_CHECKPOINT = "bad_checkpoint"  # version 2: the resume cannot be continued from
+CODE_LOST_STATE = "lost_state"  # version 2: a decode chunk of a stream whose state is gone
+CODE_NO_ADAPTER = "no_adapter"  # version 2: a denoise names an adapter not loaded
 
 
 class ProtocolError(Exception):
@@ -80,6 +102,11 @@ class ProtocolError(Exception):
 def valid_key(key: str) -> bool:
     """Whether key can name a cached tensor: 1-128 bytes of [A-Za-z0-9._:/=+-]."""
     return bool(_KEY.match(key))
+
+
+def valid_adapter(name: str) -> bool:
+    """Whether name can name an adapter: 1-32 bytes of [A-Za-z0-9._-]."""
+    return bool(_ADAPTER.match(name))
 
 
 def valid_name(name: str) -> bool:

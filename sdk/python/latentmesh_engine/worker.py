@@ -8,7 +8,13 @@ them, step checkpoints (``Task.checkpoint``, ``Task.resume``,
 conditioning tensors (``Model.conds``, ``Task.conds``, ``Task.set_len``), a
 latent that compresses time (``LatentLayout.temporal``,
 ``Task.video_first``), a reference image (``Model.image``, ``Task.image``)
-and a parameter schema (``Model.params``, ``Task.params``).
+and a parameter schema (``Model.params``, ``Task.params``); and the
+lifecycle: a decode's state kept across a job's chunks (``Model.decode_state``,
+``Task.stream``, ``Task.state``), a denoise's chunks final before it ends
+(``Model.chunk_ready``, ``Task.chunk_ready``), models added and removed and
+adapters loaded and unloaded while serving (``Worker.add_model``,
+``Worker.remove_model``, ``Worker.load_adapter``, ``Worker.unload_adapter``,
+``Task.adapter``). ``Worker.run_forever`` reconnects after the agent restarts.
 """
 from __future__ import annotations
 
@@ -17,8 +23,10 @@ import logging
 import mmap
 import os
 import queue
+import random
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Set, Tuple, Union
 
@@ -47,6 +55,36 @@ class Stopped(Exception):
     """Raised by ``Task.stop``: the task ends at its checkpoint, as the
     agent's ``stop`` asked (a preemption or a drain); it runs again
     elsewhere from that checkpoint."""
+
+
+class LostState(Exception):
+    """A decode chunk of a stream whose state this worker no longer holds
+    (it never saw the stream's chunk 0, or dropped it after
+    ``protocol.STREAM_IDLE_S``): the agent decodes the job again from its
+    first chunk. The SDK raises it; a callback may too."""
+
+
+class NoAdapter(Exception):
+    """Raise from a denoise callback when ``task.adapter`` is not loaded
+    (unloaded while the task was on its way): the task runs elsewhere."""
+
+
+class LifecycleRefused(Exception):
+    """The agent did not take a lifecycle call (``add_model``,
+    ``load_adapter``, ...); the message is its reason. Nothing changed."""
+
+
+@dataclasses.dataclass
+class DecodeStream:
+    """A decode task's place in its stream (protocol v2, decode_state): the
+    chunks of one job's decode stage, sent one at a time in order. ``id``
+    is unique on the connection; ``chunk`` 0 opens the stream and the chunk
+    with ``last`` closes it."""
+
+    id: int
+    job: str
+    chunk: int
+    last: bool
 
 
 class BadCheckpoint(Exception):
@@ -206,6 +244,13 @@ class Model:
     conds: Optional[List[CondTensor]] = None
     image: Optional[ImageSpec] = None
     params: Optional[List[Param]] = None
+    # Protocol version 2, the lifecycle: the decode keeps state from one
+    # chunk of a job to the next (a causal VAE: ``Task.state``); the denoise
+    # reports chunks final early (``Task.chunk_ready``); the denoise takes
+    # adapters (``Worker.load_adapter``). Each asks for its feature.
+    decode_state: bool = False
+    chunk_ready: bool = False
+    adapters: bool = False
 
     def __post_init__(self) -> None:
         if self.latent is None:
@@ -381,6 +426,18 @@ class Task:
             self.video_first, self.video_frames = self.first_frame, self.frames
         self._conds: Dict[str, Region] = {str(c["name"]): p.region_of(c) for c in msg.get("conds") or []}
         self._lens: Dict[str, int] = {}
+        # Version 2, the lifecycle.
+        self.adapter: str = str(msg.get("adapter") or "")  # a denoise's adapter ("": none)
+        self.stream: Optional[DecodeStream] = None
+        if msg.get("stream"):
+            self.stream = DecodeStream(int(msg["stream"]), str(msg.get("job") or ""), int(msg.get("chunk") or 0),
+                                       bool(msg.get("last")))
+        # What a decode keeps across its stream's chunks: the worker hands
+        # the same dict to every chunk of a stream and drops it after the
+        # last (or a failure, a cancel, stream_end). Fresh for a task
+        # without a stream.
+        self.state: Dict[str, Any] = {}
+        self._ready: Set[int] = set()
         self._split = False  # named tensors the agent did not split: this SDK splits the payload (_prepare)
 
     def _prepare(self) -> None:
@@ -456,6 +513,9 @@ class Task:
                     f"it would lay out one latent frame per video frame")
         if m.image is not None and m.image.required and self.stage in m.image.stages and self._image is None:
             return f"model {m.name} needs a reference image at {self.stage}, and the task has none"
+        if m.decode_state and self.stage == "decode" and self.stream is None and self.first_frame > 0:
+            return (f"model {m.name} decodes with state across a job's chunks, but the agent did not grant "
+                    f"{p.FEATURE_DECODE_STATE}: latent frame {self.first_frame} cannot be decoded without the ones before")
         return None
 
     def _view(self, region: Region) -> np.ndarray:
@@ -539,6 +599,24 @@ class Task:
 
     def preview(self, step: int, png: bytes) -> None:
         self._w._send({"t": p.TYPE_PREVIEW, "task": self.id, "step": step, "image": png})
+
+    def chunk_ready(self, k: int) -> bool:
+        """Says latent chunk ``k`` (frame k of the output) is final: the
+        agent hands it to the decode stage at once, so the caller must not
+        write it again. Returns False, doing nothing, where the session has
+        no chunk_ready or the task is not a denoise (the agent then takes
+        every chunk at done)."""
+        if self.stage != "denoise" or p.FEATURE_CHUNK_READY not in self._w.features:
+            return False
+        n = self._output[3][0] if self._output[3] else 0
+        if not 0 <= k < n:
+            raise ValueError(f"chunk {k}: the latent has {n} chunks")
+        if k in self._ready:
+            raise ValueError(f"chunk {k} reported ready twice")
+        self._ready.add(k)
+        self._w._send({"t": p.TYPE_CHUNK_READY, "task": self.id, "chunk": k})
+        log.debug("task %d: latent chunk %d ready", self.id, k)
+        return True
 
     def steps(self, total: int, start: int = 0) -> Iterator[int]:
         """Yields start..total-1 (start: the steps a resume already did);
@@ -711,7 +789,7 @@ class Worker:
     """
 
     def __init__(self, engine: str, models: List[Model], slots: Optional[Dict[str, int]] = None,
-                 versions: Sequence[int] = p.VERSIONS) -> None:
+                 versions: Sequence[int] = p.VERSIONS, lifecycle: bool = False) -> None:
         if not versions or any(v not in p.VERSIONS for v in versions):
             raise ValueError(f"protocol versions {list(versions)}: this SDK speaks {list(p.VERSIONS)}")
         self.engine = engine
@@ -730,6 +808,18 @@ class Worker:
         self._tasks: Dict[int, Task] = {}
         self._tlock = threading.Lock()
         self._closed = threading.Event()
+        self._closed.set()  # no session yet
+        # The lifecycle: models added and removed at run time (lifecycle),
+        # adapters loaded (re-announced after a reconnect), decode streams'
+        # state, and the lifecycle calls waiting for their ack.
+        self.lifecycle = lifecycle
+        self.adapters: Dict[str, Set[str]] = {}
+        self._streams: Dict[int, Tuple[float, Dict[str, Any]]] = {}
+        self._slock = threading.Lock()
+        self._acks: List[Dict[str, Any]] = []
+        self._alock = threading.Lock()
+        self._stop = threading.Event()
+        self._welcomed = threading.Event()  # the session's features are known
 
     def encode(self, fn: EncodeFn) -> EncodeFn:
         self.on_encode = fn
@@ -757,6 +847,14 @@ class Worker:
             f.append(p.FEATURE_IMAGE)
         if any(m.params for m in self.models):
             f.append(p.FEATURE_PARAMS)
+        if any(m.decode_state for m in self.models):
+            f.append(p.FEATURE_DECODE_STATE)
+        if any(m.chunk_ready for m in self.models):
+            f.append(p.FEATURE_CHUNK_READY)
+        if self.lifecycle:
+            f.append(p.FEATURE_MODEL_LIFECYCLE)
+        if any(m.adapters for m in self.models):
+            f.append(p.FEATURE_ADAPTERS)
         return f
 
     def _model(self, name: str) -> Optional[Model]:
@@ -780,11 +878,54 @@ class Worker:
         with self._tlock:
             return self._tasks.get(int(msg.get("task", 0)))
 
-    def run(self, path: str) -> None:
+    def run_forever(self, path: str, first_backoff: float = 0.5, max_backoff: float = 5.0) -> None:
+        """Runs the worker (``run``) until ``close``, connecting again after
+        the agent closes the socket or cannot be reached (it is restarting):
+        after a pause drawn uniformly from [0, min(max_backoff, first_backoff
+        * 2**n)] ("full jitter", so that the engines of a restarted host do
+        not reconnect at once), n counting the failed tries since the last
+        session that registered. A refused registration is raised: trying
+        again gets the same answer."""
+        tries = 0
+        while not self._stop.is_set():
+            registered = False
+            try:
+                registered = self.run(path)
+            except p.ProtocolError:
+                raise
+            except OSError as e:  # the socket is not there yet, refused, or reset
+                log.info("agent at %s not reachable: %s", path, e)
+            tries = 0 if registered else tries + 1
+            delay = random.uniform(0, min(max_backoff, first_backoff * 2 ** min(tries, 16)))
+            if not self._stop.is_set():
+                log.info("reconnecting to the agent in %.2f s", delay)
+            self._stop.wait(delay)
+
+    def close(self) -> None:
+        """Ends ``run_forever`` (and the session ``run`` serves): tasks
+        running are cancelled."""
+        self._stop.set()
+        with self._wlock:
+            if self._sock is not None:
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def run(self, path: str) -> bool:
         """Connects to the agent's engine socket, registers and serves tasks
-        until the agent closes the connection (then returns)."""
+        until the agent closes the connection (then returns whether it
+        registered)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.connect(path)
+        try:
+            sock.connect(path)
+        except OSError:
+            sock.close()
+            raise
+        log.info("connected to the agent at %s", path)
+        self._closed = threading.Event()
+        self._welcomed.clear()
+        self.version, self.features = p.VERSION_1, set()  # register is a version 1 frame; the welcome decides
         self._sock = sock
         reader = p.FrameReader(sock)
         reg: Dict[str, Any] = {"t": p.TYPE_REGISTER, "engine": self.engine, "slots": self.slots,
@@ -796,7 +937,18 @@ class Worker:
                 for k in Model.V2_KEYS:
                     m.pop(k, None)
                 m["latent"].pop("temporal", None)
-        self._send(reg)
+        try:
+            self._send(reg)
+            return self._serve(sock, reader)
+        finally:
+            self._closed.set()
+            with self._wlock:
+                sock.close()
+                self._sock = None
+
+    def _serve(self, sock: socket.socket, reader: p.FrameReader) -> bool:
+        """The session after register: the welcome, then tasks until the
+        agent closes the connection."""
         msg = reader.read()
         if msg.get("t") == p.TYPE_REFUSED:
             raise p.ProtocolError(f"agent refused registration: {msg.get('reason', '')}")
@@ -810,13 +962,18 @@ class Worker:
             raise p.ProtocolError("welcome carried no arena fd")
         self.version, reader.version = version, version
         self.features = set(msg.get("features") or []) if version >= p.VERSION_2 else set()
+        self._welcomed.set()
         log.info("registered with agent %s: protocol v%d, features %s", msg.get("node", ""), version, sorted(self.features))
         self.arena_size = int(msg["arena_size"])
         self.arena = mmap.mmap(fd, self.arena_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
         beat = max(0.05, int(msg["heartbeat_ms"]) / 1000.0)
-        hb = threading.Thread(target=self._heartbeats, args=(beat,), daemon=True)
+        hb = threading.Thread(target=self._heartbeats, args=(beat, self._closed), daemon=True)
         hb.start()
+        with self._slock:
+            self._streams.clear()  # a new connection: no stream of the last one goes on
+        if any(self.adapters.values()):
+            threading.Thread(target=self._announce_adapters, daemon=True).start()
         pool = ThreadPoolExecutor(max_workers=max([1, *self.slots.values()]) + 1)
         try:
             while not self._closed.is_set():
@@ -825,6 +982,12 @@ class Worker:
                 except (ConnectionError, OSError):
                     break
                 t = msg.get("t")
+                if t == p.TYPE_ACK:
+                    self._acked(msg)
+                    continue
+                if t == p.TYPE_STREAM_END:
+                    self._drop_stream(int(msg.get("stream") or 0), "the agent ended it")
+                    continue
                 if t == p.TYPE_TASK:
                     task = Task(self, msg)
                     with self._tlock:
@@ -847,17 +1010,158 @@ class Worker:
             with self._tlock:
                 for task in self._tasks.values():
                     task._abort()
+            with self._alock:
+                for a in self._acks:
+                    a["reason"] = None
+                    a["lost"] = True
+                    a["event"].set()
+                self._acks.clear()
             pool.shutdown(wait=True)
-            with self._wlock:
-                sock.close()
-                self._sock = None
+            log.info("the agent closed the engine socket")
+        return True
 
-    def _heartbeats(self, every: float) -> None:
-        while not self._closed.wait(every):
+    def _heartbeats(self, every: float, closed: threading.Event) -> None:
+        while not closed.wait(every):
             self._send({"t": p.TYPE_HEARTBEAT})
+
+    # --- protocol version 2: the lifecycle ---
+
+    def _request(self, msg: Dict[str, Any], timeout: float) -> None:
+        """Sends a lifecycle frame and waits for the agent's ack (they come
+        in the order the frames went)."""
+        a: Dict[str, Any] = {"event": threading.Event(), "reason": None, "lost": False}
+        with self._alock:
+            if self._closed.is_set():
+                raise ConnectionError("not connected to an agent")
+            self._acks.append(a)
+            self._send(msg)
+        if not a["event"].wait(timeout):
+            raise TimeoutError(f"no answer from the agent to {msg['t']} within {timeout} s")
+        if a["lost"]:
+            raise ConnectionError(f"the agent closed the connection before answering {msg['t']}")
+        if a["reason"]:
+            raise LifecycleRefused(a["reason"])
+
+    def _acked(self, msg: Dict[str, Any]) -> None:
+        with self._alock:
+            if not self._acks:
+                log.warning("an ack nothing waits for: %s", msg)
+                return
+            a = self._acks.pop(0)
+        a["reason"] = str(msg.get("reason") or "")
+        a["event"].set()
+
+    def _granted(self, feature: str, timeout: float = 10.0) -> bool:
+        """Whether the session (once welcomed: a call made during the
+        handshake waits for it) granted feature; False when not connected."""
+        closed = self._closed
+        if closed.is_set():
+            return False
+        self._welcomed.wait(timeout)
+        return not closed.is_set() and feature in self.features
+
+    def add_model(self, model: Model, timeout: float = 10.0) -> None:
+        """Serves one more model from now on (protocol v2, model_lifecycle:
+        ask for it with ``Worker(..., lifecycle=True)``). Connected, the
+        agent must take it (LifecycleRefused says why not: a name already
+        registered, too many models); either way it is registered again
+        after a reconnect."""
+        if any(m.name == model.name for m in self.models):
+            raise ValueError(f"model {model.name} is already registered")
+        if len(self.models) >= p.MAX_MODELS:
+            raise ValueError(f"{len(self.models)} models registered, at most {p.MAX_MODELS}")
+        if self._granted(p.FEATURE_MODEL_LIFECYCLE):
+            self._request({"t": p.TYPE_ADD_MODEL, "models": [model.wire()]}, timeout)
+        elif not self._closed.is_set():
+            raise p.ProtocolError(f"the agent did not grant {p.FEATURE_MODEL_LIFECYCLE}")
+        self.models.append(model)
+        log.info("model %s added", model.name)
+
+    def remove_model(self, name: str, timeout: float = 10.0) -> None:
+        """Stops serving model ``name`` (its adapters go with it); tasks of
+        it already running finish."""
+        if self._granted(p.FEATURE_MODEL_LIFECYCLE):
+            self._request({"t": p.TYPE_REMOVE_MODEL, "model": name}, timeout)
+        elif not self._closed.is_set():
+            raise p.ProtocolError(f"the agent did not grant {p.FEATURE_MODEL_LIFECYCLE}")
+        self.models = [m for m in self.models if m.name != name]
+        self.adapters.pop(name, None)
+        log.info("model %s removed", name)
+
+    def load_adapter(self, model: str, adapter: str, timeout: float = 10.0) -> None:
+        """Tells the agent adapter ``adapter`` of ``model`` is loaded (load
+        the weights first: a denoise naming it may come at once). The agent
+        advertises it, so requests naming it come here (protocol v2,
+        adapters: declare ``Model(adapters=True)``). Announced again after a
+        reconnect."""
+        if not p.valid_adapter(adapter):
+            raise ValueError(f"adapter name {adapter!r}: want 1-{p.MAX_ADAPTER_LEN} bytes of [A-Za-z0-9._-]")
+        m = self._model(model)
+        if m is None or not m.adapters or "denoise" not in m.stages:
+            raise ValueError(f"model {model} does not take adapters here (declare Model(adapters=True) with a denoise)")
+        loaded = self.adapters.setdefault(model, set())
+        if adapter not in loaded and len(loaded) >= p.MAX_ADAPTERS:
+            raise ValueError(f"{len(loaded)} adapters of {model} loaded, at most {p.MAX_ADAPTERS}")
+        if self._granted(p.FEATURE_ADAPTERS):
+            self._request({"t": p.TYPE_ADAPTER_LOADED, "model": model, "adapter": adapter}, timeout)
+        elif not self._closed.is_set():
+            raise p.ProtocolError(f"the agent did not grant {p.FEATURE_ADAPTERS}")
+        loaded.add(adapter)
+        log.info("adapter %s of model %s loaded", adapter, model)
+
+    def unload_adapter(self, model: str, adapter: str, timeout: float = 10.0) -> None:
+        """Tells the agent adapter ``adapter`` of ``model`` is no longer
+        loaded: requests naming it go to another worker that has it, or are
+        refused. Free the weights after it returns (a task naming it may
+        still be on its way: fail it with NoAdapter)."""
+        if adapter not in self.adapters.get(model, set()):
+            raise ValueError(f"adapter {adapter} of model {model} is not loaded")
+        if self._granted(p.FEATURE_ADAPTERS):
+            self._request({"t": p.TYPE_ADAPTER_UNLOADED, "model": model, "adapter": adapter}, timeout)
+        self.adapters[model].discard(adapter)
+        log.info("adapter %s of model %s unloaded", adapter, model)
+
+    def _announce_adapters(self) -> None:
+        """Tells a new session's agent the adapters loaded before it."""
+        if p.FEATURE_ADAPTERS not in self.features:
+            log.warning("the agent did not grant %s: loaded adapters %s are not advertised", p.FEATURE_ADAPTERS, self.adapters)
+            return
+        for model, names in list(self.adapters.items()):
+            for a in sorted(names):
+                try:
+                    self._request({"t": p.TYPE_ADAPTER_LOADED, "model": model, "adapter": a}, 10.0)
+                except (LifecycleRefused, ConnectionError, TimeoutError) as e:
+                    log.warning("adapter %s of model %s not announced: %s", a, model, e)
+
+    def _stream_state(self, task: Task) -> Dict[str, Any]:
+        """The state of task's decode stream: a new one at chunk 0, else
+        the one its earlier chunks left (LostState when there is none).
+        Streams idle past STREAM_IDLE_S are dropped on the way."""
+        assert task.stream is not None
+        now = time.monotonic()
+        with self._slock:
+            for sid, (at, _) in list(self._streams.items()):
+                if now - at > p.STREAM_IDLE_S:
+                    del self._streams[sid]
+                    log.info("decode stream %d dropped: no chunk for %.0f s", sid, now - at)
+            if task.stream.chunk == 0:
+                state: Dict[str, Any] = {}
+            elif task.stream.id in self._streams:
+                state = self._streams[task.stream.id][1]
+            else:
+                raise LostState(f"chunk {task.stream.chunk} of decode stream {task.stream.id} (job {task.stream.job}): "
+                                f"this worker holds no state of it")
+            self._streams[task.stream.id] = (now, state)
+        return state
+
+    def _drop_stream(self, sid: int, why: str) -> None:
+        with self._slock:
+            if self._streams.pop(sid, None) is not None:
+                log.debug("decode stream %d dropped: %s", sid, why)
 
     def _run_task(self, task: Task) -> None:
         fn = {"encode": self.on_encode, "denoise": self.on_denoise, "decode": self.on_decode}.get(task.stage)
+        ok = False
         try:
             if fn is None:
                 raise BadInput(f"this worker has no {task.stage} callback")
@@ -865,7 +1169,12 @@ class Worker:
             if why is not None:
                 raise BadInput(why)
             task._prepare()
+            if task.stream is not None:
+                task.state = self._stream_state(task)
+            log.debug("task %d (%s of %s) started", task.id, task.stage, task.model)
             fn(task)
+            if task.stream is not None and task.stream.last:
+                self._drop_stream(task.stream.id, "its last chunk is done")
             done: Dict[str, Any] = {"t": p.TYPE_DONE, "task": task.id}
             if task._split:
                 if task.stage == "encode":
@@ -873,6 +1182,7 @@ class Worker:
             elif task._lens:
                 done["lens"] = dict(task._lens)
             self._send(done)
+            ok = True
         except Cancelled:
             log.info("task %d (%s) cancelled after step %d of %d", task.id, task.stage, task.last_step, task.spec.steps)
             self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_CANCELLED, "reason": "cancelled"})
@@ -885,12 +1195,20 @@ class Worker:
             self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_BAD_CHECKPOINT, "reason": str(e)[:1000]})
         except BadInput as e:
             self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_BAD_INPUT, "reason": str(e)[:1000]})
+        except LostState as e:
+            log.info("task %d (%s): %s", task.id, task.stage, e)
+            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_LOST_STATE, "reason": str(e)[:1000]})
+        except NoAdapter as e:
+            log.info("task %d (%s): adapter %s not loaded: %s", task.id, task.stage, task.adapter, e)
+            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_NO_ADAPTER, "reason": str(e)[:1000]})
         except Exception as e:  # a bug in a callback fails the task, not the worker
             log.exception("task %d (%s) failed", task.id, task.stage)
             self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_INTERNAL, "reason": repr(e)[:1000]})
         finally:
             with self._tlock:
                 self._tasks.pop(task.id, None)
+            if task.stream is not None and not ok:
+                self._drop_stream(task.stream.id, "a chunk of it failed")
 
 
 def socket_from_args(argv: List[str]) -> str:

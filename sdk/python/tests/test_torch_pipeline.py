@@ -105,16 +105,42 @@ class TorchVideoTest(unittest.TestCase):
         z = self.p.image_latent(self.image(40), 2, 2)
         self.assertTrue(torch.equal(base[0], z), "the first latent frame is not the image's latent")
 
-    def test_a_latent_frame_decodes_alone(self) -> None:
+    def test_chunks_decode_as_a_stream(self) -> None:
+        """The causal decoder carries its state from chunk to chunk: a
+        stream of chunks gives the whole's bytes; a chunk without the state
+        is refused, and one with another stream's state differs."""
         lat = self.latent(self.image(90))
         whole = torch.zeros(9, 16, 16, 4, dtype=torch.uint8)
-        self.p.decode_video(lat, 0, whole)
+        self.p.decode_video(lat, 0, whole, {})
         parts = [torch.zeros(1, 16, 16, 4, dtype=torch.uint8), torch.zeros(4, 16, 16, 4, dtype=torch.uint8),
                  torch.zeros(4, 16, 16, 4, dtype=torch.uint8)]
+        state: dict = {}
         for j, out in enumerate(parts):
-            self.p.decode_video(lat[j:j + 1], j, out)
+            self.p.decode_video(lat[j:j + 1], j, out, state)
         self.assertTrue(torch.equal(whole, torch.cat(parts)), "decoding chunk by chunk differs from decoding whole")
         self.assertFalse(torch.equal(whole[1], whole[2]), "the four frames of a latent frame are one image")
+        with self.assertRaises(self.tp.BadInput):
+            self.p.decode_video(lat[1:2], 1, parts[1], {})
+        other = torch.zeros(4, 16, 16, 4, dtype=torch.uint8)
+        self.p.decode_video(lat[1:2], 1, other, {"prev": torch.zeros_like(lat[0:1])})
+        self.assertFalse(torch.equal(other, parts[1]), "the state before a chunk does not reach its pixels")
+
+    def test_adapter_changes_the_denoise_deterministically(self) -> None:
+        """A LoRA-like adapter of the query projection changes the latent,
+        the same way every time; without one the output is the base's."""
+        path = os.path.join(tempfile.mkdtemp(), "a.safetensors")
+        self.tp.write_adapter(path, 3)
+        lora = self.tp.load_adapter(path, torch.device("cpu"))
+        cond = torch.zeros(2, self.tp.TOKENS, self.tp.DIM)
+        self.p.encode("a fox", "", cond)
+
+        def run(lo):
+            out = torch.zeros(1, 4, 8, 8)
+            self.p.denoise(cond, 5, 3, 5.0, out, lambda *a: None, lora=lo)
+            return out
+        base, a1, a2 = run(None), run(lora), run(lora)
+        self.assertTrue(torch.equal(a1, a2), "the adapter's output is not deterministic")
+        self.assertGreater(float((a1 - base).abs().max()), 1e-3, "the adapter does not change the latent measurably")
 
 
 if __name__ == "__main__":

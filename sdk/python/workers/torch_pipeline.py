@@ -29,7 +29,20 @@ text encoder and U-Net:
 - a reference image (required, at denoise), encoded to the first latent
   frame, which the sampler keeps on the image's noised latent;
 - one parameter, ``guidance_rescale`` (0-1, default 0): classifier-free
-  guidance rescaled towards the conditional prediction's spread.
+  guidance rescaled towards the conditional prediction's spread;
+- a causal VAE decoder: each latent frame is decoded with a quarter of the
+  one before it added (a causal 3D VAE's cache, in miniature), so a job's
+  chunks decode as one stream, its state kept between them (protocol v2,
+  decode_state);
+- the first latent frame is held on the reference image's latent, which
+  makes it final before the first step: the denoise reports it ready at
+  once (chunk_ready), so the decode of chunk 0 starts while it runs.
+
+Adapters (protocol v2, adapters): a LoRA-like low-rank update of the mid
+cross-attention's query projection of the U-Net, ``q += scale * up(down(h))``
+(``--write-adapter``), loaded and unloaded while serving by commands on
+standard input with ``--control``: ``load-adapter MODEL NAME PATH``,
+``unload-adapter MODEL NAME``.
 
 Weights are generated from a fixed seed (no download) and stored in a
 safetensors file (``--write-weights``); workers load them with ``--weights``.
@@ -43,6 +56,7 @@ CPU, and not across GPU models).
     torch_pipeline.py --write-weights W
     torch_pipeline.py --weights W --socket PATH [--stages encode,denoise,decode] [--step-ms N] [--checkpoint-every N] [--device D]
     torch_pipeline.py --weights W --reference SPEC_JSON OUT_RGBA [--device D]
+    torch_pipeline.py --write-adapter A [--adapter-seed N]
 """
 from __future__ import annotations
 
@@ -53,6 +67,7 @@ import logging
 import math
 import struct
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
@@ -64,7 +79,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from latentmesh_engine import (BadCheckpoint, BadInput, CheckpointSpec, CondTensor, ImageSpec,  # noqa: E402
-                               LatentLayout, Layout, Model, Param, Task, Worker, socket_from_args)
+                               LatentLayout, Layout, Model, NoAdapter, Param, Task, Worker, socket_from_args)
 
 MODEL = "latentmesh-tiny-torch"
 VIDEO_MODEL = "latentmesh-tiny-video"
@@ -78,6 +93,9 @@ SAMPLER = "torch-tiny/ddim/1"
 log = logging.getLogger("torch_pipeline")
 
 KV = List[Tuple[torch.Tensor, torch.Tensor]]  # per cross-attention layer: keys, values [batch, TOKENS, channels]
+Lora = Tuple[torch.Tensor, torch.Tensor, float]  # down [r, 64], up [64, r], scale: the mid attention's query update
+CAUSAL = 0.25  # the video VAE's share of the latent frame before
+ADAPTER_RANK = 4
 
 torch.set_num_threads(1)  # one thread: the same reductions in every process
 
@@ -169,12 +187,16 @@ class CrossAttention(nn.Module):
         _, wk, wv, _, bk, bv = self._weights()
         return F.linear(ctx, wk, bk), F.linear(ctx, wv, bv)
 
-    def forward(self, x: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: Tuple[torch.Tensor, torch.Tensor], lora: Optional[Lora] = None) -> torch.Tensor:
         b, c, h, w = x.shape
         wq, _, _, bq, _, _ = self._weights()
         heads = self.attn.num_heads
         hd = c // heads
-        q = F.linear(self.norm(x).flatten(2).transpose(1, 2), wq, bq)
+        hn = self.norm(x).flatten(2).transpose(1, 2)
+        q = F.linear(hn, wq, bq)
+        if lora is not None:  # a low-rank update of the query projection, unmerged: the base path is unchanged
+            down, up, scale = lora
+            q = q + scale * F.linear(F.linear(hn, down), up)
         q = q.reshape(b, h * w, heads, hd).transpose(1, 2)
         k, v = (t.reshape(b, -1, heads, hd).transpose(1, 2) for t in kv)
         att = torch.softmax((q @ k.transpose(-2, -1)) / math.sqrt(hd), dim=-1)
@@ -224,10 +246,10 @@ class UNet(nn.Module):
         return [(torch.cat([k1, k2]).repeat(frames, 1, 1), torch.cat([v1, v2]).repeat(frames, 1, 1))
                 for (k1, v1), (k2, v2) in zip(kc, ku)]
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor, kv: KV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, t: torch.Tensor, kv: KV, lora: Optional[Lora] = None) -> torch.Tensor:
         te = self.temb(timestep_embedding(t, 64))
         h0 = self.down1(self.stem(x), te)
-        h = self.attn(self.mid(self.down(h0), te), kv[0])
+        h = self.attn(self.mid(self.down(h0), te), kv[0], lora)
         h = self.up1(torch.cat([self.up(h), h0], dim=1), te)
         return self.out(self.attn_up(h, kv[1]))
 
@@ -295,7 +317,8 @@ class Pipeline(nn.Module):
     @torch.no_grad()
     def denoise(self, cond: torch.Tensor, seed: int, steps: int, guidance: float, out: torch.Tensor,
                 each_step: Callable[[int, int, bool, torch.Tensor], None],
-                resume: Optional[Tuple[int, torch.Tensor]] = None, uncond_kv: Optional[KV] = None) -> None:
+                resume: Optional[Tuple[int, torch.Tensor]] = None, uncond_kv: Optional[KV] = None,
+                lora: Optional[Lora] = None) -> None:
         """DDIM from the seed's noise, or from resume (the steps done and
         the latent after them); each_step(i, steps, before, x) runs before
         and after step i. The run is a function of the seed, the
@@ -318,7 +341,7 @@ class Pipeline(nn.Module):
             each_step(i, steps, True, x)
             t = ts[i]
             xin = x.repeat_interleave(2, dim=0)
-            eps = self.unet(xin, t.repeat(2 * frames).to(self.device), kv)
+            eps = self.unet(xin, t.repeat(2 * frames).to(self.device), kv, lora)
             e_c, e_u = eps[0::2], eps[1::2]
             e = e_u + guidance * (e_c - e_u)
             a_t = self.alphas_cumprod[t].float()
@@ -372,7 +395,8 @@ class Pipeline(nn.Module):
     @torch.no_grad()
     def denoise_video(self, tokens: torch.Tensor, tokens_neg: torch.Tensor, pooled: torch.Tensor, image: torch.Tensor,
                       seed: int, steps: int, guidance: float, rescale: float, out: torch.Tensor,
-                      each_step: Callable[[int, int, bool, torch.Tensor], None]) -> None:
+                      each_step: Callable[[int, int, bool, torch.Tensor], None],
+                      chunk_ready: Optional[Callable[[int], None]] = None) -> None:
         """DDIM over a video latent [F, C, h, w]: the prompt's and the
         negative prompt's branches run apart (their sequences differ in
         length); the pooled vectors steer each branch's noise; the first
@@ -389,6 +413,14 @@ class Pipeline(nn.Module):
         kv_u = [(k.repeat(frames, 1, 1), v.repeat(frames, 1, 1)) for k, v in self.unet.branch_kv(tokens_neg.to(self.device)[None])]
         bias = torch.tanh(self.video.pooled_bias(pooled.to(self.device).float()))[:, :, None, None] * 0.1  # [2, C, 1, 1]
         x[0] = self.alphas_cumprod[ts[0]].float().sqrt() * z + (1 - self.alphas_cumprod[ts[0]].float()).sqrt() * noise0
+        # The first latent frame is held on the image's latent at each
+        # step's noise level; after the last step (a_prev = 1) it is this,
+        # computed as that step computes it: final now, so written now.
+        one = torch.tensor(1.0)
+        final0 = one.sqrt() * z + (1 - one).sqrt() * noise0
+        out[0].copy_(final0)
+        if chunk_ready is not None:
+            chunk_ready(0)
         for i in range(steps):
             each_step(i, steps, True, x)
             t = ts[i].repeat(frames).to(self.device)
@@ -405,17 +437,27 @@ class Pipeline(nn.Module):
             x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * e
             x[0] = a_prev.sqrt() * z + (1 - a_prev).sqrt() * noise0
             each_step(i, steps, False, x)
-        out.copy_(x)
+        if not torch.equal(x[0], final0):
+            raise RuntimeError("latent frame 0 changed after it was reported final")
+        out[1:].copy_(x[1:])
 
     @torch.no_grad()
-    def decode_video(self, latent: torch.Tensor, first: int, out: torch.Tensor) -> None:
+    def decode_video(self, latent: torch.Tensor, first: int, out: torch.Tensor, state: Dict) -> None:
         """Latent frames first, first+1, ... ([k, C, h, w]) into their video
         frames (out [n, H, W, 4]): latent frame 0 to one, each later one to
-        TEMPORAL. Each latent frame is decoded alone, so a chunk decodes to
-        the same bytes as the whole."""
+        TEMPORAL. The decoder is causal: latent frame j is decoded with
+        CAUSAL times frame j-1 added, which state["prev"] carries from one
+        chunk of a job to the next, so chunks decode to the same bytes as
+        the whole."""
         at = 0
+        prev = None if first == 0 else state.get("prev")
+        if first > 0 and prev is None:
+            raise BadInput(f"latent frame {first} decoded without the frame before it (no decode state)")
         for j in range(latent.shape[0]):
-            sub = self.video.vae(latent[j:j + 1].to(self.device))  # [TEMPORAL, 3, H, W]
+            z = latent[j:j + 1].to(self.device)
+            zin = z if prev is None else z + CAUSAL * prev
+            prev = z.clone()
+            sub = self.video.vae(zin)  # [TEMPORAL, 3, H, W]
             if first + j == 0:
                 sub = sub[:1]
             n = sub.shape[0]
@@ -424,6 +466,7 @@ class Pipeline(nn.Module):
         if at != out.shape[0]:
             raise BadInput(f"latent frames {first}-{first + latent.shape[0] - 1} make {at} video frames, the output holds {out.shape[0]}")
         out[:, :, :, 3] = 255
+        state["prev"] = prev
 
 
 def to_pixels(rgb: torch.Tensor) -> torch.Tensor:
@@ -489,7 +532,7 @@ def model_decl(stages, checkpoint_every: int = 0) -> Model:
                  max_steps=200,
                  # The checkpoint's latent is the sampler's x, float32 like the latent.
                  checkpoint=CheckpointSpec(SAMPLER, "float32", CHANNELS, checkpoint_every) if denoises else None,
-                 tensor_cache=denoises)
+                 tensor_cache=denoises, adapters=denoises)
 
 
 def video_decl(stages) -> Model:
@@ -503,7 +546,8 @@ def video_decl(stages) -> Model:
                  latent=LatentLayout("float32", CHANNELS, SCALE, temporal=TEMPORAL),
                  default_steps=8, max_side=128, max_frames=81, max_steps=200, frame_step=TEMPORAL, frame_offset=1,
                  image=ImageSpec(stages=["denoise"], required=True),
-                 params=[Param.number("guidance_rescale", 0.0, 1.0, 0.0)])
+                 params=[Param.number("guidance_rescale", 0.0, 1.0, 0.0)],
+                 decode_state=True, chunk_ready=True)
 
 
 # The sampler state of a checkpoint: magic, version, steps done, the
@@ -562,9 +606,71 @@ def uncond_kv(p: Pipeline, task: Task, cond: torch.Tensor) -> Optional[KV]:
     return kv
 
 
-def serve(p: Pipeline, stages, step_ms: int, checkpoint_every: int = 0) -> None:
+def write_adapter(path: str, seed: int) -> None:
+    """A LoRA-like adapter of the mid cross-attention's query projection:
+    down [ADAPTER_RANK, 64], up [64, ADAPTER_RANK], scale, from seed."""
+    g = torch.Generator().manual_seed(seed)
+    save_safetensors(path, {"attn.down": torch.randn(ADAPTER_RANK, 64, generator=g) * 0.3,
+                            "attn.up": torch.randn(64, ADAPTER_RANK, generator=g) * 0.3,
+                            "scale": torch.tensor([1.0])})
+
+
+def load_adapter(path: str, device: torch.device) -> Lora:
+    t = load_safetensors(path)
+    down, up = t["attn.down"], t["attn.up"]
+    if tuple(down.shape) != (ADAPTER_RANK, 64) or tuple(up.shape) != (64, ADAPTER_RANK):
+        raise ValueError(f"{path}: adapter of shapes {tuple(down.shape)}, {tuple(up.shape)}")
+    return down.to(device), up.to(device), float(t["scale"][0])
+
+
+class Adapters:
+    """The adapters loaded, by model and name (the control thread loads
+    and unloads; denoise tasks read)."""
+
+    def __init__(self) -> None:
+        self._mu = threading.Lock()
+        self._loaded: Dict[Tuple[str, str], Lora] = {}
+
+    def get(self, model: str, name: str) -> Optional[Lora]:
+        with self._mu:
+            return self._loaded.get((model, name))
+
+    def put(self, model: str, name: str, lora: Optional[Lora]) -> None:
+        with self._mu:
+            if lora is None:
+                self._loaded.pop((model, name), None)
+            else:
+                self._loaded[(model, name)] = lora
+
+
+def control(p: Pipeline, w: Worker, adapters: Adapters, lines) -> None:
+    """Commands from lines (standard input): load-adapter MODEL NAME PATH,
+    unload-adapter MODEL NAME. The weights are loaded before the agent is
+    told, and dropped after."""
+    for line in lines:
+        args = line.split()
+        try:
+            if args[:1] == ["load-adapter"] and len(args) == 4:
+                adapters.put(args[1], args[2], load_adapter(args[3], p.device))
+                w.load_adapter(args[1], args[2])
+                log.info("control: adapter %s of %s loaded", args[2], args[1])
+            elif args[:1] == ["unload-adapter"] and len(args) == 3:
+                w.unload_adapter(args[1], args[2])
+                adapters.put(args[1], args[2], None)
+                log.info("control: adapter %s of %s unloaded", args[2], args[1])
+            elif args:
+                log.warning("control: unknown command %r", line.strip())
+        except Exception as e:  # a bad command is reported, the worker goes on
+            log.warning("control: %r failed: %s", line.strip(), e)
+
+
+def serve(p: Pipeline, stages, step_ms: int, checkpoint_every: int = 0, controlled: bool = False,
+          reconnect: bool = False) -> None:
     w = Worker(engine="torch-tiny/1", models=[model_decl(stages, checkpoint_every), video_decl(stages)],
                slots={s: 1 for s in stages})
+    adapters = Adapters()
+    if controlled:
+        threading.Thread(target=control, args=(p, w, adapters, sys.stdin), daemon=True).start()
 
     @w.encode
     def _encode(task: Task) -> None:
@@ -598,8 +704,13 @@ def serve(p: Pipeline, stages, step_ms: int, checkpoint_every: int = 0) -> None:
                 if task.wants_checkpoint(i + 1):
                     task.checkpoint(i + 1, sampler_state(i + 1, s), x)
 
+        lora = None
+        if task.adapter:
+            lora = adapters.get(task.model, task.adapter)
+            if lora is None:
+                raise NoAdapter(f"adapter {task.adapter} of {task.model} is not loaded here")
         p.denoise(cond, s.seed, s.steps, s.guidance_scale, task.torch_output(), each_step,
-                  resume=resume, uncond_kv=uncond_kv(p, task, cond))
+                  resume=resume, uncond_kv=uncond_kv(p, task, cond), lora=lora)
 
     @w.decode
     def _decode(task: Task) -> None:
@@ -607,11 +718,17 @@ def serve(p: Pipeline, stages, step_ms: int, checkpoint_every: int = 0) -> None:
         if not bool(torch.isfinite(lat).all()):
             raise BadInput("latent holds NaN or infinite values")
         if task.model == VIDEO_MODEL:
-            p.decode_video(lat, task.first_frame, task.torch_output())
+            if task.stream is not None:  # the test of the early handoff reads this line
+                log.info("decode of job %s chunk %d started at %.6f", task.stream.job, task.stream.chunk, time.time())
+            p.decode_video(lat, task.first_frame, task.torch_output(), task.state)
             return
         p.decode(lat, task.torch_output())
 
-    w.run(socket_from_args(sys.argv[1:]))
+    path = socket_from_args(sys.argv[1:])
+    if reconnect:
+        w.run_forever(path)
+    else:
+        w.run(path)
 
 
 def denoise_video(p: Pipeline, task: Task, step_ms: int) -> None:
@@ -633,7 +750,9 @@ def denoise_video(p: Pipeline, task: Task, step_ms: int) -> None:
             task.progress(i + 1, total)
 
     p.denoise_video(conds["tokens"], conds["tokens_neg"], conds["pooled"], image, s.seed, s.steps, s.guidance_scale,
-                    float(task.params.get("guidance_rescale", 0.0)), task.torch_output(), each_step)
+                    float(task.params.get("guidance_rescale", 0.0)), task.torch_output(), each_step,
+                    chunk_ready=task.chunk_ready)
+    log.info("denoise task %d finished at %.6f", task.id, time.time())  # the test of the early handoff reads this line
 
 
 def reference(p: Pipeline, specs, out_path: str) -> None:
@@ -651,7 +770,8 @@ def reference_one(p: Pipeline, spec: dict) -> bytes:
     cond = torch.zeros(2, TOKENS, DIM)
     p.encode(spec["prompt"], spec.get("negative_prompt", ""), cond)
     lat = torch.zeros(frames, CHANNELS, h // SCALE, w // SCALE)
-    p.denoise(cond, spec["seed"], spec["steps"], spec["guidance_scale"], lat, lambda *a: None)
+    lora = load_adapter(spec["lora"], p.device) if spec.get("lora") else None
+    p.denoise(cond, spec["seed"], spec["steps"], spec["guidance_scale"], lat, lambda *a: None, lora=lora)
     out = torch.zeros(frames, h, w, 4, dtype=torch.uint8)
     p.decode(lat, out)
     return out.numpy().tobytes()
@@ -674,10 +794,10 @@ def reference_video(p: Pipeline, spec: dict) -> bytes:
                     spec["steps"], spec["guidance_scale"], float(spec.get("params", {}).get("guidance_rescale", 0.0)), lat,
                     lambda *a: None)
     out = torch.zeros(frames, h, w, 4, dtype=torch.uint8)
-    at = 0
+    at, state = 0, {}
     for j in range(lf):
         n_out = 1 if j == 0 else TEMPORAL
-        p.decode_video(lat[j:j + 1], j, out[at:at + n_out])
+        p.decode_video(lat[j:j + 1], j, out[at:at + n_out], state)
         at += n_out
     return out.numpy().tobytes()
 
@@ -692,16 +812,23 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=0, help="the model's default checkpoint period in steps (0: the agent's)")
     ap.add_argument("--reference", nargs=2, metavar=("SPEC_JSON", "OUT_RGBA"))
     ap.add_argument("--device", default="cpu", help="torch device to run on: cpu (bit-identical across processes), cuda, cuda:1, ...")
+    ap.add_argument("--control", action="store_true", help="read load-adapter/unload-adapter commands from standard input")
+    ap.add_argument("--reconnect", action="store_true", help="connect again after the agent closes the socket (else exit)")
+    ap.add_argument("--write-adapter", help="write a LoRA-like adapter (safetensors) and exit")
+    ap.add_argument("--adapter-seed", type=int, default=1)
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     if a.write_weights:
         write_weights(a.write_weights)
         return
+    if a.write_adapter:
+        write_adapter(a.write_adapter, a.adapter_seed)
+        return
     p = build(a.weights, a.device)
     if a.reference:
         reference(p, json.loads(a.reference[0]), a.reference[1])
         return
-    serve(p, a.stages.split(","), a.step_ms, a.checkpoint_every)
+    serve(p, a.stages.split(","), a.step_ms, a.checkpoint_every, a.control, a.reconnect)
 
 
 if __name__ == "__main__":

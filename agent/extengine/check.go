@@ -288,13 +288,19 @@ func (c *checker) stop() {
 }
 
 // waitEngine waits for a registration (present true) or its absence.
-func (c *checker) waitEngine(ctx context.Context, present bool, d time.Duration) bool {
+// With orRefusedFrame it also stops (false) once the agent side closed a
+// connection for a frame of the engine's (goneWhy): an engine that
+// registered and broke the protocol before the check began.
+func (c *checker) waitEngine(ctx context.Context, present bool, d time.Duration, orRefusedFrame bool) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	for {
 		ch := c.srv.Changed()
 		if (c.srv.Engine() != nil) == present {
 			return true
+		}
+		if orRefusedFrame && c.goneWhy() != "" {
+			return false
 		}
 		select {
 		case <-ch:
@@ -310,15 +316,21 @@ func (c *checker) waitEngine(ctx context.Context, present bool, d time.Duration)
 
 func (c *checker) run(ctx context.Context) {
 	start := time.Now()
-	if !c.waitEngine(ctx, true, c.cfg.RegisterTimeout) {
+	up := c.waitEngine(ctx, true, c.cfg.RegisterTimeout, true)
+	reg := c.srv.Engine() // nil if the engine went since
+	if !up || reg == nil {
 		why := fmt.Sprintf("no engine registered within %v", c.cfg.RegisterTimeout)
-		if c.refusedWhy != "" {
+		switch {
+		case c.refusedWhy != "":
 			why = "the registration was refused: " + c.refusedWhy
+		case c.goneWhy() != "":
+			why = "the engine registered, but before the check began " + c.ranOrGone(ErrEngineLost)
+		case up:
+			why = "the engine registered, but its connection ended before the check began"
 		}
 		c.report(CheckResult{Name: "register", Detail: why})
 		return
 	}
-	reg := c.srv.Engine()
 	var names []string
 	for _, m := range reg.Models {
 		names = append(names, fmt.Sprintf("%s%v", m.Name, m.Stages))
@@ -510,7 +522,7 @@ func (c *checker) task(ctx context.Context, m Model, st string) CheckResult {
 		err = c.srv.Run(tctx, r)
 		cancel()
 		if err != nil {
-			return CheckResult{Name: name, Detail: fmt.Sprintf("failed: %v", err)}
+			return CheckResult{Name: name, Detail: c.ranOrGone(err)}
 		}
 		took = max(took, time.Since(start).Round(time.Millisecond))
 		if st == StageDenoise && (last != r.Spec.Steps || total != r.Spec.Steps) {
@@ -782,14 +794,14 @@ func (c *checker) crash(ctx context.Context, reg *Registration) CheckResult {
 	}
 	c.cmd.Process.Kill()
 	<-c.exited
-	if !c.waitEngine(ctx, false, 2*c.cfg.Server.HeartbeatTimeout) {
+	if !c.waitEngine(ctx, false, 2*c.cfg.Server.HeartbeatTimeout, false) {
 		return CheckResult{Name: name, Detail: "the killed engine still counts as registered"}
 	}
 	if err := c.start(); err != nil {
 		return CheckResult{Name: name, Detail: err.Error()}
 	}
 	start := time.Now()
-	if !c.waitEngine(ctx, true, c.cfg.RegisterTimeout) {
+	if !c.waitEngine(ctx, true, c.cfg.RegisterTimeout, false) {
 		return CheckResult{Name: name, Detail: "the restarted engine did not register"}
 	}
 	m := reg.Models[0]

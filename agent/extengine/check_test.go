@@ -56,6 +56,10 @@ type fakeEngine struct {
 	// faults.
 	shapes bool
 	shapeFaults
+
+	// lifecycleFaults.lifecycle negotiates decode_state, chunk_ready and
+	// adapters for model fake (checklifecycle_test.go), with its faults.
+	lifecycleFaults
 }
 
 // fakeSampler names the fake's checkpoints.
@@ -73,10 +77,13 @@ type fakeSession struct {
 
 	mu sync.Mutex
 	// mu guards the fields below.
-	cancelled map[uint64]bool
-	stopped   map[uint64]bool
-	acks      map[uint64]chan int32 // checkpointed answers, by task
-	answers   map[uint64]chan *Msg  // tensor answers, by task
+	cancelled   map[uint64]bool
+	stopped     map[uint64]bool
+	acks        map[uint64]chan int32 // checkpointed answers, by task
+	answers     map[uint64]chan *Msg  // tensor answers, by task
+	streams     map[uint64][]byte     // a decode stream's state, by stream id
+	lacks       []*Msg                // the agent's acks of lifecycle frames
+	adapterSent bool                  // adapter_loaded went (lifecycleFaults.adapterOnTask)
 }
 
 // fakeTask is one task of a fakeSession: its frame and the channels its
@@ -102,7 +109,7 @@ func (s *fakeSession) flag(set map[uint64]bool, id uint64) bool {
 
 // serve dials path (retrying until the check listens), registers and
 // serves tasks until the check closes the connection.
-func (f fakeEngine) serve(ctx context.Context, path string) error {
+func (f fakeEngine) serve(ctx context.Context, path string) (err error) {
 	var c *net.UnixConn
 	for {
 		var err error
@@ -132,6 +139,9 @@ func (f fakeEngine) serve(ctx context.Context, path string) error {
 	if f.shapes {
 		reg.Models = append(reg.Models, fakeShapes(f.shapeFaults))
 		reg.Versions, reg.Features = []int32{Version1, Version2}, append(reg.Features, shapeFeatures...)
+	}
+	if f.lifecycle {
+		reg.Versions, reg.Features = []int32{Version1, Version2}, append(reg.Features, FeatureDecodeState, FeatureChunkReady, FeatureAdapters)
 	}
 	if err := WriteMsg(c, reg); err != nil {
 		return err
@@ -172,7 +182,18 @@ func (f fakeEngine) serve(ctx context.Context, path string) error {
 	}
 	defer unix.Munmap(mem)
 	s := &fakeSession{f: f, c: c, mem: mem, version: max(w.Version, Version1), stop: make(chan struct{}),
-		cancelled: map[uint64]bool{}, stopped: map[uint64]bool{}, acks: map[uint64]chan int32{}, answers: map[uint64]chan *Msg{}}
+		cancelled: map[uint64]bool{}, stopped: map[uint64]bool{}, acks: map[uint64]chan int32{}, answers: map[uint64]chan *Msg{},
+		streams: map[uint64][]byte{}}
+	if f.lifecycle {
+		if err := s.welcomed(w); err != nil {
+			return err
+		}
+		defer func() {
+			if err == nil {
+				err = s.adapterTaken()
+			}
+		}()
+	}
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		t := time.NewTicker(time.Duration(w.HeartbeatMS) * time.Millisecond)
@@ -197,6 +218,10 @@ func (f fakeEngine) serve(ctx context.Context, path string) error {
 		s.mu.Lock()
 		switch m.T {
 		case TypeTask:
+			if f.lifecycle && f.adapterOnTask && !s.adapterSent {
+				s.adapterSent = true
+				s.loadAdapter()
+			}
 			s.busy.Add(1)
 			t := &fakeTask{m: m, acks: make(chan int32, 1), answers: make(chan *Msg, 1)}
 			s.acks[m.Task], s.answers[m.Task] = t.acks, t.answers
@@ -209,6 +234,12 @@ func (f fakeEngine) serve(ctx context.Context, path string) error {
 			s.acks[m.Task] <- m.Step
 		case TypeTensor:
 			s.answers[m.Task] <- m
+		case TypeStreamEnd:
+			if !f.keepAfterEnd {
+				delete(s.streams, m.Stream)
+			}
+		case TypeAck:
+			s.lacks = append(s.lacks, m)
 		}
 		s.mu.Unlock()
 	}
@@ -232,6 +263,10 @@ func (s *fakeSession) run(t *fakeTask) {
 		in := m.Inputs[0]
 		if math.IsNaN(float64(math.Float32frombits(binary.LittleEndian.Uint32(s.mem[in.Off:])))) {
 			s.send(&Msg{T: TypeFailed, Task: m.Task, Code: CodeBadInput, Reason: "latent holds NaN"})
+			return
+		}
+		if s.f.lifecycle {
+			s.send(s.decodeCausal(m, s.mem[in.Off:in.Off+in.Len], out))
 			return
 		}
 		if s.f.halfDecode {
@@ -273,6 +308,7 @@ func (s *fakeSession) denoise(t *fakeTask, out []byte) *Msg {
 		}
 	}
 	nb := s.negativeBranch(t)
+	final := 0 // x[:final] is written and reported ready (chunk_ready)
 	lastCk, acked := start, true
 	checkpoint := func(step int32) {
 		if !acked {
@@ -311,6 +347,7 @@ func (s *fakeSession) denoise(t *fakeTask, out []byte) *Msg {
 		if s.send(&Msg{T: TypeProgress, Task: m.Task, Step: i, Total: steps}) != nil {
 			return &Msg{T: TypeFailed, Task: m.Task, Code: CodeInternal, Reason: "connection"}
 		}
+		final = s.readyChunks(m, i, x, out, final)
 		at := i
 		if f.ckLate {
 			at--
@@ -319,7 +356,7 @@ func (s *fakeSession) denoise(t *fakeTask, out []byte) *Msg {
 			checkpoint(i)
 		}
 	}
-	for i := range x {
+	for i := final; i < len(x); i++ {
 		binary.LittleEndian.PutUint32(out[4*i:], math.Float32bits(x[i]))
 	}
 	return nil
@@ -335,7 +372,7 @@ func (s *fakeSession) negativeBranch(t *fakeTask) []float32 {
 	for j := range nb {
 		nb[j] = math.Float32frombits(binary.LittleEndian.Uint32(half[4*j:]))*0.5 + 0.001*float32(j)
 	}
-	if s.version < Version2 {
+	if !s.f.v2 { // no tensor cache asked for
 		return nb
 	}
 	sum := crc32.Checksum(half, castagnoli)

@@ -68,9 +68,10 @@ func (c *checker) onGone(err error) {
 }
 
 // ranOrGone is why a task failed, with the agent's reason when it closed
-// the connection for a frame.
+// the connection for a frame (the task was running then, or came after
+// and found no engine).
 func (c *checker) ranOrGone(err error) string {
-	if why := c.goneWhy(); why != "" && errors.Is(err, ErrEngineLost) {
+	if why := c.goneWhy(); why != "" && (errors.Is(err, ErrEngineLost) || errors.Is(err, ErrNoEngine)) {
 		return fmt.Sprintf("the agent closed the connection for a frame of the engine's: %s", why)
 	}
 	return fmt.Sprintf("failed: %v", err)

@@ -81,8 +81,9 @@ type Config struct {
 	// every registration refused: `engine check` reports it.
 	OnRefused func(reason string)
 	// OnGone, if set, is called (it must not block) with the reason a
-	// registered engine's connection ended: `engine check` reports a
-	// frame the agent refused.
+	// registered engine's connection ended, before Changed says it is
+	// gone and before its tasks fail: `engine check` reports a frame the
+	// agent refused.
 	OnGone func(err error)
 	Logger *zap.Logger
 }
@@ -1099,6 +1100,9 @@ func (c *conn) fail(err error) {
 
 	c.uc.Close()
 	s := c.s
+	if s.cfg.OnGone != nil {
+		s.cfg.OnGone(err) // before Changed fires: a watcher of it finds the reason
+	}
 	s.mu.Lock()
 	if s.cur == c {
 		s.cur = nil
@@ -1107,9 +1111,6 @@ func (c *conn) fail(err error) {
 	s.mu.Unlock()
 	c.log.Warn("engine gone; its tasks are abandoned and this agent claims no work for it until an engine registers",
 		zap.Int("tasks", len(tasks)), zap.Error(err))
-	if s.cfg.OnGone != nil {
-		s.cfg.OnGone(err)
-	}
 	var held []*pending
 	for _, p := range tasks {
 		p.result <- fmt.Errorf("%w: %v", ErrEngineLost, err)

@@ -211,10 +211,18 @@ func (a *Agent) encoders(model string) []encoderOf {
 // of its conditioning is found, or made here (by this task, or by one
 // running here or elsewhere on the same text) and published as a new
 // entry. ok is false when this agent cannot cache c's conditioning (the
-// cache is off, the runner names no encoder version, or an entry does not
-// fit the cache's room): the caller encodes as before.
+// cache is off, the runner names no encoder version, an entry does not
+// fit the cache's room, or the job was rewound): the caller encodes as
+// before.
+//
+// A rewound job lost an input, and the likeliest input to lose is a cache
+// entry: one evicted from its holder's room (or gone with it) while the
+// job waited for its denoise, which a queue longer than the room's entries
+// makes likely. Its encode therefore makes a plain payload, which lives
+// until the denoise releases it: found again in the cache, the entry
+// could go again the same way, until the job failed (MaxRewinds).
 func (a *Agent) encodeCached(ctx context.Context, c *jobs.Claim) (out jobs.Output, ok bool, err error) {
-	if !a.condCaching() {
+	if !a.condCaching() || c.Task.Rewinds > 0 {
 		return out, false, nil
 	}
 	s := c.Task.Spec

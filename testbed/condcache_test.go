@@ -239,3 +239,62 @@ func TestCondCacheEncoderVersionChange(t *testing.T) {
 		t.Fatalf("entries after the change: %v (old %v)", now, old)
 	}
 }
+
+// A cache entry evicted while its job waits for the denoise costs the job
+// an encode, not its result: an encoder running ahead of a slow denoise
+// fills a room of three entries with twelve jobs' prompts, so the denoise
+// finds most of its prompts gone and the job is rewound; the rewound
+// encode makes a plain payload, which no eviction takes, and every job
+// succeeds with the bytes of an uncached run.
+func TestCondCacheEntryEvictedBeforeDenoise(t *testing.T) {
+	const entry = 19_712 // one text's half of a 64x64 conditioning
+	cl := startCluster(t, "", func(c *ClusterConfig) {
+		c.Agent.CondCacheBytes = 3 * entry
+		c.Agent.Admission.Slack = 12 // the encoder runs ahead of the denoise
+		c.Agent.Engine.StepCost = 25 * time.Millisecond
+	})
+	addAgent(t, cl, schedAgent(cl, "enc", jobs.Encode, 4, nil))
+	addAgent(t, cl, schedAgent(cl, "den", jobs.Denoise, 1, nil))
+	addAgent(t, cl, schedAgent(cl, "dec", jobs.Decode, 2, nil))
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	entry0 := cl.Agents[0]
+	spec := func(i int) engine.Spec {
+		return engine.Spec{Prompt: fmt.Sprintf("a kite number %d", i), NegativePrompt: "blurry", Seed: int64(i), Width: 64, Height: 64, Steps: 4, Frames: 1}.WithDefaults()
+	}
+	var ids []string
+	for i := range 12 {
+		j, err := entry0.Submit(ctx, spec(i), jobs.Options{Class: routing.Standard})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, j.ID)
+	}
+	rewound := 0
+	got := map[int]string{}
+	for i, id := range ids {
+		j := waitSucceeded(t, ctx, entry0, id)
+		if j.Rewinds > 0 {
+			rewound++
+			if enc := j.Stages[jobs.Encode]; enc == nil || enc.Cached || len(enc.CacheHits) > 0 {
+				t.Fatalf("job %d was rewound, and its encode %+v still came from the cache", i, enc)
+			}
+		}
+		got[i] = j.Result.SHA256
+	}
+	t.Logf("12 jobs through a room of 3 entries: %d rewound after their entries went, all succeeded", rewound)
+	if rewound == 0 {
+		t.Fatal("no job lost its entry: the room was meant to be too small for the queue")
+	}
+	// The same bytes as a mesh without the cache.
+	plain := startCluster(t, Colocated, func(c *ClusterConfig) { c.Agent.CondCacheBytes = 0 })
+	for _, i := range []int{0, 5, 11} {
+		j, err := plain.Agents[0].Submit(ctx, spec(i), jobs.Options{Class: routing.Standard})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := waitSucceeded(t, ctx, plain.Agents[0], j.ID).Result.SHA256; got[i] != want {
+			t.Fatalf("job %d: %s with the cache, %s without", i, got[i], want)
+		}
+	}
+}

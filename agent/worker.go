@@ -368,6 +368,15 @@ func (a *Agent) viewHasOutputs(down jobs.Stage, q *jobs.Queue) bool {
 	return m.rev <= q.Seen() || time.Since(m.at) > fedLag
 }
 
+// nextViewRev is the revision up to which this agent's view of the queue
+// of the stage after st has seen etcd (0 for the last stage).
+func (a *Agent) nextViewRev(st jobs.Stage) int64 {
+	if down, last := st.Next(); !last && a.queues[down] != nil {
+		return a.queues[down].Seen()
+	}
+	return 0
+}
+
 // admit applies the backpressure chain (routing.Admission): start a task
 // only while this node's share of the next stage's budget has room. The
 // budget is the next stage's total credits (the slots its live agents
@@ -471,7 +480,13 @@ func (a *Agent) freeSlots(p gossip.Peer, st jobs.Stage) int {
 func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	st := c.Task.Stage
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
-	log.Debug("task claimed")
+	// The task starts here (a pushed claim was made with the task, maybe
+	// long before). next_view_rev, how far this agent's view of the next
+	// stage's queue has read etcd, places the start in etcd's order: no
+	// later than it happened, and not before the view admission counted
+	// this agent's outputs in (TestBackpressureManyProducers counts the
+	// backlog by it).
+	log.Debug("task started", zap.Int64("claim_rev", c.Rev), zap.Bool("pushed", c.Pushed), zap.Int64("next_view_rev", a.nextViewRev(st)))
 	a.recent.note(c.Task.JobID)
 	defer a.untrack(c)
 	var handedOff atomic.Bool // set once an early handoff committed the stage

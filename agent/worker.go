@@ -392,6 +392,17 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 		return true, ""
 	}
 	q := a.queues[down]
+	// This agent's tasks of st in flight: running (this claim has no
+	// credit yet), then done with their commit, which creates their
+	// downstream task, on its way (a task is counted committing before its
+	// credit goes back). Counted before the view is read: a commit that
+	// ends meanwhile has marked its output (committedOutput) before it
+	// stops counting here, so viewHasOutputs waits for the view to show
+	// it. Counted after, as before, such an output was in neither count,
+	// and a producer of quota 1 started a second denoise with its first
+	// output waiting for decode.
+	running := a.credits[st].InUse()
+	inFlight := running + int(a.committing[st].Load())
 	if !a.viewHasOutputs(down, q) {
 		return false, down // our last output is not in the view yet: count it first
 	}
@@ -415,9 +426,6 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	}
 	adm := a.cfg.Admission
 	quota := adm.Quota(adm.Budget(credits), producers, a.id)
-	// Running tasks of this stage (this claim has no credit yet), and those
-	// done whose commit, which creates their downstream task, is on its way.
-	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
 	ok = adm.Admit(fed+inFlight, quota)
 	// An agent that relays every output through the Store (store mode)
 	// parks them there, not in its arena or a consumer's: the Store's room

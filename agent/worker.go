@@ -154,6 +154,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		}
 		settled := a.running.changes() // before admit counts the tasks still committing
 		ok, down := a.admit(st)
+		a.setHeld(st, !ok)
 		if !ok {
 			// Downstream is full: wait for its queue to move, or for a task
 			// of ours to be recorded (a preempted or failed task frees its
@@ -272,6 +273,17 @@ func (a *Agent) setBlocked(st jobs.Stage, b bool) {
 		if b {
 			a.log.Info("no room for this stage's outputs; not claiming until memory frees", zap.String("stage", string(st)))
 		}
+		a.publishMeta()
+	}
+}
+
+// setHeld records whether admission holds stage st back and gossips the
+// change. Producers count each other from etcd records, not gossip, so a
+// held producer's quota is unchanged; what changes is that no producer
+// pushes to it, and its pushed claims go to whoever gossip shows free.
+func (a *Agent) setHeld(st jobs.Stage, h bool) {
+	if a.held[st].Swap(h) != h {
+		a.log.Debug("admission", zap.String("stage", string(st)), zap.Bool("held", h))
 		a.publishMeta()
 	}
 }

@@ -234,8 +234,10 @@ func (w *backlogWatch) peak(t *testing.T) (peak int64, starts, pushed int) {
 // peak of latents waiting for decode. Claims are pushed, as by default.
 func runBackpressure(t *testing.T, jobsN int, off bool) (peak int64, credits, slack int) {
 	starts, startLogs := startLog()
+	backCore, backs := observer.New(zap.DebugLevel)
+	givenBack := onlyMessage{backCore, "pushed claim given back"}
 	cl := startCluster(t, "", func(c *ClusterConfig) {
-		c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), starts))
+		c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), starts, givenBack))
 		c.Agent.Admission.Off = off
 		// Budget = decode credits 2 + slack 2 = 4, one per denoise agent:
 		// every producer has a share (with fewer, the bound is one per
@@ -288,7 +290,11 @@ func runBackpressure(t *testing.T, jobsN int, off bool) (peak int64, credits, sl
 		waitSucceeded(t, ctx, entry, id)
 	}
 	peak, started, pushed := w.stop(t, cl.Client)
-	t.Logf("%d jobs: %d denoise starts, %d of them of pushed claims", jobsN, started, pushed)
+	// A denoise agent held back by admission gossips no free slot, so few
+	// pushes should land where they can only be given back (logged, not
+	// asserted: it is gossip's timing).
+	t.Logf("%d jobs: %d denoise starts, %d of them of pushed claims; %d pushed denoise claims given back",
+		jobsN, started, pushed, backs.FilterField(zap.String("stage", string(jobs.Denoise))).Len())
 	if started < jobsN || pushed == 0 {
 		t.Fatalf("%d denoise starts placed for %d jobs, %d of pushed claims: want one a job at least, some pushed", started, jobsN, pushed)
 	}

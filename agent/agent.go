@@ -123,6 +123,11 @@ type Agent struct {
 	// blocked is set per stage while its worker finds no task whose output
 	// fits (arena, Store): the stage then gossips no free credit.
 	blocked map[jobs.Stage]*atomic.Bool
+	// held is set per stage while admission holds its worker back (the
+	// next stage's budget has no room for this node's outputs): the stage
+	// then gossips no free credit either, so producers do not push it
+	// tasks it could only give back after the steal grace.
+	held map[jobs.Stage]*atomic.Bool
 	// committing counts, per stage, the tasks whose work is done and whose
 	// credit is back but whose outcome is still being written: admission
 	// counts them as running.
@@ -152,7 +157,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.applyStateDir(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, fed: map[jobs.Stage]fedMark{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, fed: map[jobs.Stage]fedMark{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.pullCtx, a.stopPull = context.WithCancel(a.ctx)
 	a.running.init()
@@ -249,6 +254,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		a.credits[r] = routing.NewCredits(cfg.Slots[r])
 		a.metrics.InitStage(r)
 		a.blocked[r] = &atomic.Bool{}
+		a.held[r] = &atomic.Bool{}
 		a.committing[r] = &atomic.Int64{}
 	}
 	a.alarms = jobs.NewAlarmWatcher(cli, cfg.AlarmEvery, a.log)
@@ -749,9 +755,10 @@ func (a *Agent) meta() gossip.NodeMeta {
 		c := a.credits[st]
 		// Roles are the stages this node takes work for now (its etcd
 		// record has the ones it is configured for): not while draining,
-		// nor while a stage has no room for its outputs or no engine
-		// slot. Producers hint and push only to those.
-		if !a.blocked[st].Load() && !a.draining.Load() && a.runner.Slots(st) > 0 {
+		// nor while a stage has no room for its outputs, admission holds
+		// it back, or it has no engine slot. Producers hint and push only
+		// to those.
+		if !a.blocked[st].Load() && !a.held[st].Load() && !a.draining.Load() && a.runner.Slots(st) > 0 {
 			m.Roles = append(m.Roles, string(st))
 			_, free := a.slots(st)
 			m.Free.Set(string(st), uint32(free))

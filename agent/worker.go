@@ -154,6 +154,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		}
 		settled := a.running.changes() // before admit counts the tasks still committing
 		ok, down := a.admit(st)
+		a.setHeld(st, !ok)
 		if !ok {
 			// Downstream is full: wait for its queue to move, or for a task
 			// of ours to be recorded (a preempted or failed task frees its
@@ -276,6 +277,17 @@ func (a *Agent) setBlocked(st jobs.Stage, b bool) {
 	}
 }
 
+// setHeld records whether admission holds stage st back and gossips the
+// change. Producers count each other from etcd records, not gossip, so a
+// held producer's quota is unchanged; what changes is that no producer
+// pushes to it, and its pushed claims go to whoever gossip shows free.
+func (a *Agent) setHeld(st jobs.Stage, h bool) {
+	if a.held[st].Swap(h) != h {
+		a.log.Debug("admission", zap.String("stage", string(st)), zap.Bool("held", h))
+		a.publishMeta()
+	}
+}
+
 // outputBytes is what task t will place in this node's arena: the encoded
 // conditioning, the latent. A decode's file goes to the Store, where it may
 // overflow (putResult), so decode never waits for room.
@@ -368,6 +380,15 @@ func (a *Agent) viewHasOutputs(down jobs.Stage, q *jobs.Queue) bool {
 	return m.rev <= q.Seen() || time.Since(m.at) > fedLag
 }
 
+// nextViewRev is the revision up to which this agent's view of the queue
+// of the stage after st has seen etcd (0 for the last stage).
+func (a *Agent) nextViewRev(st jobs.Stage) int64 {
+	if down, last := st.Next(); !last && a.queues[down] != nil {
+		return a.queues[down].Seen()
+	}
+	return 0
+}
+
 // admit applies the backpressure chain (routing.Admission): start a task
 // only while this node's share of the next stage's budget has room. The
 // budget is the next stage's total credits (the slots its live agents
@@ -383,6 +404,17 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 		return true, ""
 	}
 	q := a.queues[down]
+	// This agent's tasks of st in flight: running (this claim has no
+	// credit yet), then done with their commit, which creates their
+	// downstream task, on its way (a task is counted committing before its
+	// credit goes back). Counted before the view is read: a commit that
+	// ends meanwhile has marked its output (committedOutput) before it
+	// stops counting here, so viewHasOutputs waits for the view to show
+	// it. Counted after, as before, such an output was in neither count,
+	// and a producer of quota 1 started a second denoise with its first
+	// output waiting for decode.
+	running := a.credits[st].InUse()
+	inFlight := running + int(a.committing[st].Load())
 	if !a.viewHasOutputs(down, q) {
 		return false, down // our last output is not in the view yet: count it first
 	}
@@ -406,9 +438,6 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	}
 	adm := a.cfg.Admission
 	quota := adm.Quota(adm.Budget(credits), producers, a.id)
-	// Running tasks of this stage (this claim has no credit yet), and those
-	// done whose commit, which creates their downstream task, is on its way.
-	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
 	ok = adm.Admit(fed+inFlight, quota)
 	// An agent that relays every output through the Store (store mode)
 	// parks them there, not in its arena or a consumer's: the Store's room
@@ -471,7 +500,13 @@ func (a *Agent) freeSlots(p gossip.Peer, st jobs.Stage) int {
 func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	st := c.Task.Stage
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
-	log.Debug("task claimed")
+	// The task starts here (a pushed claim was made with the task, maybe
+	// long before). next_view_rev, how far this agent's view of the next
+	// stage's queue has read etcd, places the start in etcd's order: no
+	// later than it happened, and not before the view admission counted
+	// this agent's outputs in (TestBackpressureManyProducers counts the
+	// backlog by it).
+	log.Debug("task started", zap.Int64("claim_rev", c.Rev), zap.Bool("pushed", c.Pushed), zap.Int64("next_view_rev", a.nextViewRev(st)))
 	a.recent.note(c.Task.JobID)
 	defer a.untrack(c)
 	var handedOff atomic.Bool // set once an early handoff committed the stage

@@ -486,6 +486,9 @@ func (r *run) offer(ctx context.Context, cl *testbed.Cluster) []*result {
 			res.End = time.Now()
 			if res.Err == nil && res.Job.State != jobs.Succeeded {
 				res.Err = fmt.Errorf("job %s %s", j.ID, res.Job.State)
+				if e := res.Job.Error; e != nil {
+					res.Err = fmt.Errorf("job %s %s: %s: %s", j.ID, res.Job.State, e.Code, e.Message)
+				}
 			}
 		})
 	}

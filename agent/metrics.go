@@ -56,6 +56,19 @@ func (a *Agent) agentStats() httpapi.AgentStats {
 	return st
 }
 
+// Claims is how this agent's tasks were claimed so far, per stage it
+// serves: its claim transactions, the conflicts among them, and the claims
+// pushed to it that it started or gave back (the latentmesh_claim_* and
+// latentmesh_pushed_claims_total series). For an in-process caller that
+// does not scrape, such as `latentmesh-dev bench serve`.
+func (a *Agent) Claims() map[jobs.Stage]httpapi.ClaimCounts {
+	out := make(map[jobs.Stage]httpapi.ClaimCounts, len(a.cfg.Roles))
+	for _, st := range a.cfg.Roles {
+		out[st] = a.metrics.Claims(st)
+	}
+	return out
+}
+
 // reportQueue exports stage st's queue depth by class when this agent is
 // the stage's reporter: the registered, alive node with the lowest id among
 // those serving st. Every agent of a stage sees the whole queue, so one

@@ -5,8 +5,13 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+
+	"github.com/latentmesh/latentmesh/agent/engine"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
+	"github.com/latentmesh/latentmesh/agent/jobs"
 )
 
 // etcd failures are labelled by their gRPC code, whatever wraps them.
@@ -25,5 +30,45 @@ func TestEtcdCode(t *testing.T) {
 		if got := etcdCode(c.err); got != c.want {
 			t.Errorf("etcdCode(%v) = %q, want %q", c.err, got, c.want)
 		}
+	}
+}
+
+// Every stage a job runs starts from a claim: a claim transaction the
+// worker sends, counted where it is sent, or a claim pushed with the task,
+// which takes none. One agent of every role runs one job each way.
+func TestClaimsCounted(t *testing.T) {
+	for _, push := range []bool{false, true} {
+		t.Run(fmt.Sprintf("push=%v", push), func(t *testing.T) {
+			a, _, _ := startAgentWith(t, fmt.Sprintf("claims-%v", push), func(c *Config) { c.Queue.Push = push })
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			if err := a.Start(ctx); err != nil {
+				t.Fatal(err)
+			}
+			for !a.ModelServed(engine.DefaultModel) {
+				if ctx.Err() != nil {
+					t.Fatal("the built-in model was never served")
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			j, err := a.Submit(ctx, engine.Spec{Prompt: "a fox", Width: 64, Height: 64, Frames: 1, Steps: 2}, jobs.Options{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if done, err := a.Wait(ctx, j.ID); err != nil || done.State != jobs.Succeeded {
+				t.Fatalf("job: %v %v", done.State, err)
+			}
+			var sum httpapi.ClaimCounts
+			for st, c := range a.Claims() {
+				if won := c.Txns - c.Conflicts + c.PushedStarted; won != 1 || c.GivenBack != 0 || c.Conflicts < 0 {
+					t.Errorf("%s: %+v, want one claim won or pushed and started, none given back", st, c)
+				}
+				sum = sum.Add(c)
+			}
+			if !push && (sum.PushedStarted != 0 || sum.Txns < 3) {
+				t.Fatalf("without pushes: %+v, want a claim txn per stage", sum)
+			}
+			t.Logf("claims %+v", sum)
+		})
 	}
 }

@@ -217,6 +217,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			}
 			tried++
 			hb.Wait() // on etcd: a claim sent in an outage is answered when it ends
+			a.metrics.ClaimTxn(st)
 			claim, err := a.store.TryClaim(a.ctx, t, a.id, lease)
 			hb.Beat()
 			if err == nil {

@@ -579,6 +579,47 @@ func TestMetrics(t *testing.T) {
 	}
 }
 
+// A stage's claim counters read back what was counted, and what the
+// scrape shows; a stage served but idle reads zeros and is exported.
+func TestClaimCounts(t *testing.T) {
+	m := mustMetrics(t)
+	m.InitStage(jobs.Denoise)
+	m.InitStage(jobs.Decode)
+	for range 3 {
+		m.ClaimTxn(jobs.Denoise)
+	}
+	m.ClaimConflict(jobs.Denoise)
+	m.PushedClaim(jobs.Denoise, false)
+	m.PushedClaim(jobs.Denoise, false)
+	m.PushedClaim(jobs.Denoise, true)
+	before := m.Claims(jobs.Denoise)
+	if want := (ClaimCounts{Txns: 3, Conflicts: 1, PushedStarted: 2, GivenBack: 1}); before != want {
+		t.Fatalf("denoise claims %+v, want %+v", before, want)
+	}
+	if got := m.Claims(jobs.Decode); got != (ClaimCounts{}) {
+		t.Fatalf("idle decode claims %+v, want zeros", got)
+	}
+	m.ClaimTxn(jobs.Denoise)
+	if d := m.Claims(jobs.Denoise).Sub(before); d != (ClaimCounts{Txns: 1}) {
+		t.Fatalf("since the first read %+v, want one txn", d)
+	}
+	if sum := before.Add(before); sum != (ClaimCounts{6, 2, 4, 2}) {
+		t.Fatalf("sum %+v", sum)
+	}
+	text := scrape(t, m.Handler())
+	for _, want := range []string{
+		`latentmesh_claim_txns_total{stage="denoise"} 4`,
+		`latentmesh_claim_txns_total{stage="decode"} 0`,
+		`latentmesh_claim_conflicts_total{stage="denoise"} 1`,
+		`latentmesh_pushed_claims_total{outcome="given_back",stage="denoise"} 1`,
+		`latentmesh_pushed_claims_total{outcome="started",stage="decode"} 0`,
+	} {
+		if !strings.Contains(text, want) {
+			t.Errorf("metrics lack %s", want)
+		}
+	}
+}
+
 func TestAdmin(t *testing.T) {
 	m := mustMetrics(t)
 	m.SetQueueDepth(jobs.Encode, map[routing.Class]int{routing.Standard: 1})

@@ -10,6 +10,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	dto "github.com/prometheus/client_model/go"
 
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/cache"
@@ -35,6 +36,7 @@ type Metrics struct {
 	jobsRefused   prometheus.Counter
 	preempted     prometheus.Counter
 	pushedClaims  *prometheus.CounterVec
+	claimTxns     *prometheus.CounterVec
 	conflicts     *prometheus.CounterVec
 	requeues      *prometheus.CounterVec
 	rewinds       *prometheus.CounterVec
@@ -127,6 +129,10 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 			Name: "latentmesh_pushed_claims_total",
 			Help: "Claims pushed to this agent with their task, by stage and outcome: started, or given back to the queue.",
 		}, []string{"stage", "outcome"}),
+		claimTxns: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "latentmesh_claim_txns_total",
+			Help: "Claim transactions this agent sent for queued tasks, won or lost, by stage (a pushed claim takes none).",
+		}, []string{"stage"}),
 		conflicts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "latentmesh_claim_conflicts_total",
 			Help: "Claims etcd refused because another agent claimed the task first, by stage.",
@@ -157,7 +163,7 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 	for _, c := range []prometheus.Collector{
 		m.jobsSubmitted, m.jobsFinished, m.stageSeconds, m.queueWait, m.jobSeconds, m.firstFrame,
 		m.queueDepth, m.freeCredits, m.usedCredits, m.httpRequests, m.jobsRefused, m.preempted,
-		m.pushedClaims, m.conflicts, m.requeues, m.rewinds, m.refused, m.etcdSeconds, m.etcdErrors,
+		m.pushedClaims, m.claimTxns, m.conflicts, m.requeues, m.rewinds, m.refused, m.etcdSeconds, m.etcdErrors,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		collectors.NewBuildInfoCollector(),
@@ -179,7 +185,11 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 // that rate() and increase() see their first event (Prometheus loses the
 // first increment of a series that appears with it).
 func (m *Metrics) InitStage(s jobs.Stage) {
+	m.claimTxns.WithLabelValues(string(s))
 	m.conflicts.WithLabelValues(string(s))
+	for _, o := range []string{outcomeStarted, outcomeGivenBack} {
+		m.pushedClaims.WithLabelValues(string(s), o)
+	}
 	for _, r := range []string{ReasonPreempted, ReasonDrained, ReasonRetry} {
 		m.requeues.WithLabelValues(string(s), r)
 	}
@@ -203,12 +213,18 @@ func (m *Metrics) Preempted() { m.preempted.Inc() }
 // PushedClaim counts one claim pushed to this agent that it started
 // (given false) or gave back to the queue (given true).
 func (m *Metrics) PushedClaim(s jobs.Stage, given bool) {
-	outcome := "started"
+	outcome := outcomeStarted
 	if given {
-		outcome = "given_back"
+		outcome = outcomeGivenBack
 	}
 	m.pushedClaims.WithLabelValues(string(s), outcome).Inc()
 }
+
+// The outcome label of latentmesh_pushed_claims_total.
+const (
+	outcomeStarted   = "started"
+	outcomeGivenBack = "given_back"
+)
 
 // JobFinished counts one job reaching state s.
 func (m *Metrics) JobFinished(s jobs.State) { m.jobsFinished.WithLabelValues(string(s)).Inc() }
@@ -231,8 +247,54 @@ func (m *Metrics) ObserveJob(c routing.Class, latency, firstFrame time.Duration)
 	m.firstFrame.WithLabelValues(c.String()).Observe(max(firstFrame, 0).Seconds())
 }
 
+// ClaimTxn counts one claim transaction sent for a queued task of stage
+// s, whatever its answer.
+func (m *Metrics) ClaimTxn(s jobs.Stage) { m.claimTxns.WithLabelValues(string(s)).Inc() }
+
 // ClaimConflict counts one claim refused because another agent won it.
 func (m *Metrics) ClaimConflict(s jobs.Stage) { m.conflicts.WithLabelValues(string(s)).Inc() }
+
+// ClaimCounts are the counters of how one agent's tasks of a stage were
+// claimed: the values of its latentmesh_claim_txns_total,
+// latentmesh_claim_conflicts_total and latentmesh_pushed_claims_total
+// series, for a caller in the same process that has no scraper (a bench
+// reads them before and after its window, and sums them over agents).
+type ClaimCounts struct {
+	Txns          int64 `json:"txns"`           // claim transactions sent, won or lost
+	Conflicts     int64 `json:"conflicts"`      // of those, lost to another agent
+	PushedStarted int64 `json:"pushed_started"` // pushed claims started (no transaction)
+	GivenBack     int64 `json:"given_back"`     // pushed claims given back to the queue
+}
+
+// Add is c plus d, field by field.
+func (c ClaimCounts) Add(d ClaimCounts) ClaimCounts {
+	return ClaimCounts{c.Txns + d.Txns, c.Conflicts + d.Conflicts, c.PushedStarted + d.PushedStarted, c.GivenBack + d.GivenBack}
+}
+
+// Sub is c less d, field by field: what was counted since d was read.
+func (c ClaimCounts) Sub(d ClaimCounts) ClaimCounts {
+	return ClaimCounts{c.Txns - d.Txns, c.Conflicts - d.Conflicts, c.PushedStarted - d.PushedStarted, c.GivenBack - d.GivenBack}
+}
+
+// Claims reads stage s's claim counters.
+func (m *Metrics) Claims(s jobs.Stage) ClaimCounts {
+	st := string(s)
+	return ClaimCounts{
+		Txns:          counterValue(m.claimTxns.WithLabelValues(st)),
+		Conflicts:     counterValue(m.conflicts.WithLabelValues(st)),
+		PushedStarted: counterValue(m.pushedClaims.WithLabelValues(st, outcomeStarted)),
+		GivenBack:     counterValue(m.pushedClaims.WithLabelValues(st, outcomeGivenBack)),
+	}
+}
+
+// counterValue is c's count; the counters read here only ever Inc.
+func counterValue(c prometheus.Counter) int64 {
+	var d dto.Metric
+	if err := c.Write(&d); err != nil {
+		return 0 // a plain counter's Write does not fail
+	}
+	return int64(d.GetCounter().GetValue())
+}
 
 // Requeued counts one task given back to its queue for reason (one of
 // ReasonPreempted, ReasonDrained, ReasonRetry).

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/testbed"
 	"github.com/latentmesh/latentmesh/testbed/simgpu"
@@ -75,16 +76,56 @@ type Report struct {
 	// ResumeMismatches counts denoises whose committed attempt's first
 	// step is not the one after its ResumedFrom: always 0 unless the
 	// resume or this accounting is broken.
-	ResumeMismatches int              `json:"resume_mismatches"`
-	ClaimTries       int64            `json:"claim_txns"`
-	ClaimConflicts   int64            `json:"claim_conflicts"`
-	EtcdOps          map[string]int64 `json:"etcd_ops"`
-	EtcdOpsPerJob    float64          `json:"etcd_ops_per_job"`
+	ResumeMismatches int `json:"resume_mismatches"`
+	// Claims is how the stages were claimed, from the agents' counters.
+	Claims        ClaimStats       `json:"claims"`
+	EtcdOps       map[string]int64 `json:"etcd_ops"`
+	EtcdOpsPerJob float64          `json:"etcd_ops_per_job"`
 	// Breakdown is, per class, the median of each part of a job's time.
 	Breakdown []Breakdown `json:"breakdown"`
 	Jobs      []JobRecord `json:"jobs"`
 
 	spans []simgpu.Span
+	// attempts sums the finished jobs' stage records' Attempt (claims
+	// taken, pushed or won, on each stage's task), by stage.
+	attempts map[jobs.Stage]int64
+}
+
+// ClaimStats is how a run's stage tasks were claimed: the agents' own
+// counters (agent.Agent.Claims, the latentmesh_claim_txns_total,
+// latentmesh_claim_conflicts_total and latentmesh_pushed_claims_total
+// series) read before the first arrival and after the last job, summed
+// over agents. Every claim a job's stage takes is pushed with its task
+// (then started, or given back to the queue) or won by a transaction.
+type ClaimStats struct {
+	Stages []StageClaims `json:"stages"` // encode, denoise, decode
+	All    StageClaims   `json:"all"`
+}
+
+// StageClaims are one stage's claim counts, the mesh's sums, and the same
+// per submitted job. PushedShare is the share of the tasks started that
+// started from a pushed claim, with no transaction of their own: pushed
+// started over pushed started plus transactions won (txns less
+// conflicts).
+type StageClaims struct {
+	Stage string `json:"stage"`
+	httpapi.ClaimCounts
+	TxnsPerJob      float64 `json:"txns_per_job"`
+	ConflictsPerJob float64 `json:"conflicts_per_job"`
+	GiveBacksPerJob float64 `json:"give_backs_per_job"`
+	PushedShare     float64 `json:"pushed_share"`
+}
+
+func stageClaims(name string, c httpapi.ClaimCounts, submitted int) StageClaims {
+	s := StageClaims{Stage: name, ClaimCounts: c}
+	if submitted > 0 {
+		n := float64(submitted)
+		s.TxnsPerJob, s.ConflictsPerJob, s.GiveBacksPerJob = float64(c.Txns)/n, float64(c.Conflicts)/n, float64(c.GivenBack)/n
+	}
+	if started := c.PushedStarted + c.Txns - c.Conflicts; started > 0 {
+		s.PushedShare = float64(c.PushedStarted) / float64(started)
+	}
+	return s
 }
 
 // CondCacheStats is the conditioning cache's effect on a run.
@@ -251,7 +292,7 @@ func (r *run) report(results []*result) *Report {
 		Scheduler: r.cfg.Queue.Scheduler.String(), PreemptAfter: r.cfg.Queue.PreemptAfter.Seconds(), Slack: r.slack(),
 		CheckpointEvery: r.cfg.CheckpointEvery, NoCheckpoints: r.cfg.NoCheckpoints, Prompts: r.cfg.Prompts, Reuse: Reuse(r.cfg.Arrivals),
 		CondCache: CondCacheStats{Off: r.cfg.NoCondCache},
-		Agents:    r.agents, PeakWaiting: map[jobs.Stage]int{}, GPUBusy: map[string]float64{}, spans: spans}
+		Agents:    r.agents, PeakWaiting: map[jobs.Stage]int{}, GPUBusy: map[string]float64{}, spans: spans, attempts: map[jobs.Stage]int64{}}
 	if r.cfg.Topology == testbed.Disaggregated {
 		rep.Pools = r.cfg.Pools.String()
 	}
@@ -310,6 +351,9 @@ func (r *run) report(results []*result) *Report {
 		}
 		cs.Finished++
 		rep.CondCache.count(res.Job)
+		for st, sr := range res.Job.Stages {
+			rep.attempts[st] += int64(sr.Attempt)
+		}
 		if res.End.After(last) {
 			last = res.End
 		}
@@ -461,7 +505,12 @@ func (r *run) report(results []*result) *Report {
 	if tot.Submitted > 0 {
 		rep.EtcdOpsPerJob = float64(n) / float64(tot.Submitted)
 	}
-	rep.ClaimTries, rep.ClaimConflicts = r.ops.claims.Load(), r.ops.conflicts.Load()
+	var claims httpapi.ClaimCounts
+	for _, st := range jobs.Stages() {
+		rep.Claims.Stages = append(rep.Claims.Stages, stageClaims(string(st), r.claims[st], tot.Submitted))
+		claims = claims.Add(r.claims[st])
+	}
+	rep.Claims.All = stageClaims("all", claims, tot.Submitted)
 	rep.Checkpoints = r.ops.checkpoints.Load()
 
 	for _, name := range order {
@@ -571,7 +620,8 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 		fmt.Fprintf(w, "; %d resumes did not start at their checkpoint's next step", rep.ResumeMismatches)
 	}
 	fmt.Fprintln(w)
-	fmt.Fprintf(w, "claims: %d transactions, %d conflicts; etcd requests per job %.1f (%s)\n\n", rep.ClaimTries, rep.ClaimConflicts, rep.EtcdOpsPerJob, opsText(rep.EtcdOps))
+	rep.Claims.Text(w)
+	fmt.Fprintf(w, "etcd requests per job %.1f (%s)\n\n", rep.EtcdOpsPerJob, opsText(rep.EtcdOps))
 
 	fmt.Fprintf(w, "per-job breakdown, class medians, simulated s (queue / claim+pull / gpu wait / run / commit per stage)\n")
 	for _, b := range rep.Breakdown {
@@ -588,6 +638,16 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 			}
 			fmt.Fprintf(w, "  %-20s %-26s total %.2f  submit %.3f  %s  notify %.3f\n", j.ID, j.Class, j.Latency, j.Submit, stagesText(j.Stages), j.Notify)
 		}
+	}
+}
+
+// Text writes the claims as a table, a row a stage.
+func (c ClaimStats) Text(w io.Writer) {
+	fmt.Fprintf(w, "claims, from the agents' counters (per job: per submitted job; pushed: share of the tasks started that a pushed claim started)\n")
+	fmt.Fprintf(w, "  %-8s %6s %9s %7s %10s %9s %13s %14s %7s\n", "stage", "txns", "conflicts", "pushed", "given back", "txns/job", "conflicts/job", "give-backs/job", "pushed")
+	for _, s := range append(append([]StageClaims(nil), c.Stages...), c.All) {
+		fmt.Fprintf(w, "  %-8s %6d %9d %7d %10d %9.2f %13.2f %14.2f %6.0f%%\n", s.Stage, s.Txns, s.Conflicts, s.PushedStarted, s.GivenBack,
+			s.TxnsPerJob, s.ConflictsPerJob, s.GiveBacksPerJob, 100*s.PushedShare)
 	}
 }
 

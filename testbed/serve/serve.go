@@ -22,6 +22,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/etcdembed"
+	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed"
@@ -117,6 +118,20 @@ type run struct {
 	spans  spanLog
 	ops    opCounter
 	agents []Agent
+	// claims is what the agents' claim counters counted during the load,
+	// summed over agents, by stage.
+	claims map[jobs.Stage]httpapi.ClaimCounts
+}
+
+// claimsOf sums the agents' claim counters by stage.
+func claimsOf(agents []*agent.Agent) map[jobs.Stage]httpapi.ClaimCounts {
+	out := map[jobs.Stage]httpapi.ClaimCounts{}
+	for _, a := range agents {
+		for st, c := range a.Claims() {
+			out[st] = out[st].Add(c)
+		}
+	}
+	return out
 }
 
 // Run starts the mesh, offers the load, waits for it to drain and reports.
@@ -162,7 +177,12 @@ func Run(ctx context.Context, cfg Config) (_ *Report, err error) {
 	}
 	r.ops.reset()
 	r.spans.reset()
+	before := claimsOf(cl.Agents)
 	results := r.offer(ctx, cl)
+	r.claims = claimsOf(cl.Agents)
+	for st, c := range before {
+		r.claims[st] = r.claims[st].Sub(c)
+	}
 	return r.report(results), nil
 }
 
@@ -466,6 +486,9 @@ func (r *run) offer(ctx context.Context, cl *testbed.Cluster) []*result {
 			res.End = time.Now()
 			if res.Err == nil && res.Job.State != jobs.Succeeded {
 				res.Err = fmt.Errorf("job %s %s", j.ID, res.Job.State)
+				if e := res.Job.Error; e != nil {
+					res.Err = fmt.Errorf("job %s %s: %s: %s", j.ID, res.Job.State, e.Code, e.Message)
+				}
 			}
 		})
 	}
@@ -473,13 +496,11 @@ func (r *run) offer(ctx context.Context, cl *testbed.Cluster) []*result {
 	return out
 }
 
-// opCounter counts the etcd requests of the mesh, claim transactions
-// that lost their race, and step checkpoints recorded.
+// opCounter counts the etcd requests of the mesh and the step checkpoints
+// recorded. (Claims are the agents' own counters: run.claims.)
 type opCounter struct {
 	mu          sync.Mutex // guards byMethod
 	byMethod    map[string]int64
-	claims      atomic.Int64
-	conflicts   atomic.Int64
 	checkpoints atomic.Int64
 }
 
@@ -487,8 +508,6 @@ func (o *opCounter) reset() {
 	o.mu.Lock()
 	o.byMethod = map[string]int64{}
 	o.mu.Unlock()
-	o.claims.Store(0)
-	o.conflicts.Store(0)
 	o.checkpoints.Store(0)
 }
 
@@ -504,12 +523,6 @@ func (o *opCounter) observe(method string, req, reply any, err error) {
 	}
 	o.byMethod[name]++
 	o.mu.Unlock()
-	if t, ok := req.(*pb.TxnRequest); ok && isClaim(t) {
-		o.claims.Add(1)
-		if resp, ok := reply.(*pb.TxnResponse); ok && err == nil && !resp.Succeeded {
-			o.conflicts.Add(1)
-		}
-	}
 	if t, ok := req.(*pb.TxnRequest); ok && isCheckpoint(t) {
 		if resp, ok := reply.(*pb.TxnResponse); ok && err == nil && resp.Succeeded {
 			o.checkpoints.Add(1)
@@ -523,17 +536,6 @@ func (o *opCounter) observe(method string, req, reply any, err error) {
 func isCheckpoint(t *pb.TxnRequest) bool {
 	for _, op := range t.Success {
 		if p := op.GetRequestPut(); p != nil && strings.Contains(string(p.Key), ".ckpt.") {
-			return true
-		}
-	}
-	return false
-}
-
-// isClaim recognises jobs.Store.TryClaim's transaction: it requires that a
-// claims/ key not exist yet.
-func isClaim(t *pb.TxnRequest) bool {
-	for _, c := range t.Compare {
-		if c.Target == pb.Compare_CREATE && strings.Contains(string(c.Key), "/claims/") && c.GetCreateRevision() == 0 && len(t.Success) > 0 {
 			return true
 		}
 	}

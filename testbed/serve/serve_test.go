@@ -3,11 +3,13 @@ package serve
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"math"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed"
@@ -51,6 +53,88 @@ func checkAccounting(t *testing.T, rep *Report) {
 			}
 		}
 	}
+	checkClaims(t, rep)
+}
+
+// checkClaims holds the agents' claim counters to the job records: every
+// claim a stage's task took (its record's Attempt) was pushed, and then
+// started or given back, or won by a claim transaction, so per stage the
+// attempts are pushed started + given back + txns - conflicts. A
+// give-back left uncounted, or a claim txn counted twice, breaks it.
+func checkClaims(t *testing.T, rep *Report) {
+	t.Helper()
+	c := rep.Claims
+	if len(c.Stages) != 3 {
+		t.Fatalf("claims of %d stages, want encode, denoise and decode", len(c.Stages))
+	}
+	var sum httpapi.ClaimCounts
+	for k, s := range c.Stages {
+		st := jobs.Stages()[k]
+		if s.Stage != string(st) {
+			t.Fatalf("claims row %d is %q, want %s", k, s.Stage, st)
+		}
+		if s.Conflicts < 0 || s.Conflicts > s.Txns || s.PushedStarted < 0 || s.GivenBack < 0 || s.PushedShare < 0 || s.PushedShare > 1 {
+			t.Fatalf("%s claims inconsistent: %+v", st, s)
+		}
+		if got, want := s.PushedStarted+s.GivenBack+s.Txns-s.Conflicts, rep.attempts[st]; got != want {
+			t.Fatalf("%s: %d pushed started + %d given back + %d txns - %d conflicts = %d claims, but the job records count %d",
+				st, s.PushedStarted, s.GivenBack, s.Txns, s.Conflicts, got, want)
+		}
+		if rep.attempts[st] < int64(rep.All.Finished) && st != jobs.Encode { // an encode may be skipped (cached texts)
+			t.Fatalf("%s: %d claims for %d finished jobs", st, rep.attempts[st], rep.All.Finished)
+		}
+		sum = sum.Add(s.ClaimCounts)
+	}
+	n := float64(rep.All.Submitted)
+	if c.All.ClaimCounts != sum || math.Abs(c.All.TxnsPerJob-float64(sum.Txns)/n) > 1e-9 ||
+		math.Abs(c.All.ConflictsPerJob-float64(sum.Conflicts)/n) > 1e-9 || math.Abs(c.All.GiveBacksPerJob-float64(sum.GivenBack)/n) > 1e-9 {
+		t.Fatalf("all stages %+v, want the sum of the stages %+v, per job of %d", c.All, sum, rep.All.Submitted)
+	}
+}
+
+// The claim counts are in the report, its text and its JSON, and agree
+// with the job records (checkClaims). A colocated mesh's idle GPUs race
+// for each task its pushes do not place, so some claims are won by
+// transaction.
+func TestClaimCounts(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs a mesh")
+	}
+	cfg := shortConfig(t, testbed.Colocated, 3)
+	cfg.Arrivals = cfg.Arrivals[:min(len(cfg.Arrivals), 16)]
+	rep, err := Run(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkAccounting(t, rep)
+	if a := rep.Claims.All; a.PushedStarted+a.Txns == 0 {
+		t.Fatalf("no claims counted: %+v", a)
+	}
+	var buf bytes.Buffer
+	rep.Text(&buf, 0)
+	for _, want := range []string{"claims, from the agents' counters", "conflicts/job", "give-backs/job", "\n  denoise ", "\n  all "} {
+		if !strings.Contains(buf.String(), want) {
+			t.Errorf("the text lacks %q:\n%s", want, buf.String())
+		}
+	}
+	raw, err := json.Marshal(rep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var back struct {
+		Claims struct {
+			All map[string]any `json:"all"`
+		} `json:"claims"`
+	}
+	if err := json.Unmarshal(raw, &back); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"txns", "conflicts", "pushed_started", "given_back", "txns_per_job", "conflicts_per_job", "give_backs_per_job", "pushed_share"} {
+		if _, ok := back.Claims.All[k]; !ok {
+			t.Errorf("the JSON's claims.all lacks %q: %v", k, back.Claims.All)
+		}
+	}
+	t.Logf("\n%s", buf.String())
 }
 
 // Two runs of one trace and seed each account for every job, and no GPU

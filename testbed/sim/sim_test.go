@@ -13,7 +13,7 @@ func smallConfig(m Mode) Config {
 	c.CheckJobs = true
 	// An etcd far from saturation, so the throughput check holds; the
 	// measured figures saturate it at this size (docs/benchmarks.md).
-	c.Etcd.WriteCap, c.Etcd.ReadCap, c.Etcd.WatchCreateCap, c.Etcd.EventCap = 1e6, 1e6, 1e6, 1e7
+	c.Etcd.WriteCap, c.Etcd.ReadCap, c.Etcd.WatchCreateCap, c.Etcd.EventCap, c.Etcd.KeepAliveCap = 1e6, 1e6, 1e6, 1e7, 1e6
 	return c
 }
 

@@ -73,7 +73,8 @@ type Result struct {
 	EtcdLoad     float64       `json:"etcd_load"`
 	EtcdLoadBy   EtcdLoadParts `json:"etcd_load_by"`
 	EtcdPeakLoad float64       `json:"etcd_peak_load"`
-	// DispatcherLoad is the central dispatcher's busy share (central only).
+	// DispatcherLoad is the central dispatcher's busy share while jobs
+	// arrived, as EtcdLoad is (central only; 1 = saturated).
 	DispatcherLoad float64 `json:"dispatcher_load,omitempty"`
 
 	Utilisation float64 `json:"gpu_utilisation"` // compute time / GPU time while jobs arrived
@@ -162,6 +163,7 @@ type sim struct {
 	snapped       bool
 	dispBusyUntil time.Duration
 	dispBusy      time.Duration
+	snapDispBusy  time.Duration // dispBusy within [0, Duration]
 	dispPending   bool
 }
 
@@ -251,6 +253,9 @@ func (s *sim) snapshot() {
 	s.snapped = true
 	s.snap = *s.etcd
 	s.snap.roll(s.cfg.Duration)
+	// The dispatcher has been busy without a break since before Duration
+	// up to dispBusyUntil, when that is later.
+	s.snapDispBusy = s.dispBusy - max(0, s.dispBusyUntil-s.cfg.Duration)
 }
 
 func (s *sim) interarrival() time.Duration {
@@ -1002,7 +1007,7 @@ func (s *sim) result(wall time.Duration) Result {
 	}
 	r.EtcdPeakLoad = s.snap.peakLoad
 	if s.central() {
-		r.DispatcherLoad = s.dispBusy.Seconds() / s.clk.now.Seconds()
+		r.DispatcherLoad = s.snapDispBusy.Seconds() / secs
 	}
 	return r
 }

@@ -120,10 +120,11 @@ const (
 )
 
 // DedicatedScale is how many times the local etcd's capacities the
-// dedicated profile has: etcd's performance guide has a three-member
-// cluster on cloud VMs doing "more than 30,000 requests per second under
-// heavy load", about 10x what one etcd on these 2 shared cores does
-// (960 writes, 610 reads a second measured here).
+// dedicated profile has, an assumption: etcd's performance guide has a
+// three-member cluster on cloud VMs doing "more than 30,000 requests per
+// second under heavy load", of small requests, 30 to 50 times the 960
+// claim-shaped write txns and 610 range-read txns a second one etcd does
+// on these 2 shared cores; 10x stays below that for larger txns.
 const DedicatedScale = 10
 
 // EtcdProfile is local as the named profile would serve: ProfileLocal is

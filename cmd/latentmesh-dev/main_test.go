@@ -6,6 +6,8 @@ import (
 	"encoding/json"
 	"strings"
 	"testing"
+
+	"github.com/latentmesh/latentmesh/testbed/sim"
 )
 
 func runCmd(args ...string) (code int, stdout, stderr string) {
@@ -38,6 +40,8 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"plan", "--model", "flux.1-dev", "--gpus", "2"}, 2, "cannot give each of 3 stages"},
 		{[]string{"sim", "--model", "sd9"}, 2, "flux.1-dev"},
 		{[]string{"sim", "--gpus", "2"}, 2, "at least one per stage"},
+		{[]string{"sim", "--etcd-profile", "huge"}, 2, "local or dedicated"},
+		{[]string{"sim", "--duration", "0", "--sweep-duration", "0"}, 2, "nor both 0"},
 	}
 	for _, tt := range tests {
 		code, _, stderr := runCmd(tt.args...)
@@ -99,5 +103,22 @@ func TestSim(t *testing.T) {
 	}
 	if code, out, _ := runCmd("sim", "--gpus", "30", "--duration", "30s", "--sweep-duration", "0"); code != 0 || !strings.Contains(out, "mesh-nohints") || !strings.Contains(out, "etcd saturates") {
 		t.Fatalf("sim: %d %q", code, out)
+	}
+	// The dedicated profile, the sweep alone: 10x every capacity.
+	code, out, errOut = runCmd("sim", "--etcd-profile", "dedicated", "--gpus", "10", "--duration", "0", "--sweep-duration", "10s", "--sweep-modes", "mesh,central", "--json")
+	var ded struct {
+		Etcd struct {
+			WriteCap     float64 `json:"write_txns_per_s"`
+			KeepAliveCap float64 `json:"keepalives_per_s"`
+		} `json:"etcd"`
+		Runs  []json.RawMessage `json:"runs"`
+		Sweep []struct {
+			Mode string `json:"mode"`
+		} `json:"sweep"`
+	}
+	def := sim.DefaultEtcdCosts()
+	if code != 0 || json.Unmarshal([]byte(out), &ded) != nil || len(ded.Runs) != 0 || len(ded.Sweep) != 4 ||
+		ded.Etcd.WriteCap != 10*def.WriteCap || ded.Etcd.KeepAliveCap != 10*def.KeepAliveCap {
+		t.Fatalf("sim --etcd-profile dedicated: %d %q %q", code, out, errOut)
 	}
 }

@@ -21,20 +21,29 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "latentmesh-dev sim: %v\n", err)
 		return 1
 	}
-	fs := newFlagSet("sim", "[--gpus N] [--duration D] [--model M] [--measure-etcd] [--json]", stderr)
+	fs := newFlagSet("sim", "[--gpus N] [--duration D] [--model M] [--etcd-profile local|dedicated] [--measure-etcd] [--json]", stderr)
 	gpus := fs.Int("gpus", 10000, "largest cluster size; the table also runs 100 and 1,000 GPUs below it")
-	duration := fs.Duration("duration", time.Hour, "simulated time jobs arrive for, per run of the table (then every job drains)")
+	duration := fs.Duration("duration", time.Hour, "simulated time jobs arrive for, per run of the table (then every job drains; 0: no table)")
 	sweepDur := fs.Duration("sweep-duration", 2*time.Minute, "simulated time per size of the etcd-load sweep (0: no sweep)")
 	sweepModes := fs.String("sweep-modes", "mesh,mesh-nopush,mesh-nohints,central", "modes the etcd-load sweep runs, comma-separated: mesh, mesh-nopush, mesh-nohints, central")
 	model := fs.String("model", def.Model, "model whose stage costs the GPUs spend: "+strings.Join(models.Names(), ", "))
 	load := fs.Float64("load", def.Load, "arrival rate as a share of the pools' capacity")
 	seed := fs.Uint64("seed", def.Seed, "random seed; a seed gives the same run")
 	measure := fs.Bool("measure-etcd", false, "measure etcd on this machine first (embedded etcd, about 10 s) instead of the recorded figures")
+	profile := fs.String("etcd-profile", sim.ProfileLocal, "etcd modelled: local (as measured on this machine) or dedicated (a dedicated cluster: 10x every capacity, the same idle latencies)")
 	gossip := fs.Duration("gossip-delay", def.GossipDelay, "age of gossiped free credits")
 	dispatch := fs.Duration("dispatch-cost", def.DispatchCost, "central dispatcher's time per decision")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	if code := cli.Parse(fs, args); code >= 0 {
 		return code
+	}
+	if _, err := sim.EtcdProfile(*profile, def.Etcd); err != nil {
+		fmt.Fprintf(stderr, "latentmesh-dev sim: --etcd-profile: %v\n", err)
+		return 2
+	}
+	if *duration < 0 || *sweepDur < 0 || (*duration == 0 && *sweepDur == 0) {
+		fmt.Fprintln(stderr, "latentmesh-dev sim: --duration and --sweep-duration must not be negative, nor both 0")
+		return 2
 	}
 	if _, err := models.Model(*model); err != nil {
 		fmt.Fprintf(stderr, "latentmesh-dev sim: --model: %v\n", err)
@@ -59,6 +68,10 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return 1
 		}
 	}
+	if base.Etcd, err = sim.EtcdProfile(*profile, base.Etcd); err != nil {
+		fmt.Fprintf(stderr, "latentmesh-dev sim: %v\n", err)
+		return 2
+	}
 	rep := sim.Report{Etcd: base.Etcd}
 	var sizes []int
 	for _, n := range []int{100, 1000} {
@@ -73,7 +86,9 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		for _, m := range sim.Modes() {
 			cfg := base
 			cfg.GPUs, cfg.Mode = n, m
-			table = append(table, cfg)
+			if *duration > 0 {
+				table = append(table, cfg)
+			}
 		}
 	}
 	if *sweepDur > 0 {

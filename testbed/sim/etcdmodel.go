@@ -5,11 +5,12 @@ import "time"
 // etcdModel counts the operations a run sends to etcd and turns its recent
 // load into latency: an op's latency is its idle latency over (1 - load),
 // load being the share of etcd's measured capacity the last window used
-// (an M/M/1 queue's stretch), capped at 20x.
+// (an M/M/1 queue's stretch), capped at 20x. Every mode's load is
+// summed the same way: each kind's ops over that kind's capacity.
 type etcdModel struct {
 	costs EtcdCosts
 
-	writes, reads, watches, events uint64
+	writes, reads, watches, events, keepalives uint64
 
 	window      time.Duration
 	windowStart time.Duration
@@ -66,6 +67,13 @@ func (e *etcdModel) watch(now time.Duration, n int) {
 func (e *etcdModel) event(now time.Duration, n int) {
 	e.events += uint64(n)
 	e.add(now, float64(n)/e.costs.EventCap)
+}
+
+// keepAlive is n lease renewals (LeaseKeepAlive), against their own
+// capacity: they are no read and no raft proposal.
+func (e *etcdModel) keepAlive(now time.Duration, n int) {
+	e.keepalives += uint64(n)
+	e.add(now, float64(n)/e.costs.KeepAliveCap)
 }
 
 func (e *etcdModel) stretch(now time.Duration) float64 {

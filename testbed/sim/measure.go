@@ -2,12 +2,14 @@ package sim
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -20,11 +22,12 @@ type MeasureConfig struct {
 	Concurrency int           // requests in flight for the capacity runs
 	For         time.Duration // each capacity run
 	Watchers    int           // watches on one prefix, for fan-out
+	Leases      int           // leases renewed in the keepalive run, as agents would hold
 }
 
 // DefaultMeasureConfig takes about ten seconds.
 func DefaultMeasureConfig() MeasureConfig {
-	return MeasureConfig{Clients: 8, Concurrency: 64, For: 2 * time.Second, Watchers: 2000}
+	return MeasureConfig{Clients: 8, Concurrency: 64, For: 2 * time.Second, Watchers: 2000, Leases: 1000}
 }
 
 // MeasureEtcd starts an embedded etcd (agent/etcdembed, as `latentmesh-dev dev`
@@ -32,7 +35,8 @@ func DefaultMeasureConfig() MeasureConfig {
 // the latency of a claim-shaped write txn (compare, two puts) and of a
 // Pending-shaped read txn on an idle etcd, how many of each it serves with
 // Concurrency in flight, how fast it creates watches, and how many watch
-// events a second it delivers to Watchers watches of one prefix. Client and
+// events a second it delivers to Watchers watches of one prefix, and how many
+// lease renewals a second it answers for Leases leases. Client and
 // server share this machine's cores, so capacities are what one machine
 // does, not a tuned etcd cluster's. Its log is fsynced, as a real
 // cluster's is (the dev default skips fsync in a temporary directory).
@@ -91,7 +95,10 @@ func MeasureEtcd(ctx context.Context, mc MeasureConfig) (EtcdCosts, error) {
 	if out.WatchDelay, out.WatchCreateCap, out.EventCap, err = measureWatches(ctx, clis, mc.Watchers, pre+"w/"); err != nil {
 		return EtcdCosts{}, err
 	}
-	out.Source = fmt.Sprintf("measured here: embedded etcd, %d clients, %d in flight, %d watchers", mc.Clients, mc.Concurrency, mc.Watchers)
+	if out.KeepAliveCap, err = measureKeepAlives(ctx, clis, mc); err != nil {
+		return EtcdCosts{}, err
+	}
+	out.Source = fmt.Sprintf("measured here: embedded etcd, %d clients, %d in flight, %d watchers, %d leases", mc.Clients, mc.Concurrency, mc.Watchers, mc.Leases)
 	return out, nil
 }
 
@@ -209,3 +216,63 @@ func measureWatches(ctx context.Context, clis []*clientv3.Client, n int, prefix 
 }
 
 type watchKey struct{}
+
+// measureKeepAlives grants mc.Leases leases and renews them round-robin
+// from mc.Concurrency LeaseKeepAlive streams spread over the clients, each
+// sending a renewal and waiting for its answer, for mc.For: renewals a
+// second at saturation. The agent renews its lease on such a stream
+// (gossip.Membership, through clientv3's KeepAlive), one request per
+// renewal; a stream is opened once, so its opening is not counted.
+func measureKeepAlives(ctx context.Context, clis []*clientv3.Client, mc MeasureConfig) (float64, error) {
+	ctx, cancel := context.WithTimeout(ctx, mc.For+30*time.Second)
+	defer cancel()
+	leases := make([]int64, mc.Leases)
+	for i := range leases {
+		g, err := clis[i%len(clis)].Grant(ctx, 600)
+		if err != nil {
+			return 0, fmt.Errorf("sim: measure: grant: %w", err)
+		}
+		leases[i] = int64(g.ID)
+	}
+	streams := make([]pb.Lease_LeaseKeepAliveClient, mc.Concurrency)
+	for g := range streams {
+		st, err := pb.NewLeaseClient(clis[g%len(clis)].ActiveConnection()).LeaseKeepAlive(ctx)
+		if err != nil {
+			return 0, fmt.Errorf("sim: measure: keepalive stream: %w", err)
+		}
+		streams[g] = st
+	}
+	var done atomic.Int64
+	errs := make([]error, len(streams))
+	var wg sync.WaitGroup
+	start := time.Now()
+	stop := start.Add(mc.For)
+	for g, st := range streams {
+		wg.Go(func() {
+			for k := g; time.Now().Before(stop); k += len(streams) {
+				if err := st.Send(&pb.LeaseKeepAliveRequest{ID: leases[k%len(leases)]}); err != nil {
+					errs[g] = err
+					return
+				}
+				r, err := st.Recv()
+				if err == nil && r.TTL <= 0 {
+					err = fmt.Errorf("lease %x not found", r.ID)
+				}
+				if err != nil {
+					errs[g] = err
+					return
+				}
+				done.Add(1)
+			}
+		})
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	for _, st := range streams {
+		_ = st.CloseSend()
+	}
+	if err := errors.Join(errs...); err != nil {
+		return 0, fmt.Errorf("sim: measure: keepalive: %w", err)
+	}
+	return float64(done.Load()) / elapsed.Seconds(), nil
+}

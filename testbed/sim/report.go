@@ -22,7 +22,7 @@ type Report struct {
 	// against cluster size: by mode (in Modes order), then size.
 	Sweep []Result `json:"sweep"`
 	// SaturatesAt is, per mode swept, where its etcd load reaches one etcd's
-	// measured capacity (for the central baseline: its records').
+	// measured capacity; every mode's load is summed the same way.
 	SaturatesAt []ModeSaturation `json:"etcd_saturates_at"`
 }
 
@@ -78,8 +78,10 @@ func (rep Report) Text(w io.Writer) {
 	e := rep.Etcd
 	fmt.Fprintf(w, "etcd (%s):\n", e.Source)
 	fmt.Fprintf(w, "  write txn %v, read txn %v, watch delivery %v (idle)\n", e.WriteLatency.Round(time.Microsecond), e.ReadLatency.Round(time.Microsecond), e.WatchDelay.Round(time.Microsecond))
-	fmt.Fprintf(w, "  capacity: %.0f write txns/s, %.0f read txns/s, %.0f watch creations/s, %.0f watch events/s\n\n", e.WriteCap, e.ReadCap, e.WatchCreateCap, e.EventCap)
-	table(w, rep.Runs)
+	fmt.Fprintf(w, "  capacity: %.0f write txns/s, %.0f read txns/s, %.0f watch creations/s, %.0f watch events/s, %.0f lease keepalives/s\n\n", e.WriteCap, e.ReadCap, e.WatchCreateCap, e.EventCap, e.KeepAliveCap)
+	if len(rep.Runs) > 0 {
+		table(w, rep.Runs)
+	}
 	if len(rep.Sweep) > 0 {
 		fmt.Fprintf(w, "\netcd load against cluster size (%v each):\n", rep.Sweep[0].Duration)
 		table(w, rep.Sweep)

@@ -13,9 +13,13 @@ import (
 // Per-agent background etcd traffic that does not depend on jobs. The
 // queue views, the Store's record index and the membership follow watches
 // and read nothing idle (TestIdleAgentEtcdLoad); what each agent still
-// sends is its lease keepalives, which are no raft proposal. (The NOSPACE
-// alarm is read only after a refused write, so an agent polls it no more.)
-// The collector's read of nodes/ each 10 s is one agent's, not modelled.
+// sends is its lease keepalives (gossip.Membership renews its lease each
+// third of its TTL), which etcd's leader answers from its lessor, no raft
+// proposal and no read: they are charged as keepalives, against
+// EtcdCosts.KeepAliveCap. Every GPU agent registers under a lease in the
+// central baseline too, so both designs pay them. (The NOSPACE alarm is
+// read only after a refused write, so an agent polls it no more.) The
+// collector's read of nodes/ each 10 s is one agent's, not modelled.
 const keepAliveEvery = 10 * time.Second / 3 // gossip: lease TTL 10 s, renewed about every third
 
 // Result is what one run measured.
@@ -57,13 +61,20 @@ type Result struct {
 	EtcdWatchesPerJob float64 `json:"etcd_watch_creates_per_job"`
 	EtcdEventsPerJob  float64 `json:"etcd_watch_events_per_job"`
 	EtcdOpsPerJob     float64 `json:"etcd_ops_per_job"` // writes + reads + watch creations
-	EtcdOpsPerSec     float64 `json:"etcd_ops_per_s"`
+	EtcdOpsPerSec     float64 `json:"etcd_ops_per_s"`   // the same, per second
 	EtcdEventsPerSec  float64 `json:"etcd_watch_events_per_s"`
+	// EtcdKeepAlivesPerSec is the agents' lease renewals, which no job
+	// causes: not in the ops above, in the load below.
+	EtcdKeepAlivesPerSec float64 `json:"etcd_keepalives_per_s"`
 	// EtcdLoad is the mean share of one etcd's measured capacity used while
-	// jobs arrived (1 = saturated); EtcdPeakLoad the busiest second.
-	EtcdLoad     float64 `json:"etcd_load"`
-	EtcdPeakLoad float64 `json:"etcd_peak_load"`
-	// DispatcherLoad is the central dispatcher's busy share (central only).
+	// jobs arrived (1 = saturated), summed over the kinds of operation in
+	// EtcdLoadBy, the same way in every mode; EtcdPeakLoad the busiest
+	// second.
+	EtcdLoad     float64       `json:"etcd_load"`
+	EtcdLoadBy   EtcdLoadParts `json:"etcd_load_by"`
+	EtcdPeakLoad float64       `json:"etcd_peak_load"`
+	// DispatcherLoad is the central dispatcher's busy share while jobs
+	// arrived, as EtcdLoad is (central only; 1 = saturated).
 	DispatcherLoad float64 `json:"dispatcher_load,omitempty"`
 
 	Utilisation float64 `json:"gpu_utilisation"` // compute time / GPU time while jobs arrived
@@ -73,6 +84,16 @@ type Result struct {
 	SimSeconds  float64 `json:"sim_s"` // simulated time including the drain
 	Events      uint64  `json:"events"`
 	WallSeconds float64 `json:"wall_s"`
+}
+
+// EtcdLoadParts is a run's mean etcd load by kind of operation: each
+// kind's ops a second over its capacity.
+type EtcdLoadParts struct {
+	Writes       float64 `json:"writes"`
+	Reads        float64 `json:"reads"`
+	WatchCreates float64 `json:"watch_creates"`
+	WatchEvents  float64 `json:"watch_events"`
+	KeepAlives   float64 `json:"keepalives"`
 }
 
 type worker struct {
@@ -134,7 +155,6 @@ type sim struct {
 	conflicts, claimTxns, giveBacks         uint64
 	pushes                                  uint64    // tasks created with a pushed claim
 	pushedStarts, claimedStarts             [3]uint64 // by stage: tasks started from a pushed claim, and from a claim txn
-	bgReads                                 uint64    // the agents' background (evTick)
 	overhead                                time.Duration
 	queueing                                histogram
 	busy                                    time.Duration // compute inside [0, Duration]
@@ -143,6 +163,7 @@ type sim struct {
 	snapped       bool
 	dispBusyUntil time.Duration
 	dispBusy      time.Duration
+	snapDispBusy  time.Duration // dispBusy within [0, Duration]
 	dispPending   bool
 }
 
@@ -232,6 +253,9 @@ func (s *sim) snapshot() {
 	s.snapped = true
 	s.snap = *s.etcd
 	s.snap.roll(s.cfg.Duration)
+	// The dispatcher has been busy without a break since before Duration
+	// up to dispBusyUntil, when that is later.
+	s.snapDispBusy = s.dispBusy - max(0, s.dispBusyUntil-s.cfg.Duration)
 }
 
 func (s *sim) interarrival() time.Duration {
@@ -264,13 +288,9 @@ func (s *sim) handle(e event) {
 	now := s.clk.now
 	switch e.kind {
 	case evTick:
-		if !s.central() {
-			// Every agent's lease renewals (each keepAliveEvery). Its views
-			// cost nothing idle.
-			reads := int(float64(s.cfg.GPUs)/keepAliveEvery.Seconds() + 0.5)
-			s.etcd.read(now, reads)
-			s.bgReads += uint64(reads)
-		}
+		// Every agent's lease renewals (each keepAliveEvery), in both
+		// designs. A mesh agent's views cost nothing idle.
+		s.etcd.keepAlive(now, int(float64(s.cfg.GPUs)/keepAliveEvery.Seconds()+0.5))
 	case evArrive:
 		s.arrive()
 	case evEnqueue:
@@ -306,9 +326,14 @@ func (s *sim) arrive() {
 	s.submitted++
 	t := newTask(j, 0, now)
 	if s.central() {
-		// The dispatcher records the job durably (one write) and queues it.
+		// The dispatcher records the job durably (one write, as the mesh's
+		// submit) and queues it once the write lands; the client
+		// long-polls the job record as it does on the mesh (a watch, then
+		// a read).
 		s.etcd.write(now, 1)
-		s.clk.at(now+s.cfg.NetDelay, event{kind: evEnqueue, task: t})
+		s.etcd.watch(now, 1)
+		s.etcd.read(now, 1)
+		s.clk.at(now+s.cfg.NetDelay+s.etcd.writeLat(now), event{kind: evEnqueue, task: t})
 		return
 	}
 	// Submit: job record and encode task in one txn, with the task's claim
@@ -830,7 +855,12 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 			s.clk.at(at, event{kind: evCommitted, stage: int8(st.i), worker: w, task: t})
 			return
 		}
-		s.etcd.write(now, 1) // the dispatcher records the stage durably
+		// The dispatcher records the stage durably in the job record,
+		// which the client's long poll watches. The dispatcher holds the
+		// state, so the record, for recovery, does not hold up the next
+		// assignment.
+		s.etcd.write(now, 1)
+		s.etcd.event(now, 1)
 	} else {
 		s.etcd.write(now, 1)
 		// The job record changed: the client's long poll watches it.
@@ -965,10 +995,19 @@ func (s *sim) result(wall time.Duration) Result {
 	secs := cfg.Duration.Seconds()
 	r.EtcdOpsPerSec = float64(s.snap.writes+s.snap.reads+s.snap.watches) / secs
 	r.EtcdEventsPerSec = float64(s.snap.events) / secs
+	r.EtcdKeepAlivesPerSec = float64(s.snap.keepalives) / secs
 	r.EtcdLoad = s.snap.totalLoad / secs
+	e := cfg.Etcd
+	r.EtcdLoadBy = EtcdLoadParts{
+		Writes:       float64(s.snap.writes) / e.WriteCap / secs,
+		Reads:        float64(s.snap.reads) / e.ReadCap / secs,
+		WatchCreates: float64(s.snap.watches) / e.WatchCreateCap / secs,
+		WatchEvents:  float64(s.snap.events) / e.EventCap / secs,
+		KeepAlives:   float64(s.snap.keepalives) / e.KeepAliveCap / secs,
+	}
 	r.EtcdPeakLoad = s.snap.peakLoad
 	if s.central() {
-		r.DispatcherLoad = s.dispBusy.Seconds() / s.clk.now.Seconds()
+		r.DispatcherLoad = s.snapDispBusy.Seconds() / secs
 	}
 	return r
 }

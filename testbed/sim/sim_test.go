@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"math"
 	"testing"
 	"time"
 )
@@ -13,7 +14,7 @@ func smallConfig(m Mode) Config {
 	c.CheckJobs = true
 	// An etcd far from saturation, so the throughput check holds; the
 	// measured figures saturate it at this size (docs/benchmarks.md).
-	c.Etcd.WriteCap, c.Etcd.ReadCap, c.Etcd.WatchCreateCap, c.Etcd.EventCap = 1e6, 1e6, 1e6, 1e7
+	c.Etcd.WriteCap, c.Etcd.ReadCap, c.Etcd.WatchCreateCap, c.Etcd.EventCap, c.Etcd.KeepAliveCap = 1e6, 1e6, 1e6, 1e7, 1e6
 	return c
 }
 
@@ -53,6 +54,10 @@ func TestInvariants(t *testing.T) {
 			if m == Central && r.Conflicts != 0 {
 				t.Fatalf("central dispatcher had %d claim conflicts", r.Conflicts)
 			}
+			by := r.EtcdLoadBy
+			if sum := by.Writes + by.Reads + by.WatchCreates + by.WatchEvents + by.KeepAlives; math.Abs(sum-r.EtcdLoad) > 1e-9*r.EtcdLoad {
+				t.Fatalf("etcd load %v, its parts add up to %v", r.EtcdLoad, sum)
+			}
 			if m != Mesh && (r.PushedShare != 0 || r.GiveBacks != 0) {
 				t.Fatalf("%v pushed %.2f of its tasks and gave %d back; only the mesh mode pushes", m, r.PushedShare, r.GiveBacks)
 			}
@@ -82,8 +87,8 @@ func runSim(t *testing.T, cfg Config) (*sim, Result) {
 // claim txn per task not started from a pushed claim and per conflict, and
 // a give-back per pushed claim returned (progress and idle agents write
 // nothing); every read is the long poll's, a pushed task's commit's
-// read of its job record, a ticket check per pulled input claimed with a
-// txn, and the keepalives.
+// read of its job record, and a ticket check per pulled input claimed with
+// a txn. Lease keepalives are counted on their own (TestKeepAlives).
 func TestMeshEtcdOpsPerJob(t *testing.T) {
 	for _, m := range []Mode{Mesh, MeshNoPush, MeshNoHints} {
 		t.Run(m.String(), func(t *testing.T) {
@@ -107,14 +112,49 @@ func TestMeshEtcdOpsPerJob(t *testing.T) {
 			if s.etcd.writes != want {
 				t.Fatalf("%d writes, want %d (%d jobs, %d claim txns, %d give-backs)", s.etcd.writes, want, jobs, r.ClaimTxns, r.GiveBacks)
 			}
-			if want := jobs + pushed + s.claimedStarts[1] + s.claimedStarts[2] + s.bgReads; s.etcd.reads != want {
+			if want := jobs + pushed + s.claimedStarts[1] + s.claimedStarts[2]; s.etcd.reads != want {
 				t.Fatalf("%d reads, want %d", s.etcd.reads, want)
 			}
-			perAgentPerSec := func(n uint64) float64 { return float64(n) / float64(r.GPUs) / r.Duration.Seconds() }
-			if rd := perAgentPerSec(s.bgReads); rd < 0.29 || rd > 0.31 {
-				t.Fatalf("background per agent per second: %.3f reads; want 0.3 keepalives", rd)
-			}
 		})
+	}
+}
+
+// The central baseline pays what the mesh pays outside its claim loop:
+// the client's submit is the job record's write and its long poll a watch
+// and a read, as on the mesh; each stage's record is a write and an event
+// for that long poll, as a mesh commit is; nothing else.
+func TestCentralEtcdOpsPerJob(t *testing.T) {
+	s, r := runSim(t, smallConfig(Central))
+	jobs := uint64(r.Completed)
+	e := s.etcd
+	if e.writes != 4*jobs || e.reads != jobs || e.watches != jobs || e.events != 3*jobs {
+		t.Fatalf("%d jobs: %d writes (want 4 a job), %d reads, %d watches (1), %d events (3)", jobs, e.writes, e.reads, e.watches, e.events)
+	}
+}
+
+// Every agent renews its lease 0.3 times a second in both designs, and
+// the renewals are keepalives, against their own capacity: no read, no
+// write, and the same count and load whichever design dispatches.
+func TestKeepAlives(t *testing.T) {
+	var load float64
+	for _, m := range []Mode{Mesh, Central} {
+		cfg := smallConfig(m)
+		cfg.Load = 0.02 // few jobs: the keepalives are most of the load
+		cfg.Etcd = DefaultEtcdCosts()
+		s, r := runSim(t, cfg)
+		perAgentPerSec := float64(s.etcd.keepalives) / float64(r.GPUs) / r.Duration.Seconds()
+		if perAgentPerSec < 0.299 || perAgentPerSec > 0.301 {
+			t.Fatalf("%v: %.4f keepalives per agent per second, want 0.3", m, perAgentPerSec)
+		}
+		want := perAgentPerSec * float64(r.GPUs) / cfg.Etcd.KeepAliveCap
+		if got := r.EtcdLoadBy.KeepAlives; math.Abs(got-want) > 1e-9 {
+			t.Fatalf("%v: keepalive load %v, want %v (their rate over KeepAliveCap)", m, got, want)
+		}
+		if m == Mesh {
+			load = r.EtcdLoadBy.KeepAlives
+		} else if r.EtcdLoadBy.KeepAlives != load {
+			t.Fatalf("keepalive load: central %v, mesh %v", r.EtcdLoadBy.KeepAlives, load)
+		}
 	}
 }
 

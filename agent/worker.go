@@ -193,7 +193,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		}
 		ordered, retry := a.cfg.Queue.Order(cands, a.id, now)
 		wake = earliest(wake, retry)
-		tried := 0
+		tried, noSpace := 0, false
 		fits := a.roomForOutputs()
 		for _, c := range ordered {
 			t := byID[c.ID]
@@ -226,6 +226,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			}
 			if jobs.IsNoSpace(err) {
 				a.alarms.Observe(err)
+				noSpace = true
 				break
 			}
 			if !errors.Is(err, jobs.ErrTaken) {
@@ -233,8 +234,18 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			}
 			a.metrics.ClaimConflict(st)
 		}
+		if noSpace {
+			continue // the loop's top waits for the alarm to clear
+		}
 		if tried > 0 {
-			continue // others won every race: the queue moved, scan it again
+			// Others won every race: each winner's claim changed the prefix
+			// this view follows, but until the view has it the tasks still
+			// look unclaimed here, and a scan now would race for them
+			// again (8-10 lost claims a task among six idle workers, not
+			// five). Wait for the view to move, then scan.
+			hb.Wait()
+			a.waitView(queueChanged, engineChanged, wake)
+			continue
 		}
 		if len(ordered) > 0 {
 			// Tasks wait but none fits: say so in gossip (no free credit)

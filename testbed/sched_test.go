@@ -628,3 +628,44 @@ func TestDrainDenoiseAgentMidJob(t *testing.T) {
 		})
 	}
 }
+
+// Idle workers racing for one task each lose it once: a worker that lost
+// every race waits for its view to show the winner's claim, rather than
+// send its claim again while the view still shows the task unclaimed (the
+// claim that beat it is a change of the prefix its view follows, so the
+// wait always ends). Six denoise agents claim every task (pushes off), one
+// job at a time: at most five conflicts a task.
+func TestLostClaimRaceIsNotRetried(t *testing.T) {
+	const workers, jobsN = 6, 12
+	cl := startCluster(t, "", func(c *ClusterConfig) {
+		c.Agent.Queue.Push = false // every task raced for by every idle worker
+		c.Agent.Engine.StepCost = 5 * time.Millisecond
+	})
+	addAgent(t, cl, schedAgent(cl, "enc", jobs.Encode, 1, nil))
+	var dens []*agent.Agent
+	for i := range workers {
+		dens = append(dens, addAgent(t, cl, schedAgent(cl, fmt.Sprintf("den-%d", i), jobs.Denoise, 1, nil)))
+	}
+	addAgent(t, cl, schedAgent(cl, "dec", jobs.Decode, 1, nil))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for i := range jobsN {
+		spec := engine.Spec{Prompt: "a glass bird", Seed: int64(i), Width: 64, Height: 64, Steps: 2}.WithDefaults()
+		j, err := cl.Agents[0].Submit(ctx, spec, jobs.Options{Class: routing.Standard})
+		if err != nil {
+			t.Fatal(err)
+		}
+		waitSucceeded(t, ctx, cl.Agents[0], j.ID)
+	}
+	var sum httpapi.ClaimCounts
+	for _, a := range dens {
+		sum = sum.Add(a.Claims()[jobs.Denoise])
+	}
+	t.Logf("%d denoise tasks among %d idle workers: %d claim txns, %d conflicts", jobsN, workers, sum.Txns, sum.Conflicts)
+	if sum.Txns-sum.Conflicts != jobsN {
+		t.Fatalf("%d claims won, want one a task (%d)", sum.Txns-sum.Conflicts, jobsN)
+	}
+	if limit := int64(jobsN * (workers - 1)); sum.Conflicts > limit {
+		t.Fatalf("%d conflicts over %d tasks, want at most %d: one lost race per other worker and task", sum.Conflicts, jobsN, limit)
+	}
+}

@@ -154,7 +154,6 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		}
 		settled := a.running.changes() // before admit counts the tasks still committing
 		ok, down := a.admit(st)
-		a.setHeld(st, !ok)
 		if !ok {
 			// Downstream is full: wait for its queue to move, or for a task
 			// of ours to be recorded (a preempted or failed task frees its
@@ -427,10 +426,13 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	// output waiting for decode.
 	running := a.credits[st].InUse()
 	inFlight := running + int(a.committing[st].Load())
-	if !a.viewHasOutputs(down, q) {
-		return false, down // our last output is not in the view yet: count it first
-	}
+	// Our last output may not be in the view yet: then nothing starts
+	// until it is (below), and gossip hears whether it fills our share.
+	lag := !a.viewHasOutputs(down, q)
 	fed := q.FedBy(a.id)
+	if lag {
+		fed++
+	}
 	credits := 0
 	var producers []string
 	for _, p := range a.member.Peers() {
@@ -459,6 +461,15 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	if !ok && a.cfg.TransferMode == jobs.StoreRelay {
 		_, largest := a.storeRoom()
 		ok = largest > 0
+	}
+	// Held or not, gossip says so at once: a worker whose commit just
+	// filled its share must not look free to the producer whose admission
+	// that same commit woke (it would push a task here to be given back),
+	// and one with room must not look full while its view catches up (an
+	// idle mesh's pushes would miss it).
+	a.setHeld(st, !ok)
+	if lag {
+		return false, down // count our last output from the view first
 	}
 	return ok, down
 }

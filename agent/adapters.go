@@ -46,7 +46,6 @@ var errAdapterGone = errors.New("agent: adapter not loaded on any agent")
 // adapterRunner is a runner whose engine loads adapters (externalRunner).
 type adapterRunner interface {
 	HasAdapter(model, adapter string) bool
-	Adapters(model string) []string
 }
 
 // hasAdapter reports whether this agent's engine has adapter of model loaded.
@@ -62,10 +61,15 @@ func advertises(p gossip.Peer, model, adapter string) bool {
 	if !ok {
 		return false
 	}
-	var rec struct {
-		Adapters []string `json:"adapters"`
-	}
+	var rec modelRecord
 	return json.Unmarshal(raw, &rec) == nil && slices.Contains(rec.Adapters, adapter)
+}
+
+// takesAdapterOf reports whether peer p may be handed a task of stage st of
+// s as far as s's adapter goes: only a denoise names one, and only a peer
+// advertising it loaded takes such a denoise.
+func takesAdapterOf(p gossip.Peer, st jobs.Stage, s engine.Spec) bool {
+	return st != jobs.Denoise || s.Adapter == "" || advertises(p, s.ModelName(), s.Adapter)
 }
 
 // adapterServed reports whether some live agent whose denoise serves
@@ -128,17 +132,9 @@ func (a *Agent) runAdapter(s engine.Spec) error {
 		errAdapterGone, s.Adapter, s.ModelName())
 }
 
-// HasAdapter and Adapters are the registered engine's (extengine.Registration).
+// HasAdapter is the registered engine's (extengine.Registration).
 func (x *externalRunner) HasAdapter(model, adapter string) bool {
 	return x.srv.Engine().HasAdapter(model, adapter)
-}
-
-func (x *externalRunner) Adapters(model string) []string {
-	reg := x.srv.Engine()
-	if reg == nil {
-		return nil
-	}
-	return slices.Clone(reg.Adapters[model])
 }
 
 // AdapterServed reports whether, as this agent's view of the node records

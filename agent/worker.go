@@ -424,8 +424,7 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	// it. Counted after, as before, such an output was in neither count,
 	// and a producer of quota 1 started a second denoise with its first
 	// output waiting for decode.
-	running := a.credits[st].InUse()
-	inFlight := running + int(a.committing[st].Load())
+	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
 	// Our last output may not be in the view yet: then nothing starts
 	// until it is (below), and gossip hears whether it fills our share.
 	lag := !a.viewHasOutputs(down, q)
@@ -481,7 +480,7 @@ func (a *Agent) pickHint(st jobs.Stage, s engine.Spec) string {
 	var targets []routing.Target
 	model := s.ModelName()
 	for _, p := range a.member.Peers() {
-		if takesWork(p, st, model) && (st != jobs.Denoise || s.Adapter == "" || advertises(p, model, s.Adapter)) {
+		if takesWork(p, st, model) && takesAdapterOf(p, st, s) {
 			targets = append(targets, routing.Target{Node: p.Record.ID, Free: a.freeSlots(p, st), SameHost: a.sameHost(p)})
 		}
 	}

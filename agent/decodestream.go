@@ -44,6 +44,22 @@ func (x *externalRunner) NewJobDecoder(s engine.Spec, job string) (FrameDecoder,
 	return d, d.stream.Close, nil
 }
 
+// decodeOrder is how decoder fd takes the chunks of ch: a decode stream's
+// in index order (inOrder), any other's as they land, so that a chunk
+// striping delivers early is decoded at once.
+func decodeOrder(fd FrameDecoder, ch <-chan transfer.Chunk) iter.Seq[transfer.Chunk] {
+	if d, ok := fd.(*externalDecoder); ok && d.stream != nil {
+		return inOrder(ch)
+	}
+	return func(yield func(transfer.Chunk) bool) {
+		for c := range ch {
+			if !yield(c) {
+				return
+			}
+		}
+	}
+}
+
 // inOrder yields the chunks of ch in index order: a chunk that lands
 // before its predecessors (striping may interleave neighbours) waits for
 // them. Its bytes are already in the pull's buffer, so waiting costs no

@@ -1360,7 +1360,7 @@ func (a *Agent) decode(ctx context.Context, c *jobs.Claim) ([]byte, string, erro
 		return nil, "", a.pullFailed(ctx, in, err)
 	}
 	var decodeErr error
-	for ch := range inOrder(pull.Chunks()) { // a decode stream's chunks go in order (decodestream.go)
+	for ch := range decodeOrder(fd, pull.Chunks()) {
 		if ch.Index == 0 {
 			addPullTime(ctx, start) // to the first chunk: decoding overlaps the rest
 		}

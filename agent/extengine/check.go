@@ -595,28 +595,32 @@ func (c *checker) heartbeats(ctx context.Context, reg *Registration) CheckResult
 		if err != nil {
 			return CheckResult{Name: name, Detail: err.Error()}
 		}
-		// The window opens at the first step's progress, when the engine
-		// is surely busy: a beat it sent while the task was on its way
-		// (still idle) is no beat while busy.
+		// The window runs from the first step's progress to the last,
+		// when the engine is surely busy: a beat it sent while the task
+		// was on its way, or after its last step while the answer was on
+		// its way back, is no beat while busy. Progress and beats are
+		// timed on the same reader goroutine, in the order they were
+		// sent, so which side of the window a beat falls is certain.
 		var mu sync.Mutex
-		var s time.Time
+		var s, e time.Time
 		r.Progress = func(int, int) {
 			mu.Lock()
 			defer mu.Unlock()
+			e = time.Now()
 			if s.IsZero() {
-				s = time.Now()
+				s = e
 			}
 		}
 		tctx, cancel := context.WithTimeout(ctx, c.cfg.TaskTimeout)
 		err = c.srv.Run(tctx, r)
-		e := time.Now()
 		cancel()
 		if err != nil {
 			return CheckResult{Name: name, Detail: fmt.Sprintf("%s; a %d-step denoise run to watch heartbeats while busy failed: %v (%s)", idle, steps, err, drops)}
 		}
 		mu.Lock()
 		if s.IsZero() {
-			s = e // no progress: nothing known of when it was busy
+			s = time.Now() // no progress: nothing known of when it was busy
+			e = s
 		}
 		mu.Unlock()
 		windows = append(windows, [2]time.Time{s, e})

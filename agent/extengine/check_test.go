@@ -204,9 +204,13 @@ func (f fakeEngine) serve(ctx context.Context, path string) (err error) {
 				return
 			case <-t.C:
 			}
+			// Under the write lock, so an "idle" beat is written before
+			// any frame of a task that starts after it looked.
+			s.wmu.Lock()
 			if f.beats == "always" || (f.beats == "idle" && s.busy.Load() == 0) {
-				s.send(&Msg{T: TypeHeartbeat})
+				WriteMsg(s.c, &Msg{V: s.version, T: TypeHeartbeat})
 			}
+			s.wmu.Unlock()
 		}
 	})
 	defer func() { close(s.stop); wg.Wait() }()

@@ -32,6 +32,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/etcdguard"
 	"github.com/latentmesh/latentmesh/agent/extengine"
+	"github.com/latentmesh/latentmesh/agent/grant"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/agent/progress"
@@ -48,10 +49,10 @@ type Agent struct {
 	cli *clientv3.Client
 	// guard notices an etcd replaced under the client (etcdguard).
 	guard *etcdguard.Guard
-	// fed is, per stage, this agent's last commit that created a task
-	// there (admission waits for the stage's view to show it).
-	fedMu sync.Mutex
-	fed   map[jobs.Stage]fedMark
+	// fed is, per stage after one of this agent's roles, the ledger of
+	// the tasks its commits created there that are not done: what
+	// admission counts (jobs.Fed).
+	fed map[jobs.Stage]*jobs.Fed
 
 	id     string
 	host   host.Host
@@ -71,7 +72,11 @@ type Agent struct {
 	// serves to other agents (live.go): progress never goes to etcd.
 	board   *progress.Board
 	progSrv *progress.Server
-	alarms  *jobs.AlarmWatcher // etcd's NOSPACE alarm
+	// grants are the credits workers of the next stages granted this
+	// agent (grants.go); stopGrants stops taking them.
+	grants     *routing.Grants
+	stopGrants func()
+	alarms     *jobs.AlarmWatcher // etcd's NOSPACE alarm
 	// health says whether etcd can serve this agent now; finished keeps
 	// the finished job records it can answer for while etcd cannot.
 	health   *jobs.Health
@@ -157,7 +162,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.applyStateDir(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, fed: map[jobs.Stage]fedMark{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, grants: routing.NewGrants(), fed: map[jobs.Stage]*jobs.Fed{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.pullCtx, a.stopPull = context.WithCancel(a.ctx)
 	a.running.init()
@@ -222,16 +227,14 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if a.store, err = jobs.NewStore(cli, jc); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
+	// A view of the queue of each role's stage; of the stage after it,
+	// only the tasks this agent fed (a view of that queue would bring
+	// every change of it here).
 	a.queues = map[jobs.Stage]*jobs.Queue{}
 	for _, st := range cfg.Roles {
-		follow := []jobs.Stage{st}
+		a.queues[st] = a.store.NewQueue(st)
 		if down, last := st.Next(); !last {
-			follow = append(follow, down)
-		}
-		for _, f := range follow {
-			if a.queues[f] == nil {
-				a.queues[f] = a.store.NewQueue(f)
-			}
+			a.fed[down] = a.store.NewFed(a.ctx, down, a.id)
 		}
 	}
 	if err = a.metrics.WatchStore(func() cache.LocalStats { return a.cstore.LocalStats() }); err != nil {
@@ -408,6 +411,7 @@ func (a *Agent) Start(ctx context.Context) error {
 	// registered may ask it for a copy at once.
 	a.cstore.Start()
 	a.progSrv = progress.Serve(a.host, a.board, a.admitPeer, a.log)
+	a.stopGrants = grant.Serve(a.host, a.admitPeer, a.takeGrant, a.log)
 	if err := a.member.Start(ctx); err != nil {
 		return fmt.Errorf("agent: join: %w", err)
 	}
@@ -417,6 +421,9 @@ func (a *Agent) Start(ctx context.Context) error {
 	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.release, a.resyncHeld) })
 	for _, q := range a.queues {
 		a.wg.Go(func() { q.Run(a.ctx) })
+	}
+	for _, f := range a.fed {
+		a.wg.Go(f.Run)
 	}
 	for _, st := range a.cfg.Roles {
 		a.workers.Go(func() { a.worker(st) })
@@ -558,6 +565,9 @@ func (a *Agent) Close() error {
 		a.wg.Wait()
 		if a.progSrv != nil {
 			a.progSrv.Close()
+		}
+		if a.stopGrants != nil {
+			a.stopGrants()
 		}
 		if a.cstore != nil {
 			errs = append(errs, a.cstore.Close()) // before the transfer service its copies live in

@@ -32,6 +32,9 @@ func (a *Agent) pushTarget(st jobs.Stage, s engine.Spec) (hint string, push *job
 		return hint, nil
 	}
 	if p, ok := a.member.Peer(hint); ok && p.Lease != 0 {
+		if p.Meta.Free.For(string(st)) == 0 {
+			a.grants.Take(hint, string(st), time.Now()) // pushed against its grant: one credit spent
+		}
 		return hint, &jobs.Push{Node: hint, Lease: p.Lease}
 	}
 	return hint, nil

@@ -93,6 +93,7 @@ func (a *Agent) worker(st jobs.Stage) {
 				once.Do(func() {
 					credits.Release()
 					a.publishMeta()
+					a.grantFreed(st, c.Task.Producer())
 				})
 			}
 			defer workDone()
@@ -162,7 +163,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			// claim pushed here meanwhile may go to a worker that can start it.
 			wake := earliest(time.Now().Add(time.Second), a.returnPushes(st, q))
 			hb.Wait()
-			a.waitView(a.queues[down].Changed(), settled, wake)
+			a.waitView(a.fed[down].Changed(), settled, wake)
 			continue
 		}
 		pend := q.Pending()
@@ -353,49 +354,34 @@ func earliest(a, b time.Time) time.Time {
 	return a
 }
 
-// fedMark is the revision of this agent's last commit that created a task
-// of a stage, and when it was made.
-type fedMark struct {
-	rev int64
-	at  time.Time
-}
-
-// fedLag bounds how long admission waits for a stage's view to show this
-// agent's last output: the watch delivers it within milliseconds, and a
-// mark the view can never reach (etcd replaced meanwhile) must not stop
-// admission for good.
-const fedLag = 2 * time.Second
-
-// committedOutput notes that c's commit created the next stage's task.
-func (a *Agent) committedOutput(c *jobs.Claim) {
-	down, last := c.Task.Stage.Next()
-	if last || c.CommitRev == 0 {
+// committedOutput counts the next stage's task c's commit created among
+// this agent's outputs (jobs.Fed) until it is done. After an attempt with
+// no answer (maybe), any attempt may have created its task: each is
+// counted if etcd has it.
+func (a *Agent) committedOutput(c *jobs.Claim, maybe bool) {
+	down, _ := c.Task.Stage.Next()
+	f := a.fed[down]
+	if f == nil {
 		return
 	}
-	a.fedMu.Lock()
-	defer a.fedMu.Unlock()
-	if m := a.fed[down]; c.CommitRev > m.rev {
-		a.fed[down] = fedMark{rev: c.CommitRev, at: time.Now()}
+	if c.NextKey != "" {
+		f.Add(c.NextKey, c.CommitRev)
+	}
+	if maybe {
+		for _, k := range c.Tried {
+			if k != c.NextKey {
+				f.AddMaybe(k)
+			}
+		}
 	}
 }
 
-// viewHasOutputs reports whether the view of stage down holds every task
-// this agent's commits created there (or the last one is older than
-// fedLag). Admission counts this agent's share from the view, and a
-// producer that claimed again before its last output showed up would
-// count one too few: four producers overshot a budget of 3 with 6.
-func (a *Agent) viewHasOutputs(down jobs.Stage, q *jobs.Queue) bool {
-	a.fedMu.Lock()
-	m := a.fed[down]
-	a.fedMu.Unlock()
-	return m.rev <= q.Seen() || time.Since(m.at) > fedLag
-}
-
-// nextViewRev is the revision up to which this agent's view of the queue
-// of the stage after st has seen etcd (0 for the last stage).
-func (a *Agent) nextViewRev(st jobs.Stage) int64 {
-	if down, last := st.Next(); !last && a.queues[down] != nil {
-		return a.queues[down].Seen()
+// fedSeen is a revision at which the stage after st held no more of this
+// agent's outputs than its admission counts (jobs.Fed.Seen; 0 for the last
+// stage).
+func (a *Agent) fedSeen(st jobs.Stage) int64 {
+	if down, _ := st.Next(); a.fed[down] != nil {
+		return a.fed[down].Seen()
 	}
 	return 0
 }
@@ -408,30 +394,20 @@ func (a *Agent) nextViewRev(st jobs.Stage) int64 {
 // and the next stage's tasks, queued or running, fed by its outputs. The
 // quotas of all producers add up to the budget, so the projected backlog
 // downstream stays within it however many producers there are. The next
-// stage's tasks come from its watch-fed view: no etcd read.
+// stage's tasks fed by this agent come from its ledger: no etcd read.
 func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	down, last := st.Next()
 	if last || a.cfg.Admission.Off {
 		return true, ""
 	}
-	q := a.queues[down]
 	// This agent's tasks of st in flight: running (this claim has no
 	// credit yet), then done with their commit, which creates their
 	// downstream task, on its way (a task is counted committing before its
-	// credit goes back). Counted before the view is read: a commit that
-	// ends meanwhile has marked its output (committedOutput) before it
-	// stops counting here, so viewHasOutputs waits for the view to show
-	// it. Counted after, as before, such an output was in neither count,
-	// and a producer of quota 1 started a second denoise with its first
-	// output waiting for decode.
+	// credit goes back). Counted before the ledger is read: a commit that
+	// ends meanwhile has added its output there (committedOutput) before
+	// it stops counting here.
 	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
-	// Our last output may not be in the view yet: then nothing starts
-	// until it is (below), and gossip hears whether it fills our share.
-	lag := !a.viewHasOutputs(down, q)
-	fed := q.FedBy(a.id)
-	if lag {
-		fed++
-	}
+	fed, synced := a.fed[down].Count()
 	credits := 0
 	var producers []string
 	for _, p := range a.member.Peers() {
@@ -464,12 +440,10 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	// Held or not, gossip says so at once: a worker whose commit just
 	// filled its share must not look free to the producer whose admission
 	// that same commit woke (it would push a task here to be given back),
-	// and one with room must not look full while its view catches up (an
-	// idle mesh's pushes would miss it).
+	// and one with room must not look full (an idle mesh's pushes would
+	// miss it).
+	ok = ok && synced // until the outputs of an earlier incarnation are counted
 	a.setHeld(st, !ok)
-	if lag {
-		return false, down // count our last output from the view first
-	}
 	return ok, down
 }
 
@@ -505,11 +479,13 @@ func takesWork(p gossip.Peer, st jobs.Stage, model string) bool {
 // view never shows more room than there is.
 func (a *Agent) freeSlots(p gossip.Peer, st jobs.Stage) int {
 	free := int(p.Meta.Free.For(string(st)))
-	q := a.queues[st]
-	if free > 0 || p.Record.ID == a.id || q == nil { // this node's own meta is exact
+	if free > 0 || p.Record.ID == a.id { // this node's own meta is exact
 		return free
 	}
-	return max(0, p.Record.Slots[string(st)]-q.HeldBy(p.Record.ID))
+	if q := a.queues[st]; q != nil {
+		return max(0, p.Record.Slots[string(st)]-q.HeldBy(p.Record.ID))
+	}
+	return a.grants.Free(p.Record.ID, string(st), time.Now())
 }
 
 // execute runs a claimed task and records the outcome in etcd.
@@ -523,12 +499,12 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	st := c.Task.Stage
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
 	// The task starts here (a pushed claim was made with the task, maybe
-	// long before). next_view_rev, how far this agent's view of the next
-	// stage's queue has read etcd, places the start in etcd's order: no
-	// later than it happened, and not before the view admission counted
-	// this agent's outputs in (TestBackpressureManyProducers counts the
+	// long before). fed_rev, a revision at which the next stage held no
+	// more of this agent's outputs than admission counted, places the
+	// start in etcd's order: no later than it happened, and not before the
+	// count admission went by (TestBackpressureManyProducers counts the
 	// backlog by it).
-	log.Debug("task started", zap.Int64("claim_rev", c.Rev), zap.Bool("pushed", c.Pushed), zap.Int64("next_view_rev", a.nextViewRev(st)))
+	log.Debug("task started", zap.Int64("claim_rev", c.Rev), zap.Bool("pushed", c.Pushed), zap.Int64("fed_rev", a.fedSeen(st)))
 	a.recent.note(c.Task.JobID)
 	defer a.untrack(c)
 	var handedOff atomic.Bool // set once an early handoff committed the stage
@@ -720,6 +696,9 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 // has already waited for etcd (a reclaimed task): its staged Store copies
 // are confirmed before the first attempt, as before every retry.
 func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, waited bool, log *zap.Logger) (uncertain bool, err error) {
+	defer func() {
+		a.committedOutput(c, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
+	}()
 	if next, last := c.Task.Stage.Next(); !last && out.Push == nil {
 		// The next stage's worker is chosen now, not when the stage began
 		// (a video's denoise takes minutes): one free now gets the task
@@ -743,9 +722,7 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, wait
 		err = a.store.Commit(actx, c, out)
 		cancel()
 		a.commitRejected(c.Task.Stage, err)
-		if err == nil {
-			a.committedOutput(c)
-		}
+
 		if err == nil || a.ctx.Err() != nil {
 			return uncertain, err
 		}

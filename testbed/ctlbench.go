@@ -661,7 +661,8 @@ func (t *watchTally) snap() map[string]int64 {
 }
 
 // watchKind names a watch by its key under prefix, job and node ids left
-// out: "queues/denoise/", "objects/", "jobs/<job>", "payloads/<node>/".
+// out: "queues/denoise/", "queues/decode/tasks/<task>", "objects/",
+// "jobs/<job>", "payloads/<node>/".
 func watchKind(prefix, key string) string {
 	rest, ok := strings.CutPrefix(key, prefix+"/")
 	if !ok {
@@ -678,7 +679,10 @@ func watchKind(prefix, key string) string {
 	case top == "objects" && sub != "":
 		return top + "/<job>..."
 	case top == "queues":
-		stage, _, _ := strings.Cut(sub, "/")
+		stage, rest, _ := strings.Cut(sub, "/")
+		if kind, task, _ := strings.Cut(rest, "/"); kind == "tasks" && task != "" {
+			return top + "/" + stage + "/tasks/<task>" // a producer's watch of one task it fed (jobs.Fed)
+		}
 		return top + "/" + stage + "/"
 	}
 	return top + "/"

@@ -119,10 +119,11 @@ grpc_server_msg_received_total{grpc_method="Put",grpc_service="etcdserverpb.KV",
 func TestWatchKind(t *testing.T) {
 	const p = "/latentmesh/default"
 	for key, want := range map[string]string{
-		p + "/nodes/":                   "nodes/",
-		p + "/objects/":                 "objects/",
-		p + "/objects/j1.frame.":        "objects/<job>...",
-		p + "/queues/denoise/":          "queues/denoise/",
+		p + "/nodes/":            "nodes/",
+		p + "/objects/":          "objects/",
+		p + "/objects/j1.frame.": "objects/<job>...",
+		p + "/queues/denoise/":   "queues/denoise/",
+		p + "/queues/decode/tasks/1/00000187a1b2c3d4-ab12": "queues/decode/tasks/<task>",
 		p + "/jobs/0123abcd":            "jobs/<job>",
 		p + "/progress/0123abcd":        "progress/<job>",
 		p + "/payloads/denoise-01/":     "payloads/<node>/",

@@ -47,10 +47,11 @@ func schedAgent(cl *Cluster, id string, st jobs.Stage, slots int, edit func(*age
 // transaction. A denoise claim counts from when its worker started the
 // task, not from when the claim was made: a claim pushed to a worker that
 // waits for a slot or for admission holds no latent. Workers log each
-// start ("task started") with how far their view of the decode queue had
-// read etcd (next_view_rev), and the start is placed at that revision: no
-// later than it happened, so the backlog is never undercounted, and not
-// before the view the worker's admission counted against. The peak is
+// start ("task started") with fed_rev, a revision at which the decode
+// queue held no more of the worker's outputs than its admission counted
+// (jobs.Fed.Seen), and the start is placed at that revision: no later
+// than it happened, so the backlog is never undercounted, and not before
+// the count the worker's admission went by. The peak is
 // worked out from the whole history once the run is over: exact, not
 // sampled, and no etcd write of its own.
 type backlogWatch struct {
@@ -164,7 +165,7 @@ func (w *backlogWatch) peak(t *testing.T) (peak int64, starts, pushed int) {
 			continue
 		}
 		claim, okC := f["claim_rev"].(int64)
-		at, okA := f["next_view_rev"].(int64)
+		at, okA := f["fed_rev"].(int64)
 		if !okC || !okA || at == 0 {
 			t.Fatalf("a denoise start logged without its revisions: %v", f)
 		}

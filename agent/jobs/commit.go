@@ -207,7 +207,7 @@ func (s *Store) dropFinished(ctx context.Context, c *Claim) error {
 // consumed inputs. ErrFenced means the claim was lost (lease expired): nothing
 // was written and the caller must discard its output. ErrFinished means the job
 // was cancelled meanwhile: the claim was dropped; discard the output too.
-func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
+func (s *Store) Commit(ctx context.Context, c *Claim, out Output) (err error) {
 	next, last := c.Task.Stage.Next()
 	if last && (out.Result == nil || out.Result.Object == "") {
 		return errors.New("jobs: commit of the last stage without a result object")
@@ -223,8 +223,15 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 		push = nil // the worker's lease ended: queue the task for anyone
 		return true
 	}
+	var nextKey string
+	defer func() {
+		if err == nil {
+			c.NextKey = nextKey
+		}
+	}()
 	return s.update(ctx, c, "commit", out.Records, dropPush, func(rec *record) ([]clientv3.Op, error) {
 		now := s.cfg.Now()
+		nextKey = ""
 		if rec.Stages == nil {
 			rec.Stages = map[Stage]*StageRecord{}
 		}
@@ -255,6 +262,8 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) error {
 			Checkpointing: rec.Checkpointing, Fork: rec.Fork, Rewinds: rec.Rewinds,
 		}
 		t.Key = s.taskKey(&t)
+		nextKey = t.Key
+		c.Tried = append(c.Tried, t.Key)
 		if push != nil {
 			t.Attempt, t.Hint = 1, push.Node
 			ops = append(ops, s.pushOps(&t, push, now)...)

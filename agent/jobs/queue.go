@@ -219,21 +219,6 @@ func (q *Queue) Take(c *Claim) {
 	q.taken[c.Task.ID] = c.Rev
 }
 
-// FedBy counts the tasks, queued or running, whose input node produced:
-// the producer's share of this stage's backlog, which admission quotas
-// bound (routing.Admission).
-func (q *Queue) FedBy(node string) int {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	n := 0
-	for _, t := range q.tasks {
-		if len(t.Inputs) > 0 && t.Inputs[0].Node == node {
-			n++
-		}
-	}
-	return n
-}
-
 // Seen is the etcd revision up to which the view holds every change to the
 // stage's tasks and claims: a task written at a revision at or below it is
 // in the view. After a compaction or replaced etcd it starts again from the

@@ -34,6 +34,18 @@ func (st Stage) Next() (next Stage, last bool) {
 	return "", true
 }
 
+// Prev is the stage before st; ok is false for the first stage and for
+// anything that is not a stage.
+func (st Stage) Prev() (prev Stage, ok bool) {
+	switch st {
+	case Denoise:
+		return Encode, true
+	case Decode:
+		return Denoise, true
+	}
+	return "", false
+}
+
 // State is where a job is in its life.
 type State string
 
@@ -192,6 +204,15 @@ type Task struct {
 
 	Key string `json:"-"` // etcd key, set on read
 	Rev int64  `json:"-"` // ModRevision seen, set on read
+}
+
+// Producer is the node whose output the task takes as its first input ("" for
+// a task with none): the one whose admission counts it (Fed).
+func (t Task) Producer() string {
+	if len(t.Inputs) == 0 {
+		return ""
+	}
+	return t.Inputs[0].Node
 }
 
 // StageRecord is what one committed stage left behind.

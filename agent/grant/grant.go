@@ -1,0 +1,117 @@
+// Package grant carries credit grants between agents over libp2p: a worker
+// whose slot frees tells a producer that feeds its stage how many slots it
+// has free, for how long, sooner than gossip would (a gossip round or
+// two), so that the producer's next task is pushed to it with its claim
+// rather than left in the queue for a claim race. One frame, one way, per
+// grant; nothing of it reaches etcd. What to grant, to whom, and what a
+// grant is worth is routing's (routing.Grants, routing.GrantTo).
+package grant
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/network"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/core/peerstore"
+	"github.com/multiformats/go-multiaddr"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/transfer"
+)
+
+// ProtocolID is the libp2p protocol of credit grants.
+const ProtocolID = "/latentmesh/grant/1"
+
+// wireVersion is the version of Msg; a reader refuses any other.
+const wireVersion = 1
+
+// Bounds of the protocol, checked before anything is allocated or acted on.
+const (
+	maxFrame    = 128 // a stage name and two integers
+	maxStageLen = 32
+	// MaxFree bounds the slots one grant may claim: more than any node's.
+	MaxFree = 1024
+	// MaxTTL bounds how long a grant may hold.
+	MaxTTL = 10 * time.Second
+	// ioTimeout bounds a grant's read or write.
+	ioTimeout = 2 * time.Second
+)
+
+// Msg is one grant: the sender has Free slots of Stage free for TTLMs.
+type Msg struct {
+	V     int    `msgpack:"v"`
+	Stage string `msgpack:"stage"`
+	Free  int    `msgpack:"free"`
+	TTLMs int    `msgpack:"ttl_ms"`
+}
+
+// Validate implements transfer's message check.
+func (m *Msg) Validate() error {
+	switch {
+	case m.V != wireVersion:
+		return fmt.Errorf("%w: grant version %d", transfer.ErrVersion, m.V)
+	case m.Stage == "" || len(m.Stage) > maxStageLen:
+		return fmt.Errorf("%w: stage of %d bytes", transfer.ErrProtocol, len(m.Stage))
+	case m.Free < 0 || m.Free > MaxFree:
+		return fmt.Errorf("%w: %d free slots (at most %d)", transfer.ErrProtocol, m.Free, MaxFree)
+	case m.TTLMs <= 0 || time.Duration(m.TTLMs)*time.Millisecond > MaxTTL:
+		return fmt.Errorf("%w: grant for %d ms (at most %v)", transfer.ErrProtocol, m.TTLMs, MaxTTL)
+	}
+	return nil
+}
+
+// TTL is how long the grant holds.
+func (m *Msg) TTL() time.Duration { return time.Duration(m.TTLMs) * time.Millisecond }
+
+// Serve takes grants on h from the peers allow admits (members of the
+// mesh) and hands each to take, with its sender, until the returned
+// function is called. A frame from anyone else is not read.
+func Serve(h host.Host, allow func(peer.ID) bool, take func(from peer.ID, m Msg), log *zap.Logger) (stop func()) {
+	log = log.Named("grant")
+	h.SetStreamHandler(ProtocolID, func(str network.Stream) {
+		defer str.Close()
+		remote := str.Conn().RemotePeer()
+		if !allow(remote) {
+			log.Debug("grant from a non-member", zap.Stringer("peer", remote))
+			str.Reset()
+			return
+		}
+		str.SetDeadline(time.Now().Add(ioTimeout))
+		var m Msg
+		if err := transfer.ReadFrame(str, maxFrame, &m); err != nil {
+			log.Debug("bad grant", zap.Stringer("peer", remote), zap.Error(err))
+			str.Reset()
+			return
+		}
+		take(remote, m)
+	})
+	return func() { h.RemoveStreamHandler(ProtocolID) }
+}
+
+// Send grants p free slots of stage for ttl. ctx bounds the exchange.
+func Send(ctx context.Context, h host.Host, p peer.ID, addrs []string, stage string, free int, ttl time.Duration) error {
+	m := Msg{V: wireVersion, Stage: stage, Free: free, TTLMs: int(ttl / time.Millisecond)}
+	if err := m.Validate(); err != nil {
+		return err
+	}
+	for _, a := range addrs {
+		if ma, err := multiaddr.NewMultiaddr(a); err == nil {
+			h.Peerstore().AddAddr(p, ma, peerstore.TempAddrTTL)
+		}
+	}
+	str, err := h.NewStream(ctx, p, ProtocolID)
+	if err != nil {
+		return fmt.Errorf("%w: grant to %s: %v", transfer.ErrUnreachable, p, err)
+	}
+	defer str.Close()
+	stop := context.AfterFunc(ctx, func() { str.Reset() })
+	defer stop()
+	str.SetDeadline(time.Now().Add(ioTimeout))
+	if err := transfer.WriteFrame(str, &m); err != nil {
+		return fmt.Errorf("%w: grant to %s: %v", transfer.ErrUnreachable, p, err)
+	}
+	return nil
+}

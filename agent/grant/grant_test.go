@@ -1,0 +1,128 @@
+package grant
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/libp2p/go-libp2p"
+	"github.com/libp2p/go-libp2p/core/host"
+	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/p2p/transport/tcp"
+	"github.com/vmihailenco/msgpack/v5"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/transfer"
+)
+
+func newHost(t *testing.T) host.Host {
+	t.Helper()
+	h, err := libp2p.New(libp2p.ListenAddrStrings("/ip4/127.0.0.1/tcp/0"),
+		libp2p.Transport(tcp.NewTCPTransport), libp2p.DisableRelay())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Close() })
+	return h
+}
+
+func addrs(h host.Host) []string {
+	var out []string
+	for _, a := range h.Addrs() {
+		out = append(out, a.String())
+	}
+	return out
+}
+
+type got struct {
+	from peer.ID
+	m    Msg
+}
+
+// A member's grant reaches the producer with its sender; a non-member's
+// is not taken.
+func TestGrantDeliveredFromMembersOnly(t *testing.T) {
+	producer, worker, stranger := newHost(t), newHost(t), newHost(t)
+	ch := make(chan got, 2)
+	stop := Serve(producer, func(p peer.ID) bool { return p != stranger.ID() }, func(from peer.ID, m Msg) { ch <- got{from, m} }, zap.NewNop())
+	defer stop()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := Send(ctx, worker, producer.ID(), addrs(producer), "decode", 2, 1500*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case g := <-ch:
+		if g.from != worker.ID() || g.m.Stage != "decode" || g.m.Free != 2 || g.m.TTL() != 1500*time.Millisecond {
+			t.Fatalf("took %+v from %s, want 2 decode slots for 1.5s from %s", g.m, g.from, worker.ID())
+		}
+	case <-ctx.Done():
+		t.Fatal("the grant never arrived")
+	}
+	Send(ctx, stranger, producer.ID(), addrs(producer), "decode", 1, time.Second) // refused by a reset, or written and dropped
+	select {
+	case g := <-ch:
+		t.Fatalf("a non-member's grant was taken: %+v", g)
+	case <-time.After(300 * time.Millisecond):
+	}
+	if err := Send(ctx, worker, producer.ID(), addrs(producer), "decode", MaxFree+1, time.Second); err == nil {
+		t.Fatal("an out-of-bounds grant was sent")
+	}
+}
+
+func TestMsgBounds(t *testing.T) {
+	for _, m := range []Msg{
+		{V: 2, Stage: "decode", Free: 1, TTLMs: 100},
+		{V: wireVersion, Free: 1, TTLMs: 100},
+		{V: wireVersion, Stage: string(make([]byte, maxStageLen+1)), Free: 1, TTLMs: 100},
+		{V: wireVersion, Stage: "decode", Free: -1, TTLMs: 100},
+		{V: wireVersion, Stage: "decode", Free: MaxFree + 1, TTLMs: 100},
+		{V: wireVersion, Stage: "decode", Free: 1},
+		{V: wireVersion, Stage: "decode", Free: 1, TTLMs: int(MaxTTL/time.Millisecond) + 1},
+	} {
+		if err := m.Validate(); err == nil {
+			t.Errorf("grant %+v passed Validate", m)
+		}
+	}
+	var buf bytes.Buffer
+	if err := transfer.WriteFrame(&buf, &Msg{V: wireVersion, Stage: string(bytes.Repeat([]byte("x"), maxFrame)), Free: 1, TTLMs: 1}); err != nil {
+		t.Fatal(err)
+	}
+	var m Msg
+	if err := transfer.ReadFrame(&buf, maxFrame, &m); !errors.Is(err, transfer.ErrFrameTooLarge) {
+		t.Fatalf("oversized frame: %v", err)
+	}
+}
+
+func frame(t testing.TB, v any) []byte {
+	var buf bytes.Buffer
+	if err := transfer.WriteFrame(&buf, v); err != nil {
+		t.Fatal(err)
+	}
+	return buf.Bytes()
+}
+
+// FuzzGrantFrame checks that no frame panics the decoder, that whatever
+// decodes is within the bounds, and that it survives a round trip.
+func FuzzGrantFrame(f *testing.F) {
+	f.Add(frame(f, &Msg{V: wireVersion, Stage: "decode", Free: 2, TTLMs: 2000}))
+	raw, _ := msgpack.Marshal(map[string]any{"v": 1, "stage": "decode", "free": -5, "ttl_ms": 1})
+	f.Add(append([]byte{0, 0, 0, byte(len(raw))}, raw...))
+	f.Add([]byte{0, 0, 0, 5, 0xdd, 0xff, 0xff, 0xff, 0xff}) // a huge array header
+	f.Add([]byte{0xff, 0xff, 0xff, 0xff})                   // a huge length
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var m Msg
+		if err := transfer.ReadFrame(bytes.NewReader(b), maxFrame, &m); err != nil {
+			return
+		}
+		if m.V != wireVersion || m.Stage == "" || len(m.Stage) > maxStageLen || m.Free < 0 || m.Free > MaxFree || m.TTLMs <= 0 || m.TTL() > MaxTTL {
+			t.Fatalf("accepted an out-of-bounds grant %+v", m)
+		}
+		var again Msg
+		if err := transfer.ReadFrame(bytes.NewReader(frame(t, &m)), maxFrame, &again); err != nil || again != m {
+			t.Fatalf("round trip: %+v -> %+v (%v)", m, again, err)
+		}
+	})
+}

@@ -1,0 +1,74 @@
+package agent
+
+import (
+	"context"
+	"time"
+
+	"github.com/libp2p/go-libp2p/core/peer"
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/grant"
+	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// Credit grants (agent/grant, routing.Grants): a worker whose slot frees
+// tells the producers that feed its stage at once, and a producer pushes
+// its next task to a worker that granted it a credit even while gossip
+// still shows that worker full. Gossip carries free credits a round or
+// two late; the producer used to correct it from a view of the whole next
+// queue, which cost every producer every change of that queue.
+
+// takeGrant records a grant from a member: a stage of the pipeline, and
+// a peer whose node record this agent has.
+func (a *Agent) takeGrant(from peer.ID, m grant.Msg) {
+	if _, ok := jobs.Stage(m.Stage).Prev(); !ok {
+		return // the first stage is granted to nobody, and a name that is no stage is not kept
+	}
+	pid := from.String()
+	for _, p := range a.member.Peers() {
+		if p.Record.PeerID == pid && p.Record.ID != a.id {
+			a.grants.Grant(p.Record.ID, m.Stage, m.Free, time.Now().Add(m.TTL()))
+			return
+		}
+	}
+}
+
+// grantFreed grants this node's free slots of st to the producers that
+// feed it (routing.GrantTo: fed, the producer of the task that just ended,
+// and one other), when the stage takes work: not while draining, held back
+// by admission, or blocked, and not for the first stage, whose tasks come
+// from submissions.
+func (a *Agent) grantFreed(st jobs.Stage, fed string) {
+	up, ok := st.Prev()
+	if !ok || a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() {
+		return
+	}
+	_, free := a.slots(st)
+	if free <= 0 {
+		return
+	}
+	var producers []string
+	addrs := map[string][]string{}
+	pids := map[string]peer.ID{}
+	for _, p := range a.member.Peers() {
+		if !p.Alive || p.Record.ID == a.id || !p.Record.HasRole(string(up)) {
+			continue
+		}
+		pid, err := peer.Decode(p.Record.PeerID)
+		if err != nil {
+			continue
+		}
+		producers = append(producers, p.Record.ID)
+		addrs[p.Record.ID], pids[p.Record.ID] = p.Record.P2PAddrs, pid
+	}
+	for _, node := range routing.GrantTo(producers, fed, nil) {
+		a.wg.Go(func() {
+			ctx, cancel := context.WithTimeout(a.ctx, time.Second)
+			defer cancel()
+			if err := grant.Send(ctx, a.host, pids[node], addrs[node], string(st), free, routing.GrantTTL); err != nil {
+				a.log.Debug("credit grant not sent", zap.String("to", node), zap.Error(err))
+			}
+		})
+	}
+}

@@ -1,0 +1,192 @@
+package jobs
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+)
+
+// Fed is a producer's ledger of the tasks its commits created in the next
+// stage that are not gone yet (their stage committed, or the job was
+// cancelled, failed or rewound): its share of that stage's backlog, which
+// admission bounds (routing.Admission). Each task is followed by a watch
+// of its one key, which sees its deletion and nothing else: one event, to
+// its producer. A producer used to follow the whole next queue to count
+// them, so every change of the decode queue reached every denoise agent.
+//
+// The count may run ahead of etcd (a deletion is counted once its event
+// arrives), never behind it: a task is added when the commit that created
+// it answers, before the commit stops counting as in flight.
+type Fed struct {
+	s     *Store
+	ctx   context.Context // the watches end with it
+	stage Stage
+	node  string
+	log   *zap.Logger
+	wg    sync.WaitGroup // the watches
+
+	mu sync.Mutex
+	// mu guards the fields below.
+	live    map[string]context.CancelFunc // by task key, its watch
+	synced  bool                          // the tasks fed before this process started are read
+	seen    int64                         // see Seen
+	changed chan struct{}                 // closed (and replaced) when a task goes or the read lands
+}
+
+// NewFed returns the ledger of node's tasks in stage, whose watches end
+// with ctx; Run reads the tasks an earlier incarnation fed.
+func (s *Store) NewFed(ctx context.Context, stage Stage, node string) *Fed {
+	return &Fed{s: s, ctx: ctx, stage: stage, node: node, log: s.log.With(zap.String("fed", string(stage))), live: map[string]context.CancelFunc{}, changed: make(chan struct{})}
+}
+
+// Run reads, once, the tasks of the stage that node fed before this process
+// started (a restart keeps its share counted), then waits for the ledger's
+// context to end and its watches with it.
+func (f *Fed) Run() {
+	defer f.wg.Wait()
+	backoff := 50 * time.Millisecond
+	for f.ctx.Err() == nil {
+		tasks, _, rev, err := f.s.readQueue(f.ctx, f.stage)
+		if err != nil {
+			f.log.Warn("reading the tasks this node fed failed; retrying", zap.Duration("backoff", backoff), zap.Error(err))
+			sleepCtx(f.ctx, backoff)
+			backoff = min(2*backoff, 2*time.Second)
+			continue
+		}
+		f.mu.Lock()
+		for _, t := range tasks {
+			if t.Producer() == f.node {
+				f.addLocked(t.Key, rev)
+			}
+		}
+		f.synced = true
+		f.seen = max(f.seen, rev)
+		f.notifyLocked()
+		f.mu.Unlock()
+		break
+	}
+	<-f.ctx.Done()
+}
+
+// Add counts the task at key, created by this node's commit at revision
+// rev, until it goes.
+func (f *Fed) Add(key string, rev int64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.seen = max(f.seen, rev)
+	f.addLocked(key, rev)
+}
+
+// AddMaybe counts the task at key if etcd has it: one a commit with no
+// answer may have created.
+func (f *Fed) AddMaybe(key string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.addLocked(key, 0)
+}
+
+// addLocked follows the task at key, which existed at revision rev (0:
+// not known to exist).
+func (f *Fed) addLocked(key string, rev int64) {
+	if _, ok := f.live[key]; ok || f.ctx.Err() != nil {
+		return
+	}
+	ctx, cancel := context.WithCancel(f.ctx)
+	f.live[key] = cancel
+	f.wg.Go(func() { f.follow(ctx, key, rev) })
+}
+
+// Count is how many of the tasks this node fed are not gone, and Synced
+// whether those fed before this process started are among them.
+func (f *Fed) Count() (n int, synced bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return len(f.live), f.synced
+}
+
+// Seen is a revision at which the stage held at most Count of this node's
+// tasks: the newest of the commits added and the deletions seen, so every
+// task counted was created by then and every deletion counted happened by
+// then. (A deletion not seen yet only makes Count larger than the truth.)
+func (f *Fed) Seen() int64 {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.seen
+}
+
+// Changed returns a channel closed when a task counted goes. Take it before
+// Count, so that a change in between is not missed.
+func (f *Fed) Changed() <-chan struct{} {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.changed
+}
+
+func (f *Fed) notifyLocked() {
+	close(f.changed)
+	f.changed = make(chan struct{})
+}
+
+// gone forgets the task at key, deleted by revision rev.
+func (f *Fed) gone(key string, rev int64) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	cancel, ok := f.live[key]
+	if !ok {
+		return
+	}
+	cancel()
+	delete(f.live, key)
+	f.seen = max(f.seen, rev)
+	f.notifyLocked()
+}
+
+// follow waits for the deletion of the task at key, which existed at rev.
+// A watch that breaks resumes after the last revision seen; one answered
+// with a compaction (history gone, or etcd replaced) asks etcd whether the
+// task is still there.
+func (f *Fed) follow(ctx context.Context, key string, rev int64) {
+	next := rev + 1
+	backoff := 50 * time.Millisecond
+	check := rev == 0 // ask etcd first whether it is there
+	for ctx.Err() == nil {
+		if check {
+			resp, err := f.s.cli.Get(ctx, key, clientv3.WithCountOnly())
+			switch {
+			case err != nil:
+				sleepCtx(ctx, backoff)
+				backoff = min(2*backoff, 2*time.Second)
+				continue
+			case resp.Count == 0:
+				f.gone(key, resp.Header.Revision)
+				return
+			}
+			next, check = resp.Header.Revision+1, false
+		}
+		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		compacted := false
+		for wr := range f.s.cli.Watch(wctx, key, clientv3.WithRev(next), clientv3.WithFilterPut()) {
+			if wr.CompactRevision > 0 {
+				compacted = true
+				break
+			}
+			if len(wr.Events) > 0 {
+				cancel()
+				f.gone(key, wr.Events[0].Kv.ModRevision)
+				return
+			}
+			if wr.Header.Revision > 0 {
+				next = max(next, wr.Header.Revision+1)
+			}
+		}
+		cancel()
+		if compacted {
+			check = true
+			continue
+		}
+		sleepCtx(ctx, 200*time.Millisecond) // a broken watch (leader loss): resume shortly
+	}
+}

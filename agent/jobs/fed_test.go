@@ -1,0 +1,109 @@
+package jobs
+
+import (
+	"context"
+	"sync"
+	"testing"
+)
+
+// runFed runs node's ledger of stage until the test ends.
+func runFed(t *testing.T, s *Store, stage Stage, node string) *Fed {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	f := s.NewFed(ctx, stage, node)
+	var wg sync.WaitGroup
+	wg.Go(f.Run)
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	within(t, "the ledger's first read", func() bool { _, ok := f.Count(); return ok })
+	return f
+}
+
+func fedCount(f *Fed) int { n, _ := f.Count(); return n }
+
+// A producer's ledger counts the task its commit created downstream until
+// that task's stage commits, and a requeue (the task written again) does
+// not end it; a ledger started later (a restarted producer) finds the task
+// by reading the queue; a key a commit with no answer may have written is
+// counted only if etcd has it.
+func TestFedCountsOutputsUntilDone(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	if _, err := s.Submit(ctx, spec(), Options{}); err != nil {
+		t.Fatal(err)
+	}
+	enc := claimOne(t, s, Encode, "enc", lease)
+	f := runFed(t, s, Denoise, "enc")
+	if err := s.Commit(ctx, enc, Output{Payloads: payload("cond", "enc")}); err != nil {
+		t.Fatal(err)
+	}
+	if enc.NextKey == "" || len(enc.Tried) != 1 || enc.Tried[0] != enc.NextKey {
+		t.Fatalf("commit's next key %q, tried %q", enc.NextKey, enc.Tried)
+	}
+	f.Add(enc.NextKey, enc.CommitRev)
+	if n := fedCount(f); n != 1 || f.Seen() < enc.CommitRev {
+		t.Fatalf("after the commit: %d fed at revision %d, want 1 at %d or later", n, f.Seen(), enc.CommitRev)
+	}
+	later := runFed(t, s, Denoise, "enc")
+	other := runFed(t, s, Denoise, "someone-else")
+	if n, m := fedCount(later), fedCount(other); n != 1 || m != 0 {
+		t.Fatalf("ledgers read from etcd: the producer's %d, another node's %d; want 1 and 0", n, m)
+	}
+	f.AddMaybe(s.cfg.Prefix + "/queues/denoise/tasks/never-written")
+	within(t, "a key never written dropped", func() bool { return fedCount(f) == 1 })
+	changed := f.Changed()
+
+	den := claimOne(t, s, Denoise, "den", lease)
+	if err := s.Requeue(ctx, den); err != nil {
+		t.Fatal(err)
+	}
+	den = claimOne(t, s, Denoise, "den", lease)
+	if n := fedCount(f); n != 1 {
+		t.Fatalf("after a requeue: %d fed, want the task still counted", n)
+	}
+	select {
+	case <-changed:
+		t.Fatal("the ledger changed before the task was done")
+	default:
+	}
+	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
+		t.Fatal(err)
+	}
+	<-changed
+	within(t, "the decoded task gone from both ledgers", func() bool { return fedCount(f) == 0 && fedCount(later) == 0 })
+	if f.Seen() < den.CommitRev {
+		t.Fatalf("ledger seen at %d, before the deletion it counted (%d)", f.Seen(), den.CommitRev)
+	}
+}
+
+// A watch whose history etcd compacted away asks etcd whether the task is
+// still there.
+func TestFedAfterCompaction(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	if _, err := s.Submit(ctx, spec(), Options{}); err != nil {
+		t.Fatal(err)
+	}
+	enc := claimOne(t, s, Encode, "enc", lease)
+	if err := s.Commit(ctx, enc, Output{Payloads: payload("cond", "enc")}); err != nil {
+		t.Fatal(err)
+	}
+	den := claimOne(t, s, Denoise, "den", lease)
+	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := cli.Put(ctx, s.cfg.Prefix+"/compact-here", "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cli.Compact(ctx, resp.Header.Revision); err != nil {
+		t.Fatal(err)
+	}
+	f := runFed(t, s, Denoise, "enc")
+	f.Add(enc.NextKey, enc.CommitRev) // its deletion is in the compacted history
+	within(t, "the task found gone", func() bool { return fedCount(f) == 0 })
+	if f.Seen() < den.CommitRev {
+		t.Fatalf("seen %d, before the deletion at %d", f.Seen(), den.CommitRev)
+	}
+}

@@ -1,0 +1,63 @@
+package routing
+
+import (
+	"math/rand/v2"
+	"slices"
+	"testing"
+	"time"
+)
+
+func TestGrantsLapseAndSpend(t *testing.T) {
+	g := NewGrants()
+	now := time.Now()
+	g.Grant("w1", "decode", 2, now.Add(GrantTTL))
+	if n := g.Free("w1", "decode", now); n != 2 {
+		t.Fatalf("free %d, want 2", n)
+	}
+	if n := g.Free("w1", "denoise", now); n != 0 {
+		t.Fatalf("another stage's free %d, want 0", n)
+	}
+	if !g.Take("w1", "decode", now) || !g.Take("w1", "decode", now) {
+		t.Fatal("two credits granted, a take refused")
+	}
+	if g.Take("w1", "decode", now) || g.Free("w1", "decode", now) != 0 {
+		t.Fatal("a third take against two credits")
+	}
+	g.Grant("w1", "decode", 1, now.Add(GrantTTL))
+	g.Grant("w1", "decode", 3, now.Add(GrantTTL)) // replaces, does not add
+	if n := g.Free("w1", "decode", now); n != 3 {
+		t.Fatalf("free after a second grant %d, want 3", n)
+	}
+	if n := g.Free("w1", "decode", now.Add(GrantTTL)); n != 0 || g.Take("w1", "decode", now.Add(GrantTTL)) {
+		t.Fatalf("a lapsed grant still holds %d", n)
+	}
+	g.Grant("w2", "decode", 1, now.Add(GrantTTL))
+	g.Grant("w2", "decode", 0, now.Add(GrantTTL)) // a grant of nothing withdraws
+	if g.Free("w2", "decode", now) != 0 {
+		t.Fatal("a withdrawn grant holds")
+	}
+}
+
+func TestGrantToAffinityAndOneOther(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	producers := []string{"a", "b", "c", "d"}
+	seen := map[string]int{}
+	for range 400 {
+		to := GrantTo(slices.Clone(producers), "c", rng)
+		if len(to) != GrantFanout || to[0] != "c" || to[1] == "c" {
+			t.Fatalf("granted to %v, want c and one other", to)
+		}
+		seen[to[1]]++
+	}
+	for _, p := range []string{"a", "b", "d"} {
+		if seen[p] < 80 {
+			t.Errorf("%s chosen %d of 400 times as the second producer", p, seen[p])
+		}
+	}
+	if to := GrantTo([]string{"a"}, "gone", rng); !slices.Equal(to, []string{"a"}) {
+		t.Errorf("one producer, the feeder gone: %v", to)
+	}
+	if to := GrantTo(nil, "a", rng); len(to) != 0 {
+		t.Errorf("no producers: %v", to)
+	}
+}

@@ -61,6 +61,8 @@ func TestLayering(t *testing.T) {
 		"agent/extengine": {module + "/agent/jobs", module + "/agent/httpapi", module + "/gossip", module + "/cache", module + "/routing"},
 		// Live progress is peer to peer: nothing of it reaches etcd.
 		"agent/progress": {module + "/agent/jobs", module + "/gossip", module + "/cache", module + "/routing", "go.etcd.io/"},
+		// Credit grants are peer to peer too; what they mean is routing's.
+		"agent/grant": {module + "/agent/jobs", module + "/gossip", module + "/cache", module + "/routing", "go.etcd.io/"},
 	}
 	// Leaves any layer may use: they import nothing of latentmesh.
 	leaves := map[string]bool{

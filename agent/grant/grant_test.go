@@ -7,34 +7,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/libp2p/go-libp2p"
-	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/peer"
-	"github.com/libp2p/go-libp2p/p2p/transport/tcp"
 	"github.com/vmihailenco/msgpack/v5"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/transfer"
+	"github.com/latentmesh/latentmesh/transfer/p2ptest"
 )
-
-func newHost(t *testing.T) host.Host {
-	t.Helper()
-	h, err := libp2p.New(libp2p.ListenAddrStrings("/ip4/127.0.0.1/tcp/0"),
-		libp2p.Transport(tcp.NewTCPTransport), libp2p.DisableRelay())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { h.Close() })
-	return h
-}
-
-func addrs(h host.Host) []string {
-	var out []string
-	for _, a := range h.Addrs() {
-		out = append(out, a.String())
-	}
-	return out
-}
 
 type got struct {
 	from peer.ID
@@ -44,13 +23,13 @@ type got struct {
 // A member's grant reaches the producer with its sender; a non-member's
 // is not taken.
 func TestGrantDeliveredFromMembersOnly(t *testing.T) {
-	producer, worker, stranger := newHost(t), newHost(t), newHost(t)
+	producer, worker, stranger := p2ptest.NewHost(t), p2ptest.NewHost(t), p2ptest.NewHost(t)
 	ch := make(chan got, 2)
 	stop := Serve(producer, func(p peer.ID) bool { return p != stranger.ID() }, func(from peer.ID, m Msg) { ch <- got{from, m} }, zap.NewNop())
 	defer stop()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := Send(ctx, worker, producer.ID(), addrs(producer), "decode", 2, 1500*time.Millisecond); err != nil {
+	if err := Send(ctx, worker, producer.ID(), p2ptest.Addrs(producer), "decode", 2, 1500*time.Millisecond); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -61,13 +40,13 @@ func TestGrantDeliveredFromMembersOnly(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("the grant never arrived")
 	}
-	Send(ctx, stranger, producer.ID(), addrs(producer), "decode", 1, time.Second) // refused by a reset, or written and dropped
+	Send(ctx, stranger, producer.ID(), p2ptest.Addrs(producer), "decode", 1, time.Second) // refused by a reset, or written and dropped
 	select {
 	case g := <-ch:
 		t.Fatalf("a non-member's grant was taken: %+v", g)
 	case <-time.After(300 * time.Millisecond):
 	}
-	if err := Send(ctx, worker, producer.ID(), addrs(producer), "decode", MaxFree+1, time.Second); err == nil {
+	if err := Send(ctx, worker, producer.ID(), p2ptest.Addrs(producer), "decode", MaxFree+1, time.Second); err == nil {
 		t.Fatal("an out-of-bounds grant was sent")
 	}
 }
@@ -96,18 +75,10 @@ func TestMsgBounds(t *testing.T) {
 	}
 }
 
-func frame(t testing.TB, v any) []byte {
-	var buf bytes.Buffer
-	if err := transfer.WriteFrame(&buf, v); err != nil {
-		t.Fatal(err)
-	}
-	return buf.Bytes()
-}
-
 // FuzzGrantFrame checks that no frame panics the decoder, that whatever
 // decodes is within the bounds, and that it survives a round trip.
 func FuzzGrantFrame(f *testing.F) {
-	f.Add(frame(f, &Msg{V: wireVersion, Stage: "decode", Free: 2, TTLMs: 2000}))
+	f.Add(p2ptest.Frame(f, &Msg{V: wireVersion, Stage: "decode", Free: 2, TTLMs: 2000}))
 	raw, _ := msgpack.Marshal(map[string]any{"v": 1, "stage": "decode", "free": -5, "ttl_ms": 1})
 	f.Add(append([]byte{0, 0, 0, byte(len(raw))}, raw...))
 	f.Add([]byte{0, 0, 0, 5, 0xdd, 0xff, 0xff, 0xff, 0xff}) // a huge array header
@@ -121,7 +92,7 @@ func FuzzGrantFrame(f *testing.F) {
 			t.Fatalf("accepted an out-of-bounds grant %+v", m)
 		}
 		var again Msg
-		if err := transfer.ReadFrame(bytes.NewReader(frame(t, &m)), maxFrame, &again); err != nil || again != m {
+		if err := transfer.ReadFrame(bytes.NewReader(p2ptest.Frame(t, &m)), maxFrame, &again); err != nil || again != m {
 			t.Fatalf("round trip: %+v -> %+v (%v)", m, again, err)
 		}
 	})

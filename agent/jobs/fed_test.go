@@ -4,6 +4,8 @@ import (
 	"context"
 	"sync"
 	"testing"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
 // runFed runs node's ledger of stage until the test ends.
@@ -76,6 +78,17 @@ func TestFedCountsOutputsUntilDone(t *testing.T) {
 	}
 }
 
+// commitStage claims the pending task of st, as a node named st, and
+// commits it with one output.
+func commitStage(t *testing.T, s *Store, st Stage, lease clientv3.LeaseID) *Claim {
+	t.Helper()
+	c := claimOne(t, s, st, string(st), lease)
+	if err := s.Commit(context.Background(), c, Output{Payloads: payload("out-"+string(st), string(st))}); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 // A watch whose history etcd compacted away asks etcd whether the task is
 // still there.
 func TestFedAfterCompaction(t *testing.T) {
@@ -85,14 +98,8 @@ func TestFedAfterCompaction(t *testing.T) {
 	if _, err := s.Submit(ctx, spec(), Options{}); err != nil {
 		t.Fatal(err)
 	}
-	enc := claimOne(t, s, Encode, "enc", lease)
-	if err := s.Commit(ctx, enc, Output{Payloads: payload("cond", "enc")}); err != nil {
-		t.Fatal(err)
-	}
-	den := claimOne(t, s, Denoise, "den", lease)
-	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
-		t.Fatal(err)
-	}
+	enc := commitStage(t, s, Encode, lease)
+	den := commitStage(t, s, Denoise, lease)
 	resp, err := cli.Put(ctx, s.cfg.Prefix+"/compact-here", "x")
 	if err != nil {
 		t.Fatal(err)
@@ -100,7 +107,7 @@ func TestFedAfterCompaction(t *testing.T) {
 	if _, err := cli.Compact(ctx, resp.Header.Revision); err != nil {
 		t.Fatal(err)
 	}
-	f := runFed(t, s, Denoise, "enc")
+	f := runFed(t, s, Denoise, string(Encode))
 	f.Add(enc.NextKey, enc.CommitRev) // its deletion is in the compacted history
 	within(t, "the task found gone", func() bool { return fedCount(f) == 0 })
 	if f.Seen() < den.CommitRev {

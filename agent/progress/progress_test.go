@@ -7,14 +7,13 @@ import (
 	"testing"
 	"time"
 
-	"github.com/libp2p/go-libp2p"
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/peer"
-	"github.com/libp2p/go-libp2p/p2p/transport/tcp"
 	"github.com/vmihailenco/msgpack/v5"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/transfer"
+	"github.com/latentmesh/latentmesh/transfer/p2ptest"
 )
 
 // get is the job's latest step on b, false when no stage of it runs or
@@ -153,27 +152,12 @@ func TestBoardRestartReplacesAttempt(t *testing.T) {
 	}
 }
 
-func newHost(t *testing.T) host.Host {
-	t.Helper()
-	h, err := libp2p.New(libp2p.ListenAddrStrings("/ip4/127.0.0.1/tcp/0"),
-		libp2p.Transport(tcp.NewTCPTransport), libp2p.DisableRelay())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { h.Close() })
-	return h
-}
-
 func peerOf(h host.Host) Peer {
-	p := Peer{ID: h.ID()}
-	for _, a := range h.Addrs() {
-		p.Addrs = append(p.Addrs, a.String())
-	}
-	return p
+	return Peer{ID: h.ID(), Addrs: p2ptest.Addrs(h)}
 }
 
 func TestAskLongPollsTheWorker(t *testing.T) {
-	worker, asker := newHost(t), newHost(t)
+	worker, asker := p2ptest.NewHost(t), p2ptest.NewHost(t)
 	b := NewBoard()
 	srv := Serve(worker, b, func(peer.ID) bool { return true }, zap.NewNop())
 	defer srv.Close()
@@ -207,7 +191,7 @@ func TestAskLongPollsTheWorker(t *testing.T) {
 }
 
 func TestAskRefusedToNonMember(t *testing.T) {
-	worker, asker := newHost(t), newHost(t)
+	worker, asker := p2ptest.NewHost(t), p2ptest.NewHost(t)
 	b := NewBoard()
 	_, end := b.Start("j", "denoise", 5)
 	defer end()
@@ -242,17 +226,9 @@ func TestRequestBounds(t *testing.T) {
 	}
 }
 
-func frame(t testing.TB, v any) []byte {
-	var buf bytes.Buffer
-	if err := transfer.WriteFrame(&buf, v); err != nil {
-		t.Fatal(err)
-	}
-	return buf.Bytes()
-}
-
 func seed(f *testing.F) {
-	f.Add(frame(f, &request{V: wireVersion, Job: "job-1", After: 3, WaitMs: 1000}))
-	f.Add(frame(f, &response{V: wireVersion, Running: true, Stage: "denoise", Step: 4, Total: 50, AtNanos: 1}))
+	f.Add(p2ptest.Frame(f, &request{V: wireVersion, Job: "job-1", After: 3, WaitMs: 1000}))
+	f.Add(p2ptest.Frame(f, &response{V: wireVersion, Running: true, Stage: "denoise", Step: 4, Total: 50, AtNanos: 1}))
 	raw, _ := msgpack.Marshal(map[string]any{"v": 1, "job": "x", "after": -5})
 	f.Add(append([]byte{0, 0, 0, byte(len(raw))}, raw...))
 	f.Add([]byte{0, 0, 0, 5, 0xdd, 0xff, 0xff, 0xff, 0xff}) // a huge array header
@@ -272,7 +248,7 @@ func FuzzRequestFrame(f *testing.F) {
 			t.Fatalf("accepted an out-of-bounds request %+v", m)
 		}
 		var again request
-		if err := transfer.ReadFrame(bytes.NewReader(frame(t, &m)), maxFrame, &again); err != nil || again != m {
+		if err := transfer.ReadFrame(bytes.NewReader(p2ptest.Frame(t, &m)), maxFrame, &again); err != nil || again != m {
 			t.Fatalf("round trip: %+v -> %+v (%v)", m, again, err)
 		}
 	})
@@ -290,7 +266,7 @@ func FuzzResponseFrame(f *testing.F) {
 			t.Fatalf("accepted an out-of-bounds response %+v", m)
 		}
 		var again response
-		if err := transfer.ReadFrame(bytes.NewReader(frame(t, &m)), maxFrame, &again); err != nil || again != m {
+		if err := transfer.ReadFrame(bytes.NewReader(p2ptest.Frame(t, &m)), maxFrame, &again); err != nil || again != m {
 			t.Fatalf("round trip: %+v -> %+v (%v)", m, again, err)
 		}
 	})

@@ -509,17 +509,14 @@ func (s *sim) otherFree(st *stage, w *worker) bool {
 // events per follower (a stage's tasks and claims are under one prefix,
 // which a view follows with one watch, so one transaction is one event).
 // It reaches every agent whose queue view follows st, idle or busy: st's
-// workers and the previous stage's agents, whose admission and hints read
-// st's view (jobs.Queue). It wakes st's idle workers, and the previous
-// stage's when admission held them back; waking costs etcd nothing, they
-// scan their views in memory.
+// workers (jobs.Queue; the previous stage's agents follow only the tasks
+// they fed, jobs.Fed, whose one event a task the commit that deletes it
+// charges). It wakes st's idle workers, and the previous stage's when
+// admission held them back; waking costs etcd nothing, they scan their
+// views in memory.
 func (s *sim) stageEvent(st *stage, n int) {
 	now := s.clk.now
-	followers := len(st.workers)
-	if st.i > 0 {
-		followers += len(s.st[st.i-1].workers)
-	}
-	s.etcd.event(now, n*followers)
+	s.etcd.event(now, n*len(st.workers))
 	if len(st.waiting) > 0 {
 		s.requestWake(st, now+s.etcd.watchLat(now))
 	}
@@ -871,8 +868,9 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 			// The consumed input's payload record is deleted: its
 			// producer's release watch (payloads/<producer>/) alone sees
 			// it. The new output's record is a put, which that watch
-			// filters out.
-			s.etcd.event(now, 1)
+			// filters out. And the task's deletion reaches its producer's
+			// ledger (jobs.Fed), which watches that one key.
+			s.etcd.event(now, 2)
 		}
 		if st.i == 2 {
 			// The result's object record: every Store watches objects/.

@@ -37,11 +37,12 @@ func (a *Agent) takeGrant(from peer.ID, m grant.Msg) {
 // grantFreed grants this node's free slots of st to the producers that
 // feed it (routing.GrantTo: fed, the producer of the task that just ended,
 // and one other), when the stage takes work: not while draining, held back
-// by admission, or blocked, and not for the first stage, whose tasks come
-// from submissions.
+// by admission, or blocked, not while its queue holds a task waiting (the
+// worker claims that one next; a push would wait behind it), and not for
+// the first stage, whose tasks come from submissions.
 func (a *Agent) grantFreed(st jobs.Stage, fed string) {
 	up, ok := st.Prev()
-	if !ok || a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() {
+	if !ok || a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() || a.queued(st) > 0 {
 		return
 	}
 	_, free := a.slots(st)
@@ -71,4 +72,10 @@ func (a *Agent) grantFreed(st jobs.Stage, fed string) {
 			}
 		})
 	}
+}
+
+// queued counts the tasks of st waiting unclaimed in this agent's view.
+func (a *Agent) queued(st jobs.Stage) int {
+	n, _ := a.queues[st].Depth()
+	return n
 }

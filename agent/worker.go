@@ -354,25 +354,44 @@ func earliest(a, b time.Time) time.Time {
 	return a
 }
 
+// expectOutput fixes the next stage's task of c's commit in out, and has
+// this agent's ledger follow it from before the commit (jobs.Fed.Expect),
+// so the ledger sees it end at once however soon it does. nil for the last
+// stage.
+func (a *Agent) expectOutput(c *jobs.Claim, out *jobs.Output) *jobs.Expected {
+	down, _ := c.Task.Stage.Next()
+	f := a.fed[down]
+	if f == nil {
+		return nil
+	}
+	out.Next = a.store.NextTask(c)
+	return f.Expect(out.Next.Key)
+}
+
 // committedOutput counts the next stage's task c's commit created among
-// this agent's outputs (jobs.Fed) until it is done. After an attempt with
-// no answer (maybe), any attempt may have created its task: each is
-// counted if etcd has it.
-func (a *Agent) committedOutput(c *jobs.Claim, maybe bool) {
+// this agent's outputs (jobs.Fed) until it is done, as expected (the
+// commit wrote the key expectOutput fixed) or not (the job's class changed
+// meanwhile). After an attempt with no answer (maybe), any attempt may
+// have created its task: each is counted if etcd has it.
+func (a *Agent) committedOutput(c *jobs.Claim, expected *jobs.Expected, err error, maybe bool) {
 	down, _ := c.Task.Stage.Next()
 	f := a.fed[down]
 	if f == nil {
 		return
 	}
-	if c.NextKey != "" {
+	switch {
+	case err == nil && expected.Key() == c.NextKey:
+		expected.Created(c.CommitRev)
+	case err == nil:
+		expected.Drop()
 		f.Add(c.NextKey, c.CommitRev)
-	}
-	if maybe {
+	case maybe:
+		expected.Drop()
 		for _, k := range c.Tried {
-			if k != c.NextKey {
-				f.AddMaybe(k)
-			}
+			f.AddMaybe(k)
 		}
+	default:
+		expected.Drop()
 	}
 }
 
@@ -696,8 +715,9 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 // has already waited for etcd (a reclaimed task): its staged Store copies
 // are confirmed before the first attempt, as before every retry.
 func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, waited bool, log *zap.Logger) (uncertain bool, err error) {
+	expected := a.expectOutput(c, &out)
 	defer func() {
-		a.committedOutput(c, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
+		a.committedOutput(c, expected, err, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
 	}()
 	if next, last := c.Task.Stage.Next(); !last && out.Push == nil {
 		// The next stage's worker is chosen now, not when the stage began

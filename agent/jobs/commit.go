@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -42,6 +43,31 @@ type Output struct {
 	// ResumedFrom, Checkpoints and CacheHits are StageRecord's.
 	ResumedFrom, Checkpoints int
 	CacheHits                []string
+	// Next, when set (Store.NextTask), is the next stage's task's
+	// identity, fixed before the commit so that its producer can follow
+	// the task from before it exists (Fed.Expect). The commit uses it
+	// unless the job's class changed meanwhile; Claim.NextKey says which
+	// key it wrote.
+	Next NextTask
+}
+
+// NextTask is the id, enqueue time and key of the task a commit creates in
+// the next stage.
+type NextTask struct {
+	ID         string
+	EnqueuedAt time.Time
+	Key        string
+}
+
+// NextTask fixes the identity of the task c's commit will create in the
+// next stage (zero after the last stage).
+func (s *Store) NextTask(c *Claim) NextTask {
+	next, last := c.Task.Stage.Next()
+	if last {
+		return NextTask{}
+	}
+	t := Task{ID: newID(), Stage: next, Class: c.Task.Class, EnqueuedAt: s.cfg.Now()}
+	return NextTask{ID: t.ID, EnqueuedAt: t.EnqueuedAt, Key: s.taskKey(&t)}
 }
 
 // StagedRecord is a record a commit writes in its transaction. A record
@@ -261,9 +287,14 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) (err error) {
 			Inputs: out.Payloads, Hint: out.Hint, EnqueuedAt: now,
 			Checkpointing: rec.Checkpointing, Fork: rec.Fork, Rewinds: rec.Rewinds,
 		}
+		if out.Next.ID != "" {
+			t.ID, t.EnqueuedAt = out.Next.ID, out.Next.EnqueuedAt
+		}
 		t.Key = s.taskKey(&t)
 		nextKey = t.Key
-		c.Tried = append(c.Tried, t.Key)
+		if !slices.Contains(c.Tried, t.Key) {
+			c.Tried = append(c.Tried, t.Key)
+		}
 		if push != nil {
 			t.Attempt, t.Hint = 1, push.Node
 			ops = append(ops, s.pushOps(&t, push, now)...)

@@ -114,3 +114,60 @@ func TestFedAfterCompaction(t *testing.T) {
 		t.Fatalf("seen %d, before the deletion at %d", f.Seen(), den.CommitRev)
 	}
 }
+
+// A task followed from before its commit (Expect) is counted once the
+// commit creates it under the fixed key, and forgotten when it ends; an
+// expected task whose commit failed is not counted.
+func TestFedExpectedBeforeCommit(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	for range 2 {
+		if _, err := s.Submit(ctx, spec(), Options{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f := runFed(t, s, Denoise, "enc")
+	pend, _, err := s.Pending(ctx, Encode)
+	if err != nil || len(pend) != 2 {
+		t.Fatalf("pending encodes %d %v", len(pend), err)
+	}
+	enc, err := s.TryClaim(ctx, pend[0], "enc", lease)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := Output{Payloads: payload("cond", "enc"), Next: s.NextTask(enc)}
+	e := f.Expect(out.Next.Key)
+	if err := s.Commit(ctx, enc, out); err != nil {
+		t.Fatal(err)
+	}
+	if enc.NextKey != out.Next.Key || e.Key() != enc.NextKey {
+		t.Fatalf("commit wrote %q, expected %q", enc.NextKey, out.Next.Key)
+	}
+	e.Created(enc.CommitRev)
+	if n := fedCount(f); n != 1 {
+		t.Fatalf("after the commit: %d fed, want 1", n)
+	}
+	// A commit refused (its claim requeued) creates nothing: dropped.
+	other, err := s.TryClaim(ctx, pend[1], "enc", lease)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Requeue(ctx, other); err != nil {
+		t.Fatal(err)
+	}
+	out2 := Output{Payloads: payload("cond2", "enc"), Next: s.NextTask(other)}
+	e2 := f.Expect(out2.Next.Key)
+	if err := s.Commit(ctx, other, out2); err == nil {
+		t.Fatal("a requeued claim committed")
+	}
+	e2.Drop()
+	den := claimOne(t, s, Denoise, "den", lease)
+	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "the expected task gone", func() bool { return fedCount(f) == 0 })
+	if f.Seen() < den.CommitRev {
+		t.Fatalf("seen %d, before the deletion at %d", f.Seen(), den.CommitRev)
+	}
+}

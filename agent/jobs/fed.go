@@ -31,6 +31,7 @@ type Fed struct {
 	mu sync.Mutex
 	// mu guards the fields below.
 	live    map[string]context.CancelFunc // by task key, its watch
+	closed  bool                          // Run is waiting for the watches: start no more
 	synced  bool                          // the tasks fed before this process started are read
 	seen    int64                         // see Seen
 	changed chan struct{}                 // closed (and replaced) when a task goes or the read lands
@@ -46,7 +47,12 @@ func (s *Store) NewFed(ctx context.Context, stage Stage, node string) *Fed {
 // started (a restart keeps its share counted), then waits for the ledger's
 // context to end and its watches with it.
 func (f *Fed) Run() {
-	defer f.wg.Wait()
+	defer func() {
+		f.mu.Lock()
+		f.closed = true
+		f.mu.Unlock()
+		f.wg.Wait()
+	}()
 	backoff := 50 * time.Millisecond
 	for f.ctx.Err() == nil {
 		tasks, _, rev, err := f.s.readQueue(f.ctx, f.stage)
@@ -91,7 +97,7 @@ func (f *Fed) AddMaybe(key string) {
 // addLocked follows the task at key, which existed at revision rev (0:
 // not known to exist).
 func (f *Fed) addLocked(key string, rev int64) {
-	if _, ok := f.live[key]; ok || f.ctx.Err() != nil {
+	if _, ok := f.live[key]; ok || f.closed {
 		return
 	}
 	ctx, cancel := context.WithCancel(f.ctx)
@@ -165,6 +171,12 @@ type Expected struct {
 func (f *Fed) Expect(key string) *Expected {
 	ctx, cancel := context.WithCancel(f.ctx)
 	e := &Expected{f: f, key: key, ctx: ctx, cancel: cancel, made: make(chan struct{})}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.closed {
+		cancel() // Created finds no watch and falls back to Add, which starts none either
+		return e
+	}
 	f.wg.Go(func() {
 		e.wch = f.s.cli.Watch(clientv3.WithRequireLeader(ctx), key, clientv3.WithFilterPut(), clientv3.WithCreatedNotify())
 		close(e.made)
@@ -191,6 +203,7 @@ func (e *Expected) Created(rev int64) {
 			inStep = ok && wr.Created && wr.Err() == nil && wr.Header.Revision <= rev
 		case <-t.C:
 		}
+	case <-e.ctx.Done(): // the ledger is closing
 	case <-t.C:
 	}
 	t.Stop()
@@ -202,7 +215,7 @@ func (e *Expected) Created(rev int64) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.seen = max(f.seen, rev)
-	if _, ok := f.live[e.key]; ok || f.ctx.Err() != nil {
+	if _, ok := f.live[e.key]; ok || f.closed {
 		e.cancel()
 		return
 	}

@@ -12,6 +12,8 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/gossip"
+	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
@@ -185,4 +187,47 @@ func cachedCopy(in jobs.Input) (transfer.Ref, bool) {
 		return ref, false
 	}
 	return ref, true
+}
+
+// pickHint names the preferred worker of stage st of s: power of two
+// choices among live peers taking work for it with a free slot, same host
+// first; for a denoise naming an adapter, among those that have it loaded.
+func (a *Agent) pickHint(st jobs.Stage, s engine.Spec) string {
+	var targets []routing.Target
+	model := s.ModelName()
+	for _, p := range a.member.Peers() {
+		if takesWork(p, st, model) && takesAdapterOf(p, st, s) {
+			targets = append(targets, routing.Target{Node: p.Record.ID, Free: a.freeSlots(p, st), SameHost: a.sameHost(p)})
+		}
+	}
+	return routing.PickHint(targets, nil)
+}
+
+// takesWork reports whether peer p, as gossip has it, takes tasks of stage
+// st for model now: alive, not suspect, and the stage among the roles of
+// its gossiped meta (which leaves out a draining or blocked stage).
+func takesWork(p gossip.Peer, st jobs.Stage, model string) bool {
+	return p.Alive && !p.Suspect && p.Record.HasRole(string(st)) && slices.Contains(p.Meta.Roles, string(st)) &&
+		p.Meta.Serves(string(st), model, engine.DefaultModel)
+}
+
+// freeSlots is how many tasks of stage st peer p could start now. Gossip
+// says, but late: a busy worker that frees a slot is seen free up to a
+// gossip round or two later (measured: a third of the pushes of
+// back-to-back tiny jobs were lost to it). A peer gossip shows full is
+// looked up in this agent's view of the stage's queue where it has one
+// (an agent of that stage), which shows each claim within milliseconds:
+// its registered slots less the claims it holds (claims held while their
+// commit runs count against it, so the view never shows more room than
+// there is); otherwise in the credits the peer granted this agent when its
+// slot freed (grants.go).
+func (a *Agent) freeSlots(p gossip.Peer, st jobs.Stage) int {
+	free := int(p.Meta.Free.For(string(st)))
+	if free > 0 || p.Record.ID == a.id { // this node's own meta is exact
+		return free
+	}
+	if q := a.queues[st]; q != nil {
+		return max(0, p.Record.Slots[string(st)]-q.HeldBy(p.Record.ID))
+	}
+	return a.grants.Free(p.Record.ID, string(st), time.Now())
 }

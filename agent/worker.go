@@ -18,7 +18,6 @@ import (
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/cache"
-	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
 )
@@ -289,17 +288,6 @@ func (a *Agent) setBlocked(st jobs.Stage, b bool) {
 	}
 }
 
-// setHeld records whether admission holds stage st back and gossips the
-// change. Producers count each other from etcd records, not gossip, so a
-// held producer's quota is unchanged; what changes is that no producer
-// pushes to it, and its pushed claims go to whoever gossip shows free.
-func (a *Agent) setHeld(st jobs.Stage, h bool) {
-	if a.held[st].Swap(h) != h {
-		a.log.Debug("admission", zap.String("stage", string(st)), zap.Bool("held", h))
-		a.publishMeta()
-	}
-}
-
 // outputBytes is what task t will place in this node's arena: the encoded
 // conditioning, the latent. A decode's file goes to the Store, where it may
 // overflow (putResult), so decode never waits for room.
@@ -352,159 +340,6 @@ func earliest(a, b time.Time) time.Time {
 		return b
 	}
 	return a
-}
-
-// expectOutput fixes the next stage's task of c's commit in out, and has
-// this agent's ledger follow it from before the commit (jobs.Fed.Expect),
-// so the ledger sees it end at once however soon it does. nil for the last
-// stage.
-func (a *Agent) expectOutput(c *jobs.Claim, out *jobs.Output) *jobs.Expected {
-	down, _ := c.Task.Stage.Next()
-	f := a.fed[down]
-	if f == nil {
-		return nil
-	}
-	out.Next = a.store.NextTask(c)
-	return f.Expect(out.Next.Key)
-}
-
-// committedOutput counts the next stage's task c's commit created among
-// this agent's outputs (jobs.Fed) until it is done, as expected (the
-// commit wrote the key expectOutput fixed) or not (the job's class changed
-// meanwhile). After an attempt with no answer (maybe), any attempt may
-// have created its task: each is counted if etcd has it.
-func (a *Agent) committedOutput(c *jobs.Claim, expected *jobs.Expected, err error, maybe bool) {
-	down, _ := c.Task.Stage.Next()
-	f := a.fed[down]
-	if f == nil {
-		return
-	}
-	switch {
-	case err == nil && expected.Key() == c.NextKey:
-		expected.Created(c.CommitRev)
-	case err == nil:
-		expected.Drop()
-		f.Add(c.NextKey, c.CommitRev)
-	case maybe:
-		expected.Drop()
-		for _, k := range c.Tried {
-			f.AddMaybe(k)
-		}
-	default:
-		expected.Drop()
-	}
-}
-
-// fedSeen is a revision at which the stage after st held no more of this
-// agent's outputs than its admission counts (jobs.Fed.Seen; 0 for the last
-// stage).
-func (a *Agent) fedSeen(st jobs.Stage) int64 {
-	if down, _ := st.Next(); a.fed[down] != nil {
-		return a.fed[down].Seen()
-	}
-	return 0
-}
-
-// admit applies the backpressure chain (routing.Admission): start a task
-// only while this node's share of the next stage's budget has room. The
-// budget is the next stage's total credits (the slots its live agents
-// register) plus the slack; this node's quota is its share among the live
-// agents of this stage, and it counts against it its running tasks of st
-// and the next stage's tasks, queued or running, fed by its outputs. The
-// quotas of all producers add up to the budget, so the projected backlog
-// downstream stays within it however many producers there are. The next
-// stage's tasks fed by this agent come from its ledger: no etcd read.
-func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
-	down, last := st.Next()
-	if last || a.cfg.Admission.Off {
-		return true, ""
-	}
-	// This agent's tasks of st in flight: running (this claim has no
-	// credit yet), then done with their commit, which creates their
-	// downstream task, on its way (a task is counted committing before its
-	// credit goes back). Counted before the ledger is read: a commit that
-	// ends meanwhile has added its output there (committedOutput) before
-	// it stops counting here.
-	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
-	fed, synced := a.fed[down].Count()
-	credits := 0
-	var producers []string
-	for _, p := range a.member.Peers() {
-		if !p.Alive {
-			continue
-		}
-		if p.Record.HasRole(string(down)) {
-			n, ok := p.Record.Slots[string(down)]
-			if !ok { // an agent that predates Slots: its free credits
-				n = int(p.Meta.Free.For(string(down)))
-			}
-			credits += n
-		}
-		if p.Record.HasRole(string(st)) {
-			producers = append(producers, p.Record.ID)
-		}
-	}
-	adm := a.cfg.Admission
-	quota := adm.Quota(adm.Budget(credits), producers, a.id)
-	ok = adm.Admit(fed+inFlight, quota)
-	// An agent that relays every output through the Store (store mode)
-	// parks them there, not in its arena or a consumer's: the Store's room
-	// bounds them (fits checks it per task), so it runs ahead of a slow or
-	// absent downstream pool, which is what frees its GPU. auto keeps the
-	// credit chain and relays only an output whose consumer is not ready.
-	if !ok && a.cfg.TransferMode == jobs.StoreRelay {
-		_, largest := a.storeRoom()
-		ok = largest > 0
-	}
-	// Held or not, gossip says so at once: a worker whose commit just
-	// filled its share must not look free to the producer whose admission
-	// that same commit woke (it would push a task here to be given back),
-	// and one with room must not look full (an idle mesh's pushes would
-	// miss it).
-	ok = ok && synced // until the outputs of an earlier incarnation are counted
-	a.setHeld(st, !ok)
-	return ok, down
-}
-
-// pickHint names the preferred worker of stage st of s: power of two
-// choices among live peers taking work for it with a free slot, same host
-// first; for a denoise naming an adapter, among those that have it loaded.
-func (a *Agent) pickHint(st jobs.Stage, s engine.Spec) string {
-	var targets []routing.Target
-	model := s.ModelName()
-	for _, p := range a.member.Peers() {
-		if takesWork(p, st, model) && takesAdapterOf(p, st, s) {
-			targets = append(targets, routing.Target{Node: p.Record.ID, Free: a.freeSlots(p, st), SameHost: a.sameHost(p)})
-		}
-	}
-	return routing.PickHint(targets, nil)
-}
-
-// takesWork reports whether peer p, as gossip has it, takes tasks of stage
-// st for model now: alive, not suspect, and the stage among the roles of
-// its gossiped meta (which leaves out a draining or blocked stage).
-func takesWork(p gossip.Peer, st jobs.Stage, model string) bool {
-	return p.Alive && !p.Suspect && p.Record.HasRole(string(st)) && slices.Contains(p.Meta.Roles, string(st)) &&
-		p.Meta.Serves(string(st), model, engine.DefaultModel)
-}
-
-// freeSlots is how many tasks of stage st peer p could start now. Gossip
-// says, but late: a busy worker that frees a slot is seen free up to a
-// gossip round or two later (measured: a third of the pushes of
-// back-to-back tiny jobs were lost to it). A peer gossip shows full is
-// looked up in this agent's view of the stage's queue, which shows each
-// claim within milliseconds: its registered slots less the claims it
-// holds. Claims held while their commit runs count against it, so the
-// view never shows more room than there is.
-func (a *Agent) freeSlots(p gossip.Peer, st jobs.Stage) int {
-	free := int(p.Meta.Free.For(string(st)))
-	if free > 0 || p.Record.ID == a.id { // this node's own meta is exact
-		return free
-	}
-	if q := a.queues[st]; q != nil {
-		return max(0, p.Record.Slots[string(st)]-q.HeldBy(p.Record.ID))
-	}
-	return a.grants.Free(p.Record.ID, string(st), time.Now())
 }
 
 // execute runs a claimed task and records the outcome in etcd.

@@ -1,0 +1,135 @@
+package agent
+
+// Admission (the backpressure chain, routing.Admission): a producer starts a
+// task only while its share of the next stage's budget has room, counting
+// its outputs from its own ledger of the tasks its commits created
+// (jobs.Fed), which follows each from before the commit that creates it.
+
+import (
+	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/agent/jobs"
+)
+
+// setHeld records whether admission holds stage st back and gossips the
+// change. Producers count each other from etcd records, not gossip, so a
+// held producer's quota is unchanged; what changes is that no producer
+// pushes to it, and its pushed claims go to whoever gossip shows free.
+func (a *Agent) setHeld(st jobs.Stage, h bool) {
+	if a.held[st].Swap(h) != h {
+		a.log.Debug("admission", zap.String("stage", string(st)), zap.Bool("held", h))
+		a.publishMeta()
+	}
+}
+
+// expectOutput fixes the next stage's task of c's commit in out, and has
+// this agent's ledger follow it from before the commit (jobs.Fed.Expect),
+// so the ledger sees it end at once however soon it does. nil for the last
+// stage.
+func (a *Agent) expectOutput(c *jobs.Claim, out *jobs.Output) *jobs.Expected {
+	down, _ := c.Task.Stage.Next()
+	f := a.fed[down]
+	if f == nil {
+		return nil
+	}
+	out.Next = a.store.NextTask(c)
+	return f.Expect(out.Next.Key)
+}
+
+// committedOutput counts the next stage's task c's commit created among
+// this agent's outputs (jobs.Fed) until it is done, as expected (the
+// commit wrote the key expectOutput fixed) or not (the job's class changed
+// meanwhile). After an attempt with no answer (maybe), any attempt may
+// have created its task: each is counted if etcd has it.
+func (a *Agent) committedOutput(c *jobs.Claim, expected *jobs.Expected, err error, maybe bool) {
+	down, _ := c.Task.Stage.Next()
+	f := a.fed[down]
+	if f == nil {
+		return
+	}
+	switch {
+	case err == nil && expected.Key() == c.NextKey:
+		expected.Created(c.CommitRev)
+	case err == nil:
+		expected.Drop()
+		f.Add(c.NextKey, c.CommitRev)
+	case maybe:
+		expected.Drop()
+		for _, k := range c.Tried {
+			f.AddMaybe(k)
+		}
+	default:
+		expected.Drop()
+	}
+}
+
+// fedSeen is a revision at which the stage after st held no more of this
+// agent's outputs than its admission counts (jobs.Fed.Seen; 0 for the last
+// stage).
+func (a *Agent) fedSeen(st jobs.Stage) int64 {
+	if down, _ := st.Next(); a.fed[down] != nil {
+		return a.fed[down].Seen()
+	}
+	return 0
+}
+
+// admit applies the backpressure chain (routing.Admission): start a task
+// only while this node's share of the next stage's budget has room. The
+// budget is the next stage's total credits (the slots its live agents
+// register) plus the slack; this node's quota is its share among the live
+// agents of this stage, and it counts against it its running tasks of st
+// and the next stage's tasks, queued or running, fed by its outputs. The
+// quotas of all producers add up to the budget, so the projected backlog
+// downstream stays within it however many producers there are. The next
+// stage's tasks fed by this agent come from its ledger: no etcd read.
+func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
+	down, last := st.Next()
+	if last || a.cfg.Admission.Off {
+		return true, ""
+	}
+	// This agent's tasks of st in flight: running (this claim has no
+	// credit yet), then done with their commit, which creates their
+	// downstream task, on its way (a task is counted committing before its
+	// credit goes back). Counted before the ledger is read: a commit that
+	// ends meanwhile has added its output there (committedOutput) before
+	// it stops counting here.
+	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
+	fed, synced := a.fed[down].Count()
+	credits := 0
+	var producers []string
+	for _, p := range a.member.Peers() {
+		if !p.Alive {
+			continue
+		}
+		if p.Record.HasRole(string(down)) {
+			n, ok := p.Record.Slots[string(down)]
+			if !ok { // an agent that predates Slots: its free credits
+				n = int(p.Meta.Free.For(string(down)))
+			}
+			credits += n
+		}
+		if p.Record.HasRole(string(st)) {
+			producers = append(producers, p.Record.ID)
+		}
+	}
+	adm := a.cfg.Admission
+	quota := adm.Quota(adm.Budget(credits), producers, a.id)
+	ok = adm.Admit(fed+inFlight, quota)
+	// An agent that relays every output through the Store (store mode)
+	// parks them there, not in its arena or a consumer's: the Store's room
+	// bounds them (fits checks it per task), so it runs ahead of a slow or
+	// absent downstream pool, which is what frees its GPU. auto keeps the
+	// credit chain and relays only an output whose consumer is not ready.
+	if !ok && a.cfg.TransferMode == jobs.StoreRelay {
+		_, largest := a.storeRoom()
+		ok = largest > 0
+	}
+	// Held or not, gossip says so at once: a worker whose commit just
+	// filled its share must not look free to the producer whose admission
+	// that same commit woke (it would push a task here to be given back),
+	// and one with room must not look full (an idle mesh's pushes would
+	// miss it).
+	ok = ok && synced // until the outputs of an earlier incarnation are counted
+	a.setHeld(st, !ok)
+	return ok, down
+}

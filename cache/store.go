@@ -13,8 +13,6 @@ import (
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
-	"github.com/libp2p/go-libp2p/core/peerstore"
-	"github.com/multiformats/go-multiaddr"
 	"github.com/zeebo/xxh3"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
@@ -758,19 +756,13 @@ func (s *Store) call(ctx context.Context, m Member, req *request) (*response, er
 	if err != nil {
 		return nil, fmt.Errorf("cache: member %s peer id: %w", m.Node, err)
 	}
-	for _, a := range m.P2PAddrs {
-		if ma, err := multiaddr.NewMultiaddr(a); err == nil {
-			s.h.Peerstore().AddAddr(pid, ma, peerstore.TempAddrTTL)
-		}
-	}
 	ctx, cancel := context.WithTimeout(ctx, s.cfg.RequestTimeout)
 	defer cancel()
-	str, err := s.h.NewStream(ctx, pid, ProtocolID)
+	str, stop, err := transfer.OpenStream(ctx, s.h, pid, m.P2PAddrs, ProtocolID)
 	if err != nil {
 		return nil, fmt.Errorf("%w: store request to %s: %v", transfer.ErrUnreachable, m.Node, err)
 	}
 	defer str.Close()
-	stop := context.AfterFunc(ctx, func() { str.Reset() })
 	defer stop()
 	str.SetDeadline(time.Now().Add(s.cfg.RequestTimeout))
 	if err := transfer.WriteFrame(str, req); err != nil {

@@ -1,6 +1,7 @@
 package transfer
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"time"
@@ -11,6 +12,8 @@ import (
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
+	"github.com/libp2p/go-libp2p/core/peerstore"
+	"github.com/libp2p/go-libp2p/core/protocol"
 	rcmgr "github.com/libp2p/go-libp2p/p2p/host/resource-manager"
 	"github.com/libp2p/go-libp2p/p2p/transport/tcp"
 	ma "github.com/multiformats/go-multiaddr"
@@ -183,4 +186,23 @@ func (g *admitGater) InterceptSecured(dir network.Direction, p peer.ID, addrs ne
 	}
 	g.refused.refuse("p2p", p, "not admitted", zap.Stringer("remote", addrs.RemoteMultiaddr()))
 	return false
+}
+
+// OpenStream opens a stream of protocol proto to peer p, learning its
+// addrs (libp2p multiaddrs, as node records list them; bad ones are
+// skipped) for a while first. The stream is reset when ctx ends; stop
+// releases that tie (call it, then close the stream, when done). The
+// agents' one-frame protocols (progress, credit grants, the Store's
+// requests) all start this way.
+func OpenStream(ctx context.Context, h host.Host, p peer.ID, addrs []string, proto protocol.ID) (str network.Stream, stop func() bool, err error) {
+	for _, a := range addrs {
+		if m, err := ma.NewMultiaddr(a); err == nil {
+			h.Peerstore().AddAddr(p, m, peerstore.TempAddrTTL)
+		}
+	}
+	str, err = h.NewStream(ctx, p, proto)
+	if err != nil {
+		return nil, nil, err
+	}
+	return str, context.AfterFunc(ctx, func() { str.Reset() }), nil
 }

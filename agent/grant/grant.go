@@ -15,8 +15,6 @@ import (
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
-	"github.com/libp2p/go-libp2p/core/peerstore"
-	"github.com/multiformats/go-multiaddr"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/transfer"
@@ -97,17 +95,11 @@ func Send(ctx context.Context, h host.Host, p peer.ID, addrs []string, stage str
 	if err := m.Validate(); err != nil {
 		return err
 	}
-	for _, a := range addrs {
-		if ma, err := multiaddr.NewMultiaddr(a); err == nil {
-			h.Peerstore().AddAddr(p, ma, peerstore.TempAddrTTL)
-		}
-	}
-	str, err := h.NewStream(ctx, p, ProtocolID)
+	str, stop, err := transfer.OpenStream(ctx, h, p, addrs, ProtocolID)
 	if err != nil {
 		return fmt.Errorf("%w: grant to %s: %v", transfer.ErrUnreachable, p, err)
 	}
 	defer str.Close()
-	stop := context.AfterFunc(ctx, func() { str.Reset() })
 	defer stop()
 	str.SetDeadline(time.Now().Add(ioTimeout))
 	if err := transfer.WriteFrame(str, &m); err != nil {

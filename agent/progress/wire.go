@@ -9,8 +9,6 @@ import (
 	"github.com/libp2p/go-libp2p/core/host"
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
-	"github.com/libp2p/go-libp2p/core/peerstore"
-	"github.com/multiformats/go-multiaddr"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/transfer"
@@ -170,17 +168,11 @@ type Peer struct {
 // exchange.
 func Ask(ctx context.Context, h host.Host, p Peer, job string, after Cursor, wait time.Duration) (st Step, ok bool, err error) {
 	wait = min(max(wait, 0), MaxWait)
-	for _, a := range p.Addrs {
-		if ma, err := multiaddr.NewMultiaddr(a); err == nil {
-			h.Peerstore().AddAddr(p.ID, ma, peerstore.TempAddrTTL)
-		}
-	}
-	str, err := h.NewStream(ctx, p.ID, ProtocolID)
+	str, stop, err := transfer.OpenStream(ctx, h, p.ID, p.Addrs, ProtocolID)
 	if err != nil {
 		return Step{}, false, fmt.Errorf("%w: progress of %s: %v", transfer.ErrUnreachable, job, err)
 	}
 	defer str.Close()
-	stop := context.AfterFunc(ctx, func() { str.Reset() })
 	defer stop()
 	str.SetDeadline(time.Now().Add(wait + 2*ioTimeout))
 	if err := transfer.WriteFrame(str, &request{V: wireVersion, Job: job, Run: after.Run, After: after.Step, WaitMs: int(wait / time.Millisecond)}); err != nil {

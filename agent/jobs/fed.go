@@ -185,29 +185,32 @@ func (f *Fed) Expect(key string) *Expected {
 }
 
 // Created counts the task, which the commit created at revision rev. The
-// watch Expect asked for sees its end if etcd made it at rev or before
-// (the watch starts after the revision its creation answer names);
-// otherwise, or without an answer within a second, the task is followed
+// watch Expect asked for sees every change after the revision its creation
+// answer names: when that is rev or before, it sees the task's end; when
+// etcd made it after the commit (its goroutine ran late), the task's end
+// may have come in between, and etcd is asked once whether the task is
+// still there. Without an answer within a second the task is followed
 // from rev, as Add does.
 func (e *Expected) Created(rev int64) {
 	if e == nil {
 		return
 	}
 	f := e.f
-	inStep := false
+	made, late := false, false
 	t := time.NewTimer(time.Second)
 	select {
 	case <-e.made:
 		select {
 		case wr, ok := <-e.wch:
-			inStep = ok && wr.Created && wr.Err() == nil && wr.Header.Revision <= rev
+			made = ok && wr.Created && wr.Err() == nil
+			late = wr.Header.Revision > rev
 		case <-t.C:
 		}
 	case <-e.ctx.Done(): // the ledger is closing
 	case <-t.C:
 	}
 	t.Stop()
-	if !inStep {
+	if !made {
 		e.cancel()
 		f.Add(e.key, rev)
 		return
@@ -220,7 +223,7 @@ func (e *Expected) Created(rev int64) {
 		return
 	}
 	f.live[e.key] = e.cancel
-	f.wg.Go(func() { f.followFrom(e.ctx, e.key, rev, e.wch) })
+	f.wg.Go(func() { f.followFrom(e.ctx, e.key, rev, e.wch, late) })
 }
 
 // Drop stops following: the commit did not create the task.
@@ -243,14 +246,15 @@ func (e *Expected) Key() string {
 // with a compaction (history gone, or etcd replaced) asks etcd whether the
 // task is still there.
 func (f *Fed) follow(ctx context.Context, key string, rev int64) {
-	f.followFrom(ctx, key, rev, nil)
+	f.followFrom(ctx, key, rev, nil, rev == 0)
 }
 
-// followFrom is follow, reading wch, a watch of key already made, first.
-func (f *Fed) followFrom(ctx context.Context, key string, rev int64, wch clientv3.WatchChan) {
+// followFrom is follow, reading wch, a watch of key already made, first;
+// check asks etcd first whether the task is there (rev 0: not known to
+// have been).
+func (f *Fed) followFrom(ctx context.Context, key string, rev int64, wch clientv3.WatchChan, check bool) {
 	next := rev + 1
 	backoff := 50 * time.Millisecond
-	check := rev == 0 // ask etcd first whether it is there
 	for ctx.Err() == nil {
 		if check {
 			resp, err := f.s.cli.Get(ctx, key, clientv3.WithCountOnly())

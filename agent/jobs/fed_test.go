@@ -2,6 +2,7 @@ package jobs
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 
@@ -170,4 +171,69 @@ func TestFedExpectedBeforeCommit(t *testing.T) {
 	if f.Seen() < den.CommitRev {
 		t.Fatalf("seen %d, before the deletion at %d", f.Seen(), den.CommitRev)
 	}
+}
+
+// A watch etcd made after the commit (Expect's goroutine ran late) may
+// have missed the task's end: the ledger asks etcd once, and keeps the
+// watch when the task is still there.
+func TestFedExpectedLate(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	for range 2 {
+		if _, err := s.Submit(ctx, spec(), Options{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	f := runFed(t, s, Denoise, "enc")
+	pend, _, err := s.Pending(ctx, Encode)
+	if err != nil || len(pend) != 2 {
+		t.Fatalf("pending encodes %d %v", len(pend), err)
+	}
+	var claims []*Claim
+	for i, p := range pend {
+		c, err := s.TryClaim(ctx, p, "enc", lease)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Commit(ctx, c, Output{Payloads: payload(fmt.Sprintf("cond%d", i), "enc"), Next: s.NextTask(c)}); err != nil {
+			t.Fatal(err)
+		}
+		claims = append(claims, c)
+	}
+	// The first task ends before its watch is asked for.
+	den := claimAtKey(t, s, claims[0].NextKey, lease)
+	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range claims {
+		e := f.Expect(c.NextKey)
+		e.Created(c.CommitRev)
+	}
+	within(t, "the task that ended first forgotten", func() bool { return fedCount(f) == 1 })
+	den = claimAtKey(t, s, claims[1].NextKey, lease)
+	if err := s.Commit(ctx, den, Output{Payloads: payload("latent2", "den")}); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "the other task's end seen by its late watch", func() bool { return fedCount(f) == 0 })
+}
+
+// claimAtKey claims the denoise task at key.
+func claimAtKey(t *testing.T, s *Store, key string, lease clientv3.LeaseID) *Claim {
+	t.Helper()
+	pend, _, err := s.Pending(context.Background(), Denoise)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range pend {
+		if p.Key == key {
+			c, err := s.TryClaim(context.Background(), p, "den", lease)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return c
+		}
+	}
+	t.Fatalf("no pending task at %s", key)
+	return nil
 }

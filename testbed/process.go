@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -142,8 +143,51 @@ func (p *Process) Kill() {
 
 // Pause stops the process with SIGSTOP: it keeps its sockets open but
 // answers nothing, like a host that hangs (a long GC pause, a stalled disk)
-// rather than one that dies.
-func (p *Process) Pause() error { return p.signal(syscall.SIGSTOP) }
+// rather than one that dies. It returns once every thread of the process
+// is stopped: the signal is delivered to each thread as it next runs, and
+// on a loaded machine etcd answered a write sent 4 ms after kill returned
+// (TestEtcdOutageOnHTTPPath, with the fuzzing beside it).
+func (p *Process) Pause() error {
+	if err := p.signal(syscall.SIGSTOP); err != nil {
+		return err
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		stopped, err := allThreadsStopped(p.cmd.Process.Pid)
+		if err != nil || stopped {
+			return err
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("testbed: %s: not stopped 5 s after SIGSTOP", p.Name)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// allThreadsStopped reports whether every thread of process pid is in the
+// stopped state ('T' in /proc/<pid>/task/<tid>/stat, or 't' when traced).
+func allThreadsStopped(pid int) (bool, error) {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return false, fmt.Errorf("testbed: threads of %d: %w", pid, err)
+	}
+	for _, t := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/stat", pid, t.Name()))
+		if err != nil {
+			return false, nil // a thread that just ended: look again
+		}
+		// The state follows the command name, which is in parentheses
+		// and may itself hold spaces or parentheses.
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 || i+2 >= len(b) {
+			return false, fmt.Errorf("testbed: unreadable stat of thread %s of %d", t.Name(), pid)
+		}
+		if st := b[i+2]; st != 'T' && st != 't' {
+			return false, nil
+		}
+	}
+	return true, nil
+}
 
 // Resume continues a paused process (SIGCONT).
 func (p *Process) Resume() error { return p.signal(syscall.SIGCONT) }

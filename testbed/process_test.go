@@ -338,3 +338,28 @@ func (m *mesh) checkResultOnce(ctx context.Context, job jobs.Job) {
 }
 
 func errorf(format string, a ...any) error { return fmt.Errorf(format, a...) }
+
+// Pause returns once every thread of the process is stopped, and Resume
+// lets them run again.
+func TestPauseWaitsForEveryThread(t *testing.T) {
+	p, err := StartProcess("sleeper", "/bin/sh", nil, "-c", "while :; do :; done")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.Kill() })
+	if err := p.Pause(); err != nil {
+		t.Fatal(err)
+	}
+	if stopped, err := allThreadsStopped(p.cmd.Process.Pid); err != nil || !stopped {
+		t.Fatalf("after Pause: stopped %v, %v", stopped, err)
+	}
+	if err := p.Resume(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 5*time.Second, func() error {
+		if stopped, err := allThreadsStopped(p.cmd.Process.Pid); err != nil || stopped {
+			return fmt.Errorf("after Resume: stopped %v, %v", stopped, err)
+		}
+		return nil
+	})
+}

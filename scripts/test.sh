@@ -61,14 +61,15 @@ step "go test -race -tags rdma (transfer)"
 go test -race -count=1 -tags rdma ./transfer/... || fail
 
 if [ "$FUZZTIME" != "0" ]; then
-	# One fuzz worker and one build job, so testbed's timing-sensitive
-	# tests keep a core.
-	step "fuzz every decoder for $FUZZTIME (one worker, beside testbed)"
+	# One fuzz worker and one build job at the lowest CPU priority, so
+	# testbed's timing-sensitive tests keep their cores: the fuzzing takes
+	# the time testbed spends waiting.
+	step "fuzz every decoder for $FUZZTIME (one worker, niced, beside testbed)"
 	for pkg in $(go list ./...); do
 		dir=$(go list -f '{{.Dir}}' "$pkg")
 		for target in $(grep -ho '^func Fuzz[A-Za-z0-9_]*' "$dir"/*_test.go 2>/dev/null | sed 's/^func //'); do
 			echo "fuzz $pkg $target"
-			if ! out=$(go test -p 1 -parallel 1 -run '^$' -fuzz "^${target}\$" -fuzztime "$FUZZTIME" "$pkg" 2>&1); then
+			if ! out=$(nice -n 19 go test -p 1 -parallel 1 -run '^$' -fuzz "^${target}\$" -fuzztime "$FUZZTIME" "$pkg" 2>&1); then
 				echo "$out" >&2
 				fail
 			fi

@@ -37,27 +37,16 @@ func (a *Agent) expectOutput(c *jobs.Claim, out *jobs.Output) *jobs.Expected {
 }
 
 // committedOutput counts the next stage's task c's commit created among
-// this agent's outputs (jobs.Fed) until it is done, as expected (the
-// commit wrote the key expectOutput fixed) or not (the job's class changed
-// meanwhile). After an attempt with no answer (maybe), any attempt may
-// have created its task: each is counted if etcd has it.
-func (a *Agent) committedOutput(c *jobs.Claim, expected *jobs.Expected, err error, maybe bool) {
-	down, _ := c.Task.Stage.Next()
-	f := a.fed[down]
-	if f == nil {
-		return
-	}
+// this agent's outputs (jobs.Fed) until it is done. Every attempt of the
+// commit wrote the key expectOutput fixed, so after one with no answer
+// (maybe) that key is counted if etcd has it.
+func (a *Agent) committedOutput(expected *jobs.Expected, commitRev int64, err error, maybe bool) {
 	switch {
-	case err == nil && expected.Key() == c.NextKey:
-		expected.Created(c.CommitRev)
+	case expected == nil: // the last stage: nothing downstream
 	case err == nil:
-		expected.Drop()
-		f.Add(c.NextKey, c.CommitRev)
+		expected.Created(commitRev)
 	case maybe:
-		expected.Drop()
-		for _, k := range c.Tried {
-			f.AddMaybe(k)
-		}
+		expected.Maybe()
 	default:
 		expected.Drop()
 	}

@@ -552,7 +552,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, waited bool, log *zap.Logger) (uncertain bool, err error) {
 	expected := a.expectOutput(c, &out)
 	defer func() {
-		a.committedOutput(c, expected, err, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
+		a.committedOutput(expected, c.CommitRev, err, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
 	}()
 	if next, last := c.Task.Stage.Next(); !last && out.Push == nil {
 		// The next stage's worker is chosen now, not when the stage began

@@ -28,9 +28,6 @@ type Claim struct {
 	// NextKey is the key of the next stage's task that commit created
 	// ("" after any other end): its producer counts it until it goes (Fed).
 	NextKey string
-	// Tried are the next-stage task keys of every commit attempt: after
-	// one with no answer, any of them may exist.
-	Tried []string
 	// JobCreatedAt is the job's submission time as that commit read the
 	// job record (zero before one): end-to-end latency for metrics.
 	JobCreatedAt time.Time

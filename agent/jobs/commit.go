@@ -9,7 +9,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -45,9 +44,9 @@ type Output struct {
 	CacheHits                []string
 	// Next, when set (Store.NextTask), is the next stage's task's
 	// identity, fixed before the commit so that its producer can follow
-	// the task from before it exists (Fed.Expect). The commit uses it
-	// unless the job's class changed meanwhile; Claim.NextKey says which
-	// key it wrote.
+	// the task from before it exists (Fed.Expect), and the same in every
+	// attempt. Unset, each attempt makes one up; Claim.NextKey says which
+	// key the commit wrote.
 	Next NextTask
 }
 
@@ -292,9 +291,6 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) (err error) {
 		}
 		t.Key = s.taskKey(&t)
 		nextKey = t.Key
-		if !slices.Contains(c.Tried, t.Key) {
-			c.Tried = append(c.Tried, t.Key)
-		}
 		if push != nil {
 			t.Attempt, t.Hint = 1, push.Node
 			ops = append(ops, s.pushOps(&t, push, now)...)

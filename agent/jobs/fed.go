@@ -78,20 +78,13 @@ func (f *Fed) Run() {
 }
 
 // Add counts the task at key, created by this node's commit at revision
-// rev, until it goes.
+// rev (0: a commit with no answer may have created it; it is counted if
+// etcd has it), until it goes.
 func (f *Fed) Add(key string, rev int64) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.seen = max(f.seen, rev)
 	f.addLocked(key, rev)
-}
-
-// AddMaybe counts the task at key if etcd has it: one a commit with no
-// answer may have created.
-func (f *Fed) AddMaybe(key string) {
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.addLocked(key, 0)
 }
 
 // addLocked follows the task at key, which existed at revision rev (0:
@@ -189,12 +182,19 @@ func (f *Fed) Expect(key string) *Expected {
 // answer names: when that is rev or before, it sees the task's end; when
 // etcd made it after the commit (its goroutine ran late), the task's end
 // may have come in between, and etcd is asked once whether the task is
-// still there. Without an answer within a second the task is followed
-// from rev, as Add does.
-func (e *Expected) Created(rev int64) {
-	if e == nil {
-		return
-	}
+// still there.
+func (e *Expected) Created(rev int64) { e.keep(rev) }
+
+// Maybe counts the task if etcd has it: the commit got no answer.
+func (e *Expected) Maybe() { e.keep(0) }
+
+// Drop stops following: the commit did not create the task.
+func (e *Expected) Drop() { e.cancel() }
+
+// keep hands the watch to the ledger, for a task that existed at rev (0:
+// not known to exist, so etcd is asked first). Without a watch made within
+// a second the task is followed as Add does.
+func (e *Expected) keep(rev int64) {
 	f := e.f
 	made, late := false, false
 	t := time.NewTimer(time.Second)
@@ -224,21 +224,6 @@ func (e *Expected) Created(rev int64) {
 	}
 	f.live[e.key] = e.cancel
 	f.wg.Go(func() { f.followFrom(e.ctx, e.key, rev, e.wch, late) })
-}
-
-// Drop stops following: the commit did not create the task.
-func (e *Expected) Drop() {
-	if e != nil {
-		e.cancel()
-	}
-}
-
-// Key is the key expected ("" for nil).
-func (e *Expected) Key() string {
-	if e == nil {
-		return ""
-	}
-	return e.key
 }
 
 // follow waits for the deletion of the task at key, which existed at rev.

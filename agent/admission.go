@@ -6,6 +6,8 @@ package agent
 // (jobs.Fed), which follows each from before the commit that creates it.
 
 import (
+	"sync"
+
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/jobs"
@@ -60,6 +62,13 @@ func (a *Agent) fedSeen(st jobs.Stage) int64 {
 		return a.fed[down].Seen()
 	}
 	return 0
+}
+
+// countCommitting counts a task of st as committing until the returned
+// function is first called.
+func (a *Agent) countCommitting(st jobs.Stage) (uncount func()) {
+	a.committing[st].Add(1)
+	return sync.OnceFunc(func() { a.committing[st].Add(-1) })
 }
 
 // admit applies the backpressure chain (routing.Admission): start a task
@@ -118,7 +127,9 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	// that same commit woke (it would push a task here to be given back),
 	// and one with room must not look full (an idle mesh's pushes would
 	// miss it).
-	ok = ok && synced // until the outputs of an earlier incarnation are counted
 	a.setHeld(st, !ok)
-	return ok, down
+	// Until the ledger has read what an earlier incarnation fed (a few
+	// milliseconds at start) nothing starts, but gossip is not told: a
+	// stage shown held then was still shown held to the first push.
+	return ok && synced, down
 }

@@ -377,8 +377,13 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	out, published, committed, err := a.run(withFirstFrame(withPullTime(transfer.WithPullObserver(ctx, via.add), &pulled), &first), c, &handedOff, &staged)
 	ran.Store(true)
 	out.Work, out.Pull, out.Transport = time.Since(start), time.Duration(pulled.Load()), via.String(c.Task.Inputs)
-	a.committing[st].Add(1) // before the credit goes back, so admission never counts it out
-	defer a.committing[st].Add(-1)
+	// Counted as committing from before the credit goes back (admission
+	// never counts the task out) until its output is in this agent's
+	// ledger (commit), never in both: counted twice, a producer held
+	// itself back after each commit, and gossip showed it full to the
+	// producer about to push to it.
+	uncount := a.countCommitting(st)
+	defer uncount()
 	workDone()
 
 	release := func() {
@@ -410,7 +415,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	}
 	var uncertain bool // a commit attempt got no answer: it may have taken effect
 	if err == nil {
-		uncertain, err = a.commit(ctx, c, out, false, log)
+		uncertain, err = a.commit(ctx, c, out, false, uncount, log)
 		lost := errors.Is(err, jobs.ErrFenced) || (ctx.Err() != nil && a.member.Lease() != c.Lease)
 		if err != nil && lost && a.ctx.Err() == nil {
 			// The claim went with the lease while the finished output
@@ -422,7 +427,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 				ctx2, stop2 := a.watchCancel(c2, &handedOff, &ran)
 				defer stop2()
 				var u2 bool
-				u2, err = a.commit(ctx2, c2, out, true, log)
+				u2, err = a.commit(ctx2, c2, out, true, uncount, log)
 				c, ctx, uncertain = c2, ctx2, uncertain || u2
 			}
 		}
@@ -548,11 +553,16 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 // uncertain reports that some attempt got no answer, so it may have taken
 // effect even if the returned error says otherwise. waited says the output
 // has already waited for etcd (a reclaimed task): its staged Store copies
-// are confirmed before the first attempt, as before every retry.
-func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, waited bool, log *zap.Logger) (uncertain bool, err error) {
+// are confirmed before the first attempt, as before every retry. counted
+// (nil: none) is called once the commit's output is in the ledger, so the
+// task stops counting as committing (countCommitting).
+func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, waited bool, counted func(), log *zap.Logger) (uncertain bool, err error) {
 	expected := a.expectOutput(c, &out)
 	defer func() {
 		a.committedOutput(expected, c.CommitRev, err, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
+		if err == nil && counted != nil {
+			counted() // the output is in the ledger now
+		}
 	}()
 	if next, last := c.Task.Stage.Next(); !last && out.Push == nil {
 		// The next stage's worker is chosen now, not when the stage began
@@ -1073,7 +1083,7 @@ func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bo
 // leaves this undecided wraps errMaybeCommitted.
 func (a *Agent) earlyCommit(ctx context.Context, c *jobs.Claim, out jobs.Output, payload string) error {
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.Int("attempt", c.Task.Attempt), zap.Bool("early", true))
-	uncertain, err := a.commit(ctx, c, out, false, log)
+	uncertain, err := a.commit(ctx, c, out, false, nil, log)
 	if err == nil || !uncertain || !(errors.Is(err, jobs.ErrFenced) || errors.Is(err, jobs.ErrFinished)) {
 		return err
 	}

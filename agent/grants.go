@@ -9,6 +9,7 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/grant"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/routing"
 )
 
@@ -25,12 +26,8 @@ func (a *Agent) takeGrant(from peer.ID, m grant.Msg) {
 	if _, ok := jobs.Stage(m.Stage).Prev(); !ok {
 		return // the first stage is granted to nobody, and a name that is no stage is not kept
 	}
-	pid := from.String()
-	for _, p := range a.member.Peers() {
-		if p.Record.PeerID == pid && p.Record.ID != a.id {
-			a.grants.Grant(p.Record.ID, m.Stage, m.Free, time.Now().Add(m.TTL()))
-			return
-		}
+	if rec, ok := a.member.ByPeerID(from.String()); ok && rec.ID != a.id {
+		a.grants.Grant(rec.ID, m.Stage, m.Free, time.Now().Add(m.TTL()))
 	}
 }
 
@@ -49,25 +46,26 @@ func (a *Agent) grantFreed(st jobs.Stage, fed string) {
 	if free <= 0 {
 		return
 	}
+	// A producer of st's own stage follows st's queue and sees this slot
+	// free there (freeSlots): grants go to the others.
 	var producers []string
-	addrs := map[string][]string{}
-	pids := map[string]peer.ID{}
+	records := map[string]gossip.NodeRecord{}
 	for _, p := range a.member.Peers() {
-		if !p.Alive || p.Record.ID == a.id || !p.Record.HasRole(string(up)) {
-			continue
+		if p.Alive && p.Record.ID != a.id && p.Record.HasRole(string(up)) && !p.Record.HasRole(string(st)) {
+			producers = append(producers, p.Record.ID)
+			records[p.Record.ID] = p.Record
 		}
-		pid, err := peer.Decode(p.Record.PeerID)
+	}
+	for _, node := range routing.GrantTo(producers, fed, nil) {
+		rec := records[node]
+		pid, err := peer.Decode(rec.PeerID)
 		if err != nil {
 			continue
 		}
-		producers = append(producers, p.Record.ID)
-		addrs[p.Record.ID], pids[p.Record.ID] = p.Record.P2PAddrs, pid
-	}
-	for _, node := range routing.GrantTo(producers, fed, nil) {
 		a.wg.Go(func() {
 			ctx, cancel := context.WithTimeout(a.ctx, time.Second)
 			defer cancel()
-			if err := grant.Send(ctx, a.host, pids[node], addrs[node], string(st), free, routing.GrantTTL); err != nil {
+			if err := grant.Send(ctx, a.host, pid, rec.P2PAddrs, string(st), free, routing.GrantTTL); err != nil {
 				a.log.Debug("credit grant not sent", zap.String("to", node), zap.Error(err))
 			}
 		})

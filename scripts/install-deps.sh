@@ -40,10 +40,14 @@ command -v npm >/dev/null 2>&1 || PACKAGES+=(npm)
 log() { printf 'install-deps: %s\n' "$*"; }
 die() { printf 'install-deps: error: %s\n' "$*" >&2; exit 1; }
 
-# installed reports whether dpkg has the package fully installed (dpkg -s also
-# succeeds for packages removed but with config files left, so check Status).
+# installed reports whether dpkg has the package fully installed (a package
+# removed with its config files left is known to dpkg but not installed). It
+# asks dpkg-query for the status alone rather than piping `dpkg -s` into
+# `grep -q`: grep exits at the Status line, dpkg then dies of SIGPIPE writing
+# the rest (prometheus's entry is 6 KB), and under pipefail an installed package
+# read as missing in 7 of 50 tries.
 installed() {
-	dpkg -s "$1" 2>/dev/null | grep -q '^Status: install ok installed$'
+	[ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null)" = installed ]
 }
 
 command -v dpkg >/dev/null 2>&1 || die "dpkg not found: this script supports Debian and derivatives only"

@@ -62,7 +62,7 @@ cleanup() {
 	done
 	if [ "${KEEP:-}" = 1 ] || [ "$rc" -ne 0 ]; then
 		log "kept $work (logs: $work/*.log)"
-	elif findmnt -rn -o TARGET | grep -q "^$R"; then
+	elif findmnt -rn -o TARGET | grep "^$R" >/dev/null; then
 		log "something is still mounted under $R: not deleting $work"
 	else
 		rm -rf "$work"
@@ -142,7 +142,7 @@ in_root apt-get -qq -y --no-install-recommends install "/tmp/$debname" >>"$work/
 status=$(in_root dpkg-query -W -f='${Status} ${Version}' latentmesh)
 case "$status" in "install ok installed "*) ;; *) die "dpkg says: $status" ;; esac
 log "installed: latentmesh ${status##* } with $(in_root dpkg-query -W -f='${Depends}' latentmesh)"
-in_root dpkg-query -W -f='${Status}\n' libibverbs1 | grep -q 'install ok installed' ||
+in_root dpkg-query -W -f='${Status}\n' libibverbs1 | grep "install ok installed" >/dev/null ||
 	die "libibverbs1 (Depends) not installed"
 in_root getent passwd latentmesh >/dev/null || die "no latentmesh user"
 for want in "/etc/latentmesh root:latentmesh 750" "/etc/latentmesh/agent.yaml root:latentmesh 640" \
@@ -151,7 +151,7 @@ for want in "/etc/latentmesh root:latentmesh 750" "/etc/latentmesh/agent.yaml ro
 	got=$(in_root stat -c '%U:%G %a' "$1")
 	[ "$got" = "$2 $3" ] || die "$1 is $got, want $2 $3"
 done
-in_root dpkg-query -W -f='${Conffiles}\n' latentmesh | grep -q ' /etc/latentmesh/agent.yaml ' ||
+in_root dpkg-query -W -f='${Conffiles}\n' latentmesh | grep ' /etc/latentmesh/agent.yaml ' >/dev/null ||
 	die "/etc/latentmesh/agent.yaml is not a conffile"
 version=$(in_root /usr/bin/latentmesh version) || die "the installed binary does not run"
 log "user, directories and conffile as packaged; latentmesh version: $version"

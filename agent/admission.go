@@ -26,8 +26,8 @@ func (a *Agent) setHeld(st jobs.Stage, h bool) {
 
 // expectOutput fixes the next stage's task of c's commit in out, and has
 // this agent's ledger follow it from before the commit (jobs.Fed.Expect),
-// so the ledger sees it end at once however soon it does. nil for the last
-// stage.
+// so the ledger sees it end at once however soon it does, and returns the
+// credit of the worker out pushes it to then. nil for the last stage.
 func (a *Agent) expectOutput(c *jobs.Claim, out *jobs.Output) *jobs.Expected {
 	down, _ := c.Task.Stage.Next()
 	f := a.fed[down]
@@ -35,7 +35,11 @@ func (a *Agent) expectOutput(c *jobs.Claim, out *jobs.Output) *jobs.Expected {
 		return nil
 	}
 	out.Next = a.store.NextTask(c)
-	return f.Expect(out.Next.Key)
+	var pushedTo string
+	if out.Push != nil {
+		pushedTo = out.Push.Node
+	}
+	return f.Expect(out.Next.Key, pushedTo)
 }
 
 // committedOutput counts the next stage's task c's commit created among

@@ -234,7 +234,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	for _, st := range cfg.Roles {
 		a.queues[st] = a.store.NewQueue(st)
 		if down, last := st.Next(); !last {
-			a.fed[down] = a.store.NewFed(a.ctx, down, a.id)
+			a.fed[down] = a.store.NewFed(a.ctx, down, a.id, func(worker string) { a.creditReturned(down, worker) })
 		}
 	}
 	if err = a.metrics.WatchStore(func() cache.LocalStats { return a.cstore.LocalStats() }); err != nil {

@@ -18,7 +18,11 @@ import (
 // its next task to a worker that granted it a credit even while gossip
 // still shows that worker full. Gossip carries free credits a round or
 // two late; the producer used to correct it from a view of the whole next
-// queue, which cost every producer every change of that queue.
+// queue, which cost every producer every change of that queue. A producer
+// whose pushed task is gone has that worker's credit back from its own
+// ledger (creditReturned), with no message at all: the grant the worker
+// would send it races the job's next stages, and lost that race to the
+// next job's push on a loaded machine.
 
 // takeGrant records a grant from a member: a stage of the pipeline, and
 // a peer whose node record this agent has.
@@ -31,13 +35,22 @@ func (a *Agent) takeGrant(from peer.ID, m grant.Msg) {
 	}
 }
 
+// creditReturned gives back the credit of worker's slot of st, which a
+// task this agent pushed there held: the task is gone (jobs.Fed).
+func (a *Agent) creditReturned(st jobs.Stage, worker string) {
+	if p, ok := a.member.Peer(worker); ok && p.Alive {
+		a.grants.Return(worker, string(st), p.Record.Slots[string(st)], time.Now())
+	}
+}
+
 // grantFreed grants this node's free slots of st to the producers that
 // feed it (routing.GrantTo: fed, the producer of the task that just ended,
-// and one other), when the stage takes work: not while draining, held back
-// by admission, or blocked, not while its queue holds a task waiting (the
+// unless it pushed that task here and so has the credit back already, and
+// one other), when the stage takes work: not while draining, held back by
+// admission, or blocked, not while its queue holds a task waiting (the
 // worker claims that one next; a push would wait behind it), and not for
 // the first stage, whose tasks come from submissions.
-func (a *Agent) grantFreed(st jobs.Stage, fed string) {
+func (a *Agent) grantFreed(st jobs.Stage, fed string, pushed bool) {
 	up, ok := st.Prev()
 	if !ok || a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() || a.queued(st) > 0 {
 		return
@@ -56,7 +69,7 @@ func (a *Agent) grantFreed(st jobs.Stage, fed string) {
 			records[p.Record.ID] = p.Record
 		}
 	}
-	for _, node := range routing.GrantTo(producers, fed, nil) {
+	for _, node := range routing.GrantTo(producers, fed, pushed, nil) {
 		rec := records[node]
 		pid, err := peer.Decode(rec.PeerID)
 		if err != nil {

@@ -92,7 +92,7 @@ func (a *Agent) worker(st jobs.Stage) {
 				once.Do(func() {
 					credits.Release()
 					a.publishMeta()
-					a.grantFreed(st, c.Task.Producer())
+					a.grantFreed(st, c.Task.Producer(), c.Pushed)
 				})
 			}
 			defer workDone()
@@ -557,13 +557,6 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 // (nil: none) is called once the commit's output is in the ledger, so the
 // task stops counting as committing (countCommitting).
 func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, waited bool, counted func(), log *zap.Logger) (uncertain bool, err error) {
-	expected := a.expectOutput(c, &out)
-	defer func() {
-		a.committedOutput(expected, c.CommitRev, err, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
-		if err == nil && counted != nil {
-			counted() // the output is in the ledger now
-		}
-	}()
 	if next, last := c.Task.Stage.Next(); !last && out.Push == nil {
 		// The next stage's worker is chosen now, not when the stage began
 		// (a video's denoise takes minutes): one free now gets the task
@@ -573,6 +566,13 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, wait
 			out.Payloads = a.issueTickets(out.Payloads, hint)
 		}
 	}
+	expected := a.expectOutput(c, &out)
+	defer func() {
+		a.committedOutput(expected, c.CommitRev, err, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
+		if err == nil && counted != nil {
+			counted() // the output is in the ledger now
+		}
+	}()
 	backoff := a.cfg.RetryBackoff
 	for attempt := 1; ; attempt++ {
 		if attempt > 1 || waited {

@@ -26,22 +26,28 @@ const GrantFanout = 2
 
 // GrantTo chooses up to GrantFanout producers to grant a freed slot to
 // among producers: fed (the producer of the task that just ended, if it is
-// among them) and one other at random. rng may be nil for the global
-// source.
-func GrantTo(producers []string, fed string, rng *rand.Rand) []string {
+// among them) and one other at random. A fed producer that pushed that
+// task learns the slot is free from its own ledger (Grants.Return), so
+// when pushed it is left out and only the other is chosen. rng may be nil
+// for the global source.
+func GrantTo(producers []string, fed string, pushed bool, rng *rand.Rand) []string {
 	intn := rand.IntN
 	if rng != nil {
 		intn = rng.IntN
 	}
 	var out, others []string
+	want := GrantFanout
 	for _, p := range producers {
-		if p == fed {
-			out = append(out, p)
-		} else {
+		switch {
+		case p != fed:
 			others = append(others, p)
+		case pushed:
+			want-- // it has the credit back already
+		default:
+			out = append(out, p)
 		}
 	}
-	for len(out) < GrantFanout && len(others) > 0 {
+	for len(out) < want && len(others) > 0 {
 		i := intn(len(others))
 		out = append(out, others[i])
 		others[i] = others[len(others)-1]
@@ -79,6 +85,28 @@ func (g *Grants) Grant(node, stage string, free int, until time.Time) {
 		return
 	}
 	g.m[grantKey{node, stage}] = grant{free: free, until: until}
+}
+
+// Return gives back one credit of node's for stage at now, up to slots
+// (the node's own), for GrantTTL: a task this producer pushed to node is
+// gone, so the slot it took is free. Unlike a grant it adds to what the
+// table holds (the worker sends this producer no grant for that slot, see
+// GrantTo), and slots bounds what a grant and a return for one slot could
+// add up to.
+func (g *Grants) Return(node, stage string, slots int, now time.Time) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	k := grantKey{node, stage}
+	gr, ok := g.m[k]
+	if !ok || !now.Before(gr.until) {
+		gr = grant{}
+	}
+	gr.free, gr.until = min(gr.free+1, slots), now.Add(GrantTTL)
+	if gr.free <= 0 {
+		delete(g.m, k)
+		return
+	}
+	g.m[k] = gr
 }
 
 // Free is the credit node's grant for stage holds at now (0 once it lapsed).

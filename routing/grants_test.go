@@ -43,7 +43,7 @@ func TestGrantToAffinityAndOneOther(t *testing.T) {
 	producers := []string{"a", "b", "c", "d"}
 	seen := map[string]int{}
 	for range 400 {
-		to := GrantTo(slices.Clone(producers), "c", rng)
+		to := GrantTo(slices.Clone(producers), "c", false, rng)
 		if len(to) != GrantFanout || to[0] != "c" || to[1] == "c" {
 			t.Fatalf("granted to %v, want c and one other", to)
 		}
@@ -54,10 +54,42 @@ func TestGrantToAffinityAndOneOther(t *testing.T) {
 			t.Errorf("%s chosen %d of 400 times as the second producer", p, seen[p])
 		}
 	}
-	if to := GrantTo([]string{"a"}, "gone", rng); !slices.Equal(to, []string{"a"}) {
+	if to := GrantTo([]string{"a"}, "gone", false, rng); !slices.Equal(to, []string{"a"}) {
 		t.Errorf("one producer, the feeder gone: %v", to)
 	}
-	if to := GrantTo(nil, "a", rng); len(to) != 0 {
+	if to := GrantTo(nil, "a", false, rng); len(to) != 0 {
 		t.Errorf("no producers: %v", to)
+	}
+	// The feeder pushed the task: its ledger returns the credit, so one
+	// other producer is granted and the feeder is not.
+	for range 50 {
+		if to := GrantTo(slices.Clone(producers), "c", true, rng); len(to) != 1 || to[0] == "c" {
+			t.Fatalf("pushed by c: granted to %v, want one producer other than c", to)
+		}
+	}
+	if to := GrantTo([]string{"c"}, "c", true, rng); len(to) != 0 {
+		t.Errorf("pushed by the only producer: granted to %v, want none", to)
+	}
+}
+
+// A pushed task's end gives one credit back, adding to what the table
+// holds, up to the worker's slots; a lapsed entry counts for nothing.
+func TestGrantsReturn(t *testing.T) {
+	g := NewGrants()
+	now := time.Now()
+	g.Return("w", "decode", 2, now)
+	g.Return("w", "decode", 2, now)
+	g.Return("w", "decode", 2, now)
+	if n := g.Free("w", "decode", now); n != 2 {
+		t.Fatalf("three returns to a 2-slot worker hold %d, want 2", n)
+	}
+	g.Grant("w", "denoise", 1, now.Add(time.Millisecond))
+	later := now.Add(time.Second)
+	g.Return("w", "denoise", 4, later)
+	if n := g.Free("w", "denoise", later); n != 1 {
+		t.Fatalf("a return after a lapsed grant holds %d, want 1", n)
+	}
+	if n := g.Free("w", "denoise", later.Add(GrantTTL)); n != 0 {
+		t.Fatalf("a return still holds %d after GrantTTL", n)
 	}
 }

@@ -20,27 +20,40 @@ import (
 // The count may run ahead of etcd (a deletion is counted once its event
 // arrives), never behind it: a task is added when the commit that created
 // it answers, before the commit stops counting as in flight.
+//
+// The same event returns a credit: a task pushed to a worker is gone once
+// that worker committed it (or the job ended), so its slot is free, and
+// the producer learns it as soon as any grant the worker could send.
 type Fed struct {
-	s     *Store
-	ctx   context.Context // the watches end with it
-	stage Stage
-	node  string
-	log   *zap.Logger
-	wg    sync.WaitGroup // the watches
+	s        *Store
+	ctx      context.Context // the watches end with it
+	stage    Stage
+	node     string
+	consumed func(worker string) // see NewFed
+	log      *zap.Logger
+	wg       sync.WaitGroup // the watches
 
 	mu sync.Mutex
 	// mu guards the fields below.
-	live    map[string]context.CancelFunc // by task key, its watch
-	closed  bool                          // Run is waiting for the watches: start no more
-	synced  bool                          // the tasks fed before this process started are read
-	seen    int64                         // see Seen
-	changed chan struct{}                 // closed (and replaced) when a task goes or the read lands
+	live    map[string]followed // by task key
+	closed  bool                // Run is waiting for the watches: start no more
+	synced  bool                // the tasks fed before this process started are read
+	seen    int64               // see Seen
+	changed chan struct{}       // closed (and replaced) when a task goes or the read lands
+}
+
+// followed is a task the ledger follows.
+type followed struct {
+	stop     context.CancelFunc // ends its watch
+	pushedTo string             // the worker its claim was pushed to ("": none, or not known)
 }
 
 // NewFed returns the ledger of node's tasks in stage, whose watches end
-// with ctx; Run reads the tasks an earlier incarnation fed.
-func (s *Store) NewFed(ctx context.Context, stage Stage, node string) *Fed {
-	return &Fed{s: s, ctx: ctx, stage: stage, node: node, log: s.log.With(zap.String("fed", string(stage))), live: map[string]context.CancelFunc{}, changed: make(chan struct{})}
+// with ctx; Run reads the tasks an earlier incarnation fed. consumed (nil:
+// none) is called, outside the ledger's lock, with the worker a task was
+// pushed to once that task is gone.
+func (s *Store) NewFed(ctx context.Context, stage Stage, node string, consumed func(worker string)) *Fed {
+	return &Fed{s: s, ctx: ctx, stage: stage, node: node, consumed: consumed, log: s.log.With(zap.String("fed", string(stage))), live: map[string]followed{}, changed: make(chan struct{})}
 }
 
 // Run reads, once, the tasks of the stage that node fed before this process
@@ -65,7 +78,7 @@ func (f *Fed) Run() {
 		f.mu.Lock()
 		for _, t := range tasks {
 			if t.Producer() == f.node {
-				f.addLocked(t.Key, rev)
+				f.addLocked(t.Key, rev, "")
 			}
 		}
 		f.synced = true
@@ -80,21 +93,23 @@ func (f *Fed) Run() {
 // Add counts the task at key, created by this node's commit at revision
 // rev (0: a commit with no answer may have created it; it is counted if
 // etcd has it), until it goes.
-func (f *Fed) Add(key string, rev int64) {
+func (f *Fed) Add(key string, rev int64) { f.add(key, rev, "") }
+
+func (f *Fed) add(key string, rev int64, pushedTo string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.seen = max(f.seen, rev)
-	f.addLocked(key, rev)
+	f.addLocked(key, rev, pushedTo)
 }
 
 // addLocked follows the task at key, which existed at revision rev (0:
-// not known to exist).
-func (f *Fed) addLocked(key string, rev int64) {
+// not known to exist) and was pushed to pushedTo.
+func (f *Fed) addLocked(key string, rev int64, pushedTo string) {
 	if _, ok := f.live[key]; ok || f.closed {
 		return
 	}
 	ctx, cancel := context.WithCancel(f.ctx)
-	f.live[key] = cancel
+	f.live[key] = followed{stop: cancel, pushedTo: pushedTo}
 	f.wg.Go(func() { f.follow(ctx, key, rev) })
 }
 
@@ -129,18 +144,21 @@ func (f *Fed) notifyLocked() {
 	f.changed = make(chan struct{})
 }
 
-// gone forgets the task at key, deleted by revision rev.
+// gone forgets the task at key, deleted by revision rev, and returns the
+// credit of the worker it was pushed to.
 func (f *Fed) gone(key string, rev int64) {
 	f.mu.Lock()
-	defer f.mu.Unlock()
-	cancel, ok := f.live[key]
-	if !ok {
-		return
+	t, ok := f.live[key]
+	if ok {
+		t.stop()
+		delete(f.live, key)
+		f.seen = max(f.seen, rev)
+		f.notifyLocked()
 	}
-	cancel()
-	delete(f.live, key)
-	f.seen = max(f.seen, rev)
-	f.notifyLocked()
+	f.mu.Unlock()
+	if ok && t.pushedTo != "" && f.consumed != nil {
+		f.consumed(t.pushedTo)
+	}
 }
 
 // Expected is a task the ledger follows from before the commit that
@@ -150,20 +168,22 @@ func (f *Fed) gone(key string, rev int64) {
 // done within that time held its producer's admission that long (bench
 // api, 64 clients: 213-225 jobs/s against 363-370 with the view).
 type Expected struct {
-	f      *Fed
-	key    string
-	ctx    context.Context
-	cancel context.CancelFunc
-	made   chan struct{} // closed once wch is set
-	wch    clientv3.WatchChan
+	f        *Fed
+	key      string
+	pushedTo string
+	ctx      context.Context
+	cancel   context.CancelFunc
+	made     chan struct{} // closed once wch is set
+	wch      clientv3.WatchChan
 }
 
 // Expect asks etcd to watch key, the key of the task a commit is about to
-// create; it waits for nothing (Created does): the client's Watch call
-// itself can wait as long as etcd is silent.
-func (f *Fed) Expect(key string) *Expected {
+// create, its claim pushed to pushedTo ("": none); it waits for nothing
+// (Created does): the client's Watch call itself can wait as long as etcd
+// is silent.
+func (f *Fed) Expect(key, pushedTo string) *Expected {
 	ctx, cancel := context.WithCancel(f.ctx)
-	e := &Expected{f: f, key: key, ctx: ctx, cancel: cancel, made: make(chan struct{})}
+	e := &Expected{f: f, key: key, pushedTo: pushedTo, ctx: ctx, cancel: cancel, made: make(chan struct{})}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.closed {
@@ -212,7 +232,7 @@ func (e *Expected) keep(rev int64) {
 	t.Stop()
 	if !made {
 		e.cancel()
-		f.Add(e.key, rev)
+		f.add(e.key, rev, e.pushedTo)
 		return
 	}
 	f.mu.Lock()
@@ -222,7 +242,7 @@ func (e *Expected) keep(rev int64) {
 		e.cancel()
 		return
 	}
-	f.live[e.key] = e.cancel
+	f.live[e.key] = followed{stop: e.cancel, pushedTo: e.pushedTo}
 	f.wg.Go(func() { f.followFrom(e.ctx, e.key, rev, e.wch, late) })
 }
 

@@ -11,9 +11,14 @@ import (
 
 // runFed runs node's ledger of stage until the test ends.
 func runFed(t *testing.T, s *Store, stage Stage, node string) *Fed {
+	return runFedConsumed(t, s, stage, node, nil)
+}
+
+// runFedConsumed is runFed with a consumed hook (NewFed).
+func runFedConsumed(t *testing.T, s *Store, stage Stage, node string, consumed func(string)) *Fed {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
-	f := s.NewFed(ctx, stage, node)
+	f := s.NewFed(ctx, stage, node, consumed)
 	var wg sync.WaitGroup
 	wg.Go(f.Run)
 	t.Cleanup(func() { cancel(); wg.Wait() })
@@ -148,7 +153,7 @@ func TestFedExpectedBeforeCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := Output{Payloads: payload("cond", "enc"), Next: s.NextTask(enc)}
-	e := f.Expect(out.Next.Key)
+	e := f.Expect(out.Next.Key, "")
 	if err := s.Commit(ctx, enc, out); err != nil {
 		t.Fatal(err)
 	}
@@ -168,14 +173,14 @@ func TestFedExpectedBeforeCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 	out2 := Output{Payloads: payload("cond2", "enc"), Next: s.NextTask(other)}
-	e2 := f.Expect(out2.Next.Key)
+	e2 := f.Expect(out2.Next.Key, "")
 	if err := s.Commit(ctx, other, out2); err == nil {
 		t.Fatal("a requeued claim committed")
 	}
 	e2.Drop()
 	// Taken for a commit with no answer: counted only if etcd has it.
-	f.Expect(out2.Next.Key).Maybe()
-	f.Expect(out.Next.Key).Maybe()
+	f.Expect(out2.Next.Key, "").Maybe()
+	f.Expect(out.Next.Key, "").Maybe()
 	within(t, "the unwritten key dropped", func() bool { n, _ := f.Count(); return n == 1 })
 	den := claimOne(t, s, Denoise, "den", lease)
 	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
@@ -210,7 +215,7 @@ func TestFedExpectedLate(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, c := range claims {
-		e := f.Expect(c.NextKey)
+		e := f.Expect(c.NextKey, "")
 		e.Created(c.CommitRev)
 	}
 	within(t, "the task that ended first forgotten", func() bool { return fedCount(f) == 1 })
@@ -239,4 +244,47 @@ func claimAtKey(t *testing.T, s *Store, key string, lease clientv3.LeaseID) *Cla
 	}
 	t.Fatalf("no pending task at %s", key)
 	return nil
+}
+
+// A task pushed to a worker returns that worker's credit to its producer
+// when it is gone (the worker committed it), once; one not pushed returns
+// none.
+func TestFedReturnsPushedCredit(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	lease := grant(t, cli)
+	for range 2 {
+		if _, err := s.Submit(ctx, spec(), Options{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var mu sync.Mutex
+	var returned []string
+	f := runFedConsumed(t, s, Denoise, "enc", func(w string) { mu.Lock(); returned = append(returned, w); mu.Unlock() })
+	pend, _, err := s.Pending(ctx, Encode)
+	if err != nil || len(pend) != 2 {
+		t.Fatalf("pending encodes %d %v", len(pend), err)
+	}
+	for i, pushedTo := range []string{"den-a", ""} {
+		c, err := s.TryClaim(ctx, pend[i], "enc", lease)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := Output{Payloads: payload(fmt.Sprintf("cond%d", i), "enc"), Next: s.NextTask(c)}
+		e := f.Expect(out.Next.Key, pushedTo)
+		if err := s.Commit(ctx, c, out); err != nil {
+			t.Fatal(err)
+		}
+		e.Created(c.CommitRev)
+		den := claimAtKey(t, s, c.NextKey, lease)
+		if err := s.Commit(ctx, den, Output{Payloads: payload(fmt.Sprintf("latent%d", i), "den")}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	within(t, "both tasks gone", func() bool { return fedCount(f) == 0 })
+	mu.Lock()
+	defer mu.Unlock()
+	if len(returned) != 1 || returned[0] != "den-a" {
+		t.Fatalf("credits returned to %q, want one to den-a", returned)
+	}
 }

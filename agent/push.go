@@ -3,6 +3,7 @@ package agent
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"slices"
 	"time"
 
@@ -12,6 +13,7 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/engine"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/gossip"
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
@@ -91,7 +93,7 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Queue, lease clientv3.LeaseI
 	out := make(map[string]*jobs.Claim, len(cs))
 	for _, c := range cs {
 		if !a.runner.Serves(st, c.Task.Spec.ModelName()) {
-			a.giveBack(q, c, "model not served here")
+			a.giveBack(q, c, a.handOverTo(q, c.Task.Spec), "model not served here")
 			continue
 		}
 		out[c.Task.ID] = c
@@ -104,19 +106,20 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Queue, lease clientv3.LeaseI
 // worker could start them (routing.QueuePolicy.GiveBack), and interactive
 // ones due for preemption that it has no batch task to give way for
 // (routing.QueuePolicy.Stranded): the stage's preemption serves them from
-// the queue. It returns when to look again (zero: nothing is waiting).
+// the queue unless a worker is free. Each goes straight to a worker this
+// agent's view shows free (handOverTarget), or else to the queue. It
+// returns when to look again (zero: nothing is waiting).
 func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
 	pushed := q.Pushed(a.id, a.member.Lease())
 	if len(pushed) == 0 {
 		return time.Time{} // the common case: ask nothing of gossip or the running tasks
 	}
 	now := time.Now()
-	free := map[string]bool{} // by model: another worker is free for it (gossip, asked once per call)
 	canPreempt := len(a.batchOnly(st)) > 0
 	for _, c := range pushed {
 		stranded, at := a.cfg.Queue.Stranded(candidate(c.Task), now, canPreempt)
 		if stranded {
-			a.giveBack(q, c, "interactive work this worker cannot make room for")
+			a.giveBack(q, c, a.handOverTo(q, c.Task.Spec), "interactive work this worker cannot make room for")
 			continue
 		}
 		next = earliest(next, at)
@@ -125,48 +128,89 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
 			next = earliest(next, due) // within the grace: nothing to ask yet
 			continue
 		}
-		model := c.Task.Spec.ModelName()
-		other, ok := free[model]
-		if !ok {
-			other = a.otherFree(st, model)
-			free[model] = other
-		}
-		if a.cfg.Queue.GiveBack(c.StartedAt, now, other) {
-			a.giveBack(q, c, "no free slot")
+		to, others := a.handOverTarget(q, c.Task.Spec)
+		if a.cfg.Queue.GiveBack(c.StartedAt, now, others) {
+			a.giveBack(q, c, to, "no free slot")
 			continue
 		}
-		// Due, but no other worker is free either: free credits arrive by
-		// gossip, which cannot be waited on, so look within a second.
+		// Due, but this is the stage's only worker: look again within a
+		// second (a peer that joins comes by gossip).
 		next = earliest(next, now.Add(time.Second))
 	}
 	return next
 }
 
-// otherFree reports whether a live worker of stage st other than this one
-// has a free slot for model, as gossip says.
-func (a *Agent) otherFree(st jobs.Stage, model string) bool {
+// handOverTarget chooses the worker of q's stage a pushed claim of a task
+// for s is handed over to (routing.PickHint): another live worker that
+// takes such work now (gossip: its roles, models and adapters) and, as
+// this agent's view of the stage shows it, holds fewer claims than it has
+// slots. The view shows each claim within milliseconds, where gossip
+// shows a slot free for a round or two after it was taken. to is nil
+// when there is none, or when the queue has a task waiting: a free
+// worker takes the queue's first, so the claim goes back there, in its
+// place (a hand-over would wait behind it on its new worker for another
+// steal grace). others reports whether the stage has another live worker,
+// free or not: the claim goes back to the queue for the first of them to
+// free a slot (routing.QueuePolicy.GiveBack).
+func (a *Agent) handOverTarget(q *jobs.Queue, s engine.Spec) (to *jobs.Push, others bool) {
+	st, model := q.Stage(), s.ModelName()
+	queued, _ := q.Depth()
+	var targets []routing.Target
+	leases := map[string]clientv3.LeaseID{}
 	for _, p := range a.member.Peers() {
-		if p.Record.ID != a.id && takesWork(p, st, model) && a.freeSlots(p, st) > 0 {
-			return true
+		if p.Record.ID == a.id || !p.Alive || !p.Record.HasRole(string(st)) {
+			continue
+		}
+		others = true
+		free := p.Record.Slots[string(st)] - q.HeldBy(p.Record.ID)
+		if free > 0 && queued == 0 && p.Lease != 0 && takesWork(p, st, model) && takesAdapterOf(p, st, s) {
+			targets = append(targets, routing.Target{Node: p.Record.ID, Free: free, SameHost: a.sameHost(p)})
+			leases[p.Record.ID] = p.Lease
 		}
 	}
-	return false
+	if node := routing.PickHint(targets, nil); node != "" {
+		return &jobs.Push{Node: node, Lease: leases[node]}, true
+	}
+	return nil, others
 }
 
-// giveBack returns pushed claim c to the queue (fenced by the claim, as a
-// requeue), and marks it taken so that it is not given back twice while
-// the view has yet to see the claim go.
-func (a *Agent) giveBack(q *jobs.Queue, c *jobs.Claim, why string) {
+// handOverTo is handOverTarget's choice alone.
+func (a *Agent) handOverTo(q *jobs.Queue, s engine.Spec) *jobs.Push {
+	to, _ := a.handOverTarget(q, s)
+	return to
+}
+
+// giveBack returns pushed claim c: handed over to worker to (Store.HandOver)
+// when there is one and its lease holds, else to the queue (a requeue);
+// both are fenced by the claim. It marks the claim taken so that it is not
+// given back twice while the view has yet to see it go.
+func (a *Agent) giveBack(q *jobs.Queue, c *jobs.Claim, to *jobs.Push, why string) {
 	ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 	defer cancel()
-	if err := a.store.Requeue(ctx, c); err != nil {
+	err := errNoTarget
+	if to != nil {
+		err = a.store.HandOver(ctx, c, to)
+	}
+	if errors.Is(err, errNoTarget) || cache.LeaseGone(err) {
+		to, err = nil, a.store.Requeue(ctx, c)
+	}
+	if err != nil {
 		a.log.Debug("giving back a pushed claim", zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.Error(err))
 		return // fenced (gone already), or etcd failed: the next look tries again
 	}
 	q.Take(c)
-	a.metrics.PushedClaim(c.Task.Stage, true)
-	a.log.Debug("pushed claim given back", zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.String("why", why))
+	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.String("why", why))
+	if to != nil {
+		a.metrics.HandedOver(c.Task.Stage)
+		log.Debug("pushed claim given back", zap.String("handed_to", to.Node))
+	} else {
+		a.metrics.PushedClaim(c.Task.Stage, true)
+		log.Debug("pushed claim given back")
+	}
 }
+
+// errNoTarget: a give-back with no worker to hand the claim over to.
+var errNoTarget = errors.New("no worker to hand over to")
 
 // returnAllPushes gives back every claim pushed to this agent: it is
 // draining and starts nothing more.
@@ -174,7 +218,7 @@ func (a *Agent) returnAllPushes() {
 	for _, st := range a.cfg.Roles {
 		q := a.queues[st]
 		for _, c := range q.Pushed(a.id, a.member.Lease()) {
-			a.giveBack(q, c, "draining")
+			a.giveBack(q, c, a.handOverTo(q, c.Task.Spec), "draining")
 		}
 	}
 }

@@ -436,18 +436,18 @@ func TestGiveBack(t *testing.T) {
 	p := DefaultQueuePolicy()
 	pushed := time.Unix(1000, 0)
 	for _, c := range []struct {
-		waited    time.Duration
-		otherFree bool
-		want      bool
+		waited time.Duration
+		others bool
+		want   bool
 	}{
 		{0, true, false},                // just pushed: its worker may free a slot at once
 		{p.StealGrace - 1, true, false}, // still within the grace
-		{p.StealGrace, true, true},      // waited the grace, and another worker is free
-		{time.Minute, false, false},     // nobody else could start it: it waits here as well as in the queue
+		{p.StealGrace, true, true},      // waited the grace, and another worker could run it
+		{time.Minute, false, false},     // the stage's only worker: it waits here as well as in the queue
 		{p.StealGrace + 1, false, false},
 	} {
-		if got := p.GiveBack(pushed, pushed.Add(c.waited), c.otherFree); got != c.want {
-			t.Errorf("GiveBack after %v, other free %v = %v, want %v", c.waited, c.otherFree, got, c.want)
+		if got := p.GiveBack(pushed, pushed.Add(c.waited), c.others); got != c.want {
+			t.Errorf("GiveBack after %v, others %v = %v, want %v", c.waited, c.others, got, c.want)
 		}
 	}
 }

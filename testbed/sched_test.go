@@ -68,7 +68,7 @@ type backlogWatch struct {
 type backlogEvent struct {
 	rev     int64
 	key     string
-	created int64 // the key's CreateRevision; 0 on a delete
+	token   int64 // a claim's fencing token (its ModRevision, jobs.Claim.Rev); 0 on a delete
 	claim   bool  // a denoise claim, else a decode task
 	deleted bool
 }
@@ -120,7 +120,7 @@ func watchBacklog(t *testing.T, cli *clientv3.Client, starts *observer.ObservedL
 				}
 				e := backlogEvent{rev: ev.Kv.ModRevision, key: k, claim: claim, deleted: ev.Type == clientv3.EventTypeDelete}
 				if !e.deleted {
-					e.created = ev.Kv.CreateRevision
+					e.token = ev.Kv.ModRevision
 				}
 				w.events = append(w.events, e)
 			}
@@ -157,7 +157,7 @@ func (w *backlogWatch) stop(t *testing.T, cli *clientv3.Client) (peak int64, sta
 // claims whose task has started.
 func (w *backlogWatch) peak(t *testing.T) (peak int64, starts, pushed int) {
 	t.Helper()
-	startAt := map[int64]int64{} // denoise claim CreateRevision -> the revision its start is placed at
+	startAt := map[int64]int64{} // denoise claim token -> the revision its start is placed at
 	moments := []int64{}
 	for _, e := range w.starts.All() {
 		f := e.ContextMap()
@@ -178,9 +178,9 @@ func (w *backlogWatch) peak(t *testing.T) (peak int64, starts, pushed int) {
 			pushed++
 		}
 	}
-	claimKeys := map[int64]string{} // denoise claim CreateRevision -> its key: one claim per revision
-	claimEnd := map[int64]int64{}   // denoise claim CreateRevision -> the revision it went
-	made := map[string]int64{}      // denoise claim key -> its CreateRevision, while it lives
+	claimKeys := map[int64]string{} // denoise claim token -> its key: one claim per revision
+	claimEnd := map[int64]int64{}   // denoise claim token -> the revision it went
+	made := map[string]int64{}      // denoise claim key -> its token, while it lives
 	for _, e := range w.events {
 		moments = append(moments, e.rev)
 		switch {
@@ -188,10 +188,13 @@ func (w *backlogWatch) peak(t *testing.T) (peak int64, starts, pushed int) {
 			claimEnd[made[e.key]] = e.rev
 			delete(made, e.key)
 		case e.claim:
-			if k, ok := claimKeys[e.created]; ok && k != e.key {
-				t.Fatalf("denoise claims %s and %s made at one revision %d", k, e.key, e.created)
+			if k, ok := claimKeys[e.token]; ok && k != e.key {
+				t.Fatalf("denoise claims %s and %s made at one revision %d", k, e.key, e.token)
 			}
-			claimKeys[e.created], made[e.key] = e.key, e.created
+			if old, ok := made[e.key]; ok {
+				claimEnd[old] = e.rev // handed over: that claim went as this one came
+			}
+			claimKeys[e.token], made[e.key] = e.key, e.token
 		}
 	}
 	for claim, at := range startAt {
@@ -204,7 +207,7 @@ func (w *backlogWatch) peak(t *testing.T) (peak int64, starts, pushed int) {
 	}
 	slices.Sort(moments)
 	decode := map[string]bool{}
-	claims := map[string]int64{} // denoise claim key -> its CreateRevision
+	claims := map[string]int64{} // denoise claim key -> its token
 	i := 0
 	for _, m := range slices.Compact(moments) {
 		for ; i < len(w.events) && w.events[i].rev <= m; i++ {
@@ -212,7 +215,7 @@ func (w *backlogWatch) peak(t *testing.T) (peak int64, starts, pushed int) {
 			case e.claim && e.deleted:
 				delete(claims, e.key)
 			case e.claim:
-				claims[e.key] = e.created
+				claims[e.key] = e.token
 			case e.deleted:
 				delete(decode, e.key)
 			default:
@@ -220,8 +223,8 @@ func (w *backlogWatch) peak(t *testing.T) (peak int64, starts, pushed int) {
 			}
 		}
 		n := int64(len(decode))
-		for _, created := range claims {
-			if at, ok := startAt[created]; ok && at <= m {
+		for _, token := range claims {
+			if at, ok := startAt[token]; ok && at <= m {
 				n++
 			}
 		}

@@ -592,8 +592,9 @@ func TestClaimCounts(t *testing.T) {
 	m.PushedClaim(jobs.Denoise, false)
 	m.PushedClaim(jobs.Denoise, false)
 	m.PushedClaim(jobs.Denoise, true)
+	m.HandedOver(jobs.Denoise)
 	before := m.Claims(jobs.Denoise)
-	if want := (ClaimCounts{Txns: 3, Conflicts: 1, PushedStarted: 2, GivenBack: 1}); before != want {
+	if want := (ClaimCounts{Txns: 3, Conflicts: 1, PushedStarted: 2, GivenBack: 1, HandedOver: 1}); before != want {
 		t.Fatalf("denoise claims %+v, want %+v", before, want)
 	}
 	if got := m.Claims(jobs.Decode); got != (ClaimCounts{}) {
@@ -603,7 +604,7 @@ func TestClaimCounts(t *testing.T) {
 	if d := m.Claims(jobs.Denoise).Sub(before); d != (ClaimCounts{Txns: 1}) {
 		t.Fatalf("since the first read %+v, want one txn", d)
 	}
-	if sum := before.Add(before); sum != (ClaimCounts{6, 2, 4, 2}) {
+	if sum := before.Add(before); sum != (ClaimCounts{6, 2, 4, 2, 2}) {
 		t.Fatalf("sum %+v", sum)
 	}
 	text := scrape(t, m.Handler())
@@ -612,6 +613,7 @@ func TestClaimCounts(t *testing.T) {
 		`latentmesh_claim_txns_total{stage="decode"} 0`,
 		`latentmesh_claim_conflicts_total{stage="denoise"} 1`,
 		`latentmesh_pushed_claims_total{outcome="given_back",stage="denoise"} 1`,
+		`latentmesh_pushed_claims_total{outcome="handed_over",stage="denoise"} 1`,
 		`latentmesh_pushed_claims_total{outcome="started",stage="decode"} 0`,
 	} {
 		if !strings.Contains(text, want) {

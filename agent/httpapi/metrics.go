@@ -187,7 +187,7 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 func (m *Metrics) InitStage(s jobs.Stage) {
 	m.claimTxns.WithLabelValues(string(s))
 	m.conflicts.WithLabelValues(string(s))
-	for _, o := range []string{outcomeStarted, outcomeGivenBack} {
+	for _, o := range []string{outcomeStarted, outcomeGivenBack, outcomeHandedOver} {
 		m.pushedClaims.WithLabelValues(string(s), o)
 	}
 	for _, r := range []string{ReasonPreempted, ReasonDrained, ReasonRetry} {
@@ -220,10 +220,17 @@ func (m *Metrics) PushedClaim(s jobs.Stage, given bool) {
 	m.pushedClaims.WithLabelValues(string(s), outcome).Inc()
 }
 
+// HandedOver counts one claim pushed to this agent that it handed over to
+// another worker of the stage (jobs.Store.HandOver).
+func (m *Metrics) HandedOver(s jobs.Stage) {
+	m.pushedClaims.WithLabelValues(string(s), outcomeHandedOver).Inc()
+}
+
 // The outcome label of latentmesh_pushed_claims_total.
 const (
-	outcomeStarted   = "started"
-	outcomeGivenBack = "given_back"
+	outcomeStarted    = "started"
+	outcomeGivenBack  = "given_back"
+	outcomeHandedOver = "handed_over"
 )
 
 // JobFinished counts one job reaching state s.
@@ -264,16 +271,17 @@ type ClaimCounts struct {
 	Conflicts     int64 `json:"conflicts"`      // of those, lost to another agent
 	PushedStarted int64 `json:"pushed_started"` // pushed claims started (no transaction)
 	GivenBack     int64 `json:"given_back"`     // pushed claims given back to the queue
+	HandedOver    int64 `json:"handed_over"`    // pushed claims handed over to another worker
 }
 
 // Add is c plus d, field by field.
 func (c ClaimCounts) Add(d ClaimCounts) ClaimCounts {
-	return ClaimCounts{c.Txns + d.Txns, c.Conflicts + d.Conflicts, c.PushedStarted + d.PushedStarted, c.GivenBack + d.GivenBack}
+	return ClaimCounts{c.Txns + d.Txns, c.Conflicts + d.Conflicts, c.PushedStarted + d.PushedStarted, c.GivenBack + d.GivenBack, c.HandedOver + d.HandedOver}
 }
 
 // Sub is c less d, field by field: what was counted since d was read.
 func (c ClaimCounts) Sub(d ClaimCounts) ClaimCounts {
-	return ClaimCounts{c.Txns - d.Txns, c.Conflicts - d.Conflicts, c.PushedStarted - d.PushedStarted, c.GivenBack - d.GivenBack}
+	return ClaimCounts{c.Txns - d.Txns, c.Conflicts - d.Conflicts, c.PushedStarted - d.PushedStarted, c.GivenBack - d.GivenBack, c.HandedOver - d.HandedOver}
 }
 
 // Claims reads stage s's claim counters.
@@ -284,6 +292,7 @@ func (m *Metrics) Claims(s jobs.Stage) ClaimCounts {
 		Conflicts:     counterValue(m.conflicts.WithLabelValues(st)),
 		PushedStarted: counterValue(m.pushedClaims.WithLabelValues(st, outcomeStarted)),
 		GivenBack:     counterValue(m.pushedClaims.WithLabelValues(st, outcomeGivenBack)),
+		HandedOver:    counterValue(m.pushedClaims.WithLabelValues(st, outcomeHandedOver)),
 	}
 }
 

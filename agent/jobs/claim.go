@@ -19,7 +19,7 @@ type Claim struct {
 	Task      Task
 	Node      string
 	Lease     clientv3.LeaseID
-	Rev       int64 // the claim key's CreateRevision: the fencing token
+	Rev       int64 // the claim key's ModRevision: the fencing token (see fenced)
 	StartedAt time.Time
 	ClaimedAt time.Time // when the claim transaction answered
 	// CommitRev is the etcd revision of the claim's successful commit (or
@@ -154,17 +154,22 @@ func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (
 	}
 	claims, tasks := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
 	if len(claims) == 1 && claims[0].Lease == int64(lease) && len(tasks) == 1 && tasks[0].ModRevision == c.Task.Rev {
-		n.Rev = claims[0].CreateRevision // ours, from an attempt whose answer was lost
+		n.Rev = claims[0].ModRevision // ours, from an attempt whose answer was lost
 		return &n, nil
 	}
 	return nil, ErrTaken
 }
 
-// fenced are the conditions every write by a claim holder carries.
+// fenced are the conditions every write by a claim holder carries: the
+// claim key is as the claim wrote it (its ModRevision) and on its lease.
+// A claim key is written once, when the claim is made, except by a
+// hand-over (HandOver), which rewrites it for another worker in place
+// (etcd refuses a transaction that deletes and puts one key) and so gives
+// that worker a token of its own.
 func (s *Store) fenced(c *Claim) []clientv3.Cmp {
 	ck := s.claimKey(&c.Task)
 	return []clientv3.Cmp{
-		clientv3.Compare(clientv3.CreateRevision(ck), "=", c.Rev),
+		clientv3.Compare(clientv3.ModRevision(ck), "=", c.Rev),
 		clientv3.Compare(clientv3.LeaseValue(ck), "=", int64(c.Lease)),
 	}
 }
@@ -233,6 +238,31 @@ func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
 		Commit()
 	if err != nil {
 		return fmt.Errorf("jobs: abandon %s: %w", t.ID, err)
+	}
+	if !resp.Succeeded {
+		return ErrFenced
+	}
+	return nil
+}
+
+// HandOver passes pushed claim c, which its worker has not started, to
+// worker to: one fenced transaction rewrites the claim key for to, on its
+// lease (a token of its own, see fenced), with the task hinted to it and
+// the job's progress key on its lease. It is a give-back that skips the
+// queue: a task requeued after its steal grace is raced for by every idle
+// worker of the stage, and on a large pool all but one of those claims
+// lose. The task keeps its attempt and requeue counts: it has not run.
+// ErrFenced means the claim is no longer c's or the task changed (a
+// cancel deleted it); an error for which cache.LeaseGone holds means to's
+// lease ended: requeue instead.
+func (s *Store) HandOver(ctx context.Context, c *Claim, to *Push) error {
+	t := c.Task
+	t.Hint = to.Node
+	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.Task.Rev))
+	ops := append([]clientv3.Op{clientv3.OpPut(t.Key, mustJSON(t))}, s.pushOps(&t, to, s.cfg.Now())...)
+	resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
+	if err != nil {
+		return fmt.Errorf("jobs: hand %s over to %s: %w", t.ID, to.Node, err)
 	}
 	if !resp.Succeeded {
 		return ErrFenced

@@ -180,7 +180,7 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			return nil
 		}
 		kvs := resp.Responses[0].GetResponseRange().Kvs
-		if len(kvs) == 0 || kvs[0].CreateRevision != c.Rev || kvs[0].Lease != int64(c.Lease) {
+		if len(kvs) == 0 || kvs[0].ModRevision != c.Rev || kvs[0].Lease != int64(c.Lease) {
 			// A cancel deletes the claim with the task: say so, rather
 			// than that the claim was lost.
 			var now record

@@ -23,7 +23,7 @@ type ClaimProof struct {
 	Stage   Stage  `json:"stage"`
 	Task    string `json:"task"`
 	TaskKey string `json:"task_key"`
-	Rev     int64  `json:"rev"` // the claim key's CreateRevision
+	Rev     int64  `json:"rev"` // the claim's fencing token (Claim.Rev)
 }
 
 // Proof is c's claim proof, encoded for transfer.WithTicketProof.
@@ -52,7 +52,7 @@ func (s *Store) ClaimHolder(ctx context.Context, proof []byte, payload string) (
 		return "", fmt.Errorf("jobs: read claim %s: %w", ck, err)
 	}
 	claims, tasks := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
-	if len(claims) == 0 || claims[0].CreateRevision != p.Rev {
+	if len(claims) == 0 || claims[0].ModRevision != p.Rev {
 		return "", fmt.Errorf("%w: claim %s at revision %d is gone", ErrNoClaim, ck, p.Rev)
 	}
 	var cr claimRecord

@@ -6,6 +6,7 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 
+	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/routing"
 )
 
@@ -168,5 +169,48 @@ func TestCancelDropsPushedClaim(t *testing.T) {
 	resp, err := cli.Get(ctx, s.claimPrefix(Encode), clientv3.WithPrefix(), clientv3.WithCountOnly())
 	if err != nil || resp.Count != 0 {
 		t.Fatalf("%d claims left after the cancel (%v)", resp.Count, err)
+	}
+}
+
+// A pushed claim its worker has not started is handed over to another
+// worker in one transaction: the view offers it to that worker alone, with
+// a fencing token of its own, so the first worker's copy can no longer
+// write; a hand-over to a lease that ended is refused with nothing changed.
+func TestHandOver(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	enc := runQueue(t, s, Encode)
+	l1, l2 := grant(t, cli), grant(t, cli)
+	if _, err := s.Submit(ctx, spec(), Options{Push: &Push{Node: "enc-1", Lease: l1}}); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "push seen", func() bool { return len(enc.Pushed("enc-1", l1)) == 1 })
+	c := enc.Pushed("enc-1", l1)[0]
+	if err := s.HandOver(ctx, c, &Push{Node: "enc-2", Lease: l2}); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "hand-over seen", func() bool { return len(enc.Pushed("enc-2", l2)) == 1 })
+	if n := len(enc.Pushed("enc-1", l1)); n != 0 || len(enc.Pending()) != 0 {
+		t.Fatalf("after the hand-over: %d offered to enc-1, %d pending", n, len(enc.Pending()))
+	}
+	c2 := enc.Pushed("enc-2", l2)[0]
+	if c2.Rev == c.Rev || c2.Task.Hint != "enc-2" || c2.Task.Attempt != c.Task.Attempt || c2.Task.Requeues != 0 || enc.HeldBy("enc-1") != 0 || enc.HeldBy("enc-2") != 1 {
+		t.Fatalf("handed-over claim %+v (token %d, was %d)", c2, c2.Rev, c.Rev)
+	}
+	if err := s.Requeue(ctx, c); err != ErrFenced {
+		t.Fatalf("the first worker's give-back after the hand-over: %v, want ErrFenced", err)
+	}
+	if err := s.HandOver(ctx, c, &Push{Node: "enc-3", Lease: l2}); err != ErrFenced {
+		t.Fatalf("a second hand-over of the first worker's copy: %v, want ErrFenced", err)
+	}
+	gone := grant(t, cli)
+	if _, err := cli.Revoke(ctx, gone); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.HandOver(ctx, c2, &Push{Node: "enc-3", Lease: gone}); !cache.LeaseGone(err) {
+		t.Fatalf("a hand-over to an ended lease: %v, want the lease not found", err)
+	}
+	if err := s.Commit(ctx, c2, Output{Payloads: payload("cond", "enc-2")}); err != nil {
+		t.Fatalf("the new holder's commit: %v", err)
 	}
 }

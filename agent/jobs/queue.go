@@ -58,7 +58,7 @@ type Queue struct {
 
 // claimInfo is what the view knows of a claim key.
 type claimInfo struct {
-	rev   int64            // CreateRevision: the claim's fencing token
+	rev   int64            // ModRevision: the claim's fencing token
 	lease clientv3.LeaseID // the claim holder's lease
 	rec   claimRecord
 }
@@ -410,7 +410,7 @@ func (q *Queue) deleteKeyLocked(key string) {
 // decodeClaim reads a claim key. One the view cannot read still marks
 // its task claimed: only its holder's details are unknown.
 func (q *Queue) decodeClaim(kv *mvccpb.KeyValue) claimInfo {
-	c := claimInfo{rev: kv.CreateRevision, lease: clientv3.LeaseID(kv.Lease)}
+	c := claimInfo{rev: kv.ModRevision, lease: clientv3.LeaseID(kv.Lease)}
 	if err := json.Unmarshal(kv.Value, &c.rec); err != nil {
 		q.s.log.Warn("undecodable claim", zap.ByteString("key", kv.Key), zap.Error(err))
 	}

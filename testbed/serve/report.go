@@ -113,6 +113,7 @@ type StageClaims struct {
 	TxnsPerJob      float64 `json:"txns_per_job"`
 	ConflictsPerJob float64 `json:"conflicts_per_job"`
 	GiveBacksPerJob float64 `json:"give_backs_per_job"`
+	HandOversPerJob float64 `json:"hand_overs_per_job"`
 	PushedShare     float64 `json:"pushed_share"`
 }
 
@@ -121,6 +122,7 @@ func stageClaims(name string, c httpapi.ClaimCounts, submitted int) StageClaims 
 	if submitted > 0 {
 		n := float64(submitted)
 		s.TxnsPerJob, s.ConflictsPerJob, s.GiveBacksPerJob = float64(c.Txns)/n, float64(c.Conflicts)/n, float64(c.GivenBack)/n
+		s.HandOversPerJob = float64(c.HandedOver) / n
 	}
 	if started := c.PushedStarted + c.Txns - c.Conflicts; started > 0 {
 		s.PushedShare = float64(c.PushedStarted) / float64(started)
@@ -644,10 +646,10 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 // Text writes the claims as a table, a row a stage.
 func (c ClaimStats) Text(w io.Writer) {
 	fmt.Fprintf(w, "claims, from the agents' counters (per job: per submitted job; pushed: share of the tasks started that a pushed claim started)\n")
-	fmt.Fprintf(w, "  %-8s %6s %9s %7s %10s %9s %13s %14s %7s\n", "stage", "txns", "conflicts", "pushed", "given back", "txns/job", "conflicts/job", "give-backs/job", "pushed")
+	fmt.Fprintf(w, "  %-8s %6s %9s %7s %10s %11s %9s %13s %14s %14s %7s\n", "stage", "txns", "conflicts", "pushed", "given back", "handed over", "txns/job", "conflicts/job", "give-backs/job", "hand-overs/job", "pushed")
 	for _, s := range append(append([]StageClaims(nil), c.Stages...), c.All) {
-		fmt.Fprintf(w, "  %-8s %6d %9d %7d %10d %9.2f %13.2f %14.2f %6.0f%%\n", s.Stage, s.Txns, s.Conflicts, s.PushedStarted, s.GivenBack,
-			s.TxnsPerJob, s.ConflictsPerJob, s.GiveBacksPerJob, 100*s.PushedShare)
+		fmt.Fprintf(w, "  %-8s %6d %9d %7d %10d %11d %9.2f %13.2f %14.2f %14.2f %6.0f%%\n", s.Stage, s.Txns, s.Conflicts, s.PushedStarted, s.GivenBack, s.HandedOver,
+			s.TxnsPerJob, s.ConflictsPerJob, s.GiveBacksPerJob, s.HandOversPerJob, 100*s.PushedShare)
 	}
 }
 

@@ -59,8 +59,10 @@ func checkAccounting(t *testing.T, rep *Report) {
 // checkClaims holds the agents' claim counters to the job records: every
 // claim a stage's task took (its record's Attempt) was pushed, and then
 // started or given back, or won by a claim transaction, so per stage the
-// attempts are pushed started + given back + txns - conflicts. A
-// give-back left uncounted, or a claim txn counted twice, breaks it.
+// attempts are pushed started + given back + txns - conflicts. A claim
+// handed over to another worker is not an attempt of its own (the worker
+// it went to starts it or gives it back in turn). A give-back left
+// uncounted, or a claim txn counted twice, breaks it.
 func checkClaims(t *testing.T, rep *Report) {
 	t.Helper()
 	c := rep.Claims
@@ -73,7 +75,7 @@ func checkClaims(t *testing.T, rep *Report) {
 		if s.Stage != string(st) {
 			t.Fatalf("claims row %d is %q, want %s", k, s.Stage, st)
 		}
-		if s.Conflicts < 0 || s.Conflicts > s.Txns || s.PushedStarted < 0 || s.GivenBack < 0 || s.PushedShare < 0 || s.PushedShare > 1 {
+		if s.Conflicts < 0 || s.Conflicts > s.Txns || s.PushedStarted < 0 || s.GivenBack < 0 || s.HandedOver < 0 || s.PushedShare < 0 || s.PushedShare > 1 {
 			t.Fatalf("%s claims inconsistent: %+v", st, s)
 		}
 		if got, want := s.PushedStarted+s.GivenBack+s.Txns-s.Conflicts, rep.attempts[st]; got != want {
@@ -129,7 +131,7 @@ func TestClaimCounts(t *testing.T) {
 	if err := json.Unmarshal(raw, &back); err != nil {
 		t.Fatal(err)
 	}
-	for _, k := range []string{"txns", "conflicts", "pushed_started", "given_back", "txns_per_job", "conflicts_per_job", "give_backs_per_job", "pushed_share"} {
+	for _, k := range []string{"txns", "conflicts", "pushed_started", "given_back", "handed_over", "txns_per_job", "conflicts_per_job", "give_backs_per_job", "pushed_share"} {
 		if _, ok := back.Claims.All[k]; !ok {
 			t.Errorf("the JSON's claims.all lacks %q: %v", k, back.Claims.All)
 		}

@@ -122,8 +122,8 @@ func TestFedAfterCompaction(t *testing.T) {
 }
 
 // twoEncodes submits two jobs and returns their encode tasks, with the
-// ledger of the denoise tasks node "enc" feeds.
-func twoEncodes(t *testing.T) (*Store, clientv3.LeaseID, *Fed, []Task) {
+// ledger of the denoise tasks node "enc" feeds (its consumed hook, NewFed).
+func twoEncodes(t *testing.T, consumed func(string)) (*Store, clientv3.LeaseID, *Fed, []Task) {
 	t.Helper()
 	s, cli := newStore(t)
 	ctx := context.Background()
@@ -133,7 +133,7 @@ func twoEncodes(t *testing.T) (*Store, clientv3.LeaseID, *Fed, []Task) {
 			t.Fatal(err)
 		}
 	}
-	f := runFed(t, s, Denoise, "enc")
+	f := runFedConsumed(t, s, Denoise, "enc", consumed)
 	pend, _, err := s.Pending(ctx, Encode)
 	if err != nil || len(pend) != 2 {
 		t.Fatalf("pending encodes %d %v", len(pend), err)
@@ -146,7 +146,7 @@ func twoEncodes(t *testing.T) (*Store, clientv3.LeaseID, *Fed, []Task) {
 // expected task whose commit failed is not counted, nor is one taken for a
 // commit with no answer unless etcd has it.
 func TestFedExpectedBeforeCommit(t *testing.T) {
-	s, lease, f, pend := twoEncodes(t)
+	s, lease, f, pend := twoEncodes(t, nil)
 	ctx := context.Background()
 	enc, err := s.TryClaim(ctx, pend[0], "enc", lease)
 	if err != nil {
@@ -196,7 +196,7 @@ func TestFedExpectedBeforeCommit(t *testing.T) {
 // have missed the task's end: the ledger asks etcd once, and keeps the
 // watch when the task is still there.
 func TestFedExpectedLate(t *testing.T) {
-	s, lease, f, pend := twoEncodes(t)
+	s, lease, f, pend := twoEncodes(t, nil)
 	ctx := context.Background()
 	var claims []*Claim
 	for i, p := range pend {
@@ -250,21 +250,10 @@ func claimAtKey(t *testing.T, s *Store, key string, lease clientv3.LeaseID) *Cla
 // when it is gone (the worker committed it), once; one not pushed returns
 // none.
 func TestFedReturnsPushedCredit(t *testing.T) {
-	s, cli := newStore(t)
-	ctx := context.Background()
-	lease := grant(t, cli)
-	for range 2 {
-		if _, err := s.Submit(ctx, spec(), Options{}); err != nil {
-			t.Fatal(err)
-		}
-	}
 	var mu sync.Mutex
 	var returned []string
-	f := runFedConsumed(t, s, Denoise, "enc", func(w string) { mu.Lock(); returned = append(returned, w); mu.Unlock() })
-	pend, _, err := s.Pending(ctx, Encode)
-	if err != nil || len(pend) != 2 {
-		t.Fatalf("pending encodes %d %v", len(pend), err)
-	}
+	s, lease, f, pend := twoEncodes(t, func(w string) { mu.Lock(); returned = append(returned, w); mu.Unlock() })
+	ctx := context.Background()
 	for i, pushedTo := range []string{"den-a", ""} {
 		c, err := s.TryClaim(ctx, pend[i], "enc", lease)
 		if err != nil {

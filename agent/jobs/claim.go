@@ -8,6 +8,7 @@ package jobs
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -252,12 +253,18 @@ func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
 // queue: a task requeued after its steal grace is raced for by every idle
 // worker of the stage, and on a large pool all but one of those claims
 // lose. The task keeps its attempt and requeue counts: it has not run.
+// The tickets its producer issued with the push are dropped: they name
+// the worker it was pushed to, and the new one asks for its own.
 // ErrFenced means the claim is no longer c's or the task changed (a
 // cancel deleted it); an error for which cache.LeaseGone holds means to's
 // lease ended: requeue instead.
 func (s *Store) HandOver(ctx context.Context, c *Claim, to *Push) error {
 	t := c.Task
 	t.Hint = to.Node
+	t.Inputs = slices.Clone(t.Inputs)
+	for i := range t.Inputs {
+		t.Inputs[i].Ticket = nil
+	}
 	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.Task.Rev))
 	ops := append([]clientv3.Op{clientv3.OpPut(t.Key, mustJSON(t))}, s.pushOps(&t, to, s.cfg.Now())...)
 	resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Commit()

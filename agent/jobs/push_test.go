@@ -174,8 +174,9 @@ func TestCancelDropsPushedClaim(t *testing.T) {
 
 // A pushed claim its worker has not started is handed over to another
 // worker in one transaction: the view offers it to that worker alone, with
-// a fencing token of its own, so the first worker's copy can no longer
-// write; a hand-over to a lease that ended is refused with nothing changed.
+// a fencing token of its own and without the tickets issued to the first,
+// so the first worker's copy can no longer write; a hand-over to a lease
+// that ended is refused with nothing changed.
 func TestHandOver(t *testing.T) {
 	s, cli := newStore(t)
 	ctx := context.Background()
@@ -210,7 +211,25 @@ func TestHandOver(t *testing.T) {
 	if err := s.HandOver(ctx, c2, &Push{Node: "enc-3", Lease: gone}); !cache.LeaseGone(err) {
 		t.Fatalf("a hand-over to an ended lease: %v, want the lease not found", err)
 	}
-	if err := s.Commit(ctx, c2, Output{Payloads: payload("cond", "enc-2")}); err != nil {
+	// A denoise task pushed with a ticket for its input: the ticket names
+	// den-1, so den-2 gets the task without it.
+	den := runQueue(t, s, Denoise)
+	d1, d2 := grant(t, cli), grant(t, cli)
+	in := payload("cond", "enc-2")
+	in[0].Ticket = []byte("issued-to-den-1")
+	if err := s.Commit(ctx, c2, Output{Payloads: in, Push: &Push{Node: "den-1", Lease: d1}}); err != nil {
 		t.Fatalf("the new holder's commit: %v", err)
+	}
+	within(t, "denoise push seen", func() bool { return len(den.Pushed("den-1", d1)) == 1 })
+	dc := den.Pushed("den-1", d1)[0]
+	if string(dc.Task.Inputs[0].Ticket) != "issued-to-den-1" {
+		t.Fatalf("pushed input %+v, want its ticket", dc.Task.Inputs[0])
+	}
+	if err := s.HandOver(ctx, dc, &Push{Node: "den-2", Lease: d2}); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "denoise hand-over seen", func() bool { return len(den.Pushed("den-2", d2)) == 1 })
+	if got := den.Pushed("den-2", d2)[0].Task.Inputs; len(got) != 1 || got[0].Payload != "cond" || len(got[0].Ticket) != 0 {
+		t.Fatalf("handed-over inputs %+v, want cond without a ticket", got)
 	}
 }

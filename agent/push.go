@@ -3,7 +3,6 @@ package agent
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"slices"
 	"time"
 
@@ -153,25 +152,24 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
 // free or not: the claim goes back to the queue for the first of them to
 // free a slot (routing.QueuePolicy.GiveBack).
 func (a *Agent) handOverTarget(q *jobs.Queue, s engine.Spec) (to *jobs.Push, others bool) {
-	st, model := q.Stage(), s.ModelName()
-	queued, _ := q.Depth()
-	var targets []routing.Target
-	leases := map[string]clientv3.LeaseID{}
+	st := q.Stage()
+	if queued, _ := q.Depth(); queued == 0 {
+		node := a.pickWorker(st, s, func(p gossip.Peer) int {
+			if p.Record.ID == a.id {
+				return 0
+			}
+			return viewFree(q, p)
+		})
+		if p, ok := a.member.Peer(node); ok && p.Lease != 0 {
+			return &jobs.Push{Node: node, Lease: p.Lease}, true
+		}
+	}
 	for _, p := range a.member.Peers() {
-		if p.Record.ID == a.id || !p.Alive || !p.Record.HasRole(string(st)) {
-			continue
-		}
-		others = true
-		free := p.Record.Slots[string(st)] - q.HeldBy(p.Record.ID)
-		if free > 0 && queued == 0 && p.Lease != 0 && takesWork(p, st, model) && takesAdapterOf(p, st, s) {
-			targets = append(targets, routing.Target{Node: p.Record.ID, Free: free, SameHost: a.sameHost(p)})
-			leases[p.Record.ID] = p.Lease
+		if p.Alive && p.Record.ID != a.id && p.Record.HasRole(string(st)) {
+			return nil, true
 		}
 	}
-	if node := routing.PickHint(targets, nil); node != "" {
-		return &jobs.Push{Node: node, Lease: leases[node]}, true
-	}
-	return nil, others
+	return nil, false
 }
 
 // handOverTo is handOverTarget's choice alone.
@@ -187,12 +185,14 @@ func (a *Agent) handOverTo(q *jobs.Queue, s engine.Spec) *jobs.Push {
 func (a *Agent) giveBack(q *jobs.Queue, c *jobs.Claim, to *jobs.Push, why string) {
 	ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 	defer cancel()
-	err := errNoTarget
+	var err error
 	if to != nil {
-		err = a.store.HandOver(ctx, c, to)
+		if err = a.store.HandOver(ctx, c, to); cache.LeaseGone(err) {
+			to = nil // its lease just ended
+		}
 	}
-	if errors.Is(err, errNoTarget) || cache.LeaseGone(err) {
-		to, err = nil, a.store.Requeue(ctx, c)
+	if to == nil {
+		err = a.store.Requeue(ctx, c)
 	}
 	if err != nil {
 		a.log.Debug("giving back a pushed claim", zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.Error(err))
@@ -208,9 +208,6 @@ func (a *Agent) giveBack(q *jobs.Queue, c *jobs.Claim, to *jobs.Push, why string
 		log.Debug("pushed claim given back")
 	}
 }
-
-// errNoTarget: a give-back with no worker to hand the claim over to.
-var errNoTarget = errors.New("no worker to hand over to")
 
 // returnAllPushes gives back every claim pushed to this agent: it is
 // draining and starts nothing more.
@@ -233,15 +230,22 @@ func cachedCopy(in jobs.Input) (transfer.Ref, bool) {
 	return ref, true
 }
 
-// pickHint names the preferred worker of stage st of s: power of two
-// choices among live peers taking work for it with a free slot, same host
-// first; for a denoise naming an adapter, among those that have it loaded.
+// pickHint names the preferred worker of stage st of s: pickWorker by
+// the free slots gossip, this agent's view or a grant show (freeSlots).
 func (a *Agent) pickHint(st jobs.Stage, s engine.Spec) string {
+	return a.pickWorker(st, s, func(p gossip.Peer) int { return a.freeSlots(p, st) })
+}
+
+// pickWorker chooses a worker of stage st for s by routing.PickHint: power
+// of two choices among live peers taking work for it (for a denoise naming
+// an adapter, among those that have it loaded) with free slots as free
+// counts them, same host first. "": none has one.
+func (a *Agent) pickWorker(st jobs.Stage, s engine.Spec, free func(gossip.Peer) int) string {
 	var targets []routing.Target
 	model := s.ModelName()
 	for _, p := range a.member.Peers() {
 		if takesWork(p, st, model) && takesAdapterOf(p, st, s) {
-			targets = append(targets, routing.Target{Node: p.Record.ID, Free: a.freeSlots(p, st), SameHost: a.sameHost(p)})
+			targets = append(targets, routing.Target{Node: p.Record.ID, Free: free(p), SameHost: a.sameHost(p)})
 		}
 	}
 	return routing.PickHint(targets, nil)
@@ -271,7 +275,13 @@ func (a *Agent) freeSlots(p gossip.Peer, st jobs.Stage) int {
 		return free
 	}
 	if q := a.queues[st]; q != nil {
-		return max(0, p.Record.Slots[string(st)]-q.HeldBy(p.Record.ID))
+		return viewFree(q, p)
 	}
 	return a.grants.Free(p.Record.ID, string(st), time.Now())
+}
+
+// viewFree is peer p's free slots of q's stage as the view shows them: its
+// registered slots less the claims it holds.
+func viewFree(q *jobs.Queue, p gossip.Peer) int {
+	return max(0, p.Record.Slots[string(q.Stage())]-q.HeldBy(p.Record.ID))
 }

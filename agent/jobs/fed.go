@@ -90,11 +90,10 @@ func (f *Fed) Run() {
 	<-f.ctx.Done()
 }
 
-// Add counts the task at key, created by this node's commit at revision
+// add counts the task at key, created by this node's commit at revision
 // rev (0: a commit with no answer may have created it; it is counted if
-// etcd has it), until it goes.
-func (f *Fed) Add(key string, rev int64) { f.add(key, rev, "") }
-
+// etcd has it) and pushed to pushedTo, until it goes. The agent adds
+// through Expect; a watch Expect could not make falls back to this.
 func (f *Fed) add(key string, rev int64, pushedTo string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -187,7 +186,7 @@ func (f *Fed) Expect(key, pushedTo string) *Expected {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.closed {
-		cancel() // Created finds no watch and falls back to Add, which starts none either
+		cancel() // Created finds no watch and falls back to add, which starts none either
 		return e
 	}
 	f.wg.Go(func() {
@@ -213,7 +212,7 @@ func (e *Expected) Drop() { e.cancel() }
 
 // keep hands the watch to the ledger, for a task that existed at rev (0:
 // not known to exist, so etcd is asked first). Without a watch made within
-// a second the task is followed as Add does.
+// a second the task is followed as add does.
 func (e *Expected) keep(rev int64) {
 	f := e.f
 	made, late := false, false

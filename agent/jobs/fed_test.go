@@ -48,7 +48,7 @@ func TestFedCountsOutputsUntilDone(t *testing.T) {
 	if enc.NextKey == "" {
 		t.Fatal("the commit reported no next key")
 	}
-	f.Add(enc.NextKey, enc.CommitRev)
+	f.add(enc.NextKey, enc.CommitRev, "")
 	if n := fedCount(f); n != 1 || f.Seen() < enc.CommitRev {
 		t.Fatalf("after the commit: %d fed at revision %d, want 1 at %d or later", n, f.Seen(), enc.CommitRev)
 	}
@@ -57,7 +57,7 @@ func TestFedCountsOutputsUntilDone(t *testing.T) {
 	if n, m := fedCount(later), fedCount(other); n != 1 || m != 0 {
 		t.Fatalf("ledgers read from etcd: the producer's %d, another node's %d; want 1 and 0", n, m)
 	}
-	f.Add(s.cfg.Prefix+"/queues/denoise/tasks/never-written", 0)
+	f.add(s.cfg.Prefix+"/queues/denoise/tasks/never-written", 0, "")
 	within(t, "a key never written dropped", func() bool { return fedCount(f) == 1 })
 	changed := f.Changed()
 
@@ -114,7 +114,7 @@ func TestFedAfterCompaction(t *testing.T) {
 		t.Fatal(err)
 	}
 	f := runFed(t, s, Denoise, string(Encode))
-	f.Add(enc.NextKey, enc.CommitRev) // its deletion is in the compacted history
+	f.add(enc.NextKey, enc.CommitRev, "") // its deletion is in the compacted history
 	within(t, "the task found gone", func() bool { return fedCount(f) == 0 })
 	if f.Seen() < den.CommitRev {
 		t.Fatalf("seen %d, before the deletion at %d", f.Seen(), den.CommitRev)

@@ -472,7 +472,6 @@ func (s *sim) giveBackCheck(t *task) {
 		s.clk.at(now+time.Second, event{kind: evGiveBack, stage: int8(st.i), task: t})
 		return
 	}
-	to := s.handOverTarget(st, wk)
 	if !s.cfg.Queue.GiveBack(s.epoch.Add(t.pushedAt), s.epoch.Add(now), len(st.workers) > 1) {
 		next := now + time.Second // the stage's only worker: look again within a second
 		if due := t.pushedAt + s.cfg.Queue.StealGrace; due > now {
@@ -484,6 +483,7 @@ func (s *sim) giveBackCheck(t *task) {
 	// jobs.Store.HandOver: one fenced txn rewrites the claim for the
 	// worker chosen (and the task, and the progress key). The worker's
 	// loop makes it, so it cannot start the task meanwhile.
+	to := s.handOverTarget(st, wk) // before unpush: wk still holds the claim
 	s.unpush(st, wk, t)
 	s.etcd.write(now, 1)
 	if to >= 0 {

@@ -35,22 +35,18 @@ func (a *Agent) expectOutput(c *jobs.Claim, out *jobs.Output) *jobs.Expected {
 		return nil
 	}
 	out.Next = a.store.NextTask(c)
-	var pushedTo string
-	if out.Push != nil {
-		pushedTo = out.Push.Node
-	}
-	return f.Expect(out.Next.Key, pushedTo)
+	return f.Expect(out.Next.Key, out.Push)
 }
 
 // committedOutput counts the next stage's task c's commit created among
 // this agent's outputs (jobs.Fed) until it is done. Every attempt of the
 // commit wrote the key expectOutput fixed, so after one with no answer
 // (maybe) that key is counted if etcd has it.
-func (a *Agent) committedOutput(expected *jobs.Expected, commitRev int64, err error, maybe bool) {
+func (a *Agent) committedOutput(expected *jobs.Expected, c *jobs.Claim, err error, maybe bool) {
 	switch {
 	case expected == nil: // the last stage: nothing downstream
 	case err == nil:
-		expected.Created(commitRev)
+		expected.Created(c.Next)
 	case maybe:
 		expected.Maybe()
 	default:

@@ -63,10 +63,16 @@ type Agent struct {
 	// built member (nil: nobody is admitted yet).
 	members atomic.Pointer[gossip.Membership]
 	store   *jobs.Store
-	// queues are watch-fed views of the queues of this agent's stages and
-	// of the stages after them (admission reads those): workers scan them,
-	// and gauges and status read them, without ranging over etcd.
-	queues map[jobs.Stage]*jobs.Queue
+	// inboxes are watch-fed views of the claims this agent holds on each of
+	// its stages' tasks (pushed to it, or running here): its workers start
+	// what they find there. Nobody follows a whole stage.
+	inboxes map[jobs.Stage]*jobs.Inbox
+	// meshChanged fires at every gossip event and every grant received:
+	// a worker may have a slot for a waiting task (dispatch.go).
+	meshChanged signal
+	// waiting has the StageBit of each stage with tasks waiting in this
+	// agent's ledger (NodeMeta.Waiting).
+	waiting atomic.Uint32
 	cstore *cache.Store // this node's part of the pooled Store
 	// board holds the steps of the stages running here, which progSrv
 	// serves to other agents (live.go): progress never goes to etcd.
@@ -227,15 +233,15 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if a.store, err = jobs.NewStore(cli, jc); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
-	// A view of the queue of each role's stage; of the stage after it,
-	// only the tasks this agent fed (a view of that queue would bring
-	// every change of it here).
-	a.queues = map[jobs.Stage]*jobs.Queue{}
+	// An inbox of each role's stage; a ledger of every stage, of the tasks
+	// this agent dispatches there (its commits', submissions' and
+	// rewinds' tasks, and those it adopts): dispatch.go.
+	a.inboxes = map[jobs.Stage]*jobs.Inbox{}
 	for _, st := range cfg.Roles {
-		a.queues[st] = a.store.NewQueue(st)
-		if down, last := st.Next(); !last {
-			a.fed[down] = a.store.NewFed(a.ctx, down, a.id, func(worker string) { a.creditReturned(down, worker) })
-		}
+		a.inboxes[st] = a.store.NewInbox(st, a.id)
+	}
+	for _, st := range jobs.Stages() {
+		a.fed[st] = a.store.NewFed(a.ctx, st, a.id, func(worker string) { a.creditReturned(st, worker) })
 	}
 	if err = a.metrics.WatchStore(func() cache.LocalStats { return a.cstore.LocalStats() }); err != nil {
 		return nil, fmt.Errorf("agent: metrics: %w", err)
@@ -419,12 +425,14 @@ func (a *Agent) Start(ctx context.Context) error {
 	a.wg.Go(func() { a.health.Run(a.ctx) })
 	a.wg.Go(a.watchLeaseContact)
 	a.wg.Go(func() { a.store.WatchReleases(a.ctx, a.id, a.release, a.resyncHeld) })
-	for _, q := range a.queues {
+	for _, q := range a.inboxes {
 		a.wg.Go(func() { q.Run(a.ctx) })
 	}
-	for _, f := range a.fed {
+	for st, f := range a.fed {
 		a.wg.Go(f.Run)
+		a.wg.Go(func() { a.dispatchLoop(st) })
 	}
+	a.wg.Go(a.adoptLoop)
 	for _, st := range a.cfg.Roles {
 		a.workers.Go(func() { a.worker(st) })
 		if st == jobs.Denoise && a.cfg.Queue.PreemptAfter > 0 && a.cfg.Queue.Scheduler != routing.FIFO {
@@ -654,9 +662,11 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 	if opts.Push != nil && opts.Cond != nil {
 		opts.Cond = a.issueTickets(opts.Cond, opts.Push.Node) // for the entries held here
 	}
+	opts.Dispatcher = a.id // a first task with no worker free waits in this agent's ledger
 	var j jobs.Job
+	var task jobs.Task
 	err = a.onEtcd(ctx, func(ctx context.Context) (err error) {
-		j, err = a.store.Submit(ctx, spec, opts)
+		j, task, err = a.store.SubmitTask(ctx, spec, opts)
 		return err
 	})
 	if err != nil {
@@ -667,6 +677,7 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 		return jobs.Job{}, a.alarms.NoSpace() // ErrNoSpace with what to do: a 503
 	}
 	if err == nil {
+		a.fed[task.Stage].Add(task)
 		a.metrics.JobSubmitted(opts.Class)
 		a.recent.note(j.ID)
 	} else if errors.Is(err, jobs.ErrUnavailable) {
@@ -775,7 +786,11 @@ func (a *Agent) meta() gossip.NodeMeta {
 		}
 		m.Running += uint32(c.InUse())
 		total += c.Total()
+		if len(a.batchOnly(st)) > 0 {
+			m.Yields |= gossip.StageBit(string(st))
+		}
 	}
+	m.Waiting = uint8(a.waiting.Load())
 	if total > 0 {
 		m.Load = float32(m.Running) / float32(total)
 	}
@@ -886,6 +901,7 @@ func (a *Agent) forgetDeparted() {
 			if !ok {
 				return
 			}
+			a.meshChanged.Fire()
 			if ev.Type == gossip.EventDeregistered && ev.Peer.Record.PeerID != "" {
 				a.xfer.Forget(ev.Peer.Record.PeerID)
 			}
@@ -896,20 +912,15 @@ func (a *Agent) forgetDeparted() {
 	}
 }
 
-// reportLoop refreshes queue-depth and credit gauges: as soon as each
-// queue view has its first read, then every two seconds. Depths come from
-// the views, so an idle agent sends etcd nothing for them; a stage this
-// agent has no view of has no gauge here (an agent of that stage reports
-// it).
+// reportLoop refreshes queue-depth and credit gauges every two seconds.
+// Each agent reports the tasks waiting in its own ledgers (dispatch.go),
+// so an idle agent sends etcd nothing for them, and a sum over agents is
+// the mesh's backlog.
 func (a *Agent) reportLoop() {
 	for {
 		every := 2 * time.Second
-		for st, q := range a.queues {
-			if !q.Synced() {
-				every = 50 * time.Millisecond // report a view as soon as its first read lands
-				continue
-			}
-			a.reportQueue(st, q)
+		for st, f := range a.fed {
+			a.metrics.SetQueueDepth(st, f.WaitingByClass(a.liveOn))
 		}
 		for st := range a.credits {
 			_, free := a.slots(st)
@@ -1019,12 +1030,7 @@ func (a *Agent) Status(ctx context.Context) (Status, error) {
 		})
 	}
 	for _, s := range jobs.Stages() {
-		if v := a.queues[s]; v != nil && v.Synced() {
-			q, r := v.Depth()
-			st.Queues[s] = QueueInfo{Queued: int64(q), Running: int64(r), ByClass: v.ClassDepth()}
-			continue
-		}
-		byClass, running, err := a.store.ClassDepth(ctx, s) // on demand: a stage this agent does not follow
+		byClass, running, err := a.store.ClassDepth(ctx, s) // on demand: nobody follows a whole stage
 		if err != nil {
 			return Status{}, err
 		}

@@ -133,18 +133,16 @@ func (a *Agent) batchOnly(st jobs.Stage) []routing.Candidate {
 }
 
 // preemptLoop watches stage st while every slot is busy with batch work:
-// when the queue policy says a waiting interactive task has waited long
-// enough and this agent's batch task is the one to give way for it
-// (routing.QueuePolicy.Preempt), it stops that task, which its worker
-// requeues (jobs.Store.Yield: fenced by the claim, so the task is never
-// lost nor committed twice) and runs again later from its first step. The
-// freed credit then goes to the best task in the queue, the interactive
-// one. Two questions are asked: tasks pushed to this agent and waiting for
-// its slot are its own to serve, so it gives way for them alone; tasks in
-// the queue are everyone's, so the policy matches them with the batch
-// tasks running on the whole stage, as the queue view's claims show them,
-// and only the matched workers give way. It sleeps on task starts and
-// ends, the queue's watch-fed view, and the time the answer changes.
+// when the queue policy says an interactive task pushed here and waiting
+// for a slot has waited long enough (routing.QueuePolicy.Preempt), it
+// stops the batch task to give way for it, which its worker requeues
+// (jobs.Store.Yield: fenced by the claim, so the task is never lost nor
+// committed twice) and which resumes later from its last checkpoint. The
+// freed credit then goes to the interactive task. Interactive work that
+// waits with no worker free is pushed by its dispatcher to a worker that
+// gossip shows running batch work (NodeMeta.Yields, dispatch.go), so
+// each worker answers only for the claims pushed to it. It sleeps on task
+// starts and ends, its inbox, and the time the answer changes.
 func (a *Agent) preemptLoop(st jobs.Stage) {
 	credits := a.credits[st]
 	for a.pullCtx.Err() == nil {
@@ -158,37 +156,16 @@ func (a *Agent) preemptLoop(st jobs.Stage) {
 			}
 			continue
 		}
-		q := a.queues[st]
-		queueChanged := q.Changed() // before the view is read
+		q := a.inboxes[st]
+		queueChanged := q.Changed() // before the inbox is read
 		now := time.Now()
-		serves := func(t jobs.Task) bool { return !t.NotBefore.After(now) && a.runner.Serves(st, t.Spec.ModelName()) }
-		var pushed, queued []routing.Candidate
-		for _, c := range q.Pushed(a.id, a.member.Lease()) {
-			if serves(c.Task) {
+		var pushed []routing.Candidate
+		for _, c := range q.Pushed(a.member.Lease()) {
+			if !c.Task.NotBefore.After(now) && a.runner.Serves(st, c.Task.Spec.ModelName()) {
 				pushed = append(pushed, candidate(c.Task)) // pushed here, waiting for a slot
 			}
 		}
-		for _, t := range q.Pending() {
-			if serves(t) {
-				queued = append(queued, candidate(t))
-			}
-		}
-		// The stage's running tasks: this agent's as it knows them, the
-		// others' as their claims show them.
-		running := slices.Clip(mine) // appended to, not mine
-		for _, h := range q.Running() {
-			if h.Node != a.id {
-				c := candidate(h.Task)
-				c.Node = h.Node
-				running = append(running, c)
-			}
-		}
 		victim, wake := a.cfg.Queue.Preempt(pushed, mine, a.id, now)
-		if victim == "" {
-			var later time.Time
-			victim, later = a.cfg.Queue.Preempt(queued, running, a.id, now)
-			wake = earliest(wake, later)
-		}
 		if victim != "" && a.running.stop(victim, errPreempted) {
 			a.log.Info("preempting a batch task for waiting interactive work", zap.String("stage", string(st)), zap.String("task", victim))
 			a.metrics.Preempted()

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"slices"
 	"time"
 
 	"github.com/libp2p/go-libp2p/core/peer"
@@ -27,11 +28,12 @@ import (
 // takeGrant records a grant from a member: a stage of the pipeline, and
 // a peer whose node record this agent has.
 func (a *Agent) takeGrant(from peer.ID, m grant.Msg) {
-	if _, ok := jobs.Stage(m.Stage).Prev(); !ok {
-		return // the first stage is granted to nobody, and a name that is no stage is not kept
+	if !slices.Contains(jobs.Stages(), jobs.Stage(m.Stage)) {
+		return // a name that is no stage is not kept
 	}
 	if rec, ok := a.member.ByPeerID(from.String()); ok && rec.ID != a.id {
 		a.grants.Grant(rec.ID, m.Stage, m.Free, time.Now().Add(m.TTL()))
+		a.meshChanged.Fire() // a dispatcher with tasks waiting hands one on
 	}
 }
 
@@ -43,50 +45,57 @@ func (a *Agent) creditReturned(st jobs.Stage, worker string) {
 	}
 }
 
-// grantFreed grants this node's free slots of st to the producers that
-// feed it (routing.GrantTo: fed, the producer of the task that just ended,
+// grantFreed grants this node's free slots of st to the nodes that feed
+// it (routing.GrantTo: fed, the producer of the task that just ended,
 // unless it pushed that task here and so has the credit back already, and
 // one other), when the stage takes work: not while draining, held back by
-// admission, or blocked, not while its queue holds a task waiting (the
-// worker claims that one next; a push would wait behind it), and not for
-// the first stage, whose tasks come from submissions.
+// admission, or blocked. The others are the dispatchers gossip shows with
+// tasks of st waiting (NodeMeta.Waiting), which hand one here at once;
+// with none, the producers of the stage before.
 func (a *Agent) grantFreed(st jobs.Stage, fed string, pushed bool) {
-	up, ok := st.Prev()
-	if !ok || a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() || a.queued(st) > 0 {
+	if a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() {
 		return
 	}
 	_, free := a.slots(st)
 	if free <= 0 {
 		return
 	}
-	// A producer of st's own stage follows st's queue and sees this slot
-	// free there (freeSlots): grants go to the others.
-	var producers []string
+	var waiting, producers []string
 	records := map[string]gossip.NodeRecord{}
+	up, hasUp := st.Prev()
 	for _, p := range a.member.Peers() {
-		if p.Alive && p.Record.ID != a.id && p.Record.HasRole(string(up)) && !p.Record.HasRole(string(st)) {
-			producers = append(producers, p.Record.ID)
-			records[p.Record.ID] = p.Record
-		}
-	}
-	for _, node := range routing.GrantTo(producers, fed, pushed, nil) {
-		rec := records[node]
-		pid, err := peer.Decode(rec.PeerID)
-		if err != nil {
+		if !p.Alive || p.Record.ID == a.id {
 			continue
 		}
-		a.wg.Go(func() {
-			ctx, cancel := context.WithTimeout(a.ctx, time.Second)
-			defer cancel()
-			if err := grant.Send(ctx, a.host, pid, rec.P2PAddrs, string(st), free, routing.GrantTTL); err != nil {
-				a.log.Debug("credit grant not sent", zap.String("to", node), zap.Error(err))
-			}
-		})
+		switch {
+		case p.Meta.Waiting&gossip.StageBit(string(st)) != 0:
+			waiting = append(waiting, p.Record.ID)
+		case hasUp && p.Record.HasRole(string(up)):
+			producers = append(producers, p.Record.ID)
+		default:
+			continue
+		}
+		records[p.Record.ID] = p.Record
+	}
+	if len(waiting) > 0 {
+		producers = waiting
+	}
+	for _, node := range routing.GrantTo(producers, fed, pushed, nil) {
+		a.sendGrant(records[node], st, free)
 	}
 }
 
-// queued counts the tasks of st waiting unclaimed in this agent's view.
-func (a *Agent) queued(st jobs.Stage) int {
-	n, _ := a.queues[st].Depth()
-	return n
+// sendGrant sends rec's node a grant of free slots of st, in the background.
+func (a *Agent) sendGrant(rec gossip.NodeRecord, st jobs.Stage, free int) {
+	pid, err := peer.Decode(rec.PeerID)
+	if err != nil {
+		return
+	}
+	a.wg.Go(func() {
+		ctx, cancel := context.WithTimeout(a.ctx, time.Second)
+		defer cancel()
+		if err := grant.Send(ctx, a.host, pid, rec.P2PAddrs, string(st), free, routing.GrantTTL); err != nil {
+			a.log.Debug("credit grant not sent", zap.String("to", rec.ID), zap.Error(err))
+		}
+	})
 }

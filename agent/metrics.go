@@ -3,7 +3,6 @@ package agent
 import (
 	"context"
 	"errors"
-	"slices"
 	"sync/atomic"
 	"time"
 
@@ -12,7 +11,6 @@ import (
 
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
-	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
@@ -67,34 +65,6 @@ func (a *Agent) Claims() map[jobs.Stage]httpapi.ClaimCounts {
 		out[st] = a.metrics.Claims(st)
 	}
 	return out
-}
-
-// reportQueue exports stage st's queue depth by class when this agent is
-// the stage's reporter: the registered, alive node with the lowest id among
-// those serving st. Every agent of a stage sees the whole queue, so one
-// reporter per stage makes a sum over agents the mesh's depth.
-func (a *Agent) reportQueue(st jobs.Stage, q *jobs.Queue) {
-	if _, serves := a.credits[st]; !serves || !a.reportsQueue(st) {
-		a.metrics.ClearQueueDepth(st)
-		return
-	}
-	byClass := map[routing.Class]int{}
-	for _, t := range q.Pending() {
-		byClass[t.Class]++
-	}
-	a.metrics.SetQueueDepth(st, byClass)
-}
-
-func (a *Agent) reportsQueue(st jobs.Stage) bool {
-	for _, p := range a.member.Peers() { // sorted by id
-		if p.Record.ID == a.id {
-			return true
-		}
-		if p.Registered && p.Alive && slices.Contains(p.Record.Roles, string(st)) {
-			return false
-		}
-	}
-	return true // not listed yet: nobody below us is either
 }
 
 // chainFrame notes each engine frame with note, then hands it to next

@@ -20,11 +20,12 @@ import (
 
 // Pushed claims (jobs.Push, routing.QueuePolicy.Push): whoever creates a
 // task, a submitting API or a committing worker, claims it in the same
-// write for the worker it hints, when that worker has a free slot. The
-// worker finds the claim in its queue view and starts it with no claim
-// transaction of its own, and nobody races for it: a handoff costs one
-// etcd write instead of two. What a worker cannot start soon it gives
-// back to the queue.
+// write for the worker it hints, when that worker has a free slot; a task
+// that waited is claimed for one the same way by its dispatcher
+// (dispatch.go). The worker finds the claim in its inbox and starts it
+// with no claim transaction of its own, and nobody races for it: a
+// handoff costs one etcd write instead of two. What a worker cannot start
+// soon it hands over to a free worker, or gives back to its dispatcher.
 
 // pushTarget is the worker of stage st that a new task for model should go
 // to (pickHint: one with a free slot), and, when the queue policy pushes,
@@ -84,15 +85,15 @@ func (a *Agent) issueTickets(outs []jobs.Input, node string) []jobs.Input {
 // pushedClaims are the claims pushed to this agent for stage st that it
 // may start, by task id. One for a model its engine does not serve (an
 // engine that re-registered without it) is given back at once.
-func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Queue, lease clientv3.LeaseID) map[string]*jobs.Claim {
-	cs := q.Pushed(a.id, lease)
+func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Inbox, lease clientv3.LeaseID) map[string]*jobs.Claim {
+	cs := q.Pushed(lease)
 	if len(cs) == 0 {
 		return nil
 	}
 	out := make(map[string]*jobs.Claim, len(cs))
 	for _, c := range cs {
 		if !a.runner.Serves(st, c.Task.Spec.ModelName()) {
-			a.giveBack(q, c, a.handOverTo(q, c.Task.Spec), "model not served here")
+			a.giveBack(q, c, a.handOverTo(st, c.Task.Spec), "model not served here")
 			continue
 		}
 		out[c.Task.ID] = c
@@ -104,12 +105,12 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Queue, lease clientv3.LeaseI
 // that it has had no slot to start for the steal grace while another
 // worker could start them (routing.QueuePolicy.GiveBack), and interactive
 // ones due for preemption that it has no batch task to give way for
-// (routing.QueuePolicy.Stranded): the stage's preemption serves them from
-// the queue unless a worker is free. Each goes straight to a worker this
-// agent's view shows free (handOverTarget), or else to the queue. It
-// returns when to look again (zero: nothing is waiting).
-func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
-	pushed := q.Pushed(a.id, a.member.Lease())
+// (routing.QueuePolicy.Stranded): their dispatcher pushes them to a worker
+// that can. Each goes straight to a worker gossip shows free
+// (handOverTarget), or else back to its dispatcher. It returns when to
+// look again (zero: nothing is waiting).
+func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
+	pushed := q.Pushed(a.member.Lease())
 	if len(pushed) == 0 {
 		return time.Time{} // the common case: ask nothing of gossip or the running tasks
 	}
@@ -118,7 +119,7 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
 	for _, c := range pushed {
 		stranded, at := a.cfg.Queue.Stranded(candidate(c.Task), now, canPreempt)
 		if stranded {
-			a.giveBack(q, c, a.handOverTo(q, c.Task.Spec), "interactive work this worker cannot make room for")
+			a.giveBack(q, c, a.handOverTo(st, c.Task.Spec), "interactive work this worker cannot make room for")
 			continue
 		}
 		next = earliest(next, at)
@@ -127,7 +128,7 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
 			next = earliest(next, due) // within the grace: nothing to ask yet
 			continue
 		}
-		to, others := a.handOverTarget(q, c.Task.Spec)
+		to, others := a.handOverTarget(st, c.Task.Spec)
 		if a.cfg.Queue.GiveBack(c.StartedAt, now, others) {
 			a.giveBack(q, c, to, "no free slot")
 			continue
@@ -139,30 +140,22 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Queue) (next time.Time) {
 	return next
 }
 
-// handOverTarget chooses the worker of q's stage a pushed claim of a task
+// handOverTarget chooses the worker of stage st a pushed claim of a task
 // for s is handed over to (routing.PickHint): another live worker that
-// takes such work now (gossip: its roles, models and adapters) and, as
-// this agent's view of the stage shows it, holds fewer claims than it has
-// slots. The view shows each claim within milliseconds, where gossip
-// shows a slot free for a round or two after it was taken. to is nil
-// when there is none, or when the queue has a task waiting: a free
-// worker takes the queue's first, so the claim goes back there, in its
-// place (a hand-over would wait behind it on its new worker for another
-// steal grace). others reports whether the stage has another live worker,
-// free or not: the claim goes back to the queue for the first of them to
-// free a slot (routing.QueuePolicy.GiveBack).
-func (a *Agent) handOverTarget(q *jobs.Queue, s engine.Spec) (to *jobs.Push, others bool) {
-	st := q.Stage()
-	if queued, _ := q.Depth(); queued == 0 {
-		node := a.pickWorker(st, s, func(p gossip.Peer) int {
-			if p.Record.ID == a.id {
-				return 0
-			}
-			return viewFree(q, p)
-		})
-		if p, ok := a.member.Peer(node); ok && p.Lease != 0 {
-			return &jobs.Push{Node: node, Lease: p.Lease}, true
+// takes such work now (gossip: its roles, models and adapters) with a
+// free slot (freeSlots). to is nil when there is none. others reports
+// whether the stage has another live worker, free or not: the claim goes
+// back to its dispatcher, which pushes it to the first of them to free a
+// slot (routing.QueuePolicy.GiveBack).
+func (a *Agent) handOverTarget(st jobs.Stage, s engine.Spec) (to *jobs.Push, others bool) {
+	node := a.pickWorker(st, s, func(p gossip.Peer) int {
+		if p.Record.ID == a.id {
+			return 0
 		}
+		return a.freeSlots(p, st)
+	})
+	if p, ok := a.member.Peer(node); ok && p.Lease != 0 {
+		return &jobs.Push{Node: node, Lease: p.Lease}, true
 	}
 	for _, p := range a.member.Peers() {
 		if p.Alive && p.Record.ID != a.id && p.Record.HasRole(string(st)) {
@@ -173,16 +166,16 @@ func (a *Agent) handOverTarget(q *jobs.Queue, s engine.Spec) (to *jobs.Push, oth
 }
 
 // handOverTo is handOverTarget's choice alone.
-func (a *Agent) handOverTo(q *jobs.Queue, s engine.Spec) *jobs.Push {
-	to, _ := a.handOverTarget(q, s)
+func (a *Agent) handOverTo(st jobs.Stage, s engine.Spec) *jobs.Push {
+	to, _ := a.handOverTarget(st, s)
 	return to
 }
 
 // giveBack returns pushed claim c: handed over to worker to (Store.HandOver)
-// when there is one and its lease holds, else to the queue (a requeue);
-// both are fenced by the claim. It marks the claim taken so that it is not
-// given back twice while the view has yet to see it go.
-func (a *Agent) giveBack(q *jobs.Queue, c *jobs.Claim, to *jobs.Push, why string) {
+// when there is one and its lease holds, else to its dispatcher (a
+// requeue); both are fenced by the claim. It marks the claim taken so that
+// it is not given back twice while the inbox has yet to see it go.
+func (a *Agent) giveBack(q *jobs.Inbox, c *jobs.Claim, to *jobs.Push, why string) {
 	ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 	defer cancel()
 	var err error
@@ -213,9 +206,9 @@ func (a *Agent) giveBack(q *jobs.Queue, c *jobs.Claim, to *jobs.Push, why string
 // draining and starts nothing more.
 func (a *Agent) returnAllPushes() {
 	for _, st := range a.cfg.Roles {
-		q := a.queues[st]
-		for _, c := range q.Pushed(a.id, a.member.Lease()) {
-			a.giveBack(q, c, a.handOverTo(q, c.Task.Spec), "draining")
+		q := a.inboxes[st]
+		for _, c := range q.Pushed(a.member.Lease()) {
+			a.giveBack(q, c, a.handOverTo(st, c.Task.Spec), "draining")
 		}
 	}
 }
@@ -263,25 +256,12 @@ func takesWork(p gossip.Peer, st jobs.Stage, model string) bool {
 // says, but late: a busy worker that frees a slot is seen free up to a
 // gossip round or two later (measured: a third of the pushes of
 // back-to-back tiny jobs were lost to it). A peer gossip shows full is
-// looked up in this agent's view of the stage's queue where it has one
-// (an agent of that stage), which shows each claim within milliseconds:
-// its registered slots less the claims it holds (claims held while their
-// commit runs count against it, so the view never shows more room than
-// there is); otherwise in the credits the peer granted this agent when its
-// slot freed (grants.go).
+// looked up in the credits it granted this agent when its slot freed
+// (grants.go).
 func (a *Agent) freeSlots(p gossip.Peer, st jobs.Stage) int {
 	free := int(p.Meta.Free.For(string(st)))
 	if free > 0 || p.Record.ID == a.id { // this node's own meta is exact
 		return free
 	}
-	if q := a.queues[st]; q != nil {
-		return viewFree(q, p)
-	}
 	return a.grants.Free(p.Record.ID, string(st), time.Now())
-}
-
-// viewFree is peer p's free slots of q's stage as the view shows them: its
-// registered slots less the claims it holds.
-func viewFree(q *jobs.Queue, p gossip.Peer) int {
-	return max(0, p.Record.Slots[string(q.Stage())]-q.HeldBy(p.Record.ID))
 }

@@ -34,10 +34,11 @@ var (
 	errMaybeCommitted = errors.New("agent: a commit attempt got no answer")
 )
 
-// worker is the pull loop of one stage: wait for a free credit, claim the
-// best task this node may take, take the credit, run the task in its own
-// goroutine, repeat. It never polls: it sleeps on a freed credit, an etcd
-// watch, or the exact time a held-back task becomes eligible. The credit is
+// worker is the loop of one stage: wait for a free credit, take the best
+// claim pushed to this node (its inbox: by a task's creator or its
+// dispatcher, dispatch.go), take the credit, run the task in its own
+// goroutine, repeat. It never polls: it sleeps on a freed credit, its
+// inbox's watch, or the exact time a held-back task becomes eligible. The credit is
 // taken only once a task is claimed, so an idle agent gossips all its
 // credits as free; this loop is the ledger's only taker, so a credit seen
 // free before the claim is still free after it.
@@ -51,9 +52,9 @@ func (a *Agent) worker(st jobs.Stage) {
 		if credits.Free() == 0 || credits.InUse() >= a.runner.Slots(st) {
 			// No credit, or the engine's slots are taken (none while no
 			// external engine is registered). Claims pushed here meanwhile
-			// wait for a slot, or go back to the queue for a free worker.
-			q := a.queues[st]
-			pushes := q.PushChanged(a.id)
+			// wait for a slot, or go to a free worker or their dispatcher.
+			q := a.inboxes[st]
+			pushes := q.Changed()
 			var due <-chan time.Time
 			timer := (*time.Timer)(nil)
 			if next := a.returnPushes(st, q); !next.IsZero() {
@@ -142,12 +143,12 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			}
 			continue
 		}
-		q := a.queues[st]
-		queueChanged := q.Changed() // before the view is read, so a change in between is not missed
+		q := a.inboxes[st]
+		inboxChanged := q.Changed() // before the inbox is read, so a change in between is not missed
 		if !q.Synced() {
 			hb.Wait()
-			select { // the view's first read is on its way
-			case <-queueChanged:
+			select { // the inbox's first read is on its way
+			case <-inboxChanged:
 			case <-a.pullCtx.Done():
 			}
 			continue
@@ -165,102 +166,47 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			a.waitView(a.fed[down].Changed(), settled, wake)
 			continue
 		}
-		pend := q.Pending()
 		pushed := a.pushedClaims(st, q, lease) // claims made for this agent, to start without a transaction
 		now := time.Now()
 		var wake time.Time
-		byID := make(map[string]jobs.Task, len(pend)+len(pushed))
-		cands := make([]routing.Candidate, 0, len(pend)+len(pushed))
-		for id, c := range pushed {
-			byID[id] = c.Task
+		cands := make([]routing.Candidate, 0, len(pushed))
+		for _, c := range pushed {
+			if c.Task.NotBefore.After(now) {
+				wake = earliest(wake, c.Task.NotBefore)
+				continue
+			}
 			cands = append(cands, candidate(c.Task))
-		}
-		for _, t := range pend {
-			if !a.runner.Serves(st, t.Spec.ModelName()) {
-				continue // a model this node's engine does not serve (or none is registered)
-			}
-			if ok, at := a.takesAdapter(st, t, now); !ok {
-				wake = earliest(wake, at) // a worker with its adapter loaded takes it (adapters.go)
-				continue
-			}
-			if t.NotBefore.After(now) {
-				wake = earliest(wake, t.NotBefore)
-				continue
-			}
-			byID[t.ID] = t
-			cands = append(cands, candidate(t))
 		}
 		ordered, retry := a.cfg.Queue.Order(cands, a.id, now)
 		wake = earliest(wake, retry)
-		tried, noSpace := 0, false
 		fits := a.roomForOutputs()
 		for _, c := range ordered {
-			t := byID[c.ID]
-			if !fits(t) {
+			pc := pushed[c.ID]
+			if !fits(pc.Task) {
 				continue // memory backpressure: its output has nowhere to go yet
 			}
-			if pc := pushed[t.ID]; pc != nil {
-				q.Take(pc)
-				a.metrics.PushedClaim(st, false)
-				a.setBlocked(st, false)
-				return pc, nil
-			}
-			if q.Claimed(t.ID) {
-				continue // claimed since the scan (another worker won the race): skip the refused claim
-			}
-			if a.running.has(t.ID) {
-				// Its work is done here and its credit back, but its commit
-				// is still on its way: its claim went with a lost lease, and
-				// execute takes it back (reclaim) rather than run it again.
-				continue
-			}
-			tried++
-			hb.Wait() // on etcd: a claim sent in an outage is answered when it ends
-			a.metrics.ClaimTxn(st)
-			claim, err := a.store.TryClaim(a.ctx, t, a.id, lease)
-			hb.Beat()
-			if err == nil {
-				a.setBlocked(st, false)
-				return claim, nil
-			}
-			if jobs.IsNoSpace(err) {
-				a.alarms.Observe(err)
-				noSpace = true
-				break
-			}
-			if !errors.Is(err, jobs.ErrTaken) {
-				return nil, err
-			}
-			a.metrics.ClaimConflict(st)
-		}
-		if noSpace {
-			continue // the loop's top waits for the alarm to clear
-		}
-		if tried > 0 {
-			// Others won every race: each winner's claim changed the prefix
-			// this view follows, but until the view has it the tasks still
-			// look unclaimed here, and a scan now would race for them
-			// again (8-10 lost claims a task among six idle workers, not
-			// five). Wait for the view to move, then scan.
-			hb.Wait()
-			a.waitView(queueChanged, engineChanged, wake)
-			continue
+			q.Take(pc)
+			a.metrics.PushedClaim(st, false)
+			a.setBlocked(st, false)
+			return pc, nil
 		}
 		if len(ordered) > 0 {
 			// Tasks wait but none fits: say so in gossip (no free credit)
 			// and look again as memory frees, which gossip and releases
-			// tell, not etcd: within a second.
+			// tell, not etcd: within a second. They go to a worker with
+			// room after the steal grace (returnPushes).
 			a.setBlocked(st, true)
 			wake = earliest(wake, time.Now().Add(time.Second))
+			wake = earliest(wake, a.returnPushes(st, q))
 		}
 		// An engine registering (or going) changes which tasks are ours:
-		// look again then too, not only when etcd's queue moves.
+		// look again then too, not only when the inbox moves.
 		hb.Wait()
-		a.waitView(queueChanged, engineChanged, wake)
+		a.waitView(inboxChanged, engineChanged, wake)
 	}
 }
 
-// waitView sleeps until a queue view changes, other is closed (nil: never),
+// waitView sleeps until a view (an inbox, a ledger) changes, other is closed (nil: never),
 // the deadline passes (zero: none), or the agent stops.
 func (a *Agent) waitView(changed, other <-chan struct{}, deadline time.Time) {
 	var timeout <-chan time.Time
@@ -491,7 +437,13 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 		log.Warn("input lost; restarting job from encode", zap.Error(err))
 		reason := err.Error()
 		a.metrics.Rewound(st, a.rewindReason(c, err))
-		record = func() error { return a.store.Rewind(a.ctx, c, reason) }
+		record = func() error {
+			err := a.store.Rewind(a.ctx, c, reason)
+			if err == nil && c.Next.Key != "" {
+				a.fed[jobs.Encode].Add(c.Next) // this agent dispatches the new encode
+			}
+			return err
+		}
 	case errors.Is(err, errTransient) && tries < a.cfg.TransientRetries:
 		backoff := a.cfg.RetryBackoff << (max(tries, 1) - 1)
 		log.Warn("task failed; will retry", zap.Duration("backoff", backoff), zap.Error(err))
@@ -568,7 +520,7 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, wait
 	}
 	expected := a.expectOutput(c, &out)
 	defer func() {
-		a.committedOutput(expected, c.CommitRev, err, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
+		a.committedOutput(expected, c, err, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
 		if err == nil && counted != nil {
 			counted() // the output is in the ledger now
 		}
@@ -739,13 +691,13 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff, ran *atomic.Bool) (ctx con
 	a.running.add(rt)
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		// A cancel deletes the job's task even while it runs, and this
-		// agent's view of the stage's queue sees that: no watch of its own
-		// per task. The task also leaves the queue when this worker's own
-		// commit deletes it, and the view can hear of that before the
-		// commit's answer arrives: after run that is the commit, and while
-		// run goes on (an early handoff) the job record tells the two apart.
-		gone, forget := a.queues[c.Task.Stage].TaskGone(c.Task.ID)
+		// A cancel deletes the task's claim even while it runs, and this
+		// agent's inbox sees that: no watch of its own per task. The claim
+		// also goes when this worker's own commit deletes it (or its lease
+		// ends), and the inbox can hear of that before the commit's answer
+		// arrives: after run that is the commit, and while run goes on (an
+		// early handoff) the job record tells them apart.
+		gone, forget := a.inboxes[c.Task.Stage].TaskGone(c.Task.ID)
 		defer forget()
 		select {
 		case <-gone:

@@ -81,6 +81,13 @@ type NodeMeta struct {
 	// Models lists the models the node's engine serves, with the stages of
 	// each; empty means the built-in model on every role (older agents).
 	Models []ModelStages `msgpack:"m,omitempty"`
+	// Waiting has a stage's bit (StageBit) set while the node dispatches
+	// tasks of that stage that wait for a worker: a worker of the stage
+	// with a free slot grants it credit.
+	Waiting uint8 `msgpack:"w,omitempty"`
+	// Yields has a stage's bit set while the node runs batch work of that
+	// stage that it would stop for interactive work pushed to it.
+	Yields uint8 `msgpack:"y,omitempty"`
 }
 
 // ModelStages is one model a node serves and on which stages.
@@ -91,6 +98,10 @@ type ModelStages struct {
 	// registered it (0: none): a request that names no steps gets it.
 	DefaultSteps uint16 `msgpack:"d,omitempty"`
 }
+
+// StageBit maps a role to its bit in ModelStages.Stages, NodeMeta.Waiting
+// and NodeMeta.Yields.
+func StageBit(role string) uint8 { return stageBit(role) }
 
 // stageBit maps a role to its bit in ModelStages.Stages.
 func stageBit(role string) uint8 {

@@ -13,6 +13,8 @@ import (
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/cache"
 )
 
 // Claim is a worker's hold on a task.
@@ -26,9 +28,10 @@ type Claim struct {
 	// CommitRev is the etcd revision of the claim's successful commit (or
 	// fail, or rewind): the next stage's task exists from there on.
 	CommitRev int64
-	// NextKey is the key of the next stage's task that commit created
-	// ("" after any other end): its producer counts it until it goes (Fed).
-	NextKey string
+	// Next is the next stage's task that commit created, as written at
+	// CommitRev (zero after any other end): its producer counts and
+	// dispatches it until it goes (Fed).
+	Next Task
 	// JobCreatedAt is the job's submission time as that commit read the
 	// job record (zero before one): end-to-end latency for metrics.
 	JobCreatedAt time.Time
@@ -45,70 +48,117 @@ type Claim struct {
 	Pushed bool
 }
 
-// claimRecord is what a claim key holds, for operators and status pages.
+// claimRecord is what a claim key holds. A claim made for a worker by
+// someone else (a push, an assignment, a hand-over) carries its task, so
+// that the worker's Inbox has all it needs from the one event.
 type claimRecord struct {
 	Task      string    `json:"task"`
 	Job       string    `json:"job"`
 	Node      string    `json:"node"`
 	StartedAt time.Time `json:"started_at"`
-	// Pushed marks a claim made for Node by the task's creator (Push).
+	// Pushed marks a claim made for Node by another node.
 	Pushed bool `json:"pushed,omitempty"`
+	// Of is the task as the claim's transaction wrote it, at TaskKey, for
+	// a pushed claim.
+	Of      *Task  `json:"of,omitempty"`
+	TaskKey string `json:"task_key,omitempty"`
 }
 
-// Push names the worker a task is claimed for as it is created, in the
-// same transaction: the producer's hint, a worker with a free slot, and
-// the etcd lease its claims live on. The claim is that worker's as if it
-// had made it (fenced by its revision, gone with the lease), so nobody
-// races for the task and the worker starts it without a claim
-// transaction of its own: a handoff costs one etcd write (the
-// producer's commit) instead of two. The worker finds it in its Queue view
-// (Queue.Pushed), starts it when it has a slot and it comes first in its
-// queue's order, and gives it back (Requeue) when it cannot start it soon
-// while another worker could.
+// Push names the worker a task is claimed for by someone else: its creator
+// as it creates it (the producer's hint, a worker with a free slot), its
+// dispatcher when it waited (Assign), or its holder when it cannot start
+// it (HandOver), with the etcd lease the worker's claims live on. The
+// claim is that worker's as if it had made it (fenced by its revision,
+// gone with the lease), so nobody races for the task and the worker starts
+// it without a claim transaction of its own: a handoff costs one etcd
+// write (the producer's commit) instead of two. The worker finds it in
+// its Inbox (Inbox.Pushed), starts it when it has a slot and it comes
+// first in its order, and gives it back when it cannot start it soon.
 type Push struct {
 	Node  string
 	Lease clientv3.LeaseID
 }
 
-// pushOps are a push's writes for new task t (Attempt and Hint already
-// set): its claim and progress key on the worker's lease.
-func (s *Store) pushOps(t *Task, p *Push, now time.Time) []clientv3.Op {
-	cr := claimRecord{Task: t.ID, Job: t.JobID, Node: p.Node, StartedAt: now, Pushed: true}
+// claimOps are the writes that claim t (whose fields the claim sets are
+// set: Holder, HolderLease, Attempt, Hint) for t.Holder: its claim key and
+// the job's progress key on the holder's lease, and the task itself.
+func (s *Store) claimOps(t *Task, pushed bool, now time.Time) []clientv3.Op {
+	cr := claimRecord{Task: t.ID, Job: t.JobID, Node: t.Holder, StartedAt: now, Pushed: pushed}
+	if pushed {
+		cr.Of, cr.TaskKey = t, t.Key
+	}
+	lease := clientv3.WithLease(clientv3.LeaseID(t.HolderLease))
 	return []clientv3.Op{
-		clientv3.OpPut(s.claimKey(t), mustJSON(cr), clientv3.WithLease(p.Lease)),
-		clientv3.OpPut(s.progressKey(t.JobID), mustJSON(Progress{Stage: t.Stage, Node: p.Node}), clientv3.WithLease(p.Lease)),
+		clientv3.OpPut(s.heldKey(t), mustJSON(cr), lease),
+		// Progress is advisory and lives on the worker's lease.
+		clientv3.OpPut(s.progressKey(t.JobID), mustJSON(Progress{Stage: t.Stage, Node: t.Holder}), lease),
+		clientv3.OpPut(t.Key, mustJSON(t)),
 	}
 }
 
-// TryClaim claims t for node on lease. It fails with ErrTaken when another
-// worker got there first or the task changed since it was read. It is one
-// transaction whatever the queue's length: the claim key (the fencing
-// token), the task rewritten with its attempt counted (so a stale view's
-// next try fails on its ModRevision), and the job's progress key (who runs
-// it), both on the worker's lease.
+// pushOps are a push's writes for new task t: the task claimed for p on
+// its first attempt.
+func (s *Store) pushOps(t *Task, p *Push, now time.Time) []clientv3.Op {
+	t.Attempt, t.Hint, t.Holder, t.HolderLease = 1, p.Node, p.Node, int64(p.Lease)
+	return s.claimOps(t, true, now)
+}
+
+// unheld compares that t, as read, is the task etcd has and that its last
+// holder's claim, if any, is gone: t waits.
+func (s *Store) unheld(t *Task) []clientv3.Cmp {
+	cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(t.Key), "=", t.Rev)}
+	if k := s.heldKey(t); k != "" {
+		cmps = append(cmps, clientv3.Compare(clientv3.CreateRevision(k), "=", 0))
+	}
+	return cmps
+}
+
+// TryClaim claims waiting task t for node on lease. It fails with ErrTaken
+// when another claim got there first or the task changed since it was
+// read. It is one transaction whatever the queue's length: the claim key
+// (the fencing token), the task rewritten with its attempt counted and
+// its holder (so a stale copy's next try fails on its ModRevision), and
+// the job's progress key.
 func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv3.LeaseID) (*Claim, error) {
+	return s.claim(ctx, t, &Push{Node: node, Lease: lease}, false)
+}
+
+// Assign claims waiting task t for worker to, as its dispatcher does: a
+// pushed claim (Push) made after the task was created. ErrTaken as for
+// TryClaim; an error for which cache.LeaseGone holds means to's lease
+// ended.
+func (s *Store) Assign(ctx context.Context, t Task, to *Push) (*Claim, error) {
+	c, err := s.claim(ctx, t, to, true)
+	if err == nil {
+		c.Pushed = true
+	}
+	return c, err
+}
+
+// claim claims t for to (pushed: made by another node).
+func (s *Store) claim(ctx context.Context, t Task, to *Push, pushed bool) (*Claim, error) {
 	now := s.cfg.Now()
-	ck := s.claimKey(&t)
-	cr := claimRecord{Task: t.ID, Job: t.JobID, Node: node, StartedAt: now}
 	claimed := t
 	claimed.Attempt++
-	p := Progress{Stage: t.Stage, Node: node}
-	resp, err := s.cli.Txn(ctx).
-		If(clientv3.Compare(clientv3.ModRevision(t.Key), "=", t.Rev),
-			clientv3.Compare(clientv3.CreateRevision(ck), "=", 0)).
-		Then(clientv3.OpPut(ck, mustJSON(cr), clientv3.WithLease(lease)),
-			clientv3.OpPut(t.Key, mustJSON(claimed)),
-			// Progress is advisory and lives on the worker's lease.
-			clientv3.OpPut(s.progressKey(t.JobID), mustJSON(p), clientv3.WithLease(lease)),
+	claimed.Holder, claimed.HolderLease = to.Node, int64(to.Lease)
+	if pushed {
+		claimed.Hint = to.Node
+	}
+	ck := s.heldKey(&claimed)
+	resp, err := s.cli.Txn(ctx).If(s.unheld(&t)...).
+		Then(append(s.claimOps(&claimed, pushed, now),
 			// The job record, for the commit (Claim.job).
-			clientv3.OpGet(s.jobKey(t.JobID))).
+			clientv3.OpGet(s.jobKey(t.JobID)))...).
 		Commit()
 	if err != nil {
+		if cache.LeaseGone(err) {
+			return nil, fmt.Errorf("jobs: claim %s for %s: %w", t.ID, to.Node, err)
+		}
 		// The transaction may have committed even though we got an error:
-		// remove a claim of ours so the task does not sit claimed by nobody.
+		// remove the claim so the task does not sit claimed by nobody.
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer cancel()
-		if _, cerr := s.cli.Txn(cctx).If(clientv3.Compare(clientv3.LeaseValue(ck), "=", int64(lease))).
+		if _, cerr := s.cli.Txn(cctx).If(clientv3.Compare(clientv3.LeaseValue(ck), "=", int64(to.Lease))).
 			Then(clientv3.OpDelete(ck)).Commit(); cerr != nil {
 			s.log.Warn("claim may be left until the lease ends", zap.String("task", t.ID), zap.Error(cerr))
 		}
@@ -118,7 +168,7 @@ func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv
 		return nil, ErrTaken
 	}
 	claimed.Rev = resp.Header.Revision
-	c := &Claim{Task: claimed, Node: node, Lease: lease, Rev: resp.Header.Revision, StartedAt: now, ClaimedAt: s.cfg.Now()}
+	c := &Claim{Task: claimed, Node: to.Node, Lease: to.Lease, Rev: resp.Header.Revision, StartedAt: now, ClaimedAt: s.cfg.Now()}
 	if kvs := resp.Responses[3].GetResponseRange().GetKvs(); len(kvs) == 1 {
 		c.job, c.jobRev = kvs[0].Value, kvs[0].ModRevision
 	}
@@ -132,43 +182,30 @@ func (s *Store) TryClaim(ctx context.Context, t Task, node string, lease clientv
 // still c's; Abandon, Commit and Cancel change or delete it too) and
 // nobody holds a claim on it now: the output is still wanted, and no other
 // worker ran or runs the task. The claim continues c's attempt (Attempt is
-// not counted up), since the work was done once. It fails with ErrTaken
-// otherwise. A retry after an attempt that got no answer finds that
-// attempt's claim, on lease, and returns it.
+// not counted up), since the work was done once; the task is rewritten
+// with the new lease, so its dispatcher sees it held again. It fails with
+// ErrTaken otherwise.
 func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (*Claim, error) {
-	ck := s.claimKey(&c.Task)
-	cr := claimRecord{Task: c.Task.ID, Job: c.Task.JobID, Node: c.Node, StartedAt: c.StartedAt}
-	resp, err := s.cli.Txn(ctx).
-		If(clientv3.Compare(clientv3.ModRevision(c.Task.Key), "=", c.Task.Rev),
-			clientv3.Compare(clientv3.CreateRevision(ck), "=", 0)).
-		Then(clientv3.OpPut(ck, mustJSON(cr), clientv3.WithLease(lease))).
-		Else(clientv3.OpGet(ck), clientv3.OpGet(c.Task.Key, clientv3.WithKeysOnly())).
-		Commit()
+	t := c.Task
+	t.HolderLease = int64(lease)
+	resp, err := s.cli.Txn(ctx).If(s.unheld(&c.Task)...).Then(s.claimOps(&t, false, c.StartedAt)...).Commit()
 	if err != nil {
 		return nil, fmt.Errorf("jobs: reclaim %s: %w", c.Task.ID, err)
 	}
+	if !resp.Succeeded {
+		return nil, ErrTaken
+	}
 	n := *c
-	n.Lease = lease
-	if resp.Succeeded {
-		n.Rev = resp.Header.Revision
-		return &n, nil
-	}
-	claims, tasks := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
-	if len(claims) == 1 && claims[0].Lease == int64(lease) && len(tasks) == 1 && tasks[0].ModRevision == c.Task.Rev {
-		n.Rev = claims[0].ModRevision // ours, from an attempt whose answer was lost
-		return &n, nil
-	}
-	return nil, ErrTaken
+	n.Lease, n.Rev, n.Task = lease, resp.Header.Revision, t
+	n.Task.Rev = resp.Header.Revision
+	return &n, nil
 }
 
 // fenced are the conditions every write by a claim holder carries: the
 // claim key is as the claim wrote it (its ModRevision) and on its lease.
-// A claim key is written once, when the claim is made, except by a
-// hand-over (HandOver), which rewrites it for another worker in place
-// (etcd refuses a transaction that deletes and puts one key) and so gives
-// that worker a token of its own.
+// A claim key is written once, when the claim is made.
 func (s *Store) fenced(c *Claim) []clientv3.Cmp {
-	ck := s.claimKey(&c.Task)
+	ck := s.ownKey(c)
 	return []clientv3.Cmp{
 		clientv3.Compare(clientv3.ModRevision(ck), "=", c.Rev),
 		clientv3.Compare(clientv3.LeaseValue(ck), "=", int64(c.Lease)),
@@ -181,7 +218,7 @@ func (s *Store) fenced(c *Claim) []clientv3.Cmp {
 // cancelled or its lease changed.
 func (s *Store) Drop(ctx context.Context, c *Claim) error {
 	_, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(
-		clientv3.OpDelete(s.claimKey(&c.Task)),
+		clientv3.OpDelete(s.ownKey(c)),
 		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
 		clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()),
 	).Commit()
@@ -229,13 +266,15 @@ func (s *Store) requeue(ctx context.Context, c *Claim, preempted time.Time) erro
 	return s.giveBack(ctx, c, t)
 }
 
-// giveBack writes t back unclaimed in place of c's task.
+// giveBack writes t back unclaimed in place of c's task: its dispatcher
+// sees it wait again.
 func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
+	t.Holder, t.HolderLease = "", 0
 	// The task must be the one we claimed: a Cancel that deleted it must not
 	// be undone by writing it back.
 	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.Task.Rev))
 	resp, err := s.cli.Txn(ctx).If(cmps...).
-		Then(clientv3.OpPut(t.Key, mustJSON(t)), clientv3.OpDelete(s.claimKey(&c.Task)), clientv3.OpDelete(s.progressKey(t.JobID))).
+		Then(clientv3.OpPut(t.Key, mustJSON(t)), clientv3.OpDelete(s.ownKey(c)), clientv3.OpDelete(s.progressKey(t.JobID))).
 		Commit()
 	if err != nil {
 		return fmt.Errorf("jobs: abandon %s: %w", t.ID, err)
@@ -247,12 +286,10 @@ func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
 }
 
 // HandOver passes pushed claim c, which its worker has not started, to
-// worker to: one fenced transaction rewrites the claim key for to, on its
-// lease (a token of its own, see fenced), with the task hinted to it and
-// the job's progress key on its lease. It is a give-back that skips the
-// queue: a task requeued after its steal grace is raced for by every idle
-// worker of the stage, and on a large pool all but one of those claims
-// lose. The task keeps its attempt and requeue counts: it has not run.
+// worker to: one fenced transaction deletes c's claim key and claims the
+// task for to, on its lease, with the task hinted to it and the job's
+// progress key on its lease. It is a give-back that skips the dispatcher.
+// The task keeps its attempt and requeue counts: it has not run.
 // The tickets its producer issued with the push are dropped: they name
 // the worker it was pushed to, and the new one asks for its own.
 // ErrFenced means the claim is no longer c's or the task changed (a
@@ -260,13 +297,13 @@ func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
 // lease ended: requeue instead.
 func (s *Store) HandOver(ctx context.Context, c *Claim, to *Push) error {
 	t := c.Task
-	t.Hint = to.Node
+	t.Hint, t.Holder, t.HolderLease = to.Node, to.Node, int64(to.Lease)
 	t.Inputs = slices.Clone(t.Inputs)
 	for i := range t.Inputs {
 		t.Inputs[i].Ticket = nil
 	}
 	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.Task.Rev))
-	ops := append([]clientv3.Op{clientv3.OpPut(t.Key, mustJSON(t))}, s.pushOps(&t, to, s.cfg.Now())...)
+	ops := append([]clientv3.Op{clientv3.OpDelete(s.ownKey(c))}, s.claimOps(&t, true, s.cfg.Now())...)
 	resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
 	if err != nil {
 		return fmt.Errorf("jobs: hand %s over to %s: %w", t.ID, to.Node, err)
@@ -276,3 +313,6 @@ func (s *Store) HandOver(ctx context.Context, c *Claim, to *Push) error {
 	}
 	return nil
 }
+
+// ownKey is the key of claim c.
+func (s *Store) ownKey(c *Claim) string { return s.claimKey(c.Task.Stage, c.Node, c.Task.ID) }

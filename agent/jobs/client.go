@@ -23,16 +23,23 @@ import (
 // encode, or its denoise when Options.Cond brings the conditioning from the
 // cache. The job is durable once Submit returns.
 func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job, error) {
+	j, _, err := s.SubmitTask(ctx, spec, opt)
+	return j, err
+}
+
+// SubmitTask is Submit, returning the first task as written too: its
+// dispatcher (Options.Dispatcher) follows it (Fed.Add).
+func (s *Store) SubmitTask(ctx context.Context, spec engine.Spec, opt Options) (Job, Task, error) {
 	class := opt.Class
 	if !class.Valid() {
-		return Job{}, fmt.Errorf("jobs: invalid class %d", class)
+		return Job{}, Task{}, fmt.Errorf("jobs: invalid class %d", class)
 	}
 	if _, err := ParseTransferMode(string(opt.Transfer)); err != nil {
-		return Job{}, err
+		return Job{}, Task{}, err
 	}
 	now := s.cfg.Now()
 	if err := opt.Checkpointing.Check(spec.Steps); err != nil {
-		return Job{}, fmt.Errorf("jobs: %w", err)
+		return Job{}, Task{}, fmt.Errorf("jobs: %w", err)
 	}
 	first, stages := Encode, map[Stage]*StageRecord{}
 	if len(opt.Cond) > 0 {
@@ -40,7 +47,7 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 		// record that says where it came from.
 		for _, in := range opt.Cond {
 			if !in.Cached || !in.Store || in.Payload == "" {
-				return Job{}, fmt.Errorf("jobs: conditioning input %q is not a cache entry", in.Payload)
+				return Job{}, Task{}, fmt.Errorf("jobs: conditioning input %q is not a cache entry", in.Payload)
 			}
 		}
 		first = Denoise
@@ -50,10 +57,10 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 	if jobID == "" {
 		jobID = newID()
 	} else if err := validJobID(jobID); err != nil {
-		return Job{}, err
+		return Job{}, Task{}, err
 	}
 	t := Task{ID: newID(), JobID: jobID, Stage: first, Class: class, Transfer: opt.Transfer, Deadline: opt.Deadline, Spec: spec, EnqueuedAt: now,
-		Inputs: opt.Cond, Checkpointing: opt.Checkpointing, Fork: opt.Fork}
+		Inputs: opt.Cond, Checkpointing: opt.Checkpointing, Fork: opt.Fork, Dispatcher: opt.Dispatcher}
 	t.Key = s.taskKey(&t)
 	push := opt.Push
 	rec := record{
@@ -64,16 +71,17 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 		},
 		TaskKey: t.Key,
 	}
+	var written Task
 	for renewals := 0; ; renewals++ {
 		task, ops := t, []clientv3.Op{clientv3.OpPut(s.jobKey(t.JobID), mustJSON(rec))}
 		for _, r := range opt.Records {
 			ops = append(ops, r.Op())
 		}
 		if push != nil {
-			task.Attempt, task.Hint = 1, push.Node
 			ops = append(ops, s.pushOps(&task, push, now)...)
+		} else {
+			ops = append(ops, clientv3.OpPut(t.Key, mustJSON(task)))
 		}
-		ops = append(ops, clientv3.OpPut(t.Key, mustJSON(task)))
 		resp, err := s.cli.Txn(ctx).
 			If(clientv3.Compare(clientv3.CreateRevision(s.jobKey(t.JobID)), "=", 0)).
 			Then(ops...).
@@ -84,20 +92,22 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 		}
 		if len(opt.Records) > 0 && cache.LeaseGone(err) && renewals < leaseRenewals {
 			if rerr := s.renewLeases(ctx, 0, opt.Records); rerr != nil {
-				return Job{}, fmt.Errorf("jobs: submit: %w", rerr)
+				return Job{}, Task{}, fmt.Errorf("jobs: submit: %w", rerr)
 			}
 			continue
 		}
 		if err != nil {
-			return Job{}, fmt.Errorf("jobs: submit: %w", err)
+			return Job{}, Task{}, fmt.Errorf("jobs: submit: %w", err)
 		}
 		if !resp.Succeeded {
-			return Job{}, fmt.Errorf("jobs: submit: job id %s collided", t.JobID)
+			return Job{}, Task{}, fmt.Errorf("jobs: submit: job id %s collided", t.JobID)
 		}
+		written = task
+		written.Rev = resp.Header.Revision
 		break
 	}
 	s.log.Debug("submitted", zap.String("job", t.JobID), zap.Stringer("class", class))
-	return rec.Job, nil
+	return rec.Job, written, nil
 }
 
 // Get returns a job with the running stage's progress.
@@ -264,7 +274,9 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 				// The claim goes too: a worker running the task is fenced
 				// off, and one it was pushed to that had not started it
 				// would otherwise keep the claim as long as its lease.
-				ops = append(ops, clientv3.OpDelete(s.claimKey(&t)))
+				if k := s.heldKey(&t); k != "" {
+					ops = append(ops, clientv3.OpDelete(k))
+				}
 				ops = append(ops, s.releaseOps(t.Inputs)...)
 			case !errors.Is(err, ErrNotFound):
 				// Without the task we cannot release its inputs: do not cancel half-way.
@@ -311,21 +323,25 @@ func (s *Store) readTask(ctx context.Context, key string) (Task, error) {
 	return t, nil
 }
 
-// Pending reads the unclaimed tasks of a stage, every one of them, and the
-// etcd revision they were read at. Workers do not call it: they scan a
-// Queue view.
+// Pending reads the waiting tasks of a stage, every one of them (those no
+// live claim guards), and the etcd revision they were read at. Workers do
+// not call it: tasks come to them (Inbox); tools and tests do.
 func (s *Store) Pending(ctx context.Context, stage Stage) ([]Task, int64, error) {
-	tasks, claims, rev, err := s.readQueue(ctx, stage)
+	tasks, rev, err := s.readQueue(ctx, stage)
 	if err != nil {
 		return nil, 0, err
 	}
-	claimed := make(map[string]bool, len(claims))
-	for _, kv := range claims {
-		claimed[strings.TrimPrefix(string(kv.Key), s.claimPrefix(stage))] = true
+	resp, err := s.cli.Get(ctx, s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithKeysOnly(), clientv3.WithRev(rev))
+	if err != nil {
+		return nil, 0, fmt.Errorf("jobs: read %s claims: %w", stage, err)
+	}
+	claimed := make(map[string]bool, len(resp.Kvs))
+	for _, kv := range resp.Kvs {
+		claimed[string(kv.Key)] = true
 	}
 	out := tasks[:0]
 	for _, t := range tasks {
-		if !claimed[t.ID] {
+		if k := s.heldKey(&t); k == "" || !claimed[k] {
 			out = append(out, t)
 		}
 	}

@@ -45,7 +45,7 @@ type Output struct {
 	// Next, when set (Store.NextTask), is the next stage's task's
 	// identity, fixed before the commit so that its producer can follow
 	// the task from before it exists (Fed.Expect), and the same in every
-	// attempt. Unset, each attempt makes one up; Claim.NextKey says which
+	// attempt. Unset, each attempt makes one up; Claim.Next says which
 	// key the commit wrote.
 	Next NextTask
 }
@@ -103,7 +103,7 @@ func (s *Store) renewLeases(ctx context.Context, lease clientv3.LeaseID, records
 func (s *Store) finishOps(c *Claim) []clientv3.Op {
 	ops := []clientv3.Op{
 		clientv3.OpDelete(c.Task.Key),
-		clientv3.OpDelete(s.claimKey(&c.Task)),
+		clientv3.OpDelete(s.ownKey(c)),
 		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
 	}
 	if _, last := c.Task.Stage.Next(); last {
@@ -160,7 +160,7 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 		ops = putsReplaceDeletes(ops)
 		cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(s.jobKey(rec.ID)), "=", rev))
 		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).
-			Else(clientv3.OpGet(s.claimKey(&c.Task)), clientv3.OpGet(s.jobKey(rec.ID))).Commit()
+			Else(clientv3.OpGet(s.ownKey(c)), clientv3.OpGet(s.jobKey(rec.ID))).Commit()
 		if cache.LeaseGone(err) && leaseGone != nil && leaseGone() {
 			continue // (rare) the record is read again, since mutate edited this copy
 		}
@@ -248,15 +248,16 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) (err error) {
 		push = nil // the worker's lease ended: queue the task for anyone
 		return true
 	}
-	var nextKey string
+	var nextTask Task
 	defer func() {
-		if err == nil {
-			c.NextKey = nextKey
+		if err == nil && nextTask.Key != "" {
+			c.Next = nextTask
+			c.Next.Rev = c.CommitRev
 		}
 	}()
 	return s.update(ctx, c, "commit", out.Records, dropPush, func(rec *record) ([]clientv3.Op, error) {
 		now := s.cfg.Now()
-		nextKey = ""
+		nextTask = Task{}
 		if rec.Stages == nil {
 			rec.Stages = map[Stage]*StageRecord{}
 		}
@@ -284,24 +285,25 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) (err error) {
 		t := Task{
 			ID: newID(), JobID: rec.ID, Stage: next, Class: rec.Class, Transfer: rec.Transfer, Deadline: rec.Deadline, Spec: rec.Spec,
 			Inputs: out.Payloads, Hint: out.Hint, EnqueuedAt: now,
-			Checkpointing: rec.Checkpointing, Fork: rec.Fork, Rewinds: rec.Rewinds,
+			Checkpointing: rec.Checkpointing, Fork: rec.Fork, Rewinds: rec.Rewinds, Dispatcher: c.Node,
 		}
 		if out.Next.ID != "" {
 			t.ID, t.EnqueuedAt = out.Next.ID, out.Next.EnqueuedAt
 		}
 		t.Key = s.taskKey(&t)
-		nextKey = t.Key
-		if push != nil {
-			t.Attempt, t.Hint = 1, push.Node
-			ops = append(ops, s.pushOps(&t, push, now)...)
-		}
 		for _, p := range out.Payloads {
 			if !p.Store {
 				ops = append(ops, clientv3.OpPut(s.payloadKey(p.Node, p.Payload), mustJSON(PayloadRecord{Input: p, Job: rec.ID, Stage: c.Task.Stage})))
 			}
 		}
 		rec.State, rec.Stage, rec.TaskKey = Running, next, t.Key
-		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil
+		if push != nil {
+			ops = append(ops, s.pushOps(&t, push, now)...)
+		} else {
+			ops = append(ops, clientv3.OpPut(t.Key, mustJSON(t)))
+		}
+		nextTask = t
+		return ops, nil
 	})
 }
 
@@ -319,8 +321,11 @@ func (s *Store) Fail(ctx context.Context, c *Claim, code, msg string) error {
 // Rewind restarts the job from its first stage because an input payload was
 // lost with its producer. The engine is deterministic, so the output is the
 // same. After MaxRewinds the job fails instead.
+// The new encode task is c.Next: its dispatcher is c's node.
 func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
-	return s.update(ctx, c, "rewind", nil, nil, func(rec *record) ([]clientv3.Op, error) {
+	var next Task
+	err := s.update(ctx, c, "rewind", nil, nil, func(rec *record) ([]clientv3.Op, error) {
+		next = Task{}
 		ops := s.releaseOps(c.Task.Inputs)
 		if rec.Rewinds >= s.cfg.MaxRewinds {
 			ops = append(ops, s.releaseCheckpointsOps(rec)...)
@@ -333,11 +338,17 @@ func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
 		// Checkpoints stay: the same conditioning is encoded again (the
 		// engine is deterministic), so the denoise resumes from them.
 		t := Task{ID: newID(), JobID: rec.ID, Stage: Encode, Class: rec.Class, Transfer: rec.Transfer, Deadline: rec.Deadline, Spec: rec.Spec, EnqueuedAt: s.cfg.Now(),
-			Checkpointing: rec.Checkpointing, Fork: rec.Fork, Rewinds: rec.Rewinds}
+			Checkpointing: rec.Checkpointing, Fork: rec.Fork, Rewinds: rec.Rewinds, Dispatcher: c.Node}
 		t.Key = s.taskKey(&t)
 		rec.Stage, rec.TaskKey = Encode, t.Key
+		next = t
 		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil
 	})
+	if err == nil && next.Key != "" {
+		c.Next = next
+		c.Next.Rev = c.CommitRev
+	}
+	return err
 }
 
 func millis(d time.Duration) float64 { return float64(max(d, 0).Microseconds()) / 1000 }

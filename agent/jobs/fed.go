@@ -2,28 +2,41 @@ package jobs
 
 import (
 	"context"
+	"encoding/json"
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
+
+	"github.com/latentmesh/latentmesh/routing"
 )
 
-// Fed is a producer's ledger of the tasks its commits created in the next
-// stage that are not gone yet (their stage committed, or the job was
-// cancelled, failed or rewound): its share of that stage's backlog, which
-// admission bounds (routing.Admission). Each task is followed by a watch
-// of its one key, which sees its deletion and nothing else: one event, to
-// its producer. A producer used to follow the whole next queue to count
-// them, so every change of the decode queue reached every denoise agent.
+// Fed is a dispatcher's ledger of the tasks of one stage it dispatches
+// (Task.Dispatcher: those its commits, submissions or rewinds created, and
+// those it adopted) that are not gone yet (their stage committed, or the
+// job was cancelled, failed or rewound). It is two things:
+//   - the producer's share of that stage's backlog, which admission bounds
+//     (routing.Admission). The count may run ahead of etcd (a deletion is
+//     counted once its event arrives), never behind it: a task is added
+//     when the commit that created it answers, before the commit stops
+//     counting as in flight;
+//   - the tasks that wait for a worker (Waiting): created with no worker
+//     free, given back, or held by a claim whose lease ended. Nobody else
+//     follows them: the dispatcher hands each to a worker (Store.Assign)
+//     when one has a slot, and a free worker finds them by granting its
+//     credit to the dispatchers gossip shows waiting.
 //
-// The count may run ahead of etcd (a deletion is counted once its event
-// arrives), never behind it: a task is added when the commit that created
-// it answers, before the commit stops counting as in flight.
+// Each task is followed by a watch of its one key: its rewrites (a
+// give-back, an adoption by another node) and its deletion reach its
+// dispatcher and nobody else. A stage used to be followed whole by every
+// worker of it, so every change of the denoise queue reached every
+// denoise agent.
 //
-// The same event returns a credit: a task pushed to a worker is gone once
+// The deletion returns a credit: a task pushed to a worker is gone once
 // that worker committed it (or the job ended), so its slot is free, and
-// the producer learns it as soon as any grant the worker could send.
+// the dispatcher learns it as soon as any grant the worker could send.
 type Fed struct {
 	s        *Store
 	ctx      context.Context // the watches end with it
@@ -35,7 +48,7 @@ type Fed struct {
 
 	mu sync.Mutex
 	// mu guards the fields below.
-	live    map[string]followed // by task key
+	live    map[string]*followed // by task key
 	closed  bool                // Run is waiting for the watches: start no more
 	synced  bool                // the tasks fed before this process started are read
 	seen    int64               // see Seen
@@ -45,7 +58,11 @@ type Fed struct {
 // followed is a task the ledger follows.
 type followed struct {
 	stop     context.CancelFunc // ends its watch
-	pushedTo string             // the worker its claim was pushed to ("": none, or not known)
+	pushedTo string             // the worker this node pushed its claim to ("": none, or not known)
+	// task is the task as last written, as far as the ledger knows: its Key
+	// always, its content (ID set) once a write of it has been seen or
+	// read, and its Holder and HolderLease from the push that created it.
+	task Task
 }
 
 // NewFed returns the ledger of node's tasks in stage, whose watches end
@@ -53,7 +70,7 @@ type followed struct {
 // none) is called, outside the ledger's lock, with the worker a task was
 // pushed to once that task is gone.
 func (s *Store) NewFed(ctx context.Context, stage Stage, node string, consumed func(worker string)) *Fed {
-	return &Fed{s: s, ctx: ctx, stage: stage, node: node, consumed: consumed, log: s.log.With(zap.String("fed", string(stage))), live: map[string]followed{}, changed: make(chan struct{})}
+	return &Fed{s: s, ctx: ctx, stage: stage, node: node, consumed: consumed, log: s.log.With(zap.String("fed", string(stage))), live: map[string]*followed{}, changed: make(chan struct{})}
 }
 
 // Run reads, once, the tasks of the stage that node fed before this process
@@ -68,7 +85,7 @@ func (f *Fed) Run() {
 	}()
 	backoff := 50 * time.Millisecond
 	for f.ctx.Err() == nil {
-		tasks, _, rev, err := f.s.readQueue(f.ctx, f.stage)
+		tasks, rev, err := f.s.readQueue(f.ctx, f.stage)
 		if err != nil {
 			f.log.Warn("reading the tasks this node fed failed; retrying", zap.Duration("backoff", backoff), zap.Error(err))
 			sleepCtx(f.ctx, backoff)
@@ -77,8 +94,8 @@ func (f *Fed) Run() {
 		}
 		f.mu.Lock()
 		for _, t := range tasks {
-			if t.Producer() == f.node {
-				f.addLocked(t.Key, rev, "")
+			if f.dispatches(&t) {
+				f.addLocked(t, rev, "")
 			}
 		}
 		f.synced = true
@@ -90,26 +107,36 @@ func (f *Fed) Run() {
 	<-f.ctx.Done()
 }
 
-// add counts the task at key, created by this node's commit at revision
-// rev (0: a commit with no answer may have created it; it is counted if
-// etcd has it) and pushed to pushedTo, until it goes. The agent adds
-// through Expect; a watch Expect could not make falls back to this.
-func (f *Fed) add(key string, rev int64, pushedTo string) {
+// dispatches reports whether t is this ledger's (a task written before
+// Task.Dispatcher existed goes by its producer).
+func (f *Fed) dispatches(t *Task) bool {
+	return t.Dispatcher == f.node || (t.Dispatcher == "" && t.Producer() == f.node)
+}
+
+// Add follows task t, written at revision t.Rev, until it goes: a task
+// this node submitted or adopted.
+func (f *Fed) Add(t Task) { f.add(t, t.Rev, "") }
+
+// add counts task t (its Key at least), which existed at revision rev (0:
+// a commit with no answer may have created it; it is counted if etcd has
+// it) and was pushed to pushedTo, until it goes. The agent adds through
+// Expect; a watch Expect could not make falls back to this.
+func (f *Fed) add(t Task, rev int64, pushedTo string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.seen = max(f.seen, rev)
-	f.addLocked(key, rev, pushedTo)
+	f.addLocked(t, rev, pushedTo)
 }
 
-// addLocked follows the task at key, which existed at revision rev (0:
-// not known to exist) and was pushed to pushedTo.
-func (f *Fed) addLocked(key string, rev int64, pushedTo string) {
-	if _, ok := f.live[key]; ok || f.closed {
+// addLocked follows task t, which existed at revision rev (0: not known
+// to exist) and was pushed to pushedTo.
+func (f *Fed) addLocked(t Task, rev int64, pushedTo string) {
+	if _, ok := f.live[t.Key]; ok || f.closed {
 		return
 	}
 	ctx, cancel := context.WithCancel(f.ctx)
-	f.live[key] = followed{stop: cancel, pushedTo: pushedTo}
-	f.wg.Go(func() { f.follow(ctx, key, rev) })
+	f.live[t.Key] = &followed{stop: cancel, pushedTo: pushedTo, task: t}
+	f.wg.Go(func() { f.follow(ctx, t.Key, rev) })
 }
 
 // Count is how many of the tasks this node fed are not gone, and Synced
@@ -143,9 +170,10 @@ func (f *Fed) notifyLocked() {
 	f.changed = make(chan struct{})
 }
 
-// gone forgets the task at key, deleted by revision rev, and returns the
-// credit of the worker it was pushed to.
-func (f *Fed) gone(key string, rev int64) {
+// gone forgets the task at key, deleted (or adopted by another node) by
+// revision rev, and returns the credit of the worker this node pushed it
+// to.
+func (f *Fed) gone(key string, rev int64, credit bool) {
 	f.mu.Lock()
 	t, ok := f.live[key]
 	if ok {
@@ -155,8 +183,92 @@ func (f *Fed) gone(key string, rev int64) {
 		f.notifyLocked()
 	}
 	f.mu.Unlock()
-	if ok && t.pushedTo != "" && f.consumed != nil {
+	if ok && credit && t.pushedTo != "" && f.consumed != nil {
 		f.consumed(t.pushedTo)
+	}
+}
+
+// rewritten takes a new write of the task at key: a claim, a give-back, or
+// an adoption by another node, which ends this ledger's part.
+func (f *Fed) rewritten(key string, kv *mvccpb.KeyValue) {
+	var t Task
+	if err := json.Unmarshal(kv.Value, &t); err != nil || t.ID == "" {
+		f.log.Warn("undecodable task", zap.String("key", key), zap.Error(err))
+		return
+	}
+	t.Key, t.Rev = key, kv.ModRevision
+	if !f.dispatches(&t) {
+		f.gone(key, kv.ModRevision, false)
+		return
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if e, ok := f.live[key]; ok && e.task.Rev <= t.Rev {
+		e.task = t
+		f.notifyLocked()
+	}
+}
+
+// Waiting returns the tasks of the ledger that wait for a worker: held by
+// no claim, or by one whose holder live no longer shows on that lease
+// (its claim key went with it; Store.Assign checks). A task whose content
+// the ledger has not seen (created with no answer, or by a push whose
+// holder then went) is read once.
+func (f *Fed) Waiting(ctx context.Context, live func(node string, lease int64) bool) []Task {
+	var out []Task
+	var unknown []string
+	f.mu.Lock()
+	for key, e := range f.live {
+		t := e.task
+		if t.Holder != "" && live(t.Holder, t.HolderLease) {
+			continue
+		}
+		if t.ID == "" {
+			unknown = append(unknown, key)
+			continue
+		}
+		out = append(out, t)
+	}
+	f.mu.Unlock()
+	for _, key := range unknown {
+		t, err := f.s.readTask(ctx, key)
+		if err != nil {
+			continue // gone (its watch says so soon), or etcd failed: the next look tries again
+		}
+		f.mu.Lock()
+		if e, ok := f.live[key]; ok && e.task.Rev <= t.Rev {
+			e.task = t
+		}
+		f.mu.Unlock()
+		if t.Holder == "" || !live(t.Holder, t.HolderLease) {
+			out = append(out, t)
+		}
+	}
+	return out
+}
+
+// WaitingByClass counts the tasks Waiting would return, by class, at no
+// etcd read (a task whose content the ledger has not seen counts as its
+// zero class).
+func (f *Fed) WaitingByClass(live func(node string, lease int64) bool) map[routing.Class]int {
+	out := map[routing.Class]int{}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, e := range f.live {
+		if e.task.Holder == "" || !live(e.task.Holder, e.task.HolderLease) {
+			out[e.task.Class]++
+		}
+	}
+	return out
+}
+
+// Assigned records that this node claimed t for worker (Store.Assign, at
+// revision t.Rev): its credit comes back when t goes.
+func (f *Fed) Assigned(t Task, worker string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if e, ok := f.live[t.Key]; ok && e.task.Rev <= t.Rev {
+		e.task, e.pushedTo = t, worker
 	}
 }
 
@@ -167,22 +279,25 @@ func (f *Fed) gone(key string, rev int64) {
 // done within that time held its producer's admission that long (bench
 // api, 64 clients: 213-225 jobs/s against 363-370 with the view).
 type Expected struct {
-	f        *Fed
-	key      string
-	pushedTo string
-	ctx      context.Context
-	cancel   context.CancelFunc
-	made     chan struct{} // closed once wch is set
-	wch      clientv3.WatchChan
+	f      *Fed
+	task   Task   // the task the commit writes: its Key, and its holder if pushed
+	pushed string // the worker its claim is pushed to ("": none)
+	ctx    context.Context
+	cancel context.CancelFunc
+	made   chan struct{} // closed once wch is set
+	wch    clientv3.WatchChan
 }
 
 // Expect asks etcd to watch key, the key of the task a commit is about to
-// create, its claim pushed to pushedTo ("": none); it waits for nothing
+// create, its claim pushed to push (nil: none); it waits for nothing
 // (Created does): the client's Watch call itself can wait as long as etcd
 // is silent.
-func (f *Fed) Expect(key, pushedTo string) *Expected {
+func (f *Fed) Expect(key string, push *Push) *Expected {
 	ctx, cancel := context.WithCancel(f.ctx)
-	e := &Expected{f: f, key: key, pushedTo: pushedTo, ctx: ctx, cancel: cancel, made: make(chan struct{})}
+	e := &Expected{f: f, task: Task{Key: key}, ctx: ctx, cancel: cancel, made: make(chan struct{})}
+	if push != nil {
+		e.pushed, e.task.Holder, e.task.HolderLease = push.Node, push.Node, int64(push.Lease)
+	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if f.closed {
@@ -190,19 +305,22 @@ func (f *Fed) Expect(key, pushedTo string) *Expected {
 		return e
 	}
 	f.wg.Go(func() {
-		e.wch = f.s.cli.Watch(clientv3.WithRequireLeader(ctx), key, clientv3.WithFilterPut(), clientv3.WithCreatedNotify())
+		e.wch = f.s.cli.Watch(clientv3.WithRequireLeader(ctx), key, clientv3.WithCreatedNotify())
 		close(e.made)
 	})
 	return e
 }
 
-// Created counts the task, which the commit created at revision rev. The
-// watch Expect asked for sees every change after the revision its creation
-// answer names: when that is rev or before, it sees the task's end; when
-// etcd made it after the commit (its goroutine ran late), the task's end
-// may have come in between, and etcd is asked once whether the task is
-// still there.
-func (e *Expected) Created(rev int64) { e.keep(rev) }
+// Created counts task t, which the commit created at revision t.Rev (the
+// commit's Claim.Next). The watch Expect asked for sees every change after
+// the revision its creation answer names: when that is t.Rev or before, it
+// sees the task's end; when etcd made it after the commit (its goroutine
+// ran late), the task's end may have come in between, and etcd is asked
+// once whether the task is still there.
+func (e *Expected) Created(t Task) {
+	e.task = t
+	e.keep(t.Rev)
+}
 
 // Maybe counts the task if etcd has it: the commit got no answer.
 func (e *Expected) Maybe() { e.keep(0) }
@@ -231,24 +349,24 @@ func (e *Expected) keep(rev int64) {
 	t.Stop()
 	if !made {
 		e.cancel()
-		f.add(e.key, rev, e.pushedTo)
+		f.add(e.task, rev, e.pushed)
 		return
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.seen = max(f.seen, rev)
-	if _, ok := f.live[e.key]; ok || f.closed {
+	if _, ok := f.live[e.task.Key]; ok || f.closed {
 		e.cancel()
 		return
 	}
-	f.live[e.key] = followed{stop: e.cancel, pushedTo: e.pushedTo}
-	f.wg.Go(func() { f.followFrom(e.ctx, e.key, rev, e.wch, late) })
+	f.live[e.task.Key] = &followed{stop: e.cancel, pushedTo: e.pushed, task: e.task}
+	f.wg.Go(func() { f.followFrom(e.ctx, e.task.Key, rev, e.wch, late) })
 }
 
-// follow waits for the deletion of the task at key, which existed at rev.
-// A watch that breaks resumes after the last revision seen; one answered
-// with a compaction (history gone, or etcd replaced) asks etcd whether the
-// task is still there.
+// follow follows the task at key, which existed at rev, until its
+// deletion: its rewrites update the ledger (rewritten). A watch that
+// breaks resumes after the last revision seen; one answered with a
+// compaction (history gone, or etcd replaced) reads the task again.
 func (f *Fed) follow(ctx context.Context, key string, rev int64) {
 	f.followFrom(ctx, key, rev, nil, rev == 0)
 }
@@ -261,21 +379,22 @@ func (f *Fed) followFrom(ctx context.Context, key string, rev int64, wch clientv
 	backoff := 50 * time.Millisecond
 	for ctx.Err() == nil {
 		if check {
-			resp, err := f.s.cli.Get(ctx, key, clientv3.WithCountOnly())
+			resp, err := f.s.cli.Get(ctx, key)
 			switch {
 			case err != nil:
 				sleepCtx(ctx, backoff)
 				backoff = min(2*backoff, 2*time.Second)
 				continue
-			case resp.Count == 0:
-				f.gone(key, resp.Header.Revision)
+			case len(resp.Kvs) == 0:
+				f.gone(key, resp.Header.Revision, true)
 				return
 			}
+			f.rewritten(key, resp.Kvs[0])
 			next, check = resp.Header.Revision+1, false
 		}
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
 		if wch == nil {
-			wch = f.s.cli.Watch(wctx, key, clientv3.WithRev(next), clientv3.WithFilterPut())
+			wch = f.s.cli.Watch(wctx, key, clientv3.WithRev(next))
 		}
 		compacted := false
 		for wr := range wch {
@@ -283,10 +402,13 @@ func (f *Fed) followFrom(ctx context.Context, key string, rev int64, wch clientv
 				compacted = true
 				break
 			}
-			if len(wr.Events) > 0 {
-				cancel()
-				f.gone(key, wr.Events[0].Kv.ModRevision)
-				return
+			for _, ev := range wr.Events {
+				if ev.Type == clientv3.EventTypeDelete {
+					cancel()
+					f.gone(key, ev.Kv.ModRevision, true)
+					return
+				}
+				f.rewritten(key, ev.Kv)
 			}
 			if wr.Header.Revision > 0 {
 				next = max(next, wr.Header.Revision+1)

@@ -45,10 +45,10 @@ func TestFedCountsOutputsUntilDone(t *testing.T) {
 	if err := s.Commit(ctx, enc, Output{Payloads: payload("cond", "enc")}); err != nil {
 		t.Fatal(err)
 	}
-	if enc.NextKey == "" {
+	if enc.Next.Key == "" {
 		t.Fatal("the commit reported no next key")
 	}
-	f.add(enc.NextKey, enc.CommitRev, "")
+	f.add(enc.Next.Key, enc.CommitRev, "")
 	if n := fedCount(f); n != 1 || f.Seen() < enc.CommitRev {
 		t.Fatalf("after the commit: %d fed at revision %d, want 1 at %d or later", n, f.Seen(), enc.CommitRev)
 	}
@@ -114,7 +114,7 @@ func TestFedAfterCompaction(t *testing.T) {
 		t.Fatal(err)
 	}
 	f := runFed(t, s, Denoise, string(Encode))
-	f.add(enc.NextKey, enc.CommitRev, "") // its deletion is in the compacted history
+	f.add(enc.Next.Key, enc.CommitRev, "") // its deletion is in the compacted history
 	within(t, "the task found gone", func() bool { return fedCount(f) == 0 })
 	if f.Seen() < den.CommitRev {
 		t.Fatalf("seen %d, before the deletion at %d", f.Seen(), den.CommitRev)
@@ -157,8 +157,8 @@ func TestFedExpectedBeforeCommit(t *testing.T) {
 	if err := s.Commit(ctx, enc, out); err != nil {
 		t.Fatal(err)
 	}
-	if enc.NextKey != out.Next.Key {
-		t.Fatalf("commit wrote %q, expected %q", enc.NextKey, out.Next.Key)
+	if enc.Next.Key != out.Next.Key {
+		t.Fatalf("commit wrote %q, expected %q", enc.Next.Key, out.Next.Key)
 	}
 	e.Created(enc.CommitRev)
 	if n := fedCount(f); n != 1 {
@@ -210,16 +210,16 @@ func TestFedExpectedLate(t *testing.T) {
 		claims = append(claims, c)
 	}
 	// The first task ends before its watch is asked for.
-	den := claimAtKey(t, s, claims[0].NextKey, lease)
+	den := claimAtKey(t, s, claims[0].Next.Key, lease)
 	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
 		t.Fatal(err)
 	}
 	for _, c := range claims {
-		e := f.Expect(c.NextKey, "")
+		e := f.Expect(c.Next.Key, "")
 		e.Created(c.CommitRev)
 	}
 	within(t, "the task that ended first forgotten", func() bool { return fedCount(f) == 1 })
-	den = claimAtKey(t, s, claims[1].NextKey, lease)
+	den = claimAtKey(t, s, claims[1].Next.Key, lease)
 	if err := s.Commit(ctx, den, Output{Payloads: payload("latent2", "den")}); err != nil {
 		t.Fatal(err)
 	}
@@ -265,7 +265,7 @@ func TestFedReturnsPushedCredit(t *testing.T) {
 			t.Fatal(err)
 		}
 		e.Created(c.CommitRev)
-		den := claimAtKey(t, s, c.NextKey, lease)
+		den := claimAtKey(t, s, c.Next.Key, lease)
 		if err := s.Commit(ctx, den, Output{Payloads: payload(fmt.Sprintf("latent%d", i), "den")}); err != nil {
 			t.Fatal(err)
 		}

@@ -9,7 +9,7 @@ package jobs
 //	jobs/<job>                                record (Job)   until finished; then a retention lease
 //	progress/<job>                            Progress       the worker's lease
 //	queues/<stage>/tasks/<class>/<ns>-<task>  Task           until its stage commits
-//	queues/<stage>/claims/<task>              claimRecord    the worker's lease
+//	queues/<stage>/claims/<node>/<task>       claimRecord    the worker's lease
 //	payloads/<producer>/<payload>             PayloadRecord  until its consumer commits
 //	objects/<job>.<name>                      cache.Record   package cache's: ResultID, PreviewID, relayed payloads
 //
@@ -27,13 +27,24 @@ import (
 func (s *Store) jobKey(id string) string      { return s.cfg.Prefix + "/jobs/" + id }
 func (s *Store) progressKey(id string) string { return s.cfg.Prefix + "/progress/" + id }
 
-// A stage's tasks and claims share one prefix, so that one watch sees both
-// in revision order (Queue): a commit's deletion of a task and of its claim
-// then arrive together, never the claim's first.
+// A stage's claims are kept by the node that holds them, so a worker
+// follows its own (its Inbox) and no other's: nobody watches a whole
+// stage. A task's dispatcher follows the task's key alone (Fed).
 func (s *Store) queuePrefix(st Stage) string { return s.cfg.Prefix + "/queues/" + string(st) + "/" }
 func (s *Store) taskPrefix(st Stage) string  { return s.queuePrefix(st) + "tasks/" }
 func (s *Store) claimPrefix(st Stage) string { return s.queuePrefix(st) + "claims/" }
-func (s *Store) claimKey(t *Task) string     { return s.claimPrefix(t.Stage) + t.ID }
+func (s *Store) inboxPrefix(st Stage, node string) string {
+	return s.claimPrefix(st) + node + "/"
+}
+func (s *Store) claimKey(st Stage, node, task string) string { return s.inboxPrefix(st, node) + task }
+
+// heldKey is the claim key of t's holder ("": t names none).
+func (s *Store) heldKey(t *Task) string {
+	if t.Holder == "" {
+		return ""
+	}
+	return s.claimKey(t.Stage, t.Holder, t.ID)
+}
 
 // Payload records are keyed by their producer, so that a producer follows
 // the releases of its own payloads and no others'.
@@ -81,4 +92,10 @@ func validID(id string) bool {
 		}
 	}
 	return true
+}
+
+// validNode keeps a node id named by a peer (a claim proof) inside its
+// claim key: gossip's rule for node ids (no '/', at most 128 bytes).
+func validNode(node string) bool {
+	return node != "" && len(node) <= 128 && !strings.ContainsAny(node, "/ \t\r\n")
 }

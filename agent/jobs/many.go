@@ -55,18 +55,6 @@ func (s *Store) GetMany(ctx context.Context, ids []string) ([]Job, error) {
 	return out, nil
 }
 
-// ClassDepth counts a stage's tasks of each class, queued or running,
-// from the view (no etcd request).
-func (q *Queue) ClassDepth() map[routing.Class]int64 {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	out := make(map[routing.Class]int64, len(routing.Classes()))
-	for _, t := range q.tasks {
-		out[t.Class]++
-	}
-	return out
-}
-
 // ClassDepth counts a stage's tasks by class (queued or running) and how
 // many of them run, in one count-only transaction: what a status page shows
 // of a stage this agent does not follow.

@@ -24,11 +24,12 @@ type ClaimProof struct {
 	Task    string `json:"task"`
 	TaskKey string `json:"task_key"`
 	Rev     int64  `json:"rev"` // the claim's fencing token (Claim.Rev)
+	Node    string `json:"node"` // the claim's holder, whose key it is
 }
 
 // Proof is c's claim proof, encoded for transfer.WithTicketProof.
 func (c *Claim) Proof() []byte {
-	b, _ := json.Marshal(ClaimProof{Stage: c.Task.Stage, Task: c.Task.ID, TaskKey: c.Task.Key, Rev: c.Rev})
+	b, _ := json.Marshal(ClaimProof{Stage: c.Task.Stage, Task: c.Task.ID, TaskKey: c.Task.Key, Rev: c.Rev, Node: c.Node})
 	return b
 }
 
@@ -43,10 +44,10 @@ func (s *Store) ClaimHolder(ctx context.Context, proof []byte, payload string) (
 		return "", fmt.Errorf("%w: undecodable proof: %v", ErrNoClaim, err)
 	}
 	if !slices.Contains(Stages(), p.Stage) || !validID(p.Task) || !strings.HasPrefix(p.TaskKey, s.taskPrefix(p.Stage)) ||
-		!strings.HasSuffix(p.TaskKey, "-"+p.Task) || p.Rev <= 0 {
+		!strings.HasSuffix(p.TaskKey, "-"+p.Task) || p.Rev <= 0 || !validNode(p.Node) {
 		return "", fmt.Errorf("%w: malformed proof", ErrNoClaim)
 	}
-	ck := s.claimPrefix(p.Stage) + p.Task
+	ck := s.claimKey(p.Stage, p.Node, p.Task)
 	resp, err := s.cli.Txn(ctx).Then(clientv3.OpGet(ck), clientv3.OpGet(p.TaskKey)).Commit()
 	if err != nil {
 		return "", fmt.Errorf("jobs: read claim %s: %w", ck, err)
@@ -56,7 +57,7 @@ func (s *Store) ClaimHolder(ctx context.Context, proof []byte, payload string) (
 		return "", fmt.Errorf("%w: claim %s at revision %d is gone", ErrNoClaim, ck, p.Rev)
 	}
 	var cr claimRecord
-	if err := json.Unmarshal(claims[0].Value, &cr); err != nil || cr.Task != p.Task {
+	if err := json.Unmarshal(claims[0].Value, &cr); err != nil || cr.Task != p.Task || cr.Node != p.Node {
 		return "", fmt.Errorf("%w: claim %s does not name task %s", ErrNoClaim, ck, p.Task)
 	}
 	if len(tasks) == 0 {

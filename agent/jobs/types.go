@@ -103,8 +103,11 @@ type Options struct {
 	// does not cancel the job.
 	Deadline time.Time
 	// Push claims the job's first task for a worker at submission (see
-	// Push); nil queues it for any worker to claim.
+	// Push); nil leaves it waiting for its dispatcher to hand it to one.
 	Push *Push
+	// Dispatcher is the submitting node, whose ledger (Fed) hands the
+	// first task to a worker while it waits (Task.Dispatcher).
+	Dispatcher string
 	// Checkpointing is the request's choice of step checkpoints (nil: the
 	// defaults).
 	Checkpointing *Checkpointing
@@ -201,6 +204,17 @@ type Task struct {
 	// Rewinds is the job's: a task of a rewound job may find checkpoints
 	// of the run before.
 	Rewinds int `json:"rewinds,omitempty"`
+	// Dispatcher is the node whose ledger (Fed) hands the task to a worker
+	// while it waits: its creator (the submitting agent, or the worker whose
+	// commit or rewind made it), or a node that adopted it when that one
+	// left (Store.Adopt). Nobody else follows the task.
+	Dispatcher string `json:"dispatcher,omitempty"`
+	// Holder is the node whose claim key guards the task, on the lease
+	// HolderLease ("": none, the task waits). A claim whose lease ended
+	// leaves Holder set: the task waits again once that claim key is gone
+	// (claimOps compares it absent).
+	Holder      string `json:"holder,omitempty"`
+	HolderLease int64  `json:"holder_lease,omitempty"`
 
 	Key string `json:"-"` // etcd key, set on read
 	Rev int64  `json:"-"` // ModRevision seen, set on read

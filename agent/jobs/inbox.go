@@ -1,0 +1,321 @@
+package jobs
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/mvccpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+)
+
+// Inbox is a watch-fed view of the claims one node holds on one stage's
+// tasks: those pushed to it (by the task's creator, its dispatcher, or a
+// worker handing it over), which it starts without a transaction of its
+// own, and those it runs. It reads its claim keys once, then follows one
+// watch of their prefix from that read's revision. Every key under it is
+// this node's, so a job costs the inbox two events (its claim made, and
+// gone with the commit), whatever the size of the mesh: nobody watches a
+// whole stage. A watch that breaks resumes after the last revision seen;
+// one answered with a compaction (etcd compacted the gap, or etcdguard saw
+// etcd replaced) reads the claims again. Run owns the view's goroutine;
+// the other methods may be called from any goroutine.
+type Inbox struct {
+	s     *Store
+	stage Stage
+	node  string
+
+	// mu guards the fields below.
+	mu      sync.Mutex
+	claims  map[string]claimInfo // by task id
+	synced  bool                 // the claims have been read at least once
+	changed chan struct{}        // closed (and replaced) on every change
+	loads   int                  // full reads, for tests and status
+	// gone holds the channels of TaskGone waiters, by task id.
+	gone map[string][]chan struct{}
+	// taken are the pushed claims the worker has taken (Take), by task id,
+	// with the claim's revision, until their claim keys go.
+	taken map[string]int64
+}
+
+// claimInfo is what the view knows of a claim key.
+type claimInfo struct {
+	rev   int64            // ModRevision: the claim's fencing token
+	lease clientv3.LeaseID // the claim holder's lease
+	rec   claimRecord
+}
+
+// NewInbox returns an empty view of node's claims on stage's tasks; Run
+// fills and follows it.
+func (s *Store) NewInbox(stage Stage, node string) *Inbox {
+	return &Inbox{s: s, stage: stage, node: node, claims: map[string]claimInfo{}, gone: map[string][]chan struct{}{}, taken: map[string]int64{}, changed: make(chan struct{})}
+}
+
+// Stage is the stage the view follows.
+func (q *Inbox) Stage() Stage { return q.stage }
+
+// Changed returns a channel closed at the view's next change. Take it before
+// reading the view, so that a change in between is not missed.
+func (q *Inbox) Changed() <-chan struct{} {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.changed
+}
+
+// Synced reports whether the view has read the claims at least once.
+func (q *Inbox) Synced() bool {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.synced
+}
+
+// Pushed returns the claims pushed to this node on lease (Push) that its
+// worker has not taken yet, each ready to run: the worker starts one by
+// calling Take, and gives one back with Store.Requeue or Store.HandOver.
+// Their StartedAt is when they were pushed; ClaimedAt is now.
+func (q *Inbox) Pushed(lease clientv3.LeaseID) []*Claim {
+	now := q.s.cfg.Now()
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	var out []*Claim
+	for id, c := range q.claims {
+		if rev, ok := q.taken[id]; !c.rec.Pushed || c.rec.Of == nil || c.lease != lease || lease == 0 || (ok && rev == c.rev) {
+			continue
+		}
+		t := *c.rec.Of
+		t.Key, t.Rev = c.rec.TaskKey, c.rev // written by the claim's transaction
+		out = append(out, &Claim{Task: t, Node: q.node, Lease: lease, Rev: c.rev, StartedAt: c.rec.StartedAt, ClaimedAt: now, Pushed: true})
+	}
+	return out
+}
+
+// TaskGone returns a channel closed when the claim on task id leaves the
+// view: its stage committed (or failed, rewound), it was given back, its
+// lease ended, or its job was cancelled or deleted, which deletes the
+// claim even while the task runs. A worker running the task learns of a
+// cancel from it, with no watch of its own. stop forgets the waiter.
+func (q *Inbox) TaskGone(id string) (gone <-chan struct{}, stop func()) {
+	ch := make(chan struct{})
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.gone[id] = append(q.gone[id], ch)
+	return ch, func() {
+		q.mu.Lock()
+		defer q.mu.Unlock()
+		ws := q.gone[id]
+		for i, w := range ws {
+			if w == ch {
+				ws = append(ws[:i], ws[i+1:]...)
+				break
+			}
+		}
+		if len(ws) == 0 {
+			delete(q.gone, id)
+		} else {
+			q.gone[id] = ws
+		}
+	}
+}
+
+// goneLocked tells the TaskGone waiters of task id.
+func (q *Inbox) goneLocked(id string) {
+	for _, ch := range q.gone[id] {
+		close(ch)
+	}
+	delete(q.gone, id)
+}
+
+// Held counts the claims this node holds on the stage's tasks: those it
+// runs and those pushed to it that it has yet to start.
+func (q *Inbox) Held() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return len(q.claims)
+}
+
+// Take marks pushed claim c as started, so Pushed no longer returns it.
+// Only the stage's worker loop takes claims, so one is taken once.
+func (q *Inbox) Take(c *Claim) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.taken[c.Task.ID] = c.Rev
+}
+
+// Loads counts the view's full reads (one at start, one per compaction or
+// replaced etcd).
+func (q *Inbox) Loads() int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	return q.loads
+}
+
+func (q *Inbox) notifyLocked() {
+	close(q.changed)
+	q.changed = make(chan struct{})
+}
+
+// Run reads the claims and follows them until ctx is done.
+func (q *Inbox) Run(ctx context.Context) {
+	log := q.s.log.With(zap.String("inbox", string(q.stage)))
+	backoff := 50 * time.Millisecond
+	for ctx.Err() == nil {
+		rev, err := q.load(ctx)
+		if err != nil {
+			if ctx.Err() == nil {
+				log.Warn("reading this node's claims failed; retrying", zap.Duration("backoff", backoff), zap.Error(err))
+			}
+			sleepCtx(ctx, backoff)
+			backoff = min(2*backoff, 2*time.Second)
+			continue
+		}
+		backoff = 50 * time.Millisecond
+		q.follow(ctx, rev, log)
+	}
+}
+
+// follow applies watch events from rev+1 until ctx ends or the history it
+// needs is gone (compacted, or etcd replaced): then the caller reads the
+// claims again.
+func (q *Inbox) follow(ctx context.Context, rev int64, log *zap.Logger) {
+	next := rev + 1
+	for ctx.Err() == nil {
+		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		wch := q.s.cli.Watch(wctx, q.s.inboxPrefix(q.stage, q.node), clientv3.WithPrefix(), clientv3.WithRev(next))
+		resync := false
+	events:
+		for {
+			var wr clientv3.WatchResponse
+			var ok bool
+			select {
+			case wr, ok = <-wch:
+			case <-ctx.Done():
+			}
+			switch {
+			case !ok:
+				break events // closed: leader lost, or ctx done
+			case wr.CompactRevision > 0:
+				log.Info("inbox watch compacted; reading the claims again", zap.Int64("compacted", wr.CompactRevision))
+				resync = true
+				break events
+			case wr.Canceled || wr.Err() != nil:
+				break events
+			}
+			q.apply(wr.Events)
+			if wr.Header.Revision > 0 {
+				next = max(next, wr.Header.Revision+1)
+			}
+		}
+		cancel()
+		if resync {
+			return
+		}
+		sleepCtx(ctx, 200*time.Millisecond) // a broken watch (leader loss): resume shortly
+	}
+}
+
+// apply updates the view with watch events.
+func (q *Inbox) apply(evs []*clientv3.Event) {
+	if len(evs) == 0 {
+		return
+	}
+	prefix := q.s.inboxPrefix(q.stage, q.node)
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for _, ev := range evs {
+		id := strings.TrimPrefix(string(ev.Kv.Key), prefix)
+		if ev.Type == clientv3.EventTypeDelete {
+			delete(q.claims, id)
+			delete(q.taken, id)
+			q.goneLocked(id)
+			continue
+		}
+		q.claims[id] = q.decodeClaim(ev.Kv)
+	}
+	q.notifyLocked()
+}
+
+// decodeClaim reads a claim key. One the view cannot read still counts as
+// held: only its details are unknown.
+func (q *Inbox) decodeClaim(kv *mvccpb.KeyValue) claimInfo {
+	c := claimInfo{rev: kv.ModRevision, lease: clientv3.LeaseID(kv.Lease)}
+	if err := json.Unmarshal(kv.Value, &c.rec); err != nil {
+		q.s.log.Warn("undecodable claim", zap.ByteString("key", kv.Key), zap.Error(err))
+		c.rec = claimRecord{}
+	}
+	return c
+}
+
+// load reads this node's claims at one revision and replaces the view
+// with them.
+func (q *Inbox) load(ctx context.Context) (int64, error) {
+	prefix := q.s.inboxPrefix(q.stage, q.node)
+	resp, err := q.s.cli.Get(ctx, prefix, clientv3.WithPrefix())
+	if err != nil {
+		return 0, fmt.Errorf("jobs: read %s claims of %s: %w", q.stage, q.node, err)
+	}
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	claims, taken := map[string]claimInfo{}, map[string]int64{}
+	for _, kv := range resp.Kvs {
+		id, c := strings.TrimPrefix(string(kv.Key), prefix), q.decodeClaim(kv)
+		claims[id] = c
+		if rev, ok := q.taken[id]; ok && rev == c.rev {
+			taken[id] = rev // still claimed: still taken
+		}
+	}
+	for id := range q.gone {
+		if _, ok := claims[id]; !ok {
+			q.goneLocked(id) // deleted in the history the view missed
+		}
+	}
+	q.claims, q.taken, q.synced = claims, taken, true
+	q.loads++
+	q.notifyLocked()
+	return resp.Header.Revision, nil
+}
+
+// readQueue reads every task of stage, at one revision, in pages of
+// Config.QueuePage: what Pending, Adopt's sweep and a ledger's first read
+// go by.
+func (s *Store) readQueue(ctx context.Context, stage Stage) (tasks []Task, rev int64, err error) {
+	prefix := s.taskPrefix(stage)
+	end := clientv3.GetPrefixRangeEnd(prefix)
+	from := prefix
+	for {
+		opts := []clientv3.OpOption{clientv3.WithRange(end), clientv3.WithLimit(s.cfg.QueuePage), clientv3.WithSort(clientv3.SortByKey, clientv3.SortAscend)}
+		if rev != 0 {
+			opts = append(opts, clientv3.WithRev(rev))
+		}
+		resp, err := s.cli.Get(ctx, from, opts...)
+		if err != nil {
+			return nil, 0, fmt.Errorf("jobs: read %s queue: %w", stage, err)
+		}
+		rev = resp.Header.Revision
+		for _, kv := range resp.Kvs {
+			var t Task
+			if err := json.Unmarshal(kv.Value, &t); err != nil || t.ID == "" {
+				s.log.Warn("skipping undecodable task", zap.ByteString("key", kv.Key), zap.Error(err))
+				continue
+			}
+			t.Key, t.Rev = string(kv.Key), kv.ModRevision
+			tasks = append(tasks, t)
+		}
+		if !resp.More || len(resp.Kvs) == 0 {
+			return tasks, rev, nil
+		}
+		from = string(resp.Kvs[len(resp.Kvs)-1].Key) + "\x00"
+	}
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+	case <-ctx.Done():
+	}
+}

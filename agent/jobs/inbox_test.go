@@ -1,0 +1,88 @@
+package jobs
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// runInbox starts node's inbox of stage and waits for its first read.
+func runInbox(t *testing.T, s *Store, stage Stage, node string) *Inbox {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	q := s.NewInbox(stage, node)
+	var wg sync.WaitGroup
+	wg.Go(func() { q.Run(ctx) })
+	t.Cleanup(func() { cancel(); wg.Wait() })
+	within(t, "first read", func() bool { return q.Synced() })
+	return q
+}
+
+// pending reads stage's waiting tasks from etcd.
+func pending(t *testing.T, s *Store, stage Stage) []Task {
+	t.Helper()
+	ts, _, err := s.Pending(context.Background(), stage)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ts
+}
+
+// within retries cond for up to 10 s.
+func within(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: not within 10 s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// An inbox sees the claims pushed to its node and no other node's: a push
+// to another worker, a claim that worker makes itself, and that claim's
+// end reach only that worker's inbox; the node's own push arrives with
+// its task, and goes with the lease it lives on.
+func TestInboxSeesOnlyItsNode(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	mine, other := runInbox(t, s, Encode, "enc-1"), runInbox(t, s, Encode, "enc-2")
+	lease, otherLease := grant(t, cli), grant(t, cli)
+	if _, err := s.Submit(ctx, spec(), Options{Class: routing.Interactive, Push: &Push{Node: "enc-2", Lease: otherLease}}); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "the other's push", func() bool { return other.Held() == 1 })
+	job, err := s.Submit(ctx, spec(), Options{Class: routing.Interactive, Push: &Push{Node: "enc-1", Lease: lease}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	within(t, "this node's push", func() bool { return len(mine.Pushed(lease)) == 1 })
+	if mine.Held() != 1 || other.Held() != 1 || len(other.Pushed(lease)) != 0 {
+		t.Fatalf("held %d and %d, want 1 each", mine.Held(), other.Held())
+	}
+	c := mine.Pushed(lease)[0]
+	if c.Task.JobID != job.ID || c.Task.Key == "" || c.Task.Holder != "enc-1" || c.Rev == 0 || c.Task.Rev != c.Rev {
+		t.Fatalf("pushed claim %+v", c)
+	}
+	gone, stop := mine.TaskGone(c.Task.ID)
+	defer stop()
+	if _, err := cli.Revoke(ctx, lease); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-gone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the claim did not go with its lease")
+	}
+	if mine.Held() != 0 || other.Held() != 1 {
+		t.Fatalf("after the lease ended: held %d and %d, want 0 and 1", mine.Held(), other.Held())
+	}
+	// The task waits again: its holder's claim is gone.
+	if p := pending(t, s, Encode); len(p) != 1 || p[0].JobID != job.ID {
+		t.Fatalf("waiting after the lease ended: %+v", p)
+	}
+}

@@ -73,7 +73,7 @@ type Agent struct {
 	// waiting has the StageBit of each stage with tasks waiting in this
 	// agent's ledger (NodeMeta.Waiting).
 	waiting atomic.Uint32
-	cstore *cache.Store // this node's part of the pooled Store
+	cstore  *cache.Store // this node's part of the pooled Store
 	// board holds the steps of the stages running here, which progSrv
 	// serves to other agents (live.go): progress never goes to etcd.
 	board   *progress.Board

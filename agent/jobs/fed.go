@@ -49,10 +49,10 @@ type Fed struct {
 	mu sync.Mutex
 	// mu guards the fields below.
 	live    map[string]*followed // by task key
-	closed  bool                // Run is waiting for the watches: start no more
-	synced  bool                // the tasks fed before this process started are read
-	seen    int64               // see Seen
-	changed chan struct{}       // closed (and replaced) when a task goes or the read lands
+	closed  bool                 // Run is waiting for the watches: start no more
+	synced  bool                 // the tasks fed before this process started are read
+	seen    int64                // see Seen
+	changed chan struct{}        // closed (and replaced) when a task goes or the read lands
 }
 
 // followed is a task the ledger follows.

@@ -23,7 +23,7 @@ type ClaimProof struct {
 	Stage   Stage  `json:"stage"`
 	Task    string `json:"task"`
 	TaskKey string `json:"task_key"`
-	Rev     int64  `json:"rev"` // the claim's fencing token (Claim.Rev)
+	Rev     int64  `json:"rev"`  // the claim's fencing token (Claim.Rev)
 	Node    string `json:"node"` // the claim's holder, whose key it is
 }
 

@@ -184,21 +184,30 @@ func (s *Store) claim(ctx context.Context, t Task, to *Push, pushed bool) (*Clai
 // worker ran or runs the task. The claim continues c's attempt (Attempt is
 // not counted up), since the work was done once; the task is rewritten
 // with the new lease, so its dispatcher sees it held again. It fails with
-// ErrTaken otherwise.
+// ErrTaken otherwise. A retry after an attempt that got no answer finds
+// that attempt's claim, on lease, and returns it.
 func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (*Claim, error) {
 	t := c.Task
 	t.HolderLease = int64(lease)
-	resp, err := s.cli.Txn(ctx).If(s.unheld(&c.Task)...).Then(s.claimOps(&t, false, c.StartedAt)...).Commit()
+	ck := s.ownKey(c)
+	resp, err := s.cli.Txn(ctx).If(s.unheld(&c.Task)...).Then(s.claimOps(&t, false, c.StartedAt)...).
+		Else(clientv3.OpGet(ck), clientv3.OpGet(t.Key, clientv3.WithKeysOnly())).Commit()
 	if err != nil {
 		return nil, fmt.Errorf("jobs: reclaim %s: %w", c.Task.ID, err)
 	}
-	if !resp.Succeeded {
-		return nil, ErrTaken
-	}
 	n := *c
-	n.Lease, n.Rev, n.Task = lease, resp.Header.Revision, t
-	n.Task.Rev = resp.Header.Revision
-	return &n, nil
+	n.Lease, n.Task = lease, t
+	if resp.Succeeded {
+		n.Rev, n.Task.Rev = resp.Header.Revision, resp.Header.Revision
+		return &n, nil
+	}
+	claims, tasks := resp.Responses[0].GetResponseRange().Kvs, resp.Responses[1].GetResponseRange().Kvs
+	if len(claims) == 1 && claims[0].Lease == int64(lease) && len(tasks) == 1 && tasks[0].ModRevision == claims[0].ModRevision {
+		// Ours, from an attempt whose answer was lost: it wrote both.
+		n.Rev, n.Task.Rev = claims[0].ModRevision, claims[0].ModRevision
+		return &n, nil
+	}
+	return nil, ErrTaken
 }
 
 // fenced are the conditions every write by a claim holder carries: the

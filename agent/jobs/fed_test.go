@@ -48,7 +48,7 @@ func TestFedCountsOutputsUntilDone(t *testing.T) {
 	if enc.Next.Key == "" {
 		t.Fatal("the commit reported no next key")
 	}
-	f.add(enc.Next.Key, enc.CommitRev, "")
+	f.add(Task{Key: enc.Next.Key}, enc.CommitRev, "")
 	if n := fedCount(f); n != 1 || f.Seen() < enc.CommitRev {
 		t.Fatalf("after the commit: %d fed at revision %d, want 1 at %d or later", n, f.Seen(), enc.CommitRev)
 	}
@@ -57,23 +57,27 @@ func TestFedCountsOutputsUntilDone(t *testing.T) {
 	if n, m := fedCount(later), fedCount(other); n != 1 || m != 0 {
 		t.Fatalf("ledgers read from etcd: the producer's %d, another node's %d; want 1 and 0", n, m)
 	}
-	f.add(s.cfg.Prefix+"/queues/denoise/tasks/never-written", 0, "")
+	f.add(Task{Key: s.cfg.Prefix+"/queues/denoise/tasks/never-written"}, 0, "")
 	within(t, "a key never written dropped", func() bool { return fedCount(f) == 1 })
-	changed := f.Changed()
+	alive := func(string, int64) bool { return true }
+	if w := f.Waiting(ctx, alive); len(w) != 1 || w[0].Key != enc.Next.Key {
+		t.Fatalf("waiting before any claim: %+v, want the task", w)
+	}
 
 	den := claimOne(t, s, Denoise, "den", lease)
 	if err := s.Requeue(ctx, den); err != nil {
 		t.Fatal(err)
 	}
+	within(t, "the give-back seen: the task waits", func() bool { return len(f.Waiting(ctx, alive)) == 1 })
 	den = claimOne(t, s, Denoise, "den", lease)
+	within(t, "the claim seen: nothing waits", func() bool { return len(f.Waiting(ctx, alive)) == 0 })
 	if n := fedCount(f); n != 1 {
 		t.Fatalf("after a requeue: %d fed, want the task still counted", n)
 	}
-	select {
-	case <-changed:
-		t.Fatal("the ledger changed before the task was done")
-	default:
+	if w := f.Waiting(ctx, func(string, int64) bool { return false }); len(w) != 1 {
+		t.Fatalf("waiting once its holder is gone: %d tasks, want 1", len(w))
 	}
+	changed := f.Changed()
 	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
 		t.Fatal(err)
 	}
@@ -114,7 +118,7 @@ func TestFedAfterCompaction(t *testing.T) {
 		t.Fatal(err)
 	}
 	f := runFed(t, s, Denoise, string(Encode))
-	f.add(enc.Next.Key, enc.CommitRev, "") // its deletion is in the compacted history
+	f.add(Task{Key: enc.Next.Key}, enc.CommitRev, "") // its deletion is in the compacted history
 	within(t, "the task found gone", func() bool { return fedCount(f) == 0 })
 	if f.Seen() < den.CommitRev {
 		t.Fatalf("seen %d, before the deletion at %d", f.Seen(), den.CommitRev)
@@ -153,14 +157,14 @@ func TestFedExpectedBeforeCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := Output{Payloads: payload("cond", "enc"), Next: s.NextTask(enc)}
-	e := f.Expect(out.Next.Key, "")
+	e := f.Expect(out.Next.Key, nil)
 	if err := s.Commit(ctx, enc, out); err != nil {
 		t.Fatal(err)
 	}
 	if enc.Next.Key != out.Next.Key {
 		t.Fatalf("commit wrote %q, expected %q", enc.Next.Key, out.Next.Key)
 	}
-	e.Created(enc.CommitRev)
+	e.Created(enc.Next)
 	if n := fedCount(f); n != 1 {
 		t.Fatalf("after the commit: %d fed, want 1", n)
 	}
@@ -173,14 +177,14 @@ func TestFedExpectedBeforeCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 	out2 := Output{Payloads: payload("cond2", "enc"), Next: s.NextTask(other)}
-	e2 := f.Expect(out2.Next.Key, "")
+	e2 := f.Expect(out2.Next.Key, nil)
 	if err := s.Commit(ctx, other, out2); err == nil {
 		t.Fatal("a requeued claim committed")
 	}
 	e2.Drop()
 	// Taken for a commit with no answer: counted only if etcd has it.
-	f.Expect(out2.Next.Key, "").Maybe()
-	f.Expect(out.Next.Key, "").Maybe()
+	f.Expect(out2.Next.Key, nil).Maybe()
+	f.Expect(out.Next.Key, nil).Maybe()
 	within(t, "the unwritten key dropped", func() bool { n, _ := f.Count(); return n == 1 })
 	den := claimOne(t, s, Denoise, "den", lease)
 	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
@@ -215,8 +219,8 @@ func TestFedExpectedLate(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, c := range claims {
-		e := f.Expect(c.Next.Key, "")
-		e.Created(c.CommitRev)
+		e := f.Expect(c.Next.Key, nil)
+		e.Created(c.Next)
 	}
 	within(t, "the task that ended first forgotten", func() bool { return fedCount(f) == 1 })
 	den = claimAtKey(t, s, claims[1].Next.Key, lease)
@@ -260,11 +264,15 @@ func TestFedReturnsPushedCredit(t *testing.T) {
 			t.Fatal(err)
 		}
 		out := Output{Payloads: payload(fmt.Sprintf("cond%d", i), "enc"), Next: s.NextTask(c)}
-		e := f.Expect(out.Next.Key, pushedTo)
+		var push *Push
+		if pushedTo != "" {
+			push = &Push{Node: pushedTo}
+		}
+		e := f.Expect(out.Next.Key, push)
 		if err := s.Commit(ctx, c, out); err != nil {
 			t.Fatal(err)
 		}
-		e.Created(c.CommitRev)
+		e.Created(c.Next)
 		den := claimAtKey(t, s, c.Next.Key, lease)
 		if err := s.Commit(ctx, den, Output{Payloads: payload(fmt.Sprintf("latent%d", i), "den")}); err != nil {
 			t.Fatal(err)

@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/latentmesh/latentmesh/routing"
 )
 
@@ -86,3 +88,48 @@ func TestInboxSeesOnlyItsNode(t *testing.T) {
 		t.Fatalf("waiting after the lease ended: %+v", p)
 	}
 }
+
+// stageView gives a test the stage as a whole: the inboxes of the nodes
+// it names (started on first use) and etcd's reads of what waits and runs.
+type stageView struct {
+	t     *testing.T
+	s     *Store
+	stage Stage
+	mu    sync.Mutex
+	boxes map[string]*Inbox
+}
+
+func runQueue(t *testing.T, s *Store, stage Stage) *stageView {
+	return &stageView{t: t, s: s, stage: stage, boxes: map[string]*Inbox{}}
+}
+
+func (v *stageView) inbox(node string) *Inbox {
+	v.mu.Lock()
+	q, ok := v.boxes[node]
+	v.mu.Unlock()
+	if !ok {
+		q = runInbox(v.t, v.s, v.stage, node)
+		v.mu.Lock()
+		v.boxes[node] = q
+		v.mu.Unlock()
+	}
+	return q
+}
+
+func (v *stageView) Pushed(node string, lease clientv3.LeaseID) []*Claim {
+	return v.inbox(node).Pushed(lease)
+}
+
+func (v *stageView) Take(c *Claim) { v.inbox(c.Node).Take(c) }
+
+func (v *stageView) Pending() []Task { return pending(v.t, v.s, v.stage) }
+
+func (v *stageView) Depth() (queued, running int) {
+	q, r, _, err := v.s.Depth(context.Background(), v.stage)
+	if err != nil {
+		v.t.Fatal(err)
+	}
+	return int(q), int(r)
+}
+
+func (v *stageView) HeldBy(node string) int { return v.inbox(node).Held() }

@@ -100,55 +100,6 @@ func TestPushToEndedLease(t *testing.T) {
 	}
 }
 
-// A stage's tasks and claims reach the view in one watch: a commit that
-// deletes a task and its claim never shows the task as pending, nor does
-// a push show its task unclaimed. Checked on every change the view makes
-// while tasks are submitted, pushed and committed in a loop.
-func TestQueueNeverShowsAFinishedTaskPending(t *testing.T) {
-	s, cli := newStore(t)
-	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	q := runQueue(t, s, Encode)
-	lease := grant(t, cli)
-	bad := make(chan string, 1)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		for ctx.Err() == nil {
-			ch := q.Changed()
-			if p := q.Pending(); len(p) > 0 {
-				select {
-				case bad <- p[0].ID:
-				default:
-				}
-			}
-			select {
-			case <-ch:
-			case <-ctx.Done():
-			}
-		}
-	}()
-	for i := range 40 {
-		if _, err := s.Submit(ctx, spec(), Options{Class: routing.Standard, Push: &Push{Node: "enc-1", Lease: lease}}); err != nil {
-			t.Fatal(err)
-		}
-		within(t, "push seen", func() bool { return len(q.Pushed("enc-1", lease)) == 1 })
-		c := q.Pushed("enc-1", lease)[0]
-		q.Take(c)
-		if err := s.Commit(ctx, c, Output{Payloads: payload("cond", "enc-1")}); err != nil {
-			t.Fatalf("commit %d: %v", i, err)
-		}
-		within(t, "commit seen", func() bool { n, r := q.Depth(); return n == 0 && r == 0 })
-	}
-	cancel()
-	<-done
-	select {
-	case id := <-bad:
-		t.Fatalf("the view showed task %s pending: pushed and committed tasks never are", id)
-	default:
-	}
-}
-
 // Cancelling a job whose first task is pushed to a worker that has not
 // started it deletes the claim with the task: nobody else would, and it
 // would live as long as the worker's lease.

@@ -130,15 +130,12 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
 		if to == nil {
 			continue // no worker has a slot for it: the next free one grants
 		}
-		a.metrics.ClaimTxn(st)
 		claim, err := a.store.Assign(ctx, t, to)
 		switch {
 		case err == nil:
 			f.Assigned(claim.Task, to.Node)
 			waiting--
-		case errors.Is(err, jobs.ErrTaken):
-			a.metrics.ClaimConflict(st)
-		case cache.LeaseGone(err):
+		case errors.Is(err, jobs.ErrTaken), cache.LeaseGone(err):
 			// Claimed, adopted or gone since the ledger saw it, or the
 			// worker's lease just ended: the ledger hears of it.
 		default:

@@ -73,6 +73,8 @@ type Agent struct {
 	// waiting has the StageBit of each stage with tasks waiting in this
 	// agent's ledger (NodeMeta.Waiting).
 	waiting atomic.Uint32
+	// leases says since when each node has been on its lease (liveOn).
+	leases leaseAges
 	cstore  *cache.Store // this node's part of the pooled Store
 	// board holds the steps of the stages running here, which progSrv
 	// serves to other agents (live.go): progress never goes to etcd.
@@ -671,6 +673,9 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 	})
 	if err != nil {
 		abort() // the job's staged objects (its image) are no one's
+		if task.Key != "" {
+			a.fed[task.Stage].Add(task) // a submit with no answer may have landed: followed if it did
+		}
 	}
 	if jobs.IsNoSpace(err) {
 		a.alarms.Observe(err)
@@ -938,7 +943,11 @@ func (a *Agent) reportLoop() {
 // it is not registered). Gossip, status and metrics all show this.
 func (a *Agent) slots(st jobs.Stage) (total, free int) {
 	c, engine := a.credits[st], a.runner.Slots(st)
-	return min(c.Total(), engine), max(0, min(c.Free(), engine-c.InUse()))
+	queued := 0 // claims pushed here that wait for a slot: the next free ones are theirs
+	if q := a.inboxes[st]; q != nil {
+		queued = q.Waiting(a.member.Lease())
+	}
+	return min(c.Total(), engine), max(0, min(c.Free(), engine-c.InUse())-queued)
 }
 
 // Status is the admin view of this node and what it sees of the mesh.

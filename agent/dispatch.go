@@ -35,8 +35,10 @@ import (
 const dispatchEvery = 250 * time.Millisecond
 
 // adoptEvery is how often one agent per stage sweeps the stage for tasks
-// whose dispatcher left (besides a sweep at every departure).
-const adoptEvery = 10 * time.Second
+// whose dispatcher left, besides a sweep at every departure:
+// the net under a departure missed. (A task given back after its
+// dispatcher left is adopted by the worker giving it back.)
+const adoptEvery = time.Minute
 
 // signal is a broadcast: Wait returns a channel closed at the next Fire.
 type signal struct {
@@ -62,14 +64,67 @@ func (s *signal) Fire() {
 	}
 }
 
-// liveOn reports whether node is a live member registered on lease (0:
-// on any lease): a claim it holds on that lease still stands.
+// holderGrace is how long a holder that came back on a new lease (etcd
+// lost its old one, and the claims on it) has to take its finished work
+// back (Store.Reclaim) before its tasks' dispatchers hand them on.
+const holderGrace = 5 * time.Second
+
+// liveOn reports whether a claim node holds on lease (0: any lease) still
+// stands, as far as this agent can tell without asking etcd: node is a
+// live member on that lease, or has been on another one for less than
+// holderGrace. (A claim that does not stand may still be there; Assign
+// compares it absent.)
 func (a *Agent) liveOn(node string, lease int64) bool {
+	cur := a.member.Lease()
+	if node != a.id {
+		p, ok := a.member.Peer(node)
+		if !ok || !p.Alive {
+			return false
+		}
+		cur = p.Lease
+	}
+	if lease == 0 || int64(cur) == lease {
+		return true
+	}
+	return time.Since(a.leases.since(node, int64(cur))) < holderGrace
+}
+
+// alive reports whether node is a live member, registered or not: a
+// dispatcher keeps its ledger in memory, lease or none.
+func (a *Agent) alive(node string) bool {
 	if node == a.id {
-		return lease == 0 || int64(a.member.Lease()) == lease
+		return true
 	}
 	p, ok := a.member.Peer(node)
-	return ok && p.Alive && p.Lease != 0 && (lease == 0 || int64(p.Lease) == lease)
+	return ok && p.Alive
+}
+
+// leaseAges remembers since when this agent has seen each node on its
+// current lease (0 while it registers again).
+type leaseAges struct {
+	mu   sync.Mutex
+	seen map[string]leaseSeen
+}
+
+type leaseSeen struct {
+	lease int64
+	since time.Time
+}
+
+// since is when node was first seen on lease, now for a lease not seen
+// before.
+func (l *leaseAges) since(node string, lease int64) time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.seen == nil {
+		l.seen = map[string]leaseSeen{}
+	}
+	s, ok := l.seen[node]
+	if !ok || s.lease != lease {
+		s = leaseSeen{lease: lease, since: time.Now()}
+		l.seen[node] = s
+	}
+	return s.since
 }
 
 // dispatchLoop hands the tasks of stage st that wait in this agent's
@@ -85,8 +140,13 @@ func (a *Agent) dispatchLoop(st jobs.Stage) {
 		a.setWaiting(st, waiting > 0)
 		var tick <-chan time.Time
 		var t *time.Timer
-		if waiting > 0 {
-			t = time.NewTimer(dispatchEvery)
+		if n, _ := f.Count(); waiting > 0 || n > 0 {
+			// Tasks wait, or may start to when a holder's grace ends.
+			every := dispatchEvery
+			if waiting == 0 {
+				every = time.Second
+			}
+			t = time.NewTimer(every)
 			tick = t.C
 		}
 		select {
@@ -121,12 +181,13 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
 	}
 	ordered, _ := a.cfg.Queue.Order(cands, a.id, now)
 	waiting = len(tasks)
+	given := map[string]int{} // claims this pass pushed to each worker, which no count shows yet
 	for _, c := range ordered {
 		t := byID[c.ID]
 		if t.NotBefore.After(now) {
 			continue // backing off after a failure
 		}
-		to := a.assignTarget(st, t, now)
+		to := a.assignTarget(st, t, now, given)
 		if to == nil {
 			continue // no worker has a slot for it: the next free one grants
 		}
@@ -134,10 +195,14 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
 		switch {
 		case err == nil:
 			f.Assigned(claim.Task, to.Node)
+			given[to.Node]++
 			waiting--
-		case errors.Is(err, jobs.ErrTaken), cache.LeaseGone(err):
-			// Claimed, adopted or gone since the ledger saw it, or the
-			// worker's lease just ended: the ledger hears of it.
+		case errors.Is(err, jobs.ErrTaken):
+			// Claimed, adopted or gone since the ledger saw it (the ledger
+			// hears of it), or its last holder's claim is still there.
+			f.Refused(t)
+		case cache.LeaseGone(err):
+			// The worker's lease just ended: gossip says so soon.
 		default:
 			a.log.Debug("handing a waiting task to a worker", zap.String("job", t.JobID), zap.String("stage", string(st)), zap.Error(err))
 			return waiting
@@ -146,12 +211,13 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
 	return waiting
 }
 
-// assignTarget chooses the worker waiting task t goes to: pickHint's
-// choice (a free slot by gossip, or a credit it granted this node), and
+// assignTarget chooses the worker waiting task t goes to: pickWorker's
+// choice among those with a free slot (by gossip, or a credit granted this
+// node: freeSlots, less what this pass gave each already), and
 // for interactive work past its preemption time with none free, a worker
 // that runs batch work it can stop for it (NodeMeta.Yields; the worker's
 // preemption loop gives way for a claim pushed to it). nil: none.
-func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time) *jobs.Push {
+func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given map[string]int) *jobs.Push {
 	s := t.Spec
 	if st == jobs.Denoise && s.Adapter != "" && !a.adapterServed(s.ModelName(), s.Adapter) {
 		if ok, _ := a.takesAdapter(st, t, now); !ok {
@@ -159,10 +225,10 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time) *jobs.Pu
 		}
 		s.Adapter = "" // nobody has it: any worker fails the job (runAdapter)
 	}
-	node := a.pickHint(st, s)
+	node := a.pickWorker(st, s, func(p gossip.Peer) int { return a.freeSlots(p, st) - given[p.Record.ID] })
 	if node == "" && a.cfg.Queue.PreemptAfter > 0 && t.Class == routing.Interactive && !now.Before(t.EnqueuedAt.Add(a.cfg.Queue.PreemptAfter)) {
 		node = a.pickWorker(st, s, func(p gossip.Peer) int {
-			if p.Meta.Yields&gossip.StageBit(string(st)) != 0 {
+			if p.Meta.Yields&gossip.StageBit(string(st)) != 0 && given[p.Record.ID] == 0 {
 				return 1
 			}
 			return 0
@@ -179,6 +245,24 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time) *jobs.Pu
 		a.grants.Take(node, string(st), now) // against its grant: one credit spent
 	}
 	return &jobs.Push{Node: node, Lease: p.Lease}
+}
+
+// givingBack wraps give, a give-back of claim c (Requeue, Yield,
+// Abandon): a task given back waits for its dispatcher, and one whose
+// dispatcher left would wait for the next sweep, so the worker giving it
+// back becomes its dispatcher in the same write, and follows it.
+func (a *Agent) givingBack(c *jobs.Claim, give func() error) func() error {
+	if d := c.Task.Dispatcher; d == "" || a.alive(d) {
+		return give
+	}
+	return func() error {
+		c.Task.Dispatcher = a.id
+		err := give()
+		if err == nil {
+			a.fed[c.Task.Stage].Add(jobs.Task{Key: c.Task.Key, Stage: c.Task.Stage}) // read once: its revision is the give-back's
+		}
+		return err
+	}
 }
 
 // setWaiting records whether stage st has tasks waiting in this agent's
@@ -225,10 +309,15 @@ func (a *Agent) adoptLoop() {
 			}
 		case <-t.C:
 		}
-		for _, st := range jobs.Stages() {
-			if a.sweeper(st) {
-				a.adopt(st)
-			}
+		a.sweepAll()
+	}
+}
+
+// sweepAll sweeps each stage this agent is the sweeper of.
+func (a *Agent) sweepAll() {
+	for _, st := range jobs.Stages() {
+		if a.sweeper(st) {
+			a.adopt(st)
 		}
 	}
 }
@@ -254,7 +343,7 @@ func (a *Agent) sweeper(st jobs.Stage) bool {
 func (a *Agent) adopt(st jobs.Stage) {
 	ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 	defer cancel()
-	orphans, err := a.store.Orphans(ctx, st, a.id, a.liveOn)
+	orphans, err := a.store.Orphans(ctx, st, a.id, a.alive, a.liveOn)
 	if err != nil {
 		a.log.Debug("sweeping for orphaned tasks", zap.String("stage", string(st)), zap.Error(err))
 		return

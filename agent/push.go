@@ -185,7 +185,7 @@ func (a *Agent) giveBack(q *jobs.Inbox, c *jobs.Claim, to *jobs.Push, why string
 		}
 	}
 	if to == nil {
-		err = a.store.Requeue(ctx, c)
+		err = a.givingBack(c, func() error { return a.store.Requeue(ctx, c) })()
 	}
 	if err != nil {
 		a.log.Debug("giving back a pushed claim", zap.String("job", c.Task.JobID), zap.String("stage", string(c.Task.Stage)), zap.Error(err))
@@ -259,8 +259,12 @@ func takesWork(p gossip.Peer, st jobs.Stage, model string) bool {
 // looked up in the credits it granted this agent when its slot freed
 // (grants.go).
 func (a *Agent) freeSlots(p gossip.Peer, st jobs.Stage) int {
+	if p.Record.ID == a.id {
+		_, free := a.slots(st) // this node's own count is exact
+		return free
+	}
 	free := int(p.Meta.Free.For(string(st)))
-	if free > 0 || p.Record.ID == a.id { // this node's own meta is exact
+	if free > 0 {
 		return free
 	}
 	return a.grants.Free(p.Record.ID, string(st), time.Now())

@@ -66,6 +66,7 @@ func (a *Agent) worker(st jobs.Stage) {
 			case <-freed:
 			case <-engineChanged:
 			case <-pushes:
+				a.publishMeta() // a claim pushed here, or gone: its slot is spoken for, or free
 			case <-due:
 			case <-a.pullCtx.Done():
 			}
@@ -425,11 +426,11 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 		// its next claim.
 		log.Info("task requeued", zap.NamedError("why", cause))
 		a.metrics.Requeued(st, reasonPreempted)
-		record = func() error { return a.store.Yield(a.ctx, c) }
+		record = a.givingBack(c, func() error { return a.store.Yield(a.ctx, c) })
 	case (ctx.Err() != nil || stopped) && errors.Is(cause, errDrained):
 		log.Info("task requeued", zap.NamedError("why", cause))
 		a.metrics.Requeued(st, reasonDrained)
-		record = func() error { return a.store.Requeue(a.ctx, c) }
+		record = a.givingBack(c, func() error { return a.store.Requeue(a.ctx, c) })
 	case ctx.Err() != nil:
 		// Cancelled job or lost lease: give the claim up if it is still ours.
 		record = func() error { return a.store.Drop(a.ctx, c) }
@@ -448,7 +449,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 		backoff := a.cfg.RetryBackoff << (max(tries, 1) - 1)
 		log.Warn("task failed; will retry", zap.Duration("backoff", backoff), zap.Error(err))
 		a.metrics.Requeued(st, reasonRetry)
-		record = func() error { return a.store.Abandon(a.ctx, c, backoff) }
+		record = a.givingBack(c, func() error { return a.store.Abandon(a.ctx, c, backoff) })
 	default:
 		code := "engine_error"
 		switch {
@@ -689,6 +690,9 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff, ran *atomic.Bool) (ctx con
 		ctx = withYielder(ctx, rt.yield)
 	}
 	a.running.add(rt)
+	if c.Task.Class == routing.Batch {
+		a.publishMeta() // gossip that this node yields batch work (NodeMeta.Yields)
+	}
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		// A cancel deletes the task's claim even while it runs, and this

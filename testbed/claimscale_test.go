@@ -19,8 +19,20 @@ import (
 	"github.com/latentmesh/latentmesh/routing"
 )
 
+// submitter submits a job: a Store's Submit, or an agent's.
+type submitter func(ctx context.Context, spec engine.Spec, opts jobs.Options) (jobs.Job, error)
+
+// dispatchedBy submits through js with node as the tasks' dispatcher, as
+// that node's API would (its ledger reads them when it starts).
+func dispatchedBy(js *jobs.Store, node string) submitter {
+	return func(ctx context.Context, spec engine.Spec, opts jobs.Options) (jobs.Job, error) {
+		opts.Dispatcher = node
+		return js.Submit(ctx, spec, opts)
+	}
+}
+
 // submitMany submits n jobs of class from 16 goroutines.
-func submitMany(t *testing.T, js *jobs.Store, n int, class routing.Class) []string {
+func submitMany(t *testing.T, submit submitter, n int, class routing.Class) []string {
 	t.Helper()
 	var (
 		mu   sync.Mutex
@@ -33,7 +45,7 @@ func submitMany(t *testing.T, js *jobs.Store, n int, class routing.Class) []stri
 	for range 16 {
 		wg.Go(func() {
 			for next.Add(1) <= int64(n) {
-				j, err := js.Submit(context.Background(), sp, jobs.Options{Class: class, Transfer: jobs.P2P})
+				j, err := submit(context.Background(), sp, jobs.Options{Class: class, Transfer: jobs.P2P})
 				if err != nil {
 					errs <- err
 					return
@@ -64,10 +76,11 @@ func claimed(t *testing.T, js *jobs.Store, id string) bool {
 
 // TestClaimAtScale is issue 10's queue at scale: 300 tasks of one stage
 // running on other workers, ahead of everything in key order, and a
-// backlog of 100 or 2,000. A new interactive task is claimed within a
-// second, a batch task that has aged is claimed ahead of 1,000 fresh
-// interactive ones, and what a claim costs etcd does not grow with the
-// backlog.
+// backlog of 100 or 2,000 waiting in one dispatcher's ledger, the
+// worker's own (it submitted them). A new interactive task is claimed
+// within a second, a batch task that has aged is claimed ahead of 1,000
+// fresh interactive ones, and what a claim (the dispatcher's Assign)
+// costs etcd does not grow with the backlog.
 func TestClaimAtScale(t *testing.T) {
 	if testing.Short() {
 		t.Skip("thousands of etcd writes")
@@ -121,7 +134,7 @@ func claimAtScale(t *testing.T, backlog int) EtcdOpCounts {
 	}
 
 	// 300 interactive tasks run on other workers: their keys come first.
-	submitMany(t, js, 300, routing.Interactive)
+	submitMany(t, dispatchedBy(js, "other"), 300, routing.Interactive)
 	pend, _, err := js.Pending(ctx, jobs.Encode)
 	if err != nil {
 		t.Fatal(err)
@@ -135,7 +148,7 @@ func claimAtScale(t *testing.T, backlog int) EtcdOpCounts {
 			t.Fatal(err)
 		}
 	}
-	submitMany(t, js, backlog, routing.Standard)
+	submitMany(t, dispatchedBy(js, "enc"), backlog, routing.Standard)
 
 	// One encode worker, admission open (no denoise pool in this test).
 	acli := newClient()
@@ -147,6 +160,8 @@ func claimAtScale(t *testing.T, backlog int) EtcdOpCounts {
 	cfg.TransferMode = jobs.P2P
 	cfg.HTTPListen, cfg.AdminListen = "", ""
 	cfg.Logger = zaptest.NewLogger(t)
+	cfg.Jobs.Now = jc.Now // its submissions are dated as the test's
+	cfg.CondCacheBytes = 0 // every submission queues an encode, none finds its texts cached
 	a, err := agent.New(cfg, acli)
 	if err != nil {
 		t.Fatal(err)
@@ -155,8 +170,8 @@ func claimAtScale(t *testing.T, backlog int) EtcdOpCounts {
 	if err := a.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
-	// What claims cost once the agent runs (its queue view loaded, which
-	// reads the queue once): over 40 claims after its first 10.
+	// What claims cost once the agent runs (its ledger loaded, which reads
+	// the queue once): over 40 claims after its first 10.
 	waitFor(t, 60*time.Second, "10 claims", func() bool { return ops.Snap().Claims >= 10 })
 	start := ops.Snap()
 	waitFor(t, 60*time.Second, "40 claims", func() bool { return ops.Snap().Claims-start.Claims >= 40 })
@@ -166,7 +181,7 @@ func claimAtScale(t *testing.T, backlog int) EtcdOpCounts {
 		backlog, cost.Claims, cost.ClaimTxns, cost.Requests(), cost.Reads, cost.Writes, cost.Txns, cost.Watches, cost.KeysRead)
 
 	// A new interactive task is claimed within a second.
-	fresh := submitMany(t, js, 1, routing.Interactive)[0]
+	fresh := submitMany(t, a.Submit, 1, routing.Interactive)[0]
 	submitted := time.Now()
 	waitFor(t, 10*time.Second, "new interactive task claimed", func() bool { return claimed(t, js, fresh) })
 	t.Logf("backlog %d: a new interactive task claimed %v after its submission", backlog, time.Since(submitted).Round(time.Millisecond))
@@ -178,11 +193,11 @@ func claimAtScale(t *testing.T, backlog int) EtcdOpCounts {
 		// 1,000 fresh interactive tasks, then a batch task that waited two
 		// aging steps: it ranks with them and, older, goes first; one just
 		// queued does not.
-		submitMany(t, js, 1000, routing.Interactive)
+		submitMany(t, a.Submit, 1000, routing.Interactive)
 		ago.Store(int64(2*cfg.Queue.AgingStep + time.Second))
-		aged := submitMany(t, js, 1, routing.Batch)[0]
+		aged := submitMany(t, a.Submit, 1, routing.Batch)[0]
 		ago.Store(0)
-		young := submitMany(t, js, 1, routing.Batch)[0]
+		young := submitMany(t, a.Submit, 1, routing.Batch)[0]
 		waitFor(t, 30*time.Second, "aged batch task claimed", func() bool { return claimed(t, js, aged) })
 		pend, _, err = js.Pending(ctx, jobs.Encode)
 		if err != nil {

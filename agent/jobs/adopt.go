@@ -15,13 +15,12 @@ import (
 // with itself as dispatcher, which ends the old dispatcher's part should
 // it come back (its ledger sees the rewrite).
 
-// Orphans reads the waiting tasks of stage (held by no claim that live
-// shows on its lease) whose dispatcher (for a task from before
-// Task.Dispatcher, its producer) live does not show on any lease (0),
-// except those of node itself. A task held by a live claim needs no
-// dispatcher: its holder commits it, or gives it back, and a later sweep
-// finds it then.
-func (s *Store) Orphans(ctx context.Context, stage Stage, node string, live func(node string, lease int64) bool) ([]Task, error) {
+// Orphans reads the waiting tasks of stage (held by no claim that held
+// says stands) whose dispatcher (for a task from before Task.Dispatcher,
+// its producer) alive does not show, except those of node itself. A task
+// held by a standing claim needs no dispatcher: its holder commits it, or
+// gives it back, and a later sweep finds it then.
+func (s *Store) Orphans(ctx context.Context, stage Stage, node string, alive func(node string) bool, held func(node string, lease int64) bool) ([]Task, error) {
 	tasks, _, err := s.readQueue(ctx, stage)
 	if err != nil {
 		return nil, err
@@ -32,7 +31,7 @@ func (s *Store) Orphans(ctx context.Context, stage Stage, node string, live func
 		if d == "" {
 			d = t.Producer()
 		}
-		if d != node && !live(d, 0) && (t.Holder == "" || !live(t.Holder, t.HolderLease)) {
+		if d != node && !alive(d) && (t.Holder == "" || !held(t.Holder, t.HolderLease)) {
 			out = append(out, t)
 		}
 	}

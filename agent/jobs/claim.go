@@ -145,7 +145,8 @@ func (s *Store) claim(ctx context.Context, t Task, to *Push, pushed bool) (*Clai
 		claimed.Hint = to.Node
 	}
 	ck := s.heldKey(&claimed)
-	resp, err := s.cli.Txn(ctx).If(s.unheld(&t)...).
+	cmps := append(s.unheld(&t), clientv3.Compare(clientv3.CreateRevision(ck), "=", 0))
+	resp, err := s.cli.Txn(ctx).If(cmps...).
 		Then(append(s.claimOps(&claimed, pushed, now),
 			// The job record, for the commit (Claim.job).
 			clientv3.OpGet(s.jobKey(t.JobID)))...).

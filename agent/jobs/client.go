@@ -28,7 +28,9 @@ func (s *Store) Submit(ctx context.Context, spec engine.Spec, opt Options) (Job,
 }
 
 // SubmitTask is Submit, returning the first task as written too: its
-// dispatcher (Options.Dispatcher) follows it (Fed.Add).
+// dispatcher (Options.Dispatcher) follows it (Fed.Add). After a
+// transaction that got no answer it returns the task's key and stage with
+// the error: the task may exist.
 func (s *Store) SubmitTask(ctx context.Context, spec engine.Spec, opt Options) (Job, Task, error) {
 	class := opt.Class
 	if !class.Valid() {
@@ -97,7 +99,9 @@ func (s *Store) SubmitTask(ctx context.Context, spec engine.Spec, opt Options) (
 			continue
 		}
 		if err != nil {
-			return Job{}, Task{}, fmt.Errorf("jobs: submit: %w", err)
+			// It may have been written all the same: the caller may follow
+			// its key (Fed.Add of a task at revision 0 asks etcd first).
+			return Job{}, Task{Key: t.Key, Stage: t.Stage}, fmt.Errorf("jobs: submit: %w", err)
 		}
 		if !resp.Succeeded {
 			return Job{}, Task{}, fmt.Errorf("jobs: submit: job id %s collided", t.JobID)

@@ -63,6 +63,12 @@ type followed struct {
 	// always, its content (ID set) once a write of it has been seen or
 	// read, and its Holder and HolderLease from the push that created it.
 	task Task
+	// refused is set when handing the task on was refused while the
+	// ledger saw no change (a claim whose holder looks gone is still
+	// there, until its lease ends): Waiting skips it until then, or until
+	// the task is rewritten.
+	refused time.Time
+	backoff time.Duration
 }
 
 // NewFed returns the ledger of node's tasks in stage, whose watches end
@@ -114,7 +120,8 @@ func (f *Fed) dispatches(t *Task) bool {
 }
 
 // Add follows task t, written at revision t.Rev, until it goes: a task
-// this node submitted or adopted.
+// this node submitted or adopted (t.Rev 0, or t's content unknown: a
+// submit that got no answer; etcd is asked first).
 func (f *Fed) Add(t Task) { f.add(t, t.Rev, "") }
 
 // add counts task t (its Key at least), which existed at revision rev (0:
@@ -137,6 +144,7 @@ func (f *Fed) addLocked(t Task, rev int64, pushedTo string) {
 	ctx, cancel := context.WithCancel(f.ctx)
 	f.live[t.Key] = &followed{stop: cancel, pushedTo: pushedTo, task: t}
 	f.wg.Go(func() { f.follow(ctx, t.Key, rev) })
+	f.notifyLocked() // a task to dispatch, maybe
 }
 
 // Count is how many of the tasks this node fed are not gone, and Synced
@@ -157,8 +165,9 @@ func (f *Fed) Seen() int64 {
 	return f.seen
 }
 
-// Changed returns a channel closed when a task counted goes. Take it before
-// Count, so that a change in between is not missed.
+// Changed returns a channel closed when a task is added, rewritten or goes.
+// Take it before Count or Waiting, so that a change in between is not
+// missed.
 func (f *Fed) Changed() <-chan struct{} {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -204,8 +213,20 @@ func (f *Fed) rewritten(key string, kv *mvccpb.KeyValue) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if e, ok := f.live[key]; ok && e.task.Rev <= t.Rev {
-		e.task = t
+		e.task, e.refused, e.backoff = t, time.Time{}, 0
 		f.notifyLocked()
+	}
+}
+
+// Refused records that handing t on was refused though the ledger saw no
+// change: Waiting skips it for a while (doubling, up to 10 s), or until
+// the task is rewritten.
+func (f *Fed) Refused(t Task) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if e, ok := f.live[t.Key]; ok && e.task.Rev == t.Rev {
+		e.backoff = min(max(2*e.backoff, 250*time.Millisecond), 10*time.Second)
+		e.refused = time.Now().Add(e.backoff)
 	}
 }
 
@@ -217,10 +238,11 @@ func (f *Fed) rewritten(key string, kv *mvccpb.KeyValue) {
 func (f *Fed) Waiting(ctx context.Context, live func(node string, lease int64) bool) []Task {
 	var out []Task
 	var unknown []string
+	now := time.Now()
 	f.mu.Lock()
 	for key, e := range f.live {
 		t := e.task
-		if t.Holder != "" && live(t.Holder, t.HolderLease) {
+		if (t.Holder != "" && live(t.Holder, t.HolderLease)) || now.Before(e.refused) {
 			continue
 		}
 		if t.ID == "" {
@@ -361,6 +383,7 @@ func (e *Expected) keep(rev int64) {
 	}
 	f.live[e.task.Key] = &followed{stop: e.cancel, pushedTo: e.pushed, task: e.task}
 	f.wg.Go(func() { f.followFrom(e.ctx, e.task.Key, rev, e.wch, late) })
+	f.notifyLocked() // a task to dispatch, maybe
 }
 
 // follow follows the task at key, which existed at rev, until its

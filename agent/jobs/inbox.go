@@ -93,6 +93,20 @@ func (q *Inbox) Pushed(lease clientv3.LeaseID) []*Claim {
 	return out
 }
 
+// Waiting counts the claims pushed to this node on lease that its worker
+// has not taken: tasks queued here for a slot.
+func (q *Inbox) Waiting(lease clientv3.LeaseID) int {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n := 0
+	for id, c := range q.claims {
+		if rev, ok := q.taken[id]; c.rec.Pushed && c.lease == lease && lease != 0 && !(ok && rev == c.rev) {
+			n++
+		}
+	}
+	return n
+}
+
 // TaskGone returns a channel closed when the claim on task id leaves the
 // view: its stage committed (or failed, rewound), it was given back, its
 // lease ended, or its job was cancelled or deleted, which deletes the

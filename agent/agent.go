@@ -75,7 +75,7 @@ type Agent struct {
 	waiting atomic.Uint32
 	// leases says since when each node has been on its lease (liveOn).
 	leases leaseAges
-	cstore  *cache.Store // this node's part of the pooled Store
+	cstore *cache.Store // this node's part of the pooled Store
 	// board holds the steps of the stages running here, which progSrv
 	// serves to other agents (live.go): progress never goes to etcd.
 	board   *progress.Board

@@ -160,7 +160,7 @@ func claimAtScale(t *testing.T, backlog int) EtcdOpCounts {
 	cfg.TransferMode = jobs.P2P
 	cfg.HTTPListen, cfg.AdminListen = "", ""
 	cfg.Logger = zaptest.NewLogger(t)
-	cfg.Jobs.Now = jc.Now // its submissions are dated as the test's
+	cfg.Jobs.Now = jc.Now  // its submissions are dated as the test's
 	cfg.CondCacheBytes = 0 // every submission queues an encode, none finds its texts cached
 	a, err := agent.New(cfg, acli)
 	if err != nil {

@@ -57,7 +57,7 @@ func TestFedCountsOutputsUntilDone(t *testing.T) {
 	if n, m := fedCount(later), fedCount(other); n != 1 || m != 0 {
 		t.Fatalf("ledgers read from etcd: the producer's %d, another node's %d; want 1 and 0", n, m)
 	}
-	f.add(Task{Key: s.cfg.Prefix+"/queues/denoise/tasks/never-written"}, 0, "")
+	f.add(Task{Key: s.cfg.Prefix + "/queues/denoise/tasks/never-written"}, 0, "")
 	within(t, "a key never written dropped", func() bool { return fedCount(f) == 1 })
 	alive := func(string, int64) bool { return true }
 	if w := f.Waiting(ctx, alive); len(w) != 1 || w[0].Key != enc.Next.Key {

@@ -196,16 +196,16 @@ func (p QueuePolicy) Order(cands []Candidate, self string, now time.Time) (order
 }
 
 // Preempt decides whether worker self should give one of its running tasks
-// back to the queue for interactive work kept waiting. Every worker of a
-// stage decides from the same view of its queue, so they agree on who gives
-// way without a word between them:
+// back for interactive work kept waiting:
 //
-//   - queued are the stage's unclaimed tasks (any class); the interactive
-//     ones that have waited PreemptAfter are due, most urgent first;
+//   - queued are tasks waiting for a slot (any class): the agent passes the
+//     claims pushed to it, which a dispatcher with interactive work past
+//     its time sends to a worker running batch work; the interactive ones
+//     that have waited PreemptAfter are due, most urgent first;
 //   - a due task is already served by a slot freed for it: one per queued
-//     task preempted within PreemptGrace (its worker is claiming the due
+//     task preempted within PreemptGrace (its worker is taking the due
 //     task), so only the rest need a slot;
-//   - running are the stage's running tasks, each with its worker (Node);
+//   - running are the running tasks, each with its worker (Node);
 //     the victims are the batch tasks of workers that run nothing but batch
 //     work, served last first (the least aged loses the least);
 //   - the k-th due task that still needs a slot takes the k-th victim, if it
@@ -213,11 +213,11 @@ func (p QueuePolicy) Order(cands []Candidate, self string, now time.Time) (order
 //     interactive keeps its slot).
 //
 // self gives way only when its own task is matched: one due task costs one
-// batch task in the whole stage, not one per worker that sees it. It returns
-// "" when self has nothing to give, and then wake, the next time the answer
-// may change by the clock alone (a waiting task comes due, a freed slot's
-// grace ends; zero: never), so the caller sleeps until then rather than
-// polls. FIFO never preempts.
+// batch task, not one per worker that sees it. It returns "" when self has
+// nothing to give, and then wake, the next time the answer may change by
+// the clock alone (a waiting task comes due, a freed slot's grace ends;
+// zero: never), so the caller sleeps until then rather than polls. FIFO
+// never preempts.
 func (p QueuePolicy) Preempt(queued, running []Candidate, self string, now time.Time) (victim string, wake time.Time) {
 	if p.Scheduler == FIFO || p.PreemptAfter <= 0 {
 		return "", time.Time{}

@@ -103,7 +103,7 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 		}, []string{"class"}),
 		queueDepth: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "latentmesh_queue_depth",
-			Help: "Tasks waiting (unclaimed) in the mesh's queue, by stage and class; exported only by one agent per stage (the lowest node id serving it), so sum() over agents is the mesh's depth.",
+			Help: "Tasks waiting for a worker that this agent dispatches (its ledger), by stage and class; every task has one dispatcher, so sum() over agents is the mesh's depth.",
 		}, []string{"stage", "class"}),
 		freeCredits: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "latentmesh_free_credits",
@@ -332,17 +332,12 @@ func (m *Metrics) ObserveEtcd(op string, d time.Duration, code string) {
 	}
 }
 
-// SetQueueDepth sets the tasks waiting for stage s, by class; this agent
-// reports the stage's queue for the mesh.
+// SetQueueDepth sets the tasks of stage s waiting in this agent's ledger,
+// by class.
 func (m *Metrics) SetQueueDepth(s jobs.Stage, byClass map[routing.Class]int) {
 	for _, c := range routing.Classes() {
 		m.queueDepth.WithLabelValues(string(s), c.String()).Set(float64(byClass[c]))
 	}
-}
-
-// ClearQueueDepth removes stage s's depth: another agent reports it.
-func (m *Metrics) ClearQueueDepth(s jobs.Stage) {
-	m.queueDepth.DeletePartialMatch(prometheus.Labels{"stage": string(s)})
 }
 
 // SetCredits sets the credits this agent can still grant for stage s, and

@@ -377,9 +377,14 @@ func (s *sim) enqueue(t *task) {
 	} else {
 		st.q.push(t)
 	}
-	// The task key, and a pushed claim's key (its progress key is not
-	// under the queue's prefix), in one transaction: one event per view.
-	s.stageEvent(st, 1)
+	// The task key reaches its dispatcher's ledger (jobs.Fed, whose watch
+	// is made before the commit), and a pushed claim's key its worker's
+	// inbox.
+	if t.pushTo >= 0 {
+		s.stageEvent(st, 2)
+	} else {
+		s.stageEvent(st, 1)
+	}
 }
 
 // pushLanded is a claim pushed with its task (jobs.Push) reaching etcd:
@@ -531,7 +536,7 @@ func (s *sim) handedOver(t *task, to int32) {
 	s.hold(st, st.workers[t.pushTo], -1)
 	t.pushTo, t.hint, t.pushedAt = to, to, s.clk.now
 	s.claimLanded(st, t)
-	s.stageEvent(st, 1)
+	s.stageEvent(st, 3) // the old holder's inbox, the new one's, the dispatcher's ledger
 }
 
 // requeued is a give-back landing: the task is in the queue again, in its
@@ -542,21 +547,19 @@ func (s *sim) requeued(t *task) {
 	s.hold(st, st.workers[t.pushTo], -1)
 	t.claimed, t.pushTo = false, -1
 	st.q.insert(t)
-	s.stageEvent(st, 1)
+	s.stageEvent(st, 2) // the worker's inbox, the dispatcher's ledger
 }
 
-// stageEvent is a transaction that changes st's task or claim keys: n
-// events per follower (a stage's tasks and claims are under one prefix,
-// which a view follows with one watch, so one transaction is one event).
-// It reaches every agent whose queue view follows st, idle or busy: st's
-// workers (jobs.Queue; the previous stage's agents follow only the tasks
-// they fed, jobs.Fed, whose one event a task the commit that deletes it
-// charges). It wakes st's idle workers, and the previous stage's when
-// admission held them back; waking costs etcd nothing, they scan their
-// views in memory.
+// stageEvent is a transaction that changes st's task or claim keys, seen
+// by n watches: the task's dispatcher's (jobs.Fed follows the task's one
+// key) and the inboxes of the workers whose claims it writes or deletes
+// (jobs.Inbox follows a node's own claim keys); nobody follows a whole
+// stage. It wakes st's idle workers, and the previous stage's when
+// admission held them back (a model of their inboxes and grants moving;
+// waking costs etcd nothing).
 func (s *sim) stageEvent(st *stage, n int) {
 	now := s.clk.now
-	s.etcd.event(now, n*len(st.workers))
+	s.etcd.event(now, n)
 	if len(st.waiting) > 0 {
 		s.requestWake(st, now+s.etcd.watchLat(now))
 	}
@@ -631,17 +634,18 @@ func (s *sim) pickHint(st *stage, view bool) int32 {
 	return -1
 }
 
-// wake is a stage's waiting workers waking at once (their views changed):
-// each checks admission on the next stage's view, orders its own view's
-// unclaimed tasks, and the claims pushed to it, with
-// routing.QueuePolicy.Order, and starts a pushed one with no transaction
-// when it comes first, or else claims its first choice; losers of a race
-// (ErrTaken: the views lag etcd by a watch delivery) try their next
-// choice, as claimNext does. None of it reads etcd: only the claims (one
-// txn each, won or lost) reach it. Every worker with neither a hinted task
-// nor a pushed claim orders the same queue the same way, so Order is
-// called once for them and once per waiting worker that a task is hinted
-// or pushed to.
+// wake is a stage's waiting workers waking at once: each checks admission
+// on the next stage's backlog, orders the claims pushed to it with the
+// waiting tasks (routing.QueuePolicy.Order), and starts a pushed one with
+// no transaction when it comes first; else it grants its slot to the
+// dispatchers holding waiting tasks (agent/grants.go), and one hands it its
+// first choice (one claim txn, after one message; nobody races for it:
+// only a task's dispatcher hands it on, agent/dispatch.go). The waiting
+// tasks of all dispatchers are one ordered queue here: each dispatcher
+// orders its own the same way, and grants go to those that have work. None
+// of it reads etcd. Every worker with neither a hinted task nor a pushed
+// claim is handed from the same order, so Order is called once for them
+// and once per waiting worker that a task is hinted or pushed to.
 func (s *sim) wake(st *stage) {
 	st.wakeAt = -1
 	now := s.clk.now
@@ -699,7 +703,8 @@ func (s *sim) wake(st *stage) {
 		}
 		s.takeOwn(st, t.hint, ordered, tnow, at)
 	}
-	// The rest race down the common order.
+	// The rest are handed the common order's next tasks, one each, by their
+	// dispatchers.
 	g, k := len(st.waiting), 0
 	for _, c := range ordered {
 		if g == 0 {
@@ -710,13 +715,15 @@ func (s *sim) wake(st *stage) {
 			continue
 		}
 		s.taken[i] = true
-		s.etcd.write(now, g) // every racer's TryClaim is a txn through raft
-		s.claimTxns += uint64(g)
-		s.conflicts += uint64(g - 1)
+		// A free worker grants its slot to a dispatcher with work waiting
+		// (one libp2p message), which hands it its best task: one claim
+		// txn, which nobody races (agent.dispatch, jobs.Store.Assign).
+		s.etcd.write(now, 1)
+		s.claimTxns++
 		winner := st.waiting[s.rng.IntN(g)]
 		s.removeWaiting(st, winner)
 		k++
-		s.claim(st, winner, s.tasks[i], now+time.Duration(k)*(at-now))
+		s.claim(st, winner, s.tasks[i], now+s.cfg.NetDelay+time.Duration(k)*(at-now))
 		g--
 	}
 	// Workers that lost every race wait on their views again: no etcd op.
@@ -765,10 +772,10 @@ func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time
 	}
 	i := idIndex(own[0].ID)
 	s.taken[i] = true
-	s.etcd.write(s.clk.now, 1)
+	s.etcd.write(s.clk.now, 1) // its dispatcher's Assign, after h's grant
 	s.claimTxns++
 	s.removeWaiting(st, h)
-	s.claim(st, h, s.tasks[i], at)
+	s.claim(st, h, s.tasks[i], at+s.cfg.NetDelay)
 }
 
 // pushID names the k-th claim pushed to a worker among its candidates
@@ -812,13 +819,13 @@ func (s *sim) start(st *stage, w int32, t *task) {
 			// ticket request.
 			s.pushedStarts[st.i]++
 		} else {
-			// The claim txn put the claim key and rewrote the task key (the
-			// progress key and the job record's read are in it too): one
-			// event per view. For a pulled input the producer checks the
+			// The dispatcher's claim txn put the claim key (the worker's
+			// inbox sees it) and rewrote the task key (the dispatcher's
+			// ledger sees it). For a pulled input the producer checks the
 			// claim before it issues a ticket (ClaimHolder, one read).
 			s.claimedStarts[st.i]++
 			s.hold(st, wk, 1)
-			s.stageEvent(st, 1)
+			s.stageEvent(st, 2)
 			if st.inBytes > 0 {
 				s.etcd.read(now, 1)
 				setup += s.etcd.readLat(now)
@@ -902,15 +909,15 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		s.etcd.write(now, 1)
 		// The job record changed: the client's long poll watches it.
 		s.etcd.event(now, 1)
-		// The task and its claim deleted: one event per view of the stage.
-		s.stageEvent(st, 1)
+		// The task and its claim deleted: the worker's inbox and the
+		// task's dispatcher's ledger see it.
+		s.stageEvent(st, 2)
 		if st.i > 0 {
 			// The consumed input's payload record is deleted: its
 			// producer's release watch (payloads/<producer>/) alone sees
 			// it. The new output's record is a put, which that watch
-			// filters out. And the task's deletion reaches its producer's
-			// ledger (jobs.Fed), which watches that one key.
-			s.etcd.event(now, 2)
+			// filters out.
+			s.etcd.event(now, 1)
 		}
 		if st.i == 2 {
 			// The result's object record: every Store watches objects/.

@@ -182,13 +182,22 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
 	ordered, _ := a.cfg.Queue.Order(cands, a.id, now)
 	waiting = len(tasks)
 	given := map[string]int{} // claims this pass pushed to each worker, which no count shows yet
+	// The kinds of task no worker had a slot for in this pass: the rest of
+	// that kind wait too, and are not looked at again (a long queue would
+	// cost a look at every worker per task on every change).
+	full := map[targetKind]bool{}
 	for _, c := range ordered {
 		t := byID[c.ID]
 		if t.NotBefore.After(now) {
 			continue // backing off after a failure
 		}
+		kind := kindOf(t, now, a.cfg.Queue.PreemptAfter)
+		if full[kind] {
+			continue
+		}
 		to := a.assignTarget(st, t, now, given)
 		if to == nil {
+			full[kind] = true
 			continue // no worker has a slot for it: the next free one grants
 		}
 		claim, err := a.store.Assign(ctx, t, to)
@@ -209,6 +218,19 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
 		}
 	}
 	return waiting
+}
+
+// targetKind is what assignTarget's choice depends on besides the
+// workers: a task's model and adapter, and whether it is interactive work
+// due for preemption.
+type targetKind struct {
+	model, adapter string
+	due            bool
+}
+
+func kindOf(t jobs.Task, now time.Time, preemptAfter time.Duration) targetKind {
+	due := preemptAfter > 0 && t.Class == routing.Interactive && !now.Before(t.EnqueuedAt.Add(preemptAfter))
+	return targetKind{model: t.Spec.ModelName(), adapter: t.Spec.Adapter, due: due}
 }
 
 // assignTarget chooses the worker waiting task t goes to: pickWorker's

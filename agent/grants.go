@@ -2,7 +2,9 @@ package agent
 
 import (
 	"context"
+	"math/rand/v2"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/libp2p/go-libp2p/core/peer"
@@ -83,6 +85,72 @@ func (a *Agent) grantFreed(st jobs.Stage, fed string, pushed bool) {
 	for _, node := range routing.GrantTo(producers, fed, pushed, nil) {
 		a.sendGrant(records[node], st, free)
 	}
+}
+
+// grantIdleEvery is how often an idle worker grants its free slots again to
+// one dispatcher that still shows work waiting.
+const grantIdleEvery = routing.GrantTTL / 4
+
+// grantIdle grants this node's free slots of st to up to two dispatchers
+// gossip shows with tasks of st waiting, each at most once per
+// grantIdleEvery: a worker whose loop finds nothing to start. The grant a
+// slot's end sends (grantFreed) goes nowhere while admission holds the
+// stage back, and a dispatcher otherwise learns of the slot only from
+// gossip, a round or two later.
+func (a *Agent) grantIdle(st jobs.Stage) {
+	if a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() {
+		return
+	}
+	_, free := a.slots(st)
+	if free <= 0 {
+		return
+	}
+	now := time.Now()
+	var waiting []gossip.Peer
+	for _, p := range a.member.Peers() {
+		if p.Alive && p.Record.ID != a.id && p.Meta.Waiting&gossip.StageBit(string(st)) != 0 {
+			waiting = append(waiting, p)
+		}
+	}
+	rand.Shuffle(len(waiting), func(i, j int) { waiting[i], waiting[j] = waiting[j], waiting[i] })
+	sent := 0
+	for _, p := range waiting {
+		if sent == 2 {
+			return
+		}
+		if a.idleGrants.due(p.Record.ID+"/"+string(st), now, grantIdleEvery) {
+			a.sendGrant(p.Record, st, free)
+			sent++
+		}
+	}
+}
+
+// throttle remembers when each key last acted.
+type throttle struct {
+	mu   sync.Mutex
+	last map[string]time.Time
+}
+
+// due reports whether key last acted at least every ago (and notes that it
+// acts now), forgetting keys long quiet.
+func (t *throttle) due(key string, now time.Time, every time.Duration) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.last == nil {
+		t.last = map[string]time.Time{}
+	}
+	if now.Sub(t.last[key]) < every {
+		return false
+	}
+	if len(t.last) > 1024 {
+		for k, at := range t.last {
+			if now.Sub(at) > every {
+				delete(t.last, k)
+			}
+		}
+	}
+	t.last[key] = now
+	return true
 }
 
 // sendGrant sends rec's node a grant of free slots of st, in the background.

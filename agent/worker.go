@@ -200,6 +200,12 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			wake = earliest(wake, time.Now().Add(time.Second))
 			wake = earliest(wake, a.returnPushes(st, q))
 		}
+		if len(ordered) == 0 {
+			// A free slot and nothing pushed here: tell the dispatchers
+			// that have work waiting (a slot freed while admission held
+			// the stage back was granted to nobody).
+			a.grantIdle(st)
+		}
 		// An engine registering (or going) changes which tasks are ours:
 		// look again then too, not only when the inbox moves.
 		hb.Wait()

@@ -206,6 +206,7 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
 			f.Assigned(claim.Task, to.Node)
 			given[to.Node]++
 			waiting--
+			a.log.Debug("waiting task handed on", zap.String("job", t.JobID), zap.String("stage", string(st)), zap.String("to", to.Node))
 		case errors.Is(err, jobs.ErrTaken):
 			// Claimed, adopted or gone since the ledger saw it (the ledger
 			// hears of it), or its last holder's claim is still there.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
@@ -33,7 +32,7 @@ type runningTasks struct {
 type runningTask struct {
 	claim     *jobs.Claim
 	stop      context.CancelCauseFunc
-	handedOff *atomic.Bool // committed early: its consumer needs the tail, never stop it for a preemption
+	handedOff *handoffFlag // committed early: its consumer needs the tail, never stop it for a preemption
 	// yield, for a denoise whose engine checkpoints, stops it at a
 	// checkpoint instead of cancelling it; done is its context's end.
 	yield *yielder

@@ -314,7 +314,8 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	log.Debug("task started", zap.Int64("claim_rev", c.Rev), zap.Bool("pushed", c.Pushed), zap.Int64("fed_rev", a.fedSeen(st)))
 	a.recent.note(c.Task.JobID)
 	defer a.untrack(c)
-	var handedOff atomic.Bool // set once an early handoff committed the stage
+	defer a.inboxes[st].Done(c.Task.ID)
+	var handedOff handoffFlag // set once an early handoff committed the stage
 	var ran atomic.Bool       // set once run returned: no work is left to stop
 	ctx, stop := a.watchCancel(c, &handedOff, &ran)
 	defer stop()
@@ -679,6 +680,37 @@ func (a *Agent) releaseUncommitted(published []string, recordErr error) {
 	}
 }
 
+// handoffFlag is set once an early handoff committed a denoise, and says so
+// on a channel too.
+type handoffFlag struct {
+	set  atomic.Bool
+	once sync.Once
+	ch   chan struct{}
+	mu   sync.Mutex
+}
+
+func (h *handoffFlag) Load() bool { return h.set.Load() }
+
+// Store sets the flag (true; false is a no-op).
+func (h *handoffFlag) Store(v bool) {
+	if v {
+		h.set.Store(true)
+		h.once.Do(func() { close(h.done()) })
+	}
+}
+
+// Done is closed once the flag is set.
+func (h *handoffFlag) Done() <-chan struct{} { return h.done() }
+
+func (h *handoffFlag) done() chan struct{} {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.ch == nil {
+		h.ch = make(chan struct{})
+	}
+	return h.ch
+}
+
 // watchCancel returns a context for running c that ends when the task can
 // no longer commit, so its worker is freed at once instead of after the
 // stage: the job was cancelled, or this agent's lease changed (the claim
@@ -686,7 +718,7 @@ func (a *Agent) releaseUncommitted(published []string, recordErr error) {
 // also ends when the agent stops. stop ends the watching. Once ran is set
 // the work is done and a cancel is the commit's to find (it is fenced on
 // the job record), so the task leaving the queue costs no read.
-func (a *Agent) watchCancel(c *jobs.Claim, handedOff, ran *atomic.Bool) (ctx context.Context, stop func()) {
+func (a *Agent) watchCancel(c *jobs.Claim, handedOff *handoffFlag, ran *atomic.Bool) (ctx context.Context, stop func()) {
 	ctx, cancelCause := context.WithCancelCause(a.ctx)
 	cancel := func() { cancelCause(nil) }
 	rt := &runningTask{claim: c, stop: cancelCause, handedOff: handedOff, done: ctx.Done()}
@@ -701,34 +733,31 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff, ran *atomic.Bool) (ctx con
 	}
 	var wg sync.WaitGroup
 	wg.Go(func() {
-		// A cancel deletes the task's claim even while it runs, and this
-		// agent's inbox sees that: no watch of its own per task. The claim
-		// also goes when this worker's own commit deletes it (or its lease
-		// ends), and the inbox can hear of that before the commit's answer
-		// arrives: after run that is the commit, and while run goes on (an
-		// early handoff) the job record tells them apart.
+		// A cancel marks the task's claim cancelled even while it runs,
+		// and this agent's inbox sees that: no watch of its own per task.
+		// After an early handoff the claim is committed and gone: a
+		// cancel from then on shows only in the job record.
 		gone, forget := a.inboxes[c.Task.Stage].TaskGone(c.Task.ID)
 		defer forget()
 		select {
 		case <-gone:
+		case <-handedOff.Done():
 		case <-ctx.Done():
 			return
 		}
 		if ran.Load() {
 			return
 		}
-		j, err := a.store.Get(ctx, c.Task.JobID)
-		if errors.Is(err, jobs.ErrNotFound) || (err == nil && j.State == jobs.Cancelled) {
-			a.log.Info("job cancelled; stopping its task", zap.String("job", c.Task.JobID))
-			cancel()
-			return
-		}
-		if c.Task.Stage != jobs.Denoise {
-			return // committed here: nothing is left to stop
+		if !handedOff.Load() {
+			j, err := a.store.Get(ctx, c.Task.JobID)
+			if errors.Is(err, jobs.ErrNotFound) || (err == nil && j.State == jobs.Cancelled) {
+				a.log.Info("job cancelled; stopping its task", zap.String("job", c.Task.JobID))
+				cancel()
+			}
+			return // else its claim went with a lease: the lease watch below stops it
 		}
 		// An early handoff committed the denoise while its sampler
-		// finishes the tail for the decoder: a cancel from now on shows
-		// only in the job record.
+		// finishes the tail for the decoder.
 		if j, err := a.store.Wait(ctx, c.Task.JobID); err == nil && j.State == jobs.Cancelled {
 			a.log.Info("job cancelled; stopping the denoise tail", zap.String("job", c.Task.JobID))
 			cancel()
@@ -763,7 +792,7 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff, ran *atomic.Bool) (ctx con
 // handoff); err is then about the work after the commit.
 // staged collects the Store objects run staged, for the caller to abort
 // when the stage does not commit.
-func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
+func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *handoffFlag, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
 	ctx = withClaim(ctx, c) // the claim gets this worker the tickets for its inputs
 	spec := c.Task.Spec
 	switch c.Task.Stage {
@@ -874,7 +903,7 @@ func (a *Agent) output(c *jobs.Claim, ref transfer.Ref, hint string) (jobs.Outpu
 // decode stage starts pulling and decoding while the denoiser finishes the
 // remaining frames; if the denoiser then fails, it releases the payload and
 // the consumer's pull fails with "not found", which rewinds the job.
-func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *atomic.Bool, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
+func (a *Agent) denoise(ctx context.Context, c *jobs.Claim, handedOff *handoffFlag, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
 	spec := c.Task.Spec
 	if err := a.runAdapter(spec); err != nil {
 		return out, nil, false, err

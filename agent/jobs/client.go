@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -255,9 +256,11 @@ func (s *Store) waitOnce(ctx context.Context, id string) (job Job, done bool, er
 }
 
 // Cancel stops a job: its queued task, the task's claim and its unconsumed
-// inputs are deleted, and a worker running it will find its claim gone
-// when it tries to commit.
+// inputs are deleted, a marker beside the claim tells its holder's inbox
+// (which sees no deletions), and a worker running it will find its claim
+// gone when it tries to commit.
 func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
+	mark := true // tell the task's holder, on its lease (gone: no marker)
 	for {
 		rec, rev, err := s.getRecord(ctx, id)
 		if err != nil {
@@ -280,6 +283,11 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 				// would otherwise keep the claim as long as its lease.
 				if k := s.heldKey(&t); k != "" {
 					ops = append(ops, clientv3.OpDelete(k))
+					if mark && t.HolderLease != 0 {
+						// The holder's inbox takes puts only: a marker
+						// beside the claim tells it (Inbox).
+						ops = append(ops, clientv3.OpPut(k+cancelSuffix, "", clientv3.WithLease(clientv3.LeaseID(t.HolderLease))))
+					}
 				}
 				ops = append(ops, s.releaseOps(t.Inputs)...)
 			case !errors.Is(err, ErrNotFound):
@@ -298,6 +306,10 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 		}
 		ops = append(ops, put)
 		resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(s.jobKey(id)), "=", rev)).Then(ops...).Commit()
+		if cache.LeaseGone(err) && mark && len(ops) > 0 && hasMarker(ops) {
+			mark = false // the holder's lease, maybe: its claim went with it; the next try says
+			continue
+		}
 		if s.leaseGone(err, lease) {
 			continue
 		}
@@ -309,6 +321,16 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 		}
 		// The job moved on (a stage committed) between read and write: retry.
 	}
+}
+
+// hasMarker reports whether ops put a cancel marker.
+func hasMarker(ops []clientv3.Op) bool {
+	for _, op := range ops {
+		if op.IsPut() && strings.HasSuffix(string(op.KeyBytes()), cancelSuffix) {
+			return true
+		}
+	}
+	return false
 }
 
 func (s *Store) readTask(ctx context.Context, key string) (Task, error) {
@@ -353,19 +375,36 @@ func (s *Store) Pending(ctx context.Context, stage Stage) ([]Task, int64, error)
 }
 
 // Depth counts a stage's tasks, queued (unclaimed) and running (claimed), at
-// etcd revision rev: two range counts, for a status page asking about a
-// stage this agent has no Queue view of.
+// etcd revision rev: a count and a keys-only range, for a status page and
+// tools (nobody follows a whole stage).
 func (s *Store) Depth(ctx context.Context, stage Stage) (queued, running, rev int64, err error) {
 	resp, err := s.cli.Txn(ctx).Then(
 		clientv3.OpGet(s.taskPrefix(stage), clientv3.WithPrefix(), clientv3.WithCountOnly()),
-		clientv3.OpGet(s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithCountOnly()),
+		s.claimKeys(stage),
 	).Commit()
 	if err != nil {
 		return 0, 0, 0, fmt.Errorf("jobs: depth %s: %w", stage, err)
 	}
 	total := resp.Responses[0].GetResponseRange().Count
-	running = resp.Responses[1].GetResponseRange().Count
+	running = countClaims(resp.Responses[1].GetResponseRange().Kvs)
 	return total - running, running, resp.Header.Revision, nil
+}
+
+// claimKeys reads the names of stage's claim keys (cancel markers among
+// them: countClaims leaves those out).
+func (s *Store) claimKeys(stage Stage) clientv3.Op {
+	return clientv3.OpGet(s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithKeysOnly())
+}
+
+// countClaims counts the claim keys among kvs, leaving out cancel markers.
+func countClaims(kvs []*mvccpb.KeyValue) int64 {
+	n := int64(0)
+	for _, kv := range kvs {
+		if !strings.HasSuffix(string(kv.Key), cancelSuffix) {
+			n++
+		}
+	}
+	return n
 }
 
 // Frame is one decoded frame preview.

@@ -13,17 +13,20 @@ import (
 	"go.uber.org/zap"
 )
 
-// Inbox is a watch-fed view of the claims one node holds on one stage's
-// tasks: those pushed to it (by the task's creator, its dispatcher, or a
-// worker handing it over), which it starts without a transaction of its
-// own, and those it runs. It reads its claim keys once, then follows one
-// watch of their prefix from that read's revision. Every key under it is
-// this node's, so a job costs the inbox two events (its claim made, and
-// gone with the commit), whatever the size of the mesh: nobody watches a
-// whole stage. A watch that breaks resumes after the last revision seen;
-// one answered with a compaction (etcd compacted the gap, or etcdguard saw
-// etcd replaced) reads the claims again. Run owns the view's goroutine;
-// the other methods may be called from any goroutine.
+// Inbox is a watch-fed view of the claims pushed to one node on one
+// stage's tasks (by the task's creator, its dispatcher, or a worker
+// handing it over), which the node starts without a transaction of its
+// own. It reads its claim keys once, then follows one watch of their
+// prefix from that read's revision. Every key under it is this node's, and
+// the watch takes puts only: a job costs the inbox one event (its claim
+// pushed), whatever the size of the mesh; nobody watches a whole stage.
+// The claims' deletions are the node's own doing (its commit, a give-back,
+// a hand-over) or its lease's end, which it knows of, or a cancel, which
+// puts a marker beside the claim (<task>/cancel, on the node's lease; the
+// inbox deletes it once seen). A watch that breaks resumes after the last
+// revision seen; one answered with a compaction (etcd compacted the gap,
+// or etcdguard saw etcd replaced) reads the claims again. Run owns the
+// view's goroutine; the other methods may be called from any goroutine.
 type Inbox struct {
 	s     *Store
 	stage Stage
@@ -31,16 +34,20 @@ type Inbox struct {
 
 	// mu guards the fields below.
 	mu      sync.Mutex
-	claims  map[string]claimInfo // by task id
+	claims  map[string]claimInfo // pushed claims not taken yet, by task id
 	synced  bool                 // the claims have been read at least once
 	changed chan struct{}        // closed (and replaced) on every change
 	loads   int                  // full reads, for tests and status
 	// gone holds the channels of TaskGone waiters, by task id.
 	gone map[string][]chan struct{}
 	// taken are the pushed claims the worker has taken (Take), by task id,
-	// with the claim's revision, until their claim keys go.
+	// with the claim's revision, until it is done with them (Done): a read
+	// of the claims after a compaction must not offer them again.
 	taken map[string]int64
 }
+
+// cancelSuffix marks a cancel marker's key: <inbox>/<task>/cancel.
+const cancelSuffix = "/cancel"
 
 // claimInfo is what the view knows of a claim key.
 type claimInfo struct {
@@ -75,15 +82,17 @@ func (q *Inbox) Synced() bool {
 
 // Pushed returns the claims pushed to this node on lease (Push) that its
 // worker has not taken yet, each ready to run: the worker starts one by
-// calling Take, and gives one back with Store.Requeue or Store.HandOver.
-// Their StartedAt is when they were pushed; ClaimedAt is now.
+// calling Take, and gives one back with Store.Requeue or Store.HandOver
+// (taking it first). Their StartedAt is when they were pushed; ClaimedAt
+// is now. Claims on another lease went with it (a read after a compaction
+// forgets them).
 func (q *Inbox) Pushed(lease clientv3.LeaseID) []*Claim {
 	now := q.s.cfg.Now()
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	var out []*Claim
-	for id, c := range q.claims {
-		if rev, ok := q.taken[id]; !c.rec.Pushed || c.rec.Of == nil || c.lease != lease || lease == 0 || (ok && rev == c.rev) {
+	for _, c := range q.claims {
+		if c.lease != lease || lease == 0 {
 			continue
 		}
 		t := *c.rec.Of
@@ -99,18 +108,17 @@ func (q *Inbox) Waiting(lease clientv3.LeaseID) int {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	n := 0
-	for id, c := range q.claims {
-		if rev, ok := q.taken[id]; c.rec.Pushed && c.lease == lease && lease != 0 && !(ok && rev == c.rev) {
+	for _, c := range q.claims {
+		if c.lease == lease && lease != 0 {
 			n++
 		}
 	}
 	return n
 }
 
-// TaskGone returns a channel closed when the claim on task id leaves the
-// view: its stage committed (or failed, rewound), it was given back, its
-// lease ended, or its job was cancelled or deleted, which deletes the
-// claim even while the task runs. A worker running the task learns of a
+// TaskGone returns a channel closed when task id's job is cancelled (its
+// claim's cancel marker arrives), or when a read of the claims after a
+// compaction finds its claim gone. A worker running the task learns of a
 // cancel from it, with no watch of its own. stop forgets the waiter.
 func (q *Inbox) TaskGone(id string) (gone <-chan struct{}, stop func()) {
 	ch := make(chan struct{})
@@ -143,20 +151,21 @@ func (q *Inbox) goneLocked(id string) {
 	delete(q.gone, id)
 }
 
-// Held counts the claims this node holds on the stage's tasks: those it
-// runs and those pushed to it that it has yet to start.
-func (q *Inbox) Held() int {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	return len(q.claims)
-}
-
-// Take marks pushed claim c as started, so Pushed no longer returns it.
-// Only the stage's worker loop takes claims, so one is taken once.
+// Take marks pushed claim c as started (or given back), so Pushed no
+// longer returns it. Only the stage's worker loop takes claims, so one is
+// taken once.
 func (q *Inbox) Take(c *Claim) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
+	delete(q.claims, c.Task.ID)
 	q.taken[c.Task.ID] = c.Rev
+}
+
+// Done forgets task id, which the worker took and is done with.
+func (q *Inbox) Done(id string) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	delete(q.taken, id)
 }
 
 // Loads counts the view's full reads (one at start, one per compaction or
@@ -198,7 +207,7 @@ func (q *Inbox) follow(ctx context.Context, rev int64, log *zap.Logger) {
 	next := rev + 1
 	for ctx.Err() == nil {
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		wch := q.s.cli.Watch(wctx, q.s.inboxPrefix(q.stage, q.node), clientv3.WithPrefix(), clientv3.WithRev(next))
+		wch := q.s.cli.Watch(wctx, q.s.inboxPrefix(q.stage, q.node), clientv3.WithPrefix(), clientv3.WithRev(next), clientv3.WithFilterDelete())
 		resync := false
 	events:
 		for {
@@ -218,7 +227,9 @@ func (q *Inbox) follow(ctx context.Context, rev int64, log *zap.Logger) {
 			case wr.Canceled || wr.Err() != nil:
 				break events
 			}
-			q.apply(wr.Events)
+			for _, key := range q.apply(wr.Events) {
+				q.dropMarker(ctx, key, log)
+			}
 			if wr.Header.Revision > 0 {
 				next = max(next, wr.Header.Revision+1)
 			}
@@ -231,25 +242,49 @@ func (q *Inbox) follow(ctx context.Context, rev int64, log *zap.Logger) {
 	}
 }
 
-// apply updates the view with watch events.
-func (q *Inbox) apply(evs []*clientv3.Event) {
+// apply updates the view with watch events (puts), and returns the cancel
+// markers among them, to delete.
+func (q *Inbox) apply(evs []*clientv3.Event) (markers []string) {
 	if len(evs) == 0 {
-		return
+		return nil
 	}
 	prefix := q.s.inboxPrefix(q.stage, q.node)
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	for _, ev := range evs {
-		id := strings.TrimPrefix(string(ev.Kv.Key), prefix)
 		if ev.Type == clientv3.EventTypeDelete {
-			delete(q.claims, id)
-			delete(q.taken, id)
-			q.goneLocked(id)
+			continue // the watch filters them; a read after a compaction sees what is left
+		}
+		id := strings.TrimPrefix(string(ev.Kv.Key), prefix)
+		if task, ok := strings.CutSuffix(id, cancelSuffix); ok {
+			delete(q.claims, task)
+			q.goneLocked(task)
+			markers = append(markers, string(ev.Kv.Key))
 			continue
 		}
-		q.claims[id] = q.decodeClaim(ev.Kv)
+		q.offerLocked(id, ev.Kv)
 	}
 	q.notifyLocked()
+	return markers
+}
+
+// offerLocked takes the claim at kv, on task id, into the view if it is a
+// pushed claim the worker has not taken.
+func (q *Inbox) offerLocked(id string, kv *mvccpb.KeyValue) {
+	c := q.decodeClaim(kv)
+	if rev, ok := q.taken[id]; !c.rec.Pushed || c.rec.Of == nil || (ok && rev == c.rev) {
+		return // the worker's own claim, or one it took
+	}
+	q.claims[id] = c
+}
+
+// dropMarker deletes a cancel marker the inbox has seen.
+func (q *Inbox) dropMarker(ctx context.Context, key string, log *zap.Logger) {
+	dctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if _, err := q.s.cli.Delete(dctx, key); err != nil {
+		log.Debug("cancel marker left until the lease ends", zap.String("key", key), zap.Error(err))
+	}
 }
 
 // decodeClaim reads a claim key. One the view cannot read still counts as
@@ -273,20 +308,23 @@ func (q *Inbox) load(ctx context.Context) (int64, error) {
 	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	claims, taken := map[string]claimInfo{}, map[string]int64{}
+	present := map[string]bool{}
+	q.claims = map[string]claimInfo{}
 	for _, kv := range resp.Kvs {
-		id, c := strings.TrimPrefix(string(kv.Key), prefix), q.decodeClaim(kv)
-		claims[id] = c
-		if rev, ok := q.taken[id]; ok && rev == c.rev {
-			taken[id] = rev // still claimed: still taken
+		id := strings.TrimPrefix(string(kv.Key), prefix)
+		if task, ok := strings.CutSuffix(id, cancelSuffix); ok {
+			q.goneLocked(task) // cancelled in the history the view missed
+			continue
 		}
+		present[id] = true
+		q.offerLocked(id, kv)
 	}
 	for id := range q.gone {
-		if _, ok := claims[id]; !ok {
+		if !present[id] {
 			q.goneLocked(id) // deleted in the history the view missed
 		}
 	}
-	q.claims, q.taken, q.synced = claims, taken, true
+	q.synced = true
 	q.loads++
 	q.notifyLocked()
 	return resp.Header.Revision, nil

@@ -45,10 +45,10 @@ func within(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// An inbox sees the claims pushed to its node and no other node's: a push
-// to another worker, a claim that worker makes itself, and that claim's
-// end reach only that worker's inbox; the node's own push arrives with
-// its task, and goes with the lease it lives on.
+// An inbox sees the claims pushed to its node and no other node's, each
+// with its task; a cancel reaches the holder's inbox by a marker, which
+// the inbox deletes once seen; a claim on a lease that ended is forgotten
+// when the worker asks on its new one, and its task waits again.
 func TestInboxSeesOnlyItsNode(t *testing.T) {
 	s, cli := newStore(t)
 	ctx := context.Background()
@@ -57,31 +57,50 @@ func TestInboxSeesOnlyItsNode(t *testing.T) {
 	if _, err := s.Submit(ctx, spec(), Options{Class: routing.Interactive, Push: &Push{Node: "enc-2", Lease: otherLease}}); err != nil {
 		t.Fatal(err)
 	}
-	within(t, "the other's push", func() bool { return other.Held() == 1 })
+	within(t, "the other's push", func() bool { return other.Waiting(otherLease) == 1 })
+	cancelled, err := s.Submit(ctx, spec(), Options{Class: routing.Interactive, Push: &Push{Node: "enc-1", Lease: lease}})
+	if err != nil {
+		t.Fatal(err)
+	}
 	job, err := s.Submit(ctx, spec(), Options{Class: routing.Interactive, Push: &Push{Node: "enc-1", Lease: lease}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	within(t, "this node's push", func() bool { return len(mine.Pushed(lease)) == 1 })
-	if mine.Held() != 1 || other.Held() != 1 || len(other.Pushed(lease)) != 0 {
-		t.Fatalf("held %d and %d, want 1 each", mine.Held(), other.Held())
+	within(t, "this node's pushes", func() bool { return len(mine.Pushed(lease)) == 2 })
+	if mine.Waiting(lease) != 2 || other.Waiting(otherLease) != 1 || len(other.Pushed(lease)) != 0 {
+		t.Fatalf("waiting %d and %d, want 2 and 1", mine.Waiting(lease), other.Waiting(otherLease))
 	}
-	c := mine.Pushed(lease)[0]
-	if c.Task.JobID != job.ID || c.Task.Key == "" || c.Task.Holder != "enc-1" || c.Rev == 0 || c.Task.Rev != c.Rev {
+	var c *Claim
+	for _, p := range mine.Pushed(lease) {
+		if p.Task.JobID == cancelled.ID {
+			c = p
+		}
+	}
+	if c == nil || c.Task.Key == "" || c.Task.Holder != "enc-1" || c.Rev == 0 || c.Task.Rev != c.Rev {
 		t.Fatalf("pushed claim %+v", c)
 	}
 	gone, stop := mine.TaskGone(c.Task.ID)
 	defer stop()
-	if _, err := cli.Revoke(ctx, lease); err != nil {
+	if _, err := s.Cancel(ctx, cancelled.ID); err != nil {
 		t.Fatal(err)
 	}
 	select {
 	case <-gone:
 	case <-time.After(10 * time.Second):
-		t.Fatal("the claim did not go with its lease")
+		t.Fatal("the cancel did not reach the holder's inbox")
 	}
-	if mine.Held() != 0 || other.Held() != 1 {
-		t.Fatalf("after the lease ended: held %d and %d, want 0 and 1", mine.Held(), other.Held())
+	if n := mine.Waiting(lease); n != 1 {
+		t.Fatalf("after the cancel: %d waiting, want 1", n)
+	}
+	within(t, "the cancel marker deleted", func() bool {
+		resp, err := cli.Get(ctx, s.inboxPrefix(Encode, "enc-1"), clientv3.WithPrefix(), clientv3.WithCountOnly())
+		return err == nil && resp.Count == 1 // the other job's claim
+	})
+	if _, err := cli.Revoke(ctx, lease); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(mine.Pushed(grant(t, cli))); n != 0 {
+		t.Fatalf("%d claims offered on a new lease, want none", n)
 	}
 	// The task waits again: its holder's claim is gone.
 	if p := pending(t, s, Encode); len(p) != 1 || p[0].JobID != job.ID {
@@ -132,4 +151,11 @@ func (v *stageView) Depth() (queued, running int) {
 	return int(q), int(r)
 }
 
-func (v *stageView) HeldBy(node string) int { return v.inbox(node).Held() }
+// HeldBy counts node's claim keys of the stage in etcd.
+func (v *stageView) HeldBy(node string) int {
+	resp, err := v.s.cli.Get(context.Background(), v.s.inboxPrefix(v.stage, node), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		v.t.Fatal(err)
+	}
+	return int(resp.Count)
+}

@@ -56,8 +56,8 @@ func (s *Store) GetMany(ctx context.Context, ids []string) ([]Job, error) {
 }
 
 // ClassDepth counts a stage's tasks by class (queued or running) and how
-// many of them run, in one count-only transaction: what a status page shows
-// of a stage this agent does not follow.
+// many of them run, in one transaction of counts and a keys-only range:
+// what a status page shows of a stage.
 func (s *Store) ClassDepth(ctx context.Context, stage Stage) (byClass map[routing.Class]int64, running int64, err error) {
 	classes := routing.Classes()
 	ops := make([]clientv3.Op, 0, len(classes)+1)
@@ -65,7 +65,7 @@ func (s *Store) ClassDepth(ctx context.Context, stage Stage) (byClass map[routin
 		// Task keys are <taskPrefix><class number>/<ns>-<task> (taskKey).
 		ops = append(ops, clientv3.OpGet(s.taskPrefix(stage)+strconv.Itoa(int(c))+"/", clientv3.WithPrefix(), clientv3.WithCountOnly()))
 	}
-	ops = append(ops, clientv3.OpGet(s.claimPrefix(stage), clientv3.WithPrefix(), clientv3.WithCountOnly()))
+	ops = append(ops, s.claimKeys(stage))
 	resp, err := s.cli.Txn(ctx).Then(ops...).Commit()
 	if err != nil {
 		return nil, 0, fmt.Errorf("jobs: class depth %s: %w", stage, err)
@@ -74,5 +74,5 @@ func (s *Store) ClassDepth(ctx context.Context, stage Stage) (byClass map[routin
 	for i, c := range classes {
 		byClass[c] = resp.Responses[i].GetResponseRange().Count
 	}
-	return byClass, resp.Responses[len(classes)].GetResponseRange().Count, nil
+	return byClass, countClaims(resp.Responses[len(classes)].GetResponseRange().Kvs), nil
 }

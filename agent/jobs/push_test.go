@@ -55,11 +55,13 @@ func TestPushedClaims(t *testing.T) {
 	if err != nil || j.Progress == nil || j.Progress.Stage != Denoise || j.Progress.Node != "den-1" {
 		t.Fatalf("progress after the push: %+v %v", j.Progress, err)
 	}
-	// The pushed worker gives it back (it has no slot): the task is pending
-	// for anyone, its claim gone, and a give-back is not a failed attempt.
+	// The pushed worker gives it back (it has no slot), taking it out of
+	// its inbox as the agent does: the task waits for its dispatcher, its
+	// claim gone, and a give-back is not a failed attempt.
 	if err := s.Requeue(ctx, dc); err != nil {
 		t.Fatal(err)
 	}
+	den.Take(dc)
 	within(t, "given back", func() bool { return len(den.Pending()) == 1 && len(den.Pushed("den-1", denLease)) == 0 })
 	back := den.Pending()[0]
 	if back.Requeues != 1 || back.Attempt != 1 {
@@ -141,6 +143,7 @@ func TestHandOver(t *testing.T) {
 	if err := s.HandOver(ctx, c, &Push{Node: "enc-2", Lease: l2}); err != nil {
 		t.Fatal(err)
 	}
+	enc.Take(c) // as the agent does once its hand-over lands
 	within(t, "hand-over seen", func() bool { return len(enc.Pushed("enc-2", l2)) == 1 })
 	if n := len(enc.Pushed("enc-1", l1)); n != 0 || len(enc.Pending()) != 0 {
 		t.Fatalf("after the hand-over: %d offered to enc-1, %d pending", n, len(enc.Pending()))

@@ -235,8 +235,8 @@ func kindOf(t jobs.Task, now time.Time, preemptAfter time.Duration) targetKind {
 }
 
 // assignTarget chooses the worker waiting task t goes to: pickWorker's
-// choice among those with a free slot (by gossip, or a credit granted this
-// node: freeSlots, less what this pass gave each already), and
+// choice among those that granted this node a credit (granted, less what
+// this pass gave each already), and
 // for interactive work past its preemption time with none free, a worker
 // that runs batch work it can stop for it (NodeMeta.Yields; the worker's
 // preemption loop gives way for a claim pushed to it). nil: none.
@@ -248,7 +248,7 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 		}
 		s.Adapter = "" // nobody has it: any worker fails the job (runAdapter)
 	}
-	node := a.pickWorker(st, s, func(p gossip.Peer) int { return a.freeSlots(p, st) - given[p.Record.ID] })
+	node := a.pickWorker(st, s, func(p gossip.Peer) int { return a.granted(p, st, now) - given[p.Record.ID] })
 	if node == "" && a.cfg.Queue.PreemptAfter > 0 && t.Class == routing.Interactive && !now.Before(t.EnqueuedAt.Add(a.cfg.Queue.PreemptAfter)) {
 		node = a.pickWorker(st, s, func(p gossip.Peer) int {
 			if p.Meta.Yields&gossip.StageBit(string(st)) != 0 && given[p.Record.ID] == 0 {
@@ -264,10 +264,23 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 	if !ok || p.Lease == 0 {
 		return nil
 	}
-	if node != a.id && p.Meta.Free.For(string(st)) == 0 {
+	if node != a.id {
 		a.grants.Take(node, string(st), now) // against its grant: one credit spent
 	}
 	return &jobs.Push{Node: node, Lease: p.Lease}
+}
+
+// granted is how many waiting tasks of stage st this agent may hand to
+// peer p now: the credit p granted it (gossip's free slots are a round
+// or two late, and every dispatcher sees the same: each would push to the
+// same slot), or, for this node, its own free slots, which it knows
+// exactly.
+func (a *Agent) granted(p gossip.Peer, st jobs.Stage, now time.Time) int {
+	if p.Record.ID == a.id {
+		_, free := a.slots(st)
+		return free
+	}
+	return a.grants.Free(p.Record.ID, string(st), now)
 }
 
 // givingBack wraps give, a give-back of claim c (Requeue, Yield,

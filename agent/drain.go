@@ -177,7 +177,7 @@ func (a *Agent) preemptLoop(st jobs.Stage) {
 		}
 		// Wake when a task starts or ends, the queue moves, or the answer
 		// changes by the clock.
-		a.waitView(queueChanged, changed, wake)
+		a.waitView(queueChanged, changed, nil, wake)
 	}
 }
 

@@ -47,13 +47,17 @@ func (a *Agent) creditReturned(st jobs.Stage, worker string) {
 	}
 }
 
-// grantFreed grants this node's free slots of st to the nodes that feed
-// it (routing.GrantTo: fed, the producer of the task that just ended,
-// unless it pushed that task here and so has the credit back already, and
-// one other), when the stage takes work: not while draining, held back by
-// admission, or blocked. The others are the dispatchers gossip shows with
-// tasks of st waiting (NodeMeta.Waiting), which hand one here at once;
-// with none, the producers of the stage before.
+// grantFreed grants this node's free slots of st when a task of it ends,
+// when the stage takes work (not while draining, held back by admission,
+// or blocked). With dispatchers gossip shows holding tasks of st that
+// wait (NodeMeta.Waiting), the slot goes to one of them, which hands it a
+// task at once: fed, the producer of the task that just ended, if it is
+// one (it has the credit back from its own ledger if it pushed that task,
+// and is sent nothing), else one at random. A dispatcher hands waiting
+// work on only against such a grant, so one slot granted twice would be
+// one task pushed to a busy worker. With none waiting, the producers of
+// the stage before get it as a hint for their next push
+// (routing.GrantTo: fed and one other).
 func (a *Agent) grantFreed(st jobs.Stage, fed string, pushed bool) {
 	if a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() {
 		return
@@ -79,24 +83,32 @@ func (a *Agent) grantFreed(st jobs.Stage, fed string, pushed bool) {
 		}
 		records[p.Record.ID] = p.Record
 	}
-	if len(waiting) > 0 {
-		producers = waiting
+	if len(waiting) == 0 {
+		for _, node := range routing.GrantTo(producers, fed, pushed, nil) {
+			a.sendGrant(records[node], st, free)
+		}
+		return
 	}
-	for _, node := range routing.GrantTo(producers, fed, pushed, nil) {
-		a.sendGrant(records[node], st, free)
+	to := waiting[rand.IntN(len(waiting))]
+	if slices.Contains(waiting, fed) {
+		if pushed {
+			return // its ledger gave it the credit back
+		}
+		to = fed
 	}
+	a.idleGrants.due(to+"/"+string(st), time.Now(), grantIdleEvery) // grantIdle need not send it again
+	a.sendGrant(records[to], st, free)
 }
 
 // grantIdleEvery is how often an idle worker grants its free slots again to
 // one dispatcher that still shows work waiting.
 const grantIdleEvery = routing.GrantTTL / 4
 
-// grantIdle grants this node's free slots of st to up to two dispatchers
-// gossip shows with tasks of st waiting, each at most once per
-// grantIdleEvery: a worker whose loop finds nothing to start. The grant a
-// slot's end sends (grantFreed) goes nowhere while admission holds the
-// stage back, and a dispatcher otherwise learns of the slot only from
-// gossip, a round or two later.
+// grantIdle grants this node's free slots of st to one dispatcher gossip
+// shows with tasks of st waiting, at most once per grantIdleEvery for
+// each: a worker whose loop finds nothing to start. The grant a slot's
+// end sends (grantFreed) goes nowhere while admission holds the stage
+// back, and a dispatcher hands waiting work on only against a grant.
 func (a *Agent) grantIdle(st jobs.Stage) {
 	if a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() {
 		return
@@ -113,14 +125,10 @@ func (a *Agent) grantIdle(st jobs.Stage) {
 		}
 	}
 	rand.Shuffle(len(waiting), func(i, j int) { waiting[i], waiting[j] = waiting[j], waiting[i] })
-	sent := 0
 	for _, p := range waiting {
-		if sent == 2 {
-			return
-		}
 		if a.idleGrants.due(p.Record.ID+"/"+string(st), now, grantIdleEvery) {
 			a.sendGrant(p.Record, st, free)
-			sent++
+			return
 		}
 	}
 }

@@ -119,7 +119,7 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 	for _, c := range pushed {
 		stranded, at := a.cfg.Queue.Stranded(candidate(c.Task), now, canPreempt)
 		if stranded {
-			a.giveBack(q, c, a.handOverTo(st, c.Task.Spec), "interactive work this worker cannot make room for")
+			a.giveBack(q, c, nil, "interactive work this worker cannot make room for") // its dispatcher finds a worker that yields
 			continue
 		}
 		next = earliest(next, at)
@@ -128,9 +128,12 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 			next = earliest(next, due) // within the grace: nothing to ask yet
 			continue
 		}
-		to, others := a.handOverTarget(st, c.Task.Spec)
+		// Back to its dispatcher, which hands it to a worker that grants
+		// it a slot: a hand-over here could only go by gossip's free
+		// slots, which lag, and a worker they show free may be as busy.
+		_, others := a.handOverTarget(st, c.Task.Spec)
 		if a.cfg.Queue.GiveBack(c.StartedAt, now, others) {
-			a.giveBack(q, c, to, "no free slot")
+			a.giveBack(q, c, nil, "no free slot")
 			continue
 		}
 		// Due, but this is the stage's only worker: look again within a

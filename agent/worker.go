@@ -164,7 +164,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			// claim pushed here meanwhile may go to a worker that can start it.
 			wake := earliest(time.Now().Add(time.Second), a.returnPushes(st, q))
 			hb.Wait()
-			a.waitView(a.fed[down].Changed(), settled, wake)
+			a.waitView(a.fed[down].Changed(), settled, nil, wake)
 			continue
 		}
 		pushed := a.pushedClaims(st, q, lease) // claims made for this agent, to start without a transaction
@@ -200,22 +200,26 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			wake = earliest(wake, time.Now().Add(time.Second))
 			wake = earliest(wake, a.returnPushes(st, q))
 		}
+		var mesh <-chan struct{}
 		if len(ordered) == 0 {
-			// A free slot and nothing pushed here: tell the dispatchers
-			// that have work waiting (a slot freed while admission held
-			// the stage back was granted to nobody).
+			// A free slot and nothing pushed here: tell a dispatcher that
+			// has work waiting (a slot freed while admission held the
+			// stage back was granted to nobody), and look again when
+			// gossip shows another.
+			mesh = a.meshChanged.Wait()
 			a.grantIdle(st)
 		}
 		// An engine registering (or going) changes which tasks are ours:
 		// look again then too, not only when the inbox moves.
 		hb.Wait()
-		a.waitView(inboxChanged, engineChanged, wake)
+		a.waitView(inboxChanged, engineChanged, mesh, wake)
 	}
 }
 
-// waitView sleeps until a view (an inbox, a ledger) changes, other is closed (nil: never),
-// the deadline passes (zero: none), or the agent stops.
-func (a *Agent) waitView(changed, other <-chan struct{}, deadline time.Time) {
+// waitView sleeps until a view (an inbox, a ledger) changes, other or more
+// is closed (nil: never), the deadline passes (zero: none), or the agent
+// stops.
+func (a *Agent) waitView(changed, other, more <-chan struct{}, deadline time.Time) {
 	var timeout <-chan time.Time
 	if !deadline.IsZero() {
 		t := time.NewTimer(time.Until(deadline))
@@ -225,6 +229,7 @@ func (a *Agent) waitView(changed, other <-chan struct{}, deadline time.Time) {
 	select {
 	case <-changed:
 	case <-other:
+	case <-more:
 	case <-timeout:
 	case <-a.pullCtx.Done():
 	}

@@ -63,8 +63,9 @@ type Config struct {
 	// MaintainEvery is the period of the maintenance pass: reconcile held
 	// copies with the records, re-replicate objects that lost a holder,
 	// collect lost, expired and orphaned objects. A pass works from the
-	// records the Store's watch keeps in memory and reads none from etcd.
-	// A member leaving triggers a pass at once (Kick).
+	// records the Store's watch keeps in memory and reads none of them
+	// from etcd; the collector reads one page of records (OrphanBatch). A
+	// member leaving triggers a pass at once (Kick).
 	MaintainEvery time.Duration
 	// RepairTimeout bounds asking one member for a repair copy (plus a
 	// second per 64 MiB of the object): a paused or cut-off candidate costs
@@ -81,11 +82,12 @@ type Config struct {
 	// just restarted is the likeliest to go again (a crash loop, a flaky
 	// host), and a copy moved onto it each time is lost each time.
 	RecentJoin time.Duration
-	// OrphanBatch is the most objects the collector asks Orphans about in
-	// one pass, taken in id order from where the previous pass stopped:
-	// each question costs the agent reads of job records in etcd, so a
-	// pass costs the same however many objects are retained, and every
-	// object is asked about within ceil(objects/OrphanBatch) passes.
+	// OrphanBatch is the most records the collector reads, judges and
+	// asks Orphans about in one pass, taken in id order from where the
+	// previous pass stopped: each question costs the agent reads of job
+	// records in etcd, so a pass costs the same however many objects are
+	// retained, and every object is judged within
+	// ceil(objects/OrphanBatch) passes.
 	OrphanBatch int
 	// LostGrace is how long every holder of an object must have been
 	// gone (not alive in gossip and not registered in etcd, as the
@@ -152,7 +154,7 @@ func DefaultConfig() Config {
 		RepairRetry:    time.Second,      // a failed repair is tried again soon, not a period later
 		RepairParallel: 8,                // a departed holder's objects mend together
 		RecentJoin:     30 * time.Second, // longer than a restart loop's period
-		OrphanBatch:    500,              // at most 500 job records read a pass; 2,000 objects all asked about in 40 s
+		OrphanBatch:    500,              // at most 500 records and job records read a pass; 2,000 objects all judged in 40 s
 		LostGrace:      5 * time.Minute,  // outlasts partitions and stalls a holder recovers from
 		ExpiryGrace:    time.Minute,
 		MemoWait:       10 * time.Second, // a text encoder takes milliseconds to a second

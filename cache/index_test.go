@@ -17,12 +17,14 @@ import (
 )
 
 // countingKV counts the requests that go through an etcd client's KV, and
-// apart the range reads of object records. Reads under a context from
-// uncounted (the test's own) are not counted.
+// apart the range reads of object records, the collector's pages (reads
+// with a limit) apart again. Reads under a context from uncounted (the
+// test's own) are not counted.
 type countingKV struct {
 	clientv3.KV
 	requests atomic.Int64
-	ranges   atomic.Int64 // range reads under some <prefix>/objects/
+	ranges   atomic.Int64 // range reads under some <prefix>/objects/, but pages
+	pages    atomic.Int64 // range reads with a limit under some <prefix>/objects/
 }
 
 type uncountedKey struct{}
@@ -37,44 +39,44 @@ func (k *countingKV) install(cli *clientv3.Client) {
 	cli.KV = k
 }
 
-func (k *countingKV) count(ctx context.Context, rangeKey string) {
+func (k *countingKV) count(ctx context.Context, op clientv3.Op) {
 	if ctx.Value(uncountedKey{}) != nil {
 		return
 	}
 	k.requests.Add(1)
-	if strings.Contains(rangeKey, "/objects/") {
+	switch {
+	case !op.IsGet() || !strings.Contains(string(op.KeyBytes()), "/objects/"):
+	case op.Limit() > 0:
+		k.pages.Add(1)
+	default:
 		k.ranges.Add(1)
 	}
 }
 
 func (k *countingKV) Get(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
-	k.count(ctx, key)
+	k.count(ctx, clientv3.OpGet(key, opts...))
 	return k.KV.Get(ctx, key, opts...)
 }
 
 func (k *countingKV) Put(ctx context.Context, key, val string, opts ...clientv3.OpOption) (*clientv3.PutResponse, error) {
-	k.count(ctx, "")
+	k.count(ctx, clientv3.OpPut(key, val, opts...))
 	return k.KV.Put(ctx, key, val, opts...)
 }
 
 func (k *countingKV) Delete(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.DeleteResponse, error) {
-	k.count(ctx, "")
+	k.count(ctx, clientv3.OpDelete(key, opts...))
 	return k.KV.Delete(ctx, key, opts...)
 }
 
 func (k *countingKV) Do(ctx context.Context, op clientv3.Op) (clientv3.OpResponse, error) {
-	if op.IsGet() {
-		k.count(ctx, string(op.KeyBytes()))
-	} else {
-		k.count(ctx, "")
-	}
+	k.count(ctx, op)
 	return k.KV.Do(ctx, op)
 }
 
 // Txn counts a transaction as one request (the Store's are conditional
 // writes; none reads records).
 func (k *countingKV) Txn(ctx context.Context) clientv3.Txn {
-	k.count(ctx, "")
+	k.count(ctx, clientv3.Op{})
 	return k.KV.Txn(ctx)
 }
 
@@ -234,7 +236,7 @@ func indexMatches(t *testing.T, c *cluster, s *Store, rev int64, what string) {
 
 // The watch keeps the index current: records put, rewritten and deleted
 // through etcd appear in it, change and leave without any pass, and no
-// pass reads the records from etcd.
+// pass reads the records from etcd but the collector's page.
 func TestIndexFollowsWatch(t *testing.T) {
 	kv := &countingKV{}
 	c := newCluster(t, clusterConfig{nodes: 1, tune: quiet, client: kv.install})
@@ -345,9 +347,9 @@ func TestEtcdReplacedListsAgain(t *testing.T) {
 	w.resume()
 }
 
-// The collector asks Orphans about at most OrphanBatch objects a pass, in
-// a cycle that reaches every object within ceil(N/OrphanBatch) passes,
-// and never about an object the pass collects as expired.
+// The collector reads OrphanBatch records a pass and asks Orphans about
+// them, in a cycle that reaches every object within ceil(N/OrphanBatch)
+// passes, and never about an object the pass collects as expired.
 func TestOrphanCheckBatched(t *testing.T) {
 	const objects, batch = 23, 5
 	var mu sync.Mutex
@@ -362,7 +364,8 @@ func TestOrphanCheckBatched(t *testing.T) {
 		asked = append(asked, ids)
 		return nil, nil
 	}
-	c := newCluster(t, clusterConfig{nodes: 1, orphans: orphans, tune: func(cfg *Config) {
+	kv := &countingKV{}
+	c := newCluster(t, clusterConfig{nodes: 1, orphans: orphans, client: kv.install, tune: func(cfg *Config) {
 		quiet(cfg)
 		cfg.OrphanBatch = batch
 	}})
@@ -382,8 +385,9 @@ func TestOrphanCheckBatched(t *testing.T) {
 		rev = c.putRecord(ctx, rec)
 	}
 	indexMatches(t, c, s, rev, "index loaded")
+	reads := kv.pages.Load()
 
-	passes := (objects + batch - 1) / batch
+	passes := (objects + 2 + batch - 1) / batch
 	seen := map[string]bool{}
 	for p := range passes {
 		s.maintain(ctx)
@@ -415,6 +419,9 @@ func TestOrphanCheckBatched(t *testing.T) {
 	}
 	if st := s.LocalStats(); st.Collected != 2 {
 		t.Errorf("%d collected, want the 2 expired", st.Collected)
+	}
+	if n := kv.pages.Load() - reads; n != int64(passes) {
+		t.Errorf("%d passes read %d pages of records, want one each", passes, n)
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/zeebo/xxh3"
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -40,8 +41,9 @@ type Store struct {
 	orphans Orphans
 	hold    *holdings
 	ret     *Retention
-	idx     index // the records, fed by the watch; what maintenance reads
-	joins   joins // members' join times, for repair
+	idx     index     // the records, fed by the watch; what maintenance reads
+	joins   joins     // members' join times, for repair
+	coll    collector // the collector's state across passes
 	flights flights
 
 	memoHits, memoMisses atomic.Int64 // Memo's answers, ever
@@ -62,14 +64,6 @@ type Store struct {
 	endEpoch context.CancelFunc
 
 	repairs, collected, lost, puts, gets, reannounced atomic.Int64
-
-	collectMu sync.Mutex
-	// collectMu guards the collector's state across passes: goneSince,
-	// since when it has seen each holder named in a record gone
-	// (LostGrace), and orphansAfter, the id of the last object it asked
-	// Orphans about (the next pass starts after it).
-	goneSince    map[string]time.Time
-	orphansAfter string
 }
 
 // New builds a Store on the agent's etcd client, transfer service and
@@ -1076,13 +1070,19 @@ func (s *Store) List(ctx context.Context, idPrefix string) ([]Record, error) {
 // the revision of the read. A record that does not decode, or whose id is
 // not its key's, is left out.
 func (s *Store) list(ctx context.Context, idPrefix string) ([]*listed, int64, error) {
-	objects := ObjectsPrefix(s.cfg.Prefix)
-	resp, err := s.cli.Get(ctx, objects+idPrefix, clientv3.WithPrefix())
+	resp, err := s.cli.Get(ctx, ObjectKey(s.cfg.Prefix, idPrefix), clientv3.WithPrefix())
 	if err != nil {
 		return nil, 0, fmt.Errorf("cache: list objects: %w", err)
 	}
-	out := make([]*listed, 0, len(resp.Kvs))
-	for _, kv := range resp.Kvs {
+	return s.decodeListed(resp.Kvs), resp.Header.Revision, nil
+}
+
+// decodeListed decodes the records kvs (in key order), leaving out one
+// that does not decode, or whose id is not its key's.
+func (s *Store) decodeListed(kvs []*mvccpb.KeyValue) []*listed {
+	objects := ObjectsPrefix(s.cfg.Prefix)
+	out := make([]*listed, 0, len(kvs))
+	for _, kv := range kvs {
 		rec, err := decodeRecord(kv.Value)
 		if err == nil && rec.ID != strings.TrimPrefix(string(kv.Key), objects) {
 			err = fmt.Errorf("cache: record of %q at another key", rec.ID)
@@ -1093,5 +1093,5 @@ func (s *Store) list(ctx context.Context, idPrefix string) ([]*listed, int64, er
 		}
 		out = append(out, &listed{Record: rec, modRev: kv.ModRevision, lease: clientv3.LeaseID(kv.Lease)})
 	}
-	return out, resp.Header.Revision, nil
+	return out
 }

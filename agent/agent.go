@@ -643,7 +643,7 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 	}
 	first := jobs.Encode
 	if opts.Cond == nil {
-		if opts.Cond = a.cachedCond(spec); opts.Cond != nil {
+		if opts.Cond = a.cachedCond(ctx, spec); opts.Cond != nil {
 			first = jobs.Denoise // the conditioning is in the cache: no encode
 		}
 	}

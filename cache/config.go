@@ -51,6 +51,10 @@ type Config struct {
 	// producing (it holds the entry's flight key) before producing it
 	// itself: longer than producing one entry takes.
 	MemoWait time.Duration
+	// EntryTTL is how long Entry trusts an entry held on another node that
+	// it read from etcd, before it reads it again: an entry evicted
+	// meanwhile costs the job that found it a rewind.
+	EntryTTL time.Duration
 	// Replicas is R for objects whose put does not say: relayed latents,
 	// results. Cache objects default to one.
 	Replicas int
@@ -158,6 +162,7 @@ func DefaultConfig() Config {
 		LostGrace:      5 * time.Minute,  // outlasts partitions and stalls a holder recovers from
 		ExpiryGrace:    time.Minute,
 		MemoWait:       10 * time.Second, // a text encoder takes milliseconds to a second
+		EntryTTL:       2 * time.Second,  // a text every job asks for: one read per 2 s, not one per job
 		// Result images and small latents (a few KiB to tens of KiB) go
 		// inline; at 64 KiB copying through the stream still costs less
 		// than a pull's extra round trips (BenchmarkStagePut).
@@ -180,7 +185,7 @@ func (c Config) validate() (Config, error) {
 		return c, errors.New("cache: config: SpillCapacity needs a SpillDir")
 	case c.Replicas < 1 || c.Replicas > 8:
 		return c, fmt.Errorf("cache: config: Replicas %d not in [1,8]", c.Replicas)
-	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0 || c.MemoWait <= 0:
+	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0 || c.MemoWait <= 0 || c.EntryTTL < 0:
 		return c, errors.New("cache: config: timeouts must be positive (start from DefaultConfig)")
 	case c.RepairTimeout <= 0 || c.RepairRetry <= 0 || c.RepairParallel < 1 || c.RecentJoin < 0:
 		return c, errors.New("cache: config: RepairTimeout, RepairRetry and RepairParallel must be positive (start from DefaultConfig)")

@@ -40,7 +40,7 @@ func (s *Store) watchLoop() {
 			if err != nil {
 				if epoch.Err() == nil {
 					s.log.Warn("list objects", zap.Error(err))
-					s.pause(time.Second)
+					s.pause(s.ctx, time.Second)
 				}
 				continue
 			}
@@ -55,7 +55,7 @@ func (s *Store) watchLoop() {
 			replaced = false
 		}
 		if next = s.follow(epoch, next); next != 0 && epoch.Err() == nil {
-			s.pause(time.Second) // the watch broke (leader loss, etcd restart): re-establish
+			s.pause(s.ctx, time.Second) // the watch broke (leader loss, etcd restart): re-establish
 		}
 	}
 }
@@ -111,12 +111,13 @@ func (s *Store) applyResponse(wr clientv3.WatchResponse) int64 {
 	return rev
 }
 
-func (s *Store) pause(d time.Duration) {
+// pause waits d, or until ctx ends.
+func (s *Store) pause(ctx context.Context, d time.Duration) {
 	t := time.NewTimer(d)
 	defer t.Stop()
 	select {
 	case <-t.C:
-	case <-s.ctx.Done():
+	case <-ctx.Done():
 	}
 }
 

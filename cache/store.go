@@ -45,6 +45,7 @@ type Store struct {
 	joins   joins     // members' join times, for repair
 	coll    collector // the collector's state across passes
 	flights flights
+	recent  recentEntries // entries held elsewhere, as read lately (Entry)
 
 	memoHits, memoMisses atomic.Int64 // Memo's answers, ever
 
@@ -243,9 +244,9 @@ func (st *Staged) Op() clientv3.Op {
 // replaced once.
 func (st *Staged) Commit(ctx context.Context) error {
 	for try := 0; ; try++ {
-		op := st.Op()
-		_, err := st.s.cli.Do(ctx, op)
+		resp, err := st.s.cli.Do(ctx, st.Op())
 		if err == nil {
+			st.written(resp.Put().Header.Revision)
 			return nil
 		}
 		if try == 0 && LeaseGone(err) {
@@ -255,6 +256,15 @@ func (st *Staged) Commit(ctx context.Context) error {
 			continue
 		}
 		return fmt.Errorf("cache: commit %s: %w", st.Record.ID, err)
+	}
+}
+
+// written commits this node's own copies of a record the put wrote at
+// revision rev, as the record's watch will: the putter need not wait for
+// its watch to know (a Cache copy is evictable only once committed).
+func (st *Staged) written(rev int64) {
+	if ref, ok := st.Record.Holds(st.s.cfg.Node); ok {
+		st.s.hold.commit(ref.ID, rev)
 	}
 }
 
@@ -1048,6 +1058,7 @@ func (s *Store) DeleteOp(id string) clientv3.Op {
 // Delete frees object id; its holders drop their copies when they see the
 // record go.
 func (s *Store) Delete(ctx context.Context, id string) error {
+	s.recent.forget(id)
 	_, err := s.cli.Delete(ctx, ObjectKey(s.cfg.Prefix, id))
 	return err
 }

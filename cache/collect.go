@@ -17,8 +17,8 @@ import (
 // the records nobody will use: objects every holder of which has been gone
 // for LostGrace (lost), records past their retention plus ExpiryGrace
 // (etcd extends leases on a leader change), and objects the agent says
-// are orphans. The collector reads the records from etcd, not from its
-// Store's index (which is to hold only the records naming it): a page of
+// are orphans. No Store follows every record (each follows those that
+// name it, marker.go), so the collector reads them from etcd: a page of
 // OrphanBatch records a pass, in id order from where the last page ended,
 // wrapping round. Each of N records is judged within ceil(N/OrphanBatch)
 // passes, and a pass costs one read however many objects the mesh keeps.
@@ -33,7 +33,8 @@ type collector struct {
 }
 
 // collect judges the next page of records and deletes those that are
-// lost, expired or orphaned, each only if it is still the record read.
+// lost, expired or orphaned, each with its holders' markers and only if
+// it is still the record read.
 func (s *Store) collect(ctx context.Context, alive map[string]bool) {
 	page, wrapped, err := s.collectPage(ctx)
 	if err != nil {
@@ -88,9 +89,7 @@ func (s *Store) collect(ctx context.Context, alive map[string]bool) {
 		if reason == "" {
 			continue
 		}
-		key := ObjectKey(s.cfg.Prefix, l.ID)
-		resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", l.modRev)).Then(clientv3.OpDelete(key)).Commit()
-		if err != nil || !resp.Succeeded {
+		if resp, err := s.writeIf(ctx, l, nil); err != nil || !resp.Succeeded {
 			continue
 		}
 		if reason == "lost" {

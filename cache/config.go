@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -67,9 +68,9 @@ type Config struct {
 	// MaintainEvery is the period of the maintenance pass: reconcile held
 	// copies with the records, re-replicate objects that lost a holder,
 	// collect lost, expired and orphaned objects. A pass works from the
-	// records the Store's watch keeps in memory and reads none of them
-	// from etcd; the collector reads one page of records (OrphanBatch). A
-	// member leaving triggers a pass at once (Kick).
+	// records naming this node that its watches keep in memory and reads
+	// none of them from etcd; the collector reads one page of records
+	// (OrphanBatch). A member leaving triggers a pass at once (Kick).
 	MaintainEvery time.Duration
 	// RepairTimeout bounds asking one member for a repair copy (plus a
 	// second per 64 MiB of the object): a paused or cut-off candidate costs
@@ -177,6 +178,8 @@ func (c Config) validate() (Config, error) {
 	switch {
 	case c.Node == "":
 		return c, errors.New("cache: config: Node is empty")
+	case strings.Contains(c.Node, "/"):
+		return c, fmt.Errorf("cache: config: Node %q has a '/': it names the key prefix of its markers", c.Node)
 	case c.Prefix == "" || c.Prefix[0] != '/':
 		return c, fmt.Errorf("cache: config: prefix %q must start with /", c.Prefix)
 	case c.MemoryCapacity < 0 || c.SpillCapacity < 0 || c.CacheCapacity < 0 || c.CacheEntries < 0:

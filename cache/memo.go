@@ -57,8 +57,11 @@ func (s *Store) Entry(ctx context.Context, id string) (Record, bool) {
 // reports that it knows the entry, or that it is none.
 func (s *Store) knownEntry(id string) (rec Record, ok, known bool) {
 	s.idx.mu.Lock()
-	if l := lookup(s.idx.recs, id); l != nil {
-		rec, known = l.Record, true
+	if e := s.idx.getLocked(id); e != nil && e.rev != 0 { // a record that names this node, or did
+		known = true
+		if e.rec != nil {
+			rec = e.rec.Record
+		}
 	}
 	s.idx.mu.Unlock()
 	if !known {

@@ -131,8 +131,8 @@ func (a *Agent) condCaching() bool { return a.cfg.CondCacheBytes > 0 }
 // cachedCond is the conditioning of s if the cache holds all of it, as
 // the denoise task's inputs (Options.Cond): the entries of the encoder
 // version the live encoders of s's model register, found by the Store
-// (cache.Store.Entry: an etcd read for an entry held elsewhere, at most
-// one per EntryTTL). While they disagree (a rolling upgrade) nothing is
+// (cache.Store.Entry: an etcd read under ctx for an entry held elsewhere,
+// at most one per EntryTTL). While they disagree (a rolling upgrade) nothing is
 // looked up here: the encoder that runs the task looks up its own
 // version's. It counts the lookups that hit; a miss is counted where the
 // encode runs.
@@ -144,8 +144,6 @@ func (a *Agent) cachedCond(ctx context.Context, s engine.Spec) []jobs.Input {
 	if len(encs) != 1 {
 		return nil
 	}
-	ctx, cancel := context.WithTimeout(ctx, a.cfg.EtcdTimeout)
-	defer cancel()
 	var ins []jobs.Input
 	entries := condEntries(s, encs[0].Encoder, encs[0].SplitCond)
 	for _, e := range entries {

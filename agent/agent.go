@@ -653,23 +653,27 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 		a.metrics.JobRefused()
 		return jobs.Job{}, err
 	}
-	first := jobs.Encode
-	if opts.Cond == nil {
-		if opts.Cond = a.cachedCond(spec); opts.Cond != nil {
-			first = jobs.Denoise // the conditioning is in the cache: no encode
-		}
-	}
-	if opts.Push == nil {
-		// The first task goes, claimed, to a worker with a free slot.
-		_, opts.Push = a.pushTarget(first, spec)
-	}
-	if opts.Push != nil && opts.Cond != nil {
-		opts.Cond = a.issueTickets(opts.Cond, opts.Push.Node) // for the entries held here
-	}
 	opts.Dispatcher = a.id // a first task with no worker free waits in this agent's ledger
 	var j jobs.Job
 	var task jobs.Task
 	err = a.onEtcd(ctx, func(ctx context.Context) (err error) {
+		// The conditioning cache's lookup may read etcd (an entry held
+		// elsewhere): under the submit's deadline, so that an outage
+		// refuses the job within one EtcdTimeout.
+		if opts.Cond == nil {
+			opts.Cond = a.cachedCond(ctx, spec)
+		}
+		first := jobs.Encode
+		if len(opts.Cond) > 0 {
+			first = jobs.Denoise // the conditioning is in the cache: no encode
+		}
+		if opts.Push == nil {
+			// The first task goes, claimed, to a worker with a free slot.
+			_, opts.Push = a.pushTarget(first, spec)
+		}
+		if opts.Push != nil && opts.Cond != nil {
+			opts.Cond = a.issueTickets(opts.Cond, opts.Push.Node) // for the entries held here
+		}
 		j, task, err = a.store.SubmitTask(ctx, spec, opts)
 		return err
 	})

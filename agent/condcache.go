@@ -130,12 +130,13 @@ func (a *Agent) condCaching() bool { return a.cfg.CondCacheBytes > 0 }
 
 // cachedCond is the conditioning of s if the cache holds all of it, as
 // the denoise task's inputs (Options.Cond): the entries of the encoder
-// version the live encoders of s's model register, found in this agent's
-// index of the Store (no etcd read). While they disagree (a rolling
-// upgrade) nothing is looked up here: the encoder that runs the task looks
-// up its own version's. It counts the lookups that hit; a miss is counted
-// where the encode runs.
-func (a *Agent) cachedCond(s engine.Spec) []jobs.Input {
+// version the live encoders of s's model register, found by the Store
+// (cache.Store.Entry: an etcd read under ctx for an entry held elsewhere,
+// at most one per EntryTTL). While they disagree (a rolling upgrade) nothing is
+// looked up here: the encoder that runs the task looks up its own
+// version's. It counts the lookups that hit; a miss is counted where the
+// encode runs.
+func (a *Agent) cachedCond(ctx context.Context, s engine.Spec) []jobs.Input {
 	if !a.condCaching() {
 		return nil
 	}
@@ -146,7 +147,7 @@ func (a *Agent) cachedCond(s engine.Spec) []jobs.Input {
 	var ins []jobs.Input
 	entries := condEntries(s, encs[0].Encoder, encs[0].SplitCond)
 	for _, e := range entries {
-		rec, ok := a.cstore.Entry(e.id)
+		rec, ok := a.cstore.Entry(ctx, e.id)
 		if !ok {
 			return nil
 		}

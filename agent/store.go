@@ -157,7 +157,11 @@ func (a *Agent) inputRefs(ctx context.Context, ins []jobs.Input) (jobs.Input, []
 		}
 		return in, []transfer.Ref{ref}, err
 	}
-	rec, found := a.cstore.Entry(in.Payload) // a cache entry, from the index
+	var rec cache.Record
+	found := false
+	if in.Cached {
+		rec, found = a.cstore.Entry(ctx, in.Payload) // read at most once per EntryTTL
+	}
 	var err error
 	if !found {
 		rec, err = a.cstore.Lookup(ctx, in.Payload)

@@ -8,7 +8,6 @@ import (
 	"sync"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/transfer"
@@ -537,7 +536,7 @@ func (st *Staged) withdraw(ctx context.Context) error {
 		if err != nil || !st.namesOurs(rec) {
 			return nil
 		}
-		t, err := st.s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", resp.Kvs[0].ModRevision)).Then(clientv3.OpDelete(key)).Commit()
+		t, err := st.s.writeIf(ctx, &listed{Record: rec, modRev: resp.Kvs[0].ModRevision}, nil)
 		if err != nil {
 			return err
 		}

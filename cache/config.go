@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -51,6 +52,10 @@ type Config struct {
 	// producing (it holds the entry's flight key) before producing it
 	// itself: longer than producing one entry takes.
 	MemoWait time.Duration
+	// EntryTTL is how long Entry trusts an entry held on another node that
+	// it read from etcd, before it reads it again: an entry evicted
+	// meanwhile costs the job that found it a rewind.
+	EntryTTL time.Duration
 	// Replicas is R for objects whose put does not say: relayed latents,
 	// results. Cache objects default to one.
 	Replicas int
@@ -63,8 +68,9 @@ type Config struct {
 	// MaintainEvery is the period of the maintenance pass: reconcile held
 	// copies with the records, re-replicate objects that lost a holder,
 	// collect lost, expired and orphaned objects. A pass works from the
-	// records the Store's watch keeps in memory and reads none from etcd.
-	// A member leaving triggers a pass at once (Kick).
+	// records naming this node that its watches keep in memory and reads
+	// none of them from etcd; the collector reads one page of records
+	// (OrphanBatch). A member leaving triggers a pass at once (Kick).
 	MaintainEvery time.Duration
 	// RepairTimeout bounds asking one member for a repair copy (plus a
 	// second per 64 MiB of the object): a paused or cut-off candidate costs
@@ -81,11 +87,12 @@ type Config struct {
 	// just restarted is the likeliest to go again (a crash loop, a flaky
 	// host), and a copy moved onto it each time is lost each time.
 	RecentJoin time.Duration
-	// OrphanBatch is the most objects the collector asks Orphans about in
-	// one pass, taken in id order from where the previous pass stopped:
-	// each question costs the agent reads of job records in etcd, so a
-	// pass costs the same however many objects are retained, and every
-	// object is asked about within ceil(objects/OrphanBatch) passes.
+	// OrphanBatch is the most records the collector reads, judges and
+	// asks Orphans about in one pass, taken in id order from where the
+	// previous pass stopped: each question costs the agent reads of job
+	// records in etcd, so a pass costs the same however many objects are
+	// retained, and every object is judged within
+	// ceil(objects/OrphanBatch) passes.
 	OrphanBatch int
 	// LostGrace is how long every holder of an object must have been
 	// gone (not alive in gossip and not registered in etcd, as the
@@ -152,10 +159,11 @@ func DefaultConfig() Config {
 		RepairRetry:    time.Second,      // a failed repair is tried again soon, not a period later
 		RepairParallel: 8,                // a departed holder's objects mend together
 		RecentJoin:     30 * time.Second, // longer than a restart loop's period
-		OrphanBatch:    500,              // at most 500 job records read a pass; 2,000 objects all asked about in 40 s
+		OrphanBatch:    500,              // at most 500 records and job records read a pass; 2,000 objects all judged in 40 s
 		LostGrace:      5 * time.Minute,  // outlasts partitions and stalls a holder recovers from
 		ExpiryGrace:    time.Minute,
 		MemoWait:       10 * time.Second, // a text encoder takes milliseconds to a second
+		EntryTTL:       2 * time.Second,  // a text every job asks for: one read per 2 s, not one per job
 		// Result images and small latents (a few KiB to tens of KiB) go
 		// inline; at 64 KiB copying through the stream still costs less
 		// than a pull's extra round trips (BenchmarkStagePut).
@@ -170,6 +178,8 @@ func (c Config) validate() (Config, error) {
 	switch {
 	case c.Node == "":
 		return c, errors.New("cache: config: Node is empty")
+	case strings.Contains(c.Node, "/"):
+		return c, fmt.Errorf("cache: config: Node %q has a '/': it names the key prefix of its markers", c.Node)
 	case c.Prefix == "" || c.Prefix[0] != '/':
 		return c, fmt.Errorf("cache: config: prefix %q must start with /", c.Prefix)
 	case c.MemoryCapacity < 0 || c.SpillCapacity < 0 || c.CacheCapacity < 0 || c.CacheEntries < 0:
@@ -178,7 +188,7 @@ func (c Config) validate() (Config, error) {
 		return c, errors.New("cache: config: SpillCapacity needs a SpillDir")
 	case c.Replicas < 1 || c.Replicas > 8:
 		return c, fmt.Errorf("cache: config: Replicas %d not in [1,8]", c.Replicas)
-	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0 || c.MemoWait <= 0:
+	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0 || c.MemoWait <= 0 || c.EntryTTL < 0:
 		return c, errors.New("cache: config: timeouts must be positive (start from DefaultConfig)")
 	case c.RepairTimeout <= 0 || c.RepairRetry <= 0 || c.RepairParallel < 1 || c.RecentJoin < 0:
 		return c, errors.New("cache: config: RepairTimeout, RepairRetry and RepairParallel must be positive (start from DefaultConfig)")

@@ -27,15 +27,19 @@
 // first copy that fails takes the record back. Lease modes say who frees an
 // object: the consuming stage's fenced commit (Consume), time (TTL, via an
 // etcd lease per retention bucket), nobody but an explicit delete or its
-// retention (Pinned), or the holder's LRU eviction (Cache). Holders watch the
-// records and free what is deleted. The same watch keeps an index of the
-// records in each agent's memory (listed once at start, again only when etcd
-// compacted the watch away or was replaced), and each agent's periodic
-// maintenance pass works from it, reading no record from etcd: it
-// reconciles the copies held with the records, re-replicates objects that
-// lost a holder, and on one agent at a time collects lost and expired
-// objects and asks the agent about a bounded batch of objects whose job may
-// be gone (OrphanBatch a pass, in turn).
+// retention (Pinned), or the holder's LRU eviction (Cache). Each holder of
+// an object has a marker key, <prefix>/holders/<node>/<id>, written with
+// the record that names it (marker.go); a Store watches its own markers
+// and the key of each record they point to, and frees what is deleted, so
+// a record's changes reach its holders, not every agent. The same watches
+// keep an index of those records in the agent's memory (loaded when the
+// markers are listed, at start and when etcd compacted their watch away or
+// was replaced), and each agent's periodic maintenance pass works from it,
+// reading none of its records from etcd: it reconciles the copies held
+// with the records, and re-replicates objects that lost a holder. One agent
+// at a time collects lost and expired objects and asks the agent about
+// objects whose job may be gone, reading a bounded page of records a pass
+// (OrphanBatch, in turn).
 //
 // cache sits beside transfer: it imports transfer and etcd, never agent.
 // The agent (and agent/jobs, for record keys in its commits) use it.

@@ -215,7 +215,8 @@ func TestStagedKeep(t *testing.T) {
 
 // A staged copy past its timeout is kept when etcd has a record naming it,
 // although the index has not seen that record: a put committed late
-// (across an outage, after a reclaim) keeps its copies.
+// (across an outage, after a reclaim) keeps its copies, and the holder
+// follows that record from then on.
 func TestLateCommitKeepsStagedCopy(t *testing.T) {
 	s, x := bareStore(t, 1<<20)
 	s.cli = testClient(t)
@@ -225,14 +226,25 @@ func TestLateCommitKeepsStagedCopy(t *testing.T) {
 	c := holdCopy(t, s, x, "late", pattern(4096, 3))
 	st := &Staged{s: s, Record: Record{ID: "late", Size: 4096, Mode: Pinned, Replicas: 1,
 		Holders: []Holder{{Node: s.cfg.Node, Tier: Memory, Ref: c.ref}}}}
-	if err := st.Commit(testCtx(t)); err != nil {
+	// Committed by a putter elsewhere, as Commit does.
+	if _, err := s.cli.Txn(testCtx(t)).Then(st.ops()...).Commit(); err != nil {
 		t.Fatal(err)
 	}
 	now = now.Add(s.cfg.StageTimeout + time.Millisecond)
-	s.expireStaged(testCtx(t), s.reconcile(nil, 1)) // the index lags: no record in it
+	s.checkUnnamed(testCtx(t), reconcileList(s, 1)) // the index lags: no record in it
 	if st := s.LocalStats(); st.Copies != 1 || st.Staged != 0 {
 		t.Fatalf("a copy committed late was dropped or left staged: %+v", st)
 	}
+	// The record is followed from then on: its deletion frees the copy.
+	if _, err := s.cli.Delete(testCtx(t), ObjectKey(s.cfg.Prefix, "late")); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 10*time.Second, "the copy freed with its record", func() error {
+		if st := s.LocalStats(); st.Copies != 0 {
+			return fmt.Errorf("stats %+v", st)
+		}
+		return nil
+	})
 }
 
 // A result put by a node with a disk tier, onto holders that have none,

@@ -17,7 +17,7 @@ import (
 )
 
 // bareStore is a Store with holdings on a heap-only transfer service and
-// no etcd: enough to drive reconcile and apply by hand.
+// no etcd: enough to drive reconciliation and apply by hand.
 func bareStore(t *testing.T, mem int64) (*Store, *transfer.Service) {
 	t.Helper()
 	h, err := transfer.NewHost("/ip4/127.0.0.1/tcp/0", nil)
@@ -40,7 +40,29 @@ func bareStore(t *testing.T, mem int64) (*Store, *transfer.Service) {
 	}
 	s := &Store{cfg: cfg, log: cfg.Logger, xfer: x}
 	s.hold = newHoldings(x, &s.cfg, s.log)
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	s.epoch, s.endEpoch = context.WithCancel(s.ctx)
+	t.Cleanup(func() {
+		s.cancel()
+		s.wg.Wait() // the watches of records a check found
+	})
 	return s, x
+}
+
+// reconcileList reconciles s's copies as if its markers, listed at
+// revision rev, pointed to the records ls alone, each read at rev; it
+// returns the copies to check with etcd.
+func reconcileList(s *Store, rev int64, ls ...*listed) []copyOf {
+	s.idx.mu.Lock()
+	defer s.idx.mu.Unlock()
+	s.idx.entries = nil
+	for _, l := range ls {
+		e := s.idx.addLocked(l.ID)
+		e.rec, e.rev = l, rev
+	}
+	s.idx.rev = rev
+	unnamed, _ := s.reconcileLocked()
+	return unnamed
 }
 
 // testClient is a client of the package's etcd, closed with the test.
@@ -96,7 +118,7 @@ func TestStaleRecordStateKeepsCopy(t *testing.T) {
 	if st := s.LocalStats(); st.Copies != 1 || st.Staged != 0 {
 		t.Fatalf("after the record's put: %+v", st)
 	}
-	s.reconcile(nil, 9) // a list from before the record
+	reconcileList(s, 9) // a list from before the record
 	if st := s.LocalStats(); st.Copies != 1 {
 		t.Fatalf("a list older than the commit freed the copy: %+v", st)
 	}
@@ -109,7 +131,7 @@ func TestStaleRecordStateKeepsCopy(t *testing.T) {
 	}
 
 	// A newer list without the record frees it.
-	s.reconcile(nil, 11)
+	reconcileList(s, 11)
 	if st := s.LocalStats(); st.Copies != 0 || st.MemoryUsed != 0 {
 		t.Fatalf("a newer list without the record kept %+v", st)
 	}
@@ -117,7 +139,7 @@ func TestStaleRecordStateKeepsCopy(t *testing.T) {
 	// A newer delete frees a copy a list committed.
 	c = holdCopy(t, s, x, "obj", pattern(4096, 2))
 	rec.Holders[0].Ref = c.ref
-	s.reconcile([]*listed{{Record: rec}}, 20)
+	reconcileList(s, 20, &listed{Record: rec})
 	if st := s.LocalStats(); st.Copies != 1 || st.Staged != 0 {
 		t.Fatalf("a list naming the copy did not commit it: %+v", st)
 	}
@@ -140,12 +162,12 @@ func TestStagedCopyTimesOut(t *testing.T) {
 	now := time.Now()
 	s.cfg.Now = func() time.Time { return now }
 	holdCopy(t, s, x, "late", pattern(4096, 3))
-	s.reconcile(nil, 1)
+	reconcileList(s, 1)
 	if st := s.LocalStats(); st.Staged != 1 {
 		t.Fatalf("a young staged copy went: %+v", st)
 	}
 	now = now.Add(s.cfg.StageTimeout + time.Millisecond)
-	s.expireStaged(testCtx(t), s.reconcile(nil, 2)) // etcd has no record of it
+	s.checkUnnamed(testCtx(t), reconcileList(s, 2)) // etcd has no record of it
 	if st := s.LocalStats(); st.Copies != 0 || st.MemoryUsed != 0 {
 		t.Fatalf("a timed-out staged copy stayed: %+v", st)
 	}

@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"context"
 	"slices"
 	"strings"
 	"sync"
@@ -15,85 +16,79 @@ type listed struct {
 	lease  clientv3.LeaseID
 }
 
-// index is the object records as this node's watch has seen them, whole
-// through revision rev: maintenance works from it instead of reading every
-// record from etcd on every pass. The watch loads it from a list (at start,
-// after a compacted watch, after etcd was replaced) and applies every event
-// to it. An entry is replaced, never changed in place, so a snapshot may
-// share entries with the index.
+// entry is one object this node follows: a marker of its points to the
+// object's record (or the node found a record naming one of its copies
+// without one, checkUnnamed), and a watch of the record's key keeps rec
+// current (follow.go).
+type entry struct {
+	id  string
+	rec *listed // the record as of rev; nil: none
+	// rev is the revision the key's state is known through; 0 while it
+	// loads (its first read, or its watch's first event, has not come).
+	rev    int64
+	marker int64              // this node's marker's mod revision; 0: none
+	stop   context.CancelFunc // ends the key's watch; nil until it starts
+}
+
+// names reports whether e's record names node.
+func (e *entry) names(node string) bool { return e.rec != nil && names(e.rec.Holders, node) }
+
+// index is the records that name this node, as its watches have seen them
+// (follow.go): maintenance works from it instead of reading them from etcd
+// on every pass. An entry's record is replaced, never changed in place, so
+// a snapshot may share records with the index.
 type index struct {
 	mu sync.Mutex
-	// mu guards the fields below. The watch holds it while it applies a
-	// response, to the holdings as well as to the index, and maintenance
-	// while it reconciles the holdings with the index: each sees the
-	// other's work whole.
-	recs []*listed // in id order; a record's id is its key's
-	rev  int64     // every event up to rev is applied; 0: not loaded
-	// changed is closed, and replaced, whenever the index changes
-	// (changedLocked): Memo waits on it for an entry to appear.
-	changed chan struct{}
+	// mu guards the fields below. The watches hold it while they apply a
+	// response, to the holdings as well as to the entries, and maintenance
+	// while it reconciles the holdings with them: each sees the other's
+	// work whole.
+	entries map[string]*entry // by object id
+	rev     int64             // the markers are whole through rev; 0: not listed
 }
 
-// changedLocked wakes whoever waits for the index to change.
-func (x *index) changedLocked() {
-	if x.changed != nil {
-		close(x.changed)
+// getLocked returns object id's entry, or nil.
+func (x *index) getLocked(id string) *entry { return x.entries[id] }
+
+// addLocked follows object id (its entry loading).
+func (x *index) addLocked(id string) *entry {
+	if x.entries == nil {
+		x.entries = map[string]*entry{}
 	}
-	x.changed = make(chan struct{})
+	e := &entry{id: id}
+	x.entries[id] = e
+	return e
 }
 
-// watch returns a channel closed at the index's next change.
-func (x *index) watch() <-chan struct{} {
-	x.mu.Lock()
-	defer x.mu.Unlock()
-	if x.changed == nil {
-		x.changed = make(chan struct{})
+// forgetLocked stops following e.
+func (x *index) forgetLocked(e *entry) {
+	if e.stop != nil {
+		e.stop()
 	}
-	return x.changed
+	if x.entries[e.id] == e {
+		delete(x.entries, e.id)
+	}
 }
 
-// loadLocked replaces the index with ls, listed at revision rev; it sorts
-// ls in place, and keeps it.
-func (x *index) loadLocked(ls []*listed, rev int64) {
-	slices.SortFunc(ls, func(a, b *listed) int { return strings.Compare(a.ID, b.ID) })
-	x.recs, x.rev = ls, rev
-	x.changedLocked()
-}
-
-// reset empties the index until the next load; passes skip meanwhile.
+// reset stops following every record, until the markers are listed again;
+// passes skip meanwhile.
 func (x *index) reset() {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	x.recs, x.rev = nil, 0
-}
-
-// putLocked replaces (or adds) the entry of l's object.
-func (x *index) putLocked(l *listed) {
-	i, found := search(x.recs, l.ID)
-	if found {
-		x.recs[i] = l
-		return
+	for _, e := range x.entries {
+		x.forgetLocked(e)
 	}
-	x.recs = slices.Insert(x.recs, i, l)
+	x.rev = 0
 }
 
-// deleteLocked removes object id's entry, if any.
-func (x *index) deleteLocked(id string) {
-	if i, found := search(x.recs, id); found {
-		x.recs = slices.Delete(x.recs, i, i+1)
+// recordsLocked returns the records of the loaded entries, in id order.
+func (x *index) recordsLocked() []*listed {
+	var ls []*listed
+	for _, e := range x.entries {
+		if e.rev != 0 && e.rec != nil {
+			ls = append(ls, e.rec)
+		}
 	}
-}
-
-// search finds object id in ls (in id order): its position, or where it
-// would go.
-func search(ls []*listed, id string) (int, bool) {
-	return slices.BinarySearchFunc(ls, id, func(l *listed, id string) int { return strings.Compare(l.ID, id) })
-}
-
-// lookup returns object id's entry in ls (in id order), or nil.
-func lookup(ls []*listed, id string) *listed {
-	if i, found := search(ls, id); found {
-		return ls[i]
-	}
-	return nil
+	slices.SortFunc(ls, func(a, b *listed) int { return strings.Compare(a.ID, b.ID) })
+	return ls
 }

@@ -2,237 +2,160 @@ package cache
 
 import (
 	"context"
-	"slices"
-	"strings"
 	"time"
 
-	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
-// watchLoop follows the object records into the index and the holdings:
-// a record that names one of our staged copies commits it; a record
-// deleted, or rewritten without our copy, frees it. It lists the records
-// first, and again when etcd compacted the watch away or was replaced,
-// loading the index and reconciling the copies with the list, then watches
-// from the list's revision.
-func (s *Store) watchLoop() {
-	epoch := s.currentEpoch()
-	var next int64    // the revision to follow from; 0: list first
-	replaced := false // etcd was replaced: run a pass once listed again
-	for s.ctx.Err() == nil {
-		if epoch.Err() != nil {
-			// The index and the copies' revisions follow a history the
-			// new etcd does not have. The reset waits for a pass that is
-			// reconciling, and stops the next ones until the list.
-			s.log.Info("etcd replaced; listing the objects again")
-			s.idx.reset()
-			s.hold.forgetRevisions()
-			epoch, next, replaced = s.currentEpoch(), 0, true
-		}
-		if next == 0 {
-			ctx, cancel := context.WithTimeout(epoch, 10*time.Second)
-			ls, rev, err := s.list(ctx, "")
-			cancel()
-			if err != nil {
-				if epoch.Err() == nil {
-					s.log.Warn("list objects", zap.Error(err))
-					s.pause(time.Second)
-				}
-				continue
-			}
-			s.idx.mu.Lock()
-			s.idx.loadLocked(ls, rev)
-			s.reconcile(ls, rev) // staged copies past their timeout wait for the pass
-			s.idx.mu.Unlock()
-			next = rev + 1
-			if replaced || s.hold.anyRecovered() {
-				s.Kick() // judge every copy by the new etcd; name recovered copies again
-			}
-			replaced = false
-		}
-		if next = s.follow(epoch, next); next != 0 && epoch.Err() == nil {
-			s.pause(time.Second) // the watch broke (leader loss, etcd restart): re-establish
-		}
-	}
-}
-
-// follow applies the object watch from revision next until it breaks or
-// epoch ends, and returns the revision to resume at; 0 (the index reset
-// for a new list) when etcd compacted that revision away.
-func (s *Store) follow(epoch context.Context, next int64) int64 {
-	ctx, cancel := context.WithCancel(clientv3.WithRequireLeader(epoch))
-	defer cancel()
-	for wr := range s.cli.Watch(ctx, ObjectsPrefix(s.cfg.Prefix), clientv3.WithPrefix(), clientv3.WithPrevKV(), clientv3.WithRev(next)) {
-		if wr.CompactRevision > 0 {
-			s.log.Info("object watch compacted; listing again", zap.Int64("from", next), zap.Int64("compacted", wr.CompactRevision))
-			s.idx.reset()
-			return 0
-		}
-		if rev := s.applyResponse(wr); rev > 0 {
-			next = rev + 1
-		}
-	}
-	return next
-}
-
-// applyResponse applies one watch response to the holdings and the index,
-// as one step (see index.mu), and returns the revision of its last event
-// (0 for none). A response holds whole revisions, so the index is whole
-// through that one. Only events advance it: the header's revision of a
-// response may run ahead of the events delivered so far (etcd catching a
-// watcher up, a thousand revisions at a time).
-func (s *Store) applyResponse(wr clientv3.WatchResponse) int64 {
-	if len(wr.Events) == 0 {
-		return 0
-	}
-	objects := ObjectsPrefix(s.cfg.Prefix)
-	s.idx.mu.Lock()
-	defer s.idx.mu.Unlock()
-	for _, ev := range wr.Events {
-		rec, ok := s.apply(ev)
-		id := strings.TrimPrefix(string(ev.Kv.Key), objects)
-		switch {
-		case ok && rec.ID == id:
-			s.idx.putLocked(&listed{Record: rec, modRev: ev.Kv.ModRevision, lease: clientv3.LeaseID(ev.Kv.Lease)})
-		case ok:
-			s.log.Warn("object record at another id's key; not maintained", zap.ByteString("key", ev.Kv.Key), zap.String("id", rec.ID))
-			s.idx.deleteLocked(id)
-		default: // deleted, or rewritten with a value that does not decode
-			s.idx.deleteLocked(id)
-		}
-	}
-	rev := wr.Events[len(wr.Events)-1].Kv.ModRevision
-	s.idx.rev = max(s.idx.rev, rev)
-	s.idx.changedLocked()
-	return rev
-}
-
-func (s *Store) pause(d time.Duration) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	select {
-	case <-t.C:
-	case <-s.ctx.Done():
-	}
-}
-
-// apply reacts to one record event. A copy that a newer record state has
-// already reached (through a list) ignores the event. It returns the
-// record a put leaves; ok is false for a delete, and for a put whose value
-// does not decode.
-func (s *Store) apply(ev *clientv3.Event) (put Record, ok bool) {
-	rev := ev.Kv.ModRevision
-	switch ev.Type {
-	case mvccpb.PUT:
-		rec, err := decodeRecord(ev.Kv.Value)
-		if err != nil {
-			return Record{}, false
-		}
-		ref, listed := rec.Holds(s.cfg.Node)
-		for _, c := range s.hold.copiesOf(rec.ID) {
-			switch {
-			case listed && c.ref.ID == ref.ID:
-				s.hold.commit(c.ref.ID, rev)
-			case c.committed:
-				s.hold.dropIf(c.ref.ID, staleBefore(rev, true)) // superseded by a newer put of the same id
-			}
-		}
-		if listed && len(rec.Holders) < rec.Replicas && ev.PrevKv != nil {
-			// A holder left the record (one restarted without its copy
-			// removes itself): repair now, not at the next periodic pass,
-			// so a second loss soon after does not take the last copy.
-			if prev, err := decodeRecord(ev.PrevKv.Value); err == nil && len(prev.Holders) > len(rec.Holders) {
-				s.Kick()
-			}
-		}
-		return rec, true
-	case mvccpb.DELETE:
-		if ev.PrevKv == nil {
-			return Record{}, false
-		}
-		rec, err := decodeRecord(ev.PrevKv.Value)
-		if err != nil {
-			return Record{}, false
-		}
-		ref, listed := rec.Holds(s.cfg.Node)
-		for _, c := range s.hold.copiesOf(rec.ID) {
-			named := listed && c.ref.ID == ref.ID
-			s.hold.dropIf(c.ref.ID, staleBefore(rev, !named))
-		}
-	}
-	return Record{}, false
-}
-
-// reconcile compares the copies held with the records ls (in id order)
-// that are whole through revision rev: named copies are committed,
-// committed copies no record names are freed, and recovered copies are kept
-// while a record names this node for their object (maintenance reannounces
-// them) and freed otherwise. It runs on every list (start, a compacted
-// watch, whose deletions were lost, a replaced etcd) and on every
-// maintenance pass, with the index. A copy that has seen a record state
-// newer than rev is left alone: ls is older than what it knows. Staged
-// copies older than StageTimeout that no record names are returned, for
-// the caller to check with etcd itself before dropping them (expireStaged):
-// ls may lag a commit that names them.
-func (s *Store) reconcile(ls []*listed, rev int64) (expired []copyOf) {
+// reconcileLocked compares the copies held with the entries (see
+// judgeLocked): named copies are committed, committed copies no record
+// names are freed, and recovered copies are kept while a record names this
+// node for their object (maintenance reannounces them) and freed
+// otherwise. It runs once the markers are listed (start, a compacted
+// marker watch, a replaced etcd) and on every maintenance pass. It
+// returns, for the caller to check with etcd itself (checkUnnamed), the
+// copies no followed record names that are due: staged copies older than
+// StageTimeout (a record may name them that this node does not follow yet)
+// and recovered copies of objects no marker points to. loading reports
+// entries whose record has not come yet: their copies wait.
+func (s *Store) reconcileLocked() (unnamed []copyOf, loading bool) {
 	now := s.cfg.Now()
 	for _, c := range s.hold.snapshot() {
-		var ref transfer.Ref
-		named := false
-		l := lookup(ls, c.object)
-		if l != nil {
-			ref, named = l.Holds(s.cfg.Node)
-		}
+		e := s.idx.getLocked(c.object)
 		switch {
-		case named && ref.ID == c.ref.ID:
-			s.hold.commit(c.ref.ID, rev)
-		case c.recovered:
-			if !named || l.Checksum != c.ref.Checksum {
-				if s.hold.dropIf(c.ref.ID, func(c *copyOf) bool { return c.recovered }) {
-					s.log.Info("freed a recovered copy no record wants", zap.String("object", c.object))
-				}
-			}
-		case c.committed:
-			if s.hold.dropIf(c.ref.ID, staleBefore(rev, true)) {
+		case e == nil && (c.recovered || now.Sub(c.stagedAt) > s.cfg.StageTimeout && !c.committed):
+			unnamed = append(unnamed, c)
+		case e == nil && c.committed:
+			// Committed by a record this node followed, which then went or
+			// stopped naming it: only an etcd replaced since (whose list
+			// has no marker for it) leaves such a copy here.
+			if s.hold.dropIf(c.ref.ID, staleBefore(s.idx.rev, true)) {
 				s.log.Debug("freed a copy no record names", zap.String("object", c.object))
 			}
-		case now.Sub(c.stagedAt) > s.cfg.StageTimeout:
-			expired = append(expired, c)
+		case e == nil:
+		case e.rev == 0:
+			loading = true
+		case s.judgeLocked(c, e, now):
+			unnamed = append(unnamed, c)
 		}
 	}
-	return expired
+	return unnamed, loading
 }
 
-// expireStaged drops the staged copies reconcile found past StageTimeout,
-// each after reading its record from etcd: a put committed through any
-// path (a commit retried across an outage, a reclaimed task) names its
-// copy, and the copy is then committed, not dropped. While etcd does not
-// answer, nothing is dropped.
-func (s *Store) expireStaged(ctx context.Context, expired []copyOf) {
+// judgeLocked applies e's record state to copy c of its object: a named
+// copy is committed; a recovered copy is freed unless the record names this
+// node for an object of the same checksum; a committed copy the record
+// does not name is freed, unless it has seen a record state newer than e's
+// (the entry lags what it knows). It reports a staged copy older than
+// StageTimeout that the record does not name: the caller checks etcd
+// before dropping it.
+func (s *Store) judgeLocked(c copyOf, e *entry, now time.Time) (unnamed bool) {
+	var ref transfer.Ref
+	named := false
+	if e.rec != nil {
+		ref, named = e.rec.Holds(s.cfg.Node)
+	}
+	switch {
+	case named && ref.ID == c.ref.ID:
+		s.hold.commit(c.ref.ID, e.rev)
+	case c.recovered:
+		if !named || e.rec.Checksum != c.ref.Checksum {
+			if s.hold.dropIf(c.ref.ID, func(c *copyOf) bool { return c.recovered }) {
+				s.log.Info("freed a recovered copy no record wants", zap.String("object", c.object))
+			}
+		}
+	case c.committed:
+		if s.hold.dropIf(c.ref.ID, staleBefore(e.rev, true)) {
+			s.log.Debug("freed a copy no record names", zap.String("object", c.object))
+		}
+	case now.Sub(c.stagedAt) > s.cfg.StageTimeout:
+		return true
+	}
+	return false
+}
+
+// checkUnnamed reads the record of each copy reconcile found unnamed and
+// due, then keeps the copy if the record names it, and drops it otherwise:
+// a staged copy may be named by a put committed through any path (a commit
+// retried across an outage, a reclaimed task), which this node's entries
+// may lag by the length of an outage; a recovered copy by a record whose
+// marker is missing (written before markers existed). A record that names
+// the copy of an object this node does not follow is followed from then
+// on. While etcd does not answer, nothing is dropped.
+func (s *Store) checkUnnamed(ctx context.Context, unnamed []copyOf) {
 	now := s.cfg.Now()
-	for _, c := range expired {
+	for _, c := range unnamed {
 		resp, err := s.cli.Get(ctx, ObjectKey(s.cfg.Prefix, c.object))
 		if err != nil {
-			s.log.Debug("staged copy past its timeout; etcd did not answer, kept", zap.String("object", c.object), zap.Error(err))
+			s.log.Debug("unnamed copy; etcd did not answer, kept", zap.String("object", c.object), zap.Error(err))
 			return
 		}
 		if len(resp.Kvs) == 1 {
 			if rec, err := decodeRecord(resp.Kvs[0].Value); err == nil {
-				if ref, ok := rec.Holds(s.cfg.Node); ok && ref.ID == c.ref.ID {
-					s.hold.commit(c.ref.ID, resp.Kvs[0].ModRevision)
+				if ref, ok := rec.Holds(s.cfg.Node); ok && (ref.ID == c.ref.ID || c.recovered && rec.Checksum == c.ref.Checksum) {
+					s.followNamed(rec, resp)
 					continue
 				}
 			}
+		}
+		if c.recovered {
+			if s.hold.dropIf(c.ref.ID, func(c *copyOf) bool { return c.recovered }) {
+				s.log.Info("freed a recovered copy no record wants", zap.String("object", c.object))
+			}
+			continue
 		}
 		stagedAt := c.stagedAt
 		if s.hold.dropIf(c.ref.ID, func(c *copyOf) bool { return !c.committed && !c.stagedAt.After(stagedAt) }) {
 			s.log.Info("dropped a staged copy whose put never committed", zap.String("object", c.object), zap.Duration("age", now.Sub(c.stagedAt)))
 		}
 	}
+}
+
+// followNamed applies rec, read in resp, which names one of this node's
+// copies, to the copies, and follows the record unless it is followed
+// already (its watch then brings that state, or a newer one).
+func (s *Store) followNamed(rec Record, resp *clientv3.GetResponse) {
+	epoch := s.currentEpoch()
+	s.idx.mu.Lock()
+	defer s.idx.mu.Unlock()
+	if s.idx.rev == 0 || s.idx.getLocked(rec.ID) != nil {
+		ref, _ := rec.Holds(s.cfg.Node)
+		s.hold.commit(ref.ID, resp.Kvs[0].ModRevision)
+		return
+	}
+	e := s.idx.addLocked(rec.ID)
+	s.loadedLocked(e, resp.Kvs[0], resp.Header.Revision)
+	s.followKeyLocked(epoch, e, resp.Header.Revision+1, 0)
+}
+
+// dropMarkers deletes this node's markers whose records no longer name it
+// (stale: marker revision by object id), each only if it is still the
+// marker seen, so that one a new record wrote meanwhile stays. A marker
+// left by a failed delete is tried again on the next pass.
+func (s *Store) dropMarkers(ctx context.Context, stale map[string]int64) {
+	var ops []clientv3.Op
+	flush := func() {
+		if len(ops) == 0 {
+			return
+		}
+		if _, err := s.cli.Txn(ctx).Then(ops...).Commit(); err != nil {
+			s.log.Debug("dropping stale markers", zap.Int("markers", len(ops)), zap.Error(err))
+		}
+		ops = ops[:0]
+	}
+	for id, rev := range stale {
+		key := markerKey(s.cfg.Prefix, s.cfg.Node, id)
+		ops = append(ops, clientv3.OpTxn(
+			[]clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(key), "=", rev)},
+			[]clientv3.Op{clientv3.OpDelete(key)}, nil))
+		if len(ops) == loadBatch {
+			flush()
+		}
+	}
+	flush()
 }
 
 // maintainLoop runs a maintenance pass every MaintainEvery, at once when
@@ -261,31 +184,40 @@ func (s *Store) maintainLoop() {
 	}
 }
 
-// maintain is one pass over the records of the index: reconcile our
-// copies with them, then tend them. It reads no record from etcd; the
-// watch keeps the index current. While the index is not loaded (at start,
-// or while the watch lists again) a pass does nothing. pending reports
-// that the pass left work for a pass soon.
+// maintain is one pass over the records that name this node: reconcile
+// our copies with them, then tend them, and collect if this node is the
+// collector. It reads none of this node's records from etcd; its watches
+// keep them current. While the markers are not listed (at start, or while
+// the watch lists again) a pass does nothing. pending reports that the
+// pass left work for a pass soon.
 func (s *Store) maintain(ctx context.Context) (pending bool) {
-	ls, expired, ok := s.reconcileIndex()
+	ls, unnamed, stale, loading, ok := s.reconcileIndex()
 	if !ok {
-		s.log.Debug("maintenance: the record index is loading; pass skipped")
+		s.log.Debug("maintenance: this node's records are loading; pass skipped")
 		return true
 	}
-	s.expireStaged(ctx, expired)
-	return s.tend(ctx, ls)
+	s.checkUnnamed(ctx, unnamed)
+	s.dropMarkers(ctx, stale)
+	return s.tend(ctx, ls) || loading
 }
 
-// reconcileIndex reconciles the copies held with the index, under its
-// lock, and returns the records it reconciled with.
-func (s *Store) reconcileIndex() (ls []*listed, expired []copyOf, ok bool) {
+// reconcileIndex reconciles the copies held with the entries, under the
+// index's lock, and returns the records it reconciled with, the copies to
+// check with etcd, and this node's stale markers.
+func (s *Store) reconcileIndex() (ls []*listed, unnamed []copyOf, stale map[string]int64, loading, ok bool) {
 	s.idx.mu.Lock()
 	defer s.idx.mu.Unlock()
 	if s.idx.rev == 0 {
-		return nil, nil, false
+		return nil, nil, nil, false, false
 	}
-	expired = s.reconcile(s.idx.recs, s.idx.rev)
-	return slices.Clone(s.idx.recs), expired, true
+	unnamed, loading = s.reconcileLocked()
+	stale = map[string]int64{}
+	for _, e := range s.idx.entries {
+		if e.rev != 0 && e.marker != 0 && !e.names(s.cfg.Node) {
+			stale[e.id] = e.marker
+		}
+	}
+	return s.idx.recordsLocked(), unnamed, stale, loading, true
 }
 
 // tend is the rest of a pass over the records ls (in id order): unlist
@@ -312,7 +244,7 @@ func (s *Store) tend(ctx context.Context, ls []*listed) (pending bool) {
 		pending = true
 	}
 	if r := rank(members, collectorKey); len(r) > 0 && r[0].Node == s.cfg.Node {
-		s.collect(ctx, ls, alive)
+		s.collect(ctx, alive)
 	}
 	return pending
 }
@@ -320,13 +252,13 @@ func (s *Store) tend(ctx context.Context, ls []*listed) (pending bool) {
 // unlistMissing corrects a record that names a copy this node does not
 // hold. When the node holds a recovered durable copy of the object (it
 // restarted with the file on disk) the record names that copy instead: the
-// object keeps its holder. Otherwise the node removes itself (a put
-// committed after its staged copy timed out, an eviction whose record
-// delete failed, a commit that raced an abort, a restart that lost a
-// memory copy): a record must not send readers to a copy that is gone.
-// Repair then adds a new holder; a record left with no holder is deleted.
-// Copies enter the holdings before any record can name them, so a named
-// copy that is missing is gone.
+// object keeps its holder. Otherwise the node removes itself, and its
+// marker (a put committed after its staged copy timed out, an eviction
+// whose record delete failed, a commit that raced an abort, a restart that
+// lost a memory copy): a record must not send readers to a copy that is
+// gone. Repair then adds a new holder; a record left with no holder is
+// deleted. Copies enter the holdings before any record can name them, so a
+// named copy that is missing is gone.
 func (s *Store) unlistMissing(ctx context.Context, l *listed) (changed bool) {
 	ref, ok := l.Holds(s.cfg.Node)
 	if !ok || s.hold.has(ref.ID) {
@@ -339,7 +271,6 @@ func (s *Store) unlistMissing(ctx context.Context, l *listed) (changed bool) {
 			break
 		}
 	}
-	key := ObjectKey(s.cfg.Prefix, l.ID)
 	rec := l.Record
 	rec.Holders = nil
 	for _, h := range l.Holders {
@@ -350,14 +281,11 @@ func (s *Store) unlistMissing(ctx context.Context, l *listed) (changed bool) {
 			rec.Holders = append(rec.Holders, Holder{Node: s.cfg.Node, Tier: recovered.tier, Ref: recovered.ref})
 		}
 	}
-	op := clientv3.OpDelete(key)
-	switch {
-	case len(rec.Holders) > 0 && l.lease != 0:
-		op = clientv3.OpPut(key, encodeRecord(rec), clientv3.WithLease(l.lease))
-	case len(rec.Holders) > 0:
-		op = clientv3.OpPut(key, encodeRecord(rec))
+	next := &rec
+	if len(rec.Holders) == 0 {
+		next = nil
 	}
-	resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", l.modRev)).Then(op).Commit()
+	resp, err := s.writeIf(ctx, l, next)
 	switch {
 	case err != nil || !resp.Succeeded:
 	case recovered != nil:
@@ -369,120 +297,10 @@ func (s *Store) unlistMissing(ctx context.Context, l *listed) (changed bool) {
 	return true // changed, or to be tried again
 }
 
-// goneFor returns, for each holder named in ls that is neither alive nor
-// registered, how long this collector has seen it so on every pass; a
-// holder seen again starts over. With known false (etcd could not be
-// read) no holder is counted gone.
-func (s *Store) goneFor(ls []*listed, alive, registered map[string]bool, known bool, now time.Time) map[string]time.Duration {
-	s.collectMu.Lock()
-	defer s.collectMu.Unlock()
-	next := map[string]time.Time{}
-	out := map[string]time.Duration{}
-	for _, l := range ls {
-		for _, h := range l.Holders {
-			if !known || alive[h.Node] || registered[h.Node] {
-				continue
-			}
-			since, ok := s.goneSince[h.Node]
-			if !ok {
-				since = now
-			}
-			next[h.Node] = since
-			out[h.Node] = now.Sub(since)
-		}
-	}
-	s.goneSince = next // nodes no record names are forgotten
-	return out
-}
-
-// collect deletes records nobody will use: objects every holder of which
-// has been gone for LostGrace (lost), records past their retention plus
-// ExpiryGrace (etcd extends leases on a leader change), and objects the
-// agent says are orphans (OrphanBatch of them asked about per pass).
-func (s *Store) collect(ctx context.Context, ls []*listed, alive map[string]bool) {
-	now := s.cfg.Now()
-	why := map[string]string{}
-	// A holder gossip calls dead may be alive and this node's view stale
-	// (it was just cut off, or has just healed): an object is lost only when
-	// etcd, read now, has no registration for any of its holders.
-	var registered map[string]bool
-	if s.cfg.Registered != nil {
-		reg, err := s.cfg.Registered(ctx)
-		if err != nil {
-			s.log.Debug("collector: registered nodes", zap.Error(err))
-			reg = nil
-		}
-		registered = reg
-	}
-	known := s.cfg.Registered == nil || registered != nil
-	gone := s.goneFor(ls, alive, registered, known, now)
-	for _, l := range ls {
-		// A record with no holder left is lost at once: every holder
-		// unlisted itself, having found its copy gone.
-		lost := known
-		for _, h := range l.Holders {
-			d, isGone := gone[h.Node]
-			lost = lost && isGone && d >= s.cfg.LostGrace
-		}
-		switch {
-		case lost:
-			why[l.ID] = "lost"
-		case !l.ExpiresAt.IsZero() && now.After(l.ExpiresAt.Add(s.cfg.ExpiryGrace)):
-			why[l.ID] = "expired"
-		}
-	}
-	if recs := s.orphanBatch(ls, why); len(recs) > 0 {
-		ids, err := s.orphans(ctx, recs)
-		if err != nil {
-			s.log.Debug("collector: orphans", zap.Error(err))
-		}
-		for _, id := range ids {
-			why[id] = "orphaned"
-		}
-	}
-	for _, l := range ls {
-		reason := why[l.ID]
-		if reason == "" {
-			continue
-		}
-		key := ObjectKey(s.cfg.Prefix, l.ID)
-		resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", l.modRev)).Then(clientv3.OpDelete(key)).Commit()
-		if err != nil || !resp.Succeeded {
-			continue
-		}
-		if reason == "lost" {
-			s.lost.Add(1)
-		}
-		s.collected.Add(1)
-		s.log.Info("object collected", zap.String("object", l.ID), zap.String("reason", reason), zap.String("job", l.Job))
-	}
-}
-
-// orphanBatch picks the records to ask Orphans about this pass (each
-// question costs the agent etcd reads): at most OrphanBatch of ls (in id
-// order), from just after the last one asked on the previous pass, wrapping
-// round, so that each of N records is asked about within
-// ceil(N/OrphanBatch) passes. Records this pass collects anyway (why) are
-// skipped.
-func (s *Store) orphanBatch(ls []*listed, why map[string]string) []Record {
-	if s.orphans == nil || len(ls) == 0 {
-		return nil
-	}
-	s.collectMu.Lock()
-	defer s.collectMu.Unlock()
-	start, found := search(ls, s.orphansAfter)
-	if found {
-		start++
-	}
-	recs := make([]Record, 0, min(len(ls), s.cfg.OrphanBatch))
-	for i := 0; i < len(ls) && len(recs) < s.cfg.OrphanBatch; i++ {
-		l := ls[(start+i)%len(ls)]
-		if why[l.ID] == "" {
-			recs = append(recs, l.Record)
-		}
-	}
-	if len(recs) > 0 {
-		s.orphansAfter = recs[len(recs)-1].ID
-	}
-	return recs
+// writeIf replaces the record l with rec (nil: deletes it), with their
+// holders' markers (writeOps), if the record is still at l's revision.
+func (s *Store) writeIf(ctx context.Context, l *listed, rec *Record) (*clientv3.TxnResponse, error) {
+	key := ObjectKey(s.cfg.Prefix, l.ID)
+	return s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", l.modRev)).
+		Then(writeOps(s.cfg.Prefix, l.ID, rec, l.lease, l.Holders)...).Commit()
 }

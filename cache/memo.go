@@ -5,23 +5,27 @@ package cache
 // text, say), so that any agent finds one by computing its id, and the
 // mesh produces each once however many agents ask for it at the same time.
 //
-// Finding an entry reads the index this node's watch keeps, not etcd.
-// Producing one takes a flight key first (<prefix>/objflight/<id>, on the
-// producer's lease, written only if neither the key nor the object's record
-// exists): the agent that gets it produces the entry and commits its record
-// and the flight key's deletion in one transaction; the others wait, on the
-// index, for the record to appear. An entry's one copy is held by the agent
-// that produced it (a Local put), so it costs no transfer to store, and
-// evicting it is that holder's LRU decision (Config.CacheCapacity).
+// Finding an entry reads this node's index when it holds the entry, else
+// a record read within Config.EntryTTL, else etcd (one read). Producing
+// one takes a flight key first (<prefix>/objflight/<id>, on the producer's
+// lease, written only if neither the key nor the object's record exists):
+// the agent that gets it produces the entry and commits its record and the
+// flight key's deletion in one transaction; the others wait, each on a
+// watch of that one record's key, for the record to appear. An entry's one
+// copy is held by the agent that produced it (a Local put), so it costs no
+// transfer to store, and evicting it is that holder's LRU decision
+// (Config.CacheCapacity).
 
 import (
 	"context"
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -31,18 +35,53 @@ import (
 // flightKey is the key an agent producing entry id holds meanwhile.
 func flightKey(prefix, id string) string { return prefix + "/objflight/" + id }
 
-// Entry returns the record of Cache object id when this node's index has it
-// with a live holder: what a reader can pull now, at no etcd read. A record
-// whose every holder left the mesh is no entry (its copy went with them).
-func (s *Store) Entry(id string) (Record, bool) {
-	s.idx.mu.Lock()
-	l := lookup(s.idx.recs, id)
-	s.idx.mu.Unlock()
-	if l == nil || l.Mode != Cache || !s.anyAlive(l.Holders) {
+// Entry returns the record of Cache object id when it has a live holder:
+// what a reader can pull now. It reads etcd only for an entry this node
+// neither holds nor read within Config.EntryTTL. A record whose every
+// holder left the mesh is no entry (its copy went with them).
+func (s *Store) Entry(ctx context.Context, id string) (Record, bool) {
+	if rec, ok, known := s.knownEntry(id); known {
+		return rec, ok
+	}
+	if !ValidID(id) {
 		return Record{}, false
 	}
+	resp, err := s.cli.Get(ctx, ObjectKey(s.cfg.Prefix, id))
+	if err != nil || len(resp.Kvs) == 0 {
+		return Record{}, false
+	}
+	return s.readEntry(resp.Kvs[0].Value)
+}
+
+// knownEntry is Entry from what this node knows without a read: known
+// reports that it knows the entry, or that it is none.
+func (s *Store) knownEntry(id string) (rec Record, ok, known bool) {
+	s.idx.mu.Lock()
+	if e := s.idx.getLocked(id); e != nil && e.rev != 0 { // a record that names this node, or did
+		known = true
+		if e.rec != nil {
+			rec = e.rec.Record
+		}
+	}
+	s.idx.mu.Unlock()
+	if !known {
+		rec, known = s.recent.get(id, s.cfg.Now().Add(-s.cfg.EntryTTL))
+	}
+	if !known || rec.Mode != Cache || !s.anyAlive(rec.Holders) {
+		return Record{}, false, known
+	}
 	s.hold.touchObject(id) // a use, if the copy is here
-	return l.Record, true
+	return rec, true, true
+}
+
+// readEntry is the entry whose record val was read from etcd, if it is
+// one with a live holder; one held elsewhere is remembered for EntryTTL.
+func (s *Store) readEntry(val []byte) (Record, bool) {
+	rec, ok := s.liveEntry(val)
+	if ok && !names(rec.Holders, s.cfg.Node) {
+		s.recent.put(rec, s.cfg.Now())
+	}
+	return rec, ok
 }
 
 // MemoSpec is an entry to find or produce.
@@ -69,7 +108,7 @@ func (s *Store) Memo(ctx context.Context, spec MemoSpec, produce Produce) (rec R
 	if !ValidID(spec.ID) {
 		return Record{}, false, fmt.Errorf("cache: memo: invalid id %q", spec.ID)
 	}
-	if rec, ok := s.Entry(spec.ID); ok {
+	if rec, ok, _ := s.knownEntry(spec.ID); ok {
 		s.memoHits.Add(1)
 		return rec, true, nil
 	}
@@ -116,7 +155,7 @@ type flight struct {
 // memoOnce is one node-wide Memo attempt: take the mesh's flight key, or
 // wait for whoever holds it.
 func (s *Store) memoOnce(ctx context.Context, spec MemoSpec, produce Produce) (Record, bool, error) {
-	if rec, ok := s.Entry(spec.ID); ok {
+	if rec, ok, _ := s.knownEntry(spec.ID); ok {
 		s.memoHits.Add(1)
 		return rec, true, nil
 	}
@@ -133,15 +172,15 @@ func (s *Store) memoOnce(ctx context.Context, spec MemoSpec, produce Produce) (R
 	flying, replace := resp.Succeeded, int64(0)
 	if !flying {
 		if kvs := resp.Responses[0].GetResponseRange().GetKvs(); len(kvs) == 1 {
-			// A record this node's index has not seen yet, or a dead one
-			// (no live holder; maintenance has not collected it yet),
-			// which is produced again and replaced.
-			if rec, ok := s.liveEntry(kvs[0].Value); ok {
+			// A record this node has not read yet, or a dead one (no
+			// live holder; maintenance has not collected it yet), which
+			// is produced again and replaced.
+			if rec, ok := s.readEntry(kvs[0].Value); ok {
 				s.memoHits.Add(1)
 				return rec, true, nil
 			}
 			replace = kvs[0].ModRevision
-		} else if rec, ok := s.waitEntry(ctx, spec.ID, s.cfg.MemoWait); ok {
+		} else if rec, ok := s.waitEntry(ctx, spec.ID, resp.Header.Revision, s.cfg.MemoWait); ok {
 			// Another agent held the flight key: it produced the entry.
 			s.memoHits.Add(1)
 			return rec, true, nil
@@ -156,7 +195,7 @@ func (s *Store) memoOnce(ctx context.Context, spec MemoSpec, produce Produce) (R
 		// Committed by another agent meanwhile: theirs is the entry.
 		got, gerr := s.cli.Get(ctx, objKey)
 		if gerr == nil && len(got.Kvs) == 1 {
-			if rec, ok := s.liveEntry(got.Kvs[0].Value); ok {
+			if rec, ok := s.readEntry(got.Kvs[0].Value); ok {
 				s.memoHits.Add(1)
 				return rec, true, nil
 			}
@@ -237,46 +276,72 @@ func (s *Store) produce(ctx context.Context, spec MemoSpec, produce Produce, fly
 		st.Abort(context.WithoutCancel(ctx))
 		return Record{}, errMemoTaken
 	}
+	st.written(resp.Header.Revision)
 	return st.Record, nil
 }
 
-// waitEntry waits up to d for entry id to appear in the index with a live
-// holder.
-func (s *Store) waitEntry(ctx context.Context, id string, d time.Duration) (Record, bool) {
-	t := time.NewTimer(d)
-	defer t.Stop()
-	for {
-		changed := s.idx.watch()
-		if rec, ok := s.Entry(id); ok {
+// waitEntry waits up to d for entry id, absent at revision rev, to appear
+// with a live holder: it watches that one record's key, so another agent's
+// entry costs this node one event, not every agent one.
+func (s *Store) waitEntry(ctx context.Context, id string, rev int64, d time.Duration) (Record, bool) {
+	ctx, cancel := context.WithTimeout(ctx, d)
+	defer cancel()
+	defer context.AfterFunc(s.ctx, cancel)() // Close ends the wait
+	key, next := ObjectKey(s.cfg.Prefix, id), rev+1
+	for ctx.Err() == nil {
+		var rec Record
+		var ok bool
+		if rec, ok, next = s.watchEntry(ctx, key, next); ok {
 			return rec, true
 		}
-		select {
-		case <-changed:
-		case <-t.C:
-			return Record{}, false
-		case <-ctx.Done():
-			return Record{}, false
-		case <-s.ctx.Done():
-			return Record{}, false
+		s.pause(ctx, 200*time.Millisecond) // a broken watch (leader loss): resume shortly
+	}
+	return Record{}, false
+}
+
+// watchEntry watches the entry's record at key from revision next until
+// a live entry is put, the watch breaks or ctx ends; it returns the
+// revision to resume at. A watch etcd compacted away reads the record.
+func (s *Store) watchEntry(ctx context.Context, key string, next int64) (Record, bool, int64) {
+	wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+	defer cancel()
+	for wr := range s.cli.Watch(wctx, key, clientv3.WithRev(next)) {
+		if wr.CompactRevision > 0 {
+			resp, err := s.cli.Get(ctx, key)
+			if err != nil {
+				return Record{}, false, next
+			}
+			if len(resp.Kvs) == 1 {
+				if rec, ok := s.readEntry(resp.Kvs[0].Value); ok {
+					return rec, true, 0
+				}
+			}
+			return Record{}, false, resp.Header.Revision + 1
+		}
+		for _, ev := range wr.Events {
+			next = ev.Kv.ModRevision + 1
+			if ev.Type != mvccpb.PUT {
+				continue
+			}
+			if rec, ok := s.readEntry(ev.Kv.Value); ok {
+				return rec, true, 0
+			}
 		}
 	}
+	return Record{}, false, next
 }
 
 // DropEntries deletes the records of the Cache objects this node holds
 // whose id starts with prefix and that keep refuses: entries no reader
 // can ask for any more (an encoder version changed, say). Their holders
-// free the copies when the watch brings the deletions.
+// free the copies when their watches bring the deletions.
 func (s *Store) DropEntries(ctx context.Context, prefix string, keep func(id string) bool) (int, error) {
-	s.idx.mu.Lock()
 	var ids []string
-	i, _ := search(s.idx.recs, prefix)
-	for ; i < len(s.idx.recs) && len(s.idx.recs[i].ID) >= len(prefix) && s.idx.recs[i].ID[:len(prefix)] == prefix; i++ {
-		l := s.idx.recs[i]
-		if l.Mode == Cache && !keep(l.ID) && slices.ContainsFunc(l.Holders, func(h Holder) bool { return h.Node == s.cfg.Node }) {
-			ids = append(ids, l.ID)
+	for _, c := range s.hold.snapshot() {
+		if c.mode == Cache && c.committed && strings.HasPrefix(c.object, prefix) && !keep(c.object) {
+			ids = append(ids, c.object)
 		}
 	}
-	s.idx.mu.Unlock()
 	var errs []error
 	n := 0
 	for _, id := range ids {
@@ -287,4 +352,62 @@ func (s *Store) DropEntries(ctx context.Context, prefix string, keep func(id str
 		n++
 	}
 	return n, errors.Join(errs...)
+}
+
+// recentEntries remembers, for Config.EntryTTL, the entries held on other
+// nodes that this node read from etcd: a text every job asks for costs
+// one read per EntryTTL, not one per job. An entry evicted meanwhile costs
+// the job that found it here a rewind (its pull fails and the agent drops
+// the entry), as it did when a watch brought the eviction a moment late.
+type recentEntries struct {
+	mu sync.Mutex
+	// mu guards on.
+	on map[string]recentEntry
+}
+
+type recentEntry struct {
+	rec Record
+	at  time.Time // when it was read
+}
+
+// maxRecentEntries bounds the entries remembered: a few texts are asked
+// for again and again; the rest are read once.
+const maxRecentEntries = 1024
+
+// get returns entry id if it was read after since.
+func (r *recentEntries) get(id string, since time.Time) (Record, bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	e, ok := r.on[id]
+	if !ok || !e.at.After(since) {
+		return Record{}, false
+	}
+	return e.rec, true
+}
+
+// put remembers rec, read at now. When full, it forgets what it read
+// longest ago.
+func (r *recentEntries) put(rec Record, now time.Time) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.on == nil {
+		r.on = map[string]recentEntry{}
+	}
+	if _, ok := r.on[rec.ID]; !ok && len(r.on) >= maxRecentEntries {
+		oldest := ""
+		for id, e := range r.on {
+			if oldest == "" || e.at.Before(r.on[oldest].at) {
+				oldest = id
+			}
+		}
+		delete(r.on, oldest)
+	}
+	r.on[rec.ID] = recentEntry{rec: rec, at: now}
+}
+
+// forget drops entry id (deleted by this node).
+func (r *recentEntries) forget(id string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.on, id)
 }

@@ -67,10 +67,11 @@ func TestMemoProducesOnceAcrossTheMesh(t *testing.T) {
 	if n := produced.Load(); n != 1 || misses != 1 {
 		t.Fatalf("produced %d times, %d misses; want 1 and 1", n, misses)
 	}
-	// Each node finds it in its index now, at no etcd read, and reads it.
+	// Each node finds it (its holder in its index, the others by a read,
+	// remembered for EntryTTL), and reads it.
 	for _, n := range c.nodes {
-		eventually(t, 10*time.Second, "entry in "+n.name+"'s index", func() error {
-			if _, ok := n.s.Entry("cond.v.one"); !ok {
+		eventually(t, 10*time.Second, "entry found on "+n.name, func() error {
+			if _, ok := n.s.Entry(ctx, "cond.v.one"); !ok {
 				return errors.New("not yet")
 			}
 			return nil
@@ -132,7 +133,7 @@ func TestMemoWithinCacheCapacity(t *testing.T) {
 			t.Fatalf("memo %s: %v", id, err)
 		}
 		eventually(t, 10*time.Second, id+" indexed", func() error {
-			if _, ok := n.s.Entry(id); !ok {
+			if _, ok := n.s.Entry(ctx, id); !ok {
 				return errors.New("not yet")
 			}
 			return nil
@@ -146,7 +147,7 @@ func TestMemoWithinCacheCapacity(t *testing.T) {
 	}
 	put("cond.c") // 12 KiB > 10 KiB: b goes
 	eventually(t, 10*time.Second, "b evicted", func() error {
-		if _, ok := n.s.Entry("cond.b"); ok {
+		if _, ok := n.s.Entry(ctx, "cond.b"); ok {
 			return errors.New("b still an entry")
 		}
 		if resp := c.rawRecord(ctx, "cond.b"); len(resp.Kvs) != 0 {
@@ -171,7 +172,7 @@ func TestMemoWithinCacheCapacity(t *testing.T) {
 
 func mustEntry(t *testing.T, n *node, id string) Record {
 	t.Helper()
-	rec, ok := n.s.Entry(id)
+	rec, ok := n.s.Entry(testCtx(t), id)
 	if !ok {
 		t.Fatalf("%s: no entry %s", n.name, id)
 	}
@@ -190,13 +191,13 @@ func TestMemoAfterHolderLeft(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 10*time.Second, "indexed on n1", func() error {
-		if _, ok := c.nodes[1].s.Entry(spec.ID); !ok {
+		if _, ok := c.nodes[1].s.Entry(ctx, spec.ID); !ok {
 			return errors.New("not yet")
 		}
 		return nil
 	})
 	c.kill("n0")
-	if _, ok := c.nodes[1].s.Entry(spec.ID); ok {
+	if _, ok := c.nodes[1].s.Entry(ctx, spec.ID); ok {
 		t.Fatal("an entry whose only holder left is still an entry")
 	}
 	rec, hit, err := c.nodes[1].s.Memo(ctx, spec, func(context.Context) ([]byte, transfer.TensorMeta, error) {
@@ -220,7 +221,7 @@ func TestDropEntries(t *testing.T) {
 	}
 	eventually(t, 10*time.Second, "indexed", func() error {
 		for _, id := range []string{"cond.old.1", "cond.old.2", "cond.new.1", "other.old.1"} {
-			if _, ok := n.s.Entry(id); !ok {
+			if _, ok := n.s.Entry(ctx, id); !ok {
 				return fmt.Errorf("%s not yet", id)
 			}
 		}
@@ -255,7 +256,7 @@ func TestMemoWithinCacheEntries(t *testing.T) {
 		// copy whose record is still on its way counts in the room and is
 		// nobody's to drop, so the next Memo would find no room.
 		eventually(t, 10*time.Second, id+" recorded", func() error {
-			if _, ok := n.s.Entry(id); !ok {
+			if _, ok := n.s.Entry(ctx, id); !ok {
 				return errors.New("not yet")
 			}
 			return nil
@@ -266,7 +267,7 @@ func TestMemoWithinCacheEntries(t *testing.T) {
 			return fmt.Errorf("%d entries, %d evictions; want 3 and 2", st.CacheEntries, st.Evictions)
 		}
 		for i, want := range []bool{false, false, true, true, true} {
-			if _, ok := n.s.Entry(fmt.Sprintf("cond.e%d", i)); ok != want {
+			if _, ok := n.s.Entry(ctx, fmt.Sprintf("cond.e%d", i)); ok != want {
 				return fmt.Errorf("entry %d: %v, want %v", i, ok, want)
 			}
 		}

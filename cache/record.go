@@ -79,6 +79,16 @@ func (r Record) Holds(node string) (transfer.Ref, bool) {
 	return transfer.Ref{}, false
 }
 
+// names reports whether hs names node.
+func names(hs []Holder, node string) bool {
+	for _, h := range hs {
+		if h.Node == node {
+			return true
+		}
+	}
+	return false
+}
+
 // Key layout under the mesh prefix.
 
 // ObjectsPrefix is the key prefix of every object record of the mesh.

@@ -7,7 +7,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 )
 
@@ -196,12 +195,7 @@ func (s *Store) repair(ctx context.Context, l *listed, cands func(string, int64,
 	}
 	rec := l.Record
 	rec.Holders = holders
-	key := ObjectKey(s.cfg.Prefix, l.ID)
-	put := clientv3.OpPut(key, encodeRecord(rec))
-	if l.lease != 0 {
-		put = clientv3.OpPut(key, encodeRecord(rec), clientv3.WithLease(l.lease))
-	}
-	resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", l.modRev)).Then(put).Commit()
+	resp, err := s.writeIf(ctx, l, &rec) // markers for the new holders, none for those replaced
 	if err != nil || !resp.Succeeded {
 		st := &Staged{s: s, Record: Record{ID: l.ID, Holders: added}}
 		st.Abort(context.WithoutCancel(ctx))

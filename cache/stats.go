@@ -32,6 +32,10 @@ type LocalStats struct {
 	// it has named such a copy in again, ever.
 	Recovered   int   `json:"recovered"`
 	Reannounced int64 `json:"reannounced"`
+	// WatchEvents counts the events this node's watches of its records
+	// and its markers received, ever: a record's writes reach its
+	// holders, not every node.
+	WatchEvents int64 `json:"watch_events"`
 	// ByMode counts the copies held by lease mode and tier.
 	ByMode map[Mode]*TierCounts `json:"by_mode,omitempty"`
 }
@@ -84,7 +88,7 @@ func (s *Store) LocalStats() LocalStats {
 	h.mu.Unlock()
 	st.Puts, st.Gets = s.puts.Load(), s.gets.Load()
 	st.Repairs, st.Collected, st.Lost = s.repairs.Load(), s.collected.Load(), s.lost.Load()
-	st.Reannounced = s.reannounced.Load()
+	st.Reannounced, st.WatchEvents = s.reannounced.Load(), s.watchEvents.Load()
 	return st
 }
 

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -14,6 +13,7 @@ import (
 	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"github.com/zeebo/xxh3"
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -28,8 +28,9 @@ import (
 type Orphans func(ctx context.Context, recs []Record) (ids []string, err error)
 
 // Store is one agent's part of the pooled Store: the copies it holds, an
-// index of the records that its watch keeps current (maintenance works from
-// it), and the client side of puts and gets. Build it with New, then Start.
+// index of the records that name it, which its watches keep current
+// (maintenance works from it), and the client side of puts and gets. Build
+// it with New, then Start.
 type Store struct {
 	cfg     Config
 	log     *zap.Logger
@@ -40,9 +41,11 @@ type Store struct {
 	orphans Orphans
 	hold    *holdings
 	ret     *Retention
-	idx     index // the records, fed by the watch; what maintenance reads
-	joins   joins // members' join times, for repair
+	idx     index     // the records that name this node, fed by its watches; what maintenance reads
+	joins   joins     // members' join times, for repair
+	coll    collector // the collector's state across passes
 	flights flights
+	recent  recentEntries // entries held elsewhere, as read lately (Entry)
 
 	memoHits, memoMisses atomic.Int64 // Memo's answers, ever
 
@@ -62,14 +65,7 @@ type Store struct {
 	endEpoch context.CancelFunc
 
 	repairs, collected, lost, puts, gets, reannounced atomic.Int64
-
-	collectMu sync.Mutex
-	// collectMu guards the collector's state across passes: goneSince,
-	// since when it has seen each holder named in a record gone
-	// (LostGrace), and orphansAfter, the id of the last object it asked
-	// Orphans about (the next pass starts after it).
-	goneSince    map[string]time.Time
-	orphansAfter string
+	watchEvents                                       atomic.Int64 // events the record and marker watches received
 }
 
 // New builds a Store on the agent's etcd client, transfer service and
@@ -236,22 +232,23 @@ type Staged struct {
 	repl   *replication // the copies still filling (FirstCopy); nil for none (a Staged built by hand)
 }
 
-// Op is the etcd operation that makes the object visible.
-func (st *Staged) Op() clientv3.Op {
-	key := ObjectKey(st.s.cfg.Prefix, st.Record.ID)
-	if st.lease != 0 {
-		return clientv3.OpPut(key, encodeRecord(st.Record), clientv3.WithLease(st.lease))
-	}
-	return clientv3.OpPut(key, encodeRecord(st.Record))
+// Op is the etcd operation that makes the object visible: a transaction
+// of its own, nested in the caller's, that writes the record and its
+// holders' markers (marker.go).
+func (st *Staged) Op() clientv3.Op { return clientv3.OpTxn(nil, st.ops(), nil) }
+
+// ops are the writes of Op.
+func (st *Staged) ops() []clientv3.Op {
+	return writeOps(st.s.cfg.Prefix, st.Record.ID, &st.Record, st.lease, nil)
 }
 
 // Commit writes the record. A retention lease that etcd no longer knows is
 // replaced once.
 func (st *Staged) Commit(ctx context.Context) error {
 	for try := 0; ; try++ {
-		op := st.Op()
-		_, err := st.s.cli.Do(ctx, op)
+		resp, err := st.s.cli.Txn(ctx).Then(st.ops()...).Commit()
 		if err == nil {
+			st.written(resp.Header.Revision)
 			return nil
 		}
 		if try == 0 && LeaseGone(err) {
@@ -261,6 +258,15 @@ func (st *Staged) Commit(ctx context.Context) error {
 			continue
 		}
 		return fmt.Errorf("cache: commit %s: %w", st.Record.ID, err)
+	}
+}
+
+// written commits this node's own copies of a record the put wrote at
+// revision rev, as the record's watch will: the putter need not wait for
+// its watch to know (a Cache copy is evictable only once committed).
+func (st *Staged) written(rev int64) {
+	if ref, ok := st.Record.Holds(st.s.cfg.Node); ok {
+		st.s.hold.commit(ref.ID, rev)
 	}
 }
 
@@ -713,18 +719,17 @@ func (s *Store) stageLocal(ctx context.Context, id string, mode Mode, src source
 }
 
 // deleteEvicted removes the records of evicted cache entries (R=1: the
-// copy was the object).
+// copy was the object), with their markers.
 func (s *Store) deleteEvicted(ctx context.Context, cs []*copyOf) {
 	for _, c := range cs {
-		key := ObjectKey(s.cfg.Prefix, c.object)
 		// Only if the record still names the evicted copy.
-		resp, err := s.cli.Get(ctx, key)
+		resp, err := s.cli.Get(ctx, ObjectKey(s.cfg.Prefix, c.object))
 		if err != nil || len(resp.Kvs) == 0 {
 			continue
 		}
 		rec, err := decodeRecord(resp.Kvs[0].Value)
 		if ref, ok := rec.Holds(s.cfg.Node); err == nil && ok && ref.ID == c.ref.ID {
-			s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", resp.Kvs[0].ModRevision)).Then(clientv3.OpDelete(key)).Commit()
+			s.writeIf(ctx, &listed{Record: rec, modRev: resp.Kvs[0].ModRevision}, nil)
 		}
 		s.log.Debug("evicted", zap.String("object", c.object), zap.Int64("bytes", c.size))
 	}
@@ -1046,14 +1051,16 @@ func (s *Store) ReadAll(ctx context.Context, id string) ([]byte, Record, error) 
 }
 
 // DeleteOp is the etcd operation that frees object id (for a stage's
-// fenced commit: delete-on-consume).
+// fenced commit: delete-on-consume). Its holders drop their copies, and
+// their markers, when they see the record go.
 func (s *Store) DeleteOp(id string) clientv3.Op {
 	return clientv3.OpDelete(ObjectKey(s.cfg.Prefix, id))
 }
 
-// Delete frees object id; its holders drop their copies when they see the
-// record go.
+// Delete frees object id; its holders drop their copies, and their
+// markers, when they see the record go.
 func (s *Store) Delete(ctx context.Context, id string) error {
+	s.recent.forget(id)
 	_, err := s.cli.Delete(ctx, ObjectKey(s.cfg.Prefix, id))
 	return err
 }
@@ -1076,22 +1083,26 @@ func (s *Store) List(ctx context.Context, idPrefix string) ([]Record, error) {
 // the revision of the read. A record that does not decode, or whose id is
 // not its key's, is left out.
 func (s *Store) list(ctx context.Context, idPrefix string) ([]*listed, int64, error) {
-	objects := ObjectsPrefix(s.cfg.Prefix)
-	resp, err := s.cli.Get(ctx, objects+idPrefix, clientv3.WithPrefix())
+	resp, err := s.cli.Get(ctx, ObjectKey(s.cfg.Prefix, idPrefix), clientv3.WithPrefix())
 	if err != nil {
 		return nil, 0, fmt.Errorf("cache: list objects: %w", err)
 	}
-	out := make([]*listed, 0, len(resp.Kvs))
-	for _, kv := range resp.Kvs {
+	return s.decodeListed(resp.Kvs), resp.Header.Revision, nil
+}
+
+// decodeListed decodes the records kvs (in key order), leaving out one
+// that does not decode, or whose id is not its key's.
+func (s *Store) decodeListed(kvs []*mvccpb.KeyValue) []*listed {
+	out := make([]*listed, 0, len(kvs))
+	for _, kv := range kvs {
 		rec, err := decodeRecord(kv.Value)
-		if err == nil && rec.ID != strings.TrimPrefix(string(kv.Key), objects) {
-			err = fmt.Errorf("cache: record of %q at another key", rec.ID)
-		}
 		if err != nil {
 			s.log.Warn("undecodable object record", zap.ByteString("key", kv.Key), zap.Error(err))
 			continue
 		}
-		out = append(out, &listed{Record: rec, modRev: kv.ModRevision, lease: clientv3.LeaseID(kv.Lease)})
+		if l := s.listedAt(kv, rec); l != nil {
+			out = append(out, l)
+		}
 	}
-	return out, resp.Header.Revision, nil
+	return out
 }

@@ -712,6 +712,8 @@ func TestNewValidatesConfig(t *testing.T) {
 		mod  func(*Config)
 	}{
 		{"NoNode", func(c *Config) { c.Node = "" }},
+		{"SlashInNode", func(c *Config) { c.Node = "a/b" }},
+		{"NegativeEntryTTL", func(c *Config) { c.EntryTTL = -1 }},
 		{"RelativePrefix", func(c *Config) { c.Prefix = "x" }},
 		{"NegativeMemory", func(c *Config) { c.MemoryCapacity = -1 }},
 		{"SpillWithoutDir", func(c *Config) { c.SpillCapacity = 1 }},

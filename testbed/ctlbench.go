@@ -661,8 +661,8 @@ func (t *watchTally) snap() map[string]int64 {
 }
 
 // watchKind names a watch by its key under prefix, job and node ids left
-// out: "queues/denoise/", "queues/decode/tasks/<task>", "objects/",
-// "jobs/<job>", "payloads/<node>/".
+// out: "queues/denoise/", "queues/decode/tasks/<task>", "objects/<job>...",
+// "jobs/<job>", "payloads/<node>/", "holders/<node>/".
 func watchKind(prefix, key string) string {
 	rest, ok := strings.CutPrefix(key, prefix+"/")
 	if !ok {
@@ -674,7 +674,7 @@ func watchKind(prefix, key string) string {
 		return rest
 	case top == "jobs" || top == "progress":
 		return top + "/<job>"
-	case top == "payloads":
+	case top == "payloads" || top == "holders":
 		return top + "/<node>/"
 	case top == "objects" && sub != "":
 		return top + "/<job>..."

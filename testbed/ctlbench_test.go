@@ -127,6 +127,7 @@ func TestWatchKind(t *testing.T) {
 		p + "/jobs/0123abcd":            "jobs/<job>",
 		p + "/progress/0123abcd":        "progress/<job>",
 		p + "/payloads/denoise-01/":     "payloads/<node>/",
+		p + "/holders/decode-01/":       "holders/<node>/",
 		"/elsewhere/nodes/":             "/elsewhere/nodes/",
 		p + "/latentmesh-etcd-identity": "latentmesh-etcd-identity",
 	} {

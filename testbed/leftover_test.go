@@ -22,7 +22,8 @@ import (
 // checkpoints on, 500 jobs (repeated prompts, a few hot negative prompts,
 // some cancelled) leave nothing behind once they are deleted but cache
 // entries within each agent's room (issue 19, done-when 7): in etcd no key
-// but the nodes' registrations and the entries' records; on each agent no
+// but the nodes' registrations, the entries' records and their holders'
+// markers; on each agent no
 // Store copy but the entries, no payload but those copies, and no arena
 // byte but theirs.
 func TestNothingLeftAfter500Jobs(t *testing.T) {
@@ -107,22 +108,34 @@ func leftovers(ctx context.Context, cl *Cluster, prefix, objects string, room in
 		return nil, err
 	}
 	var left []string
-	entries := map[string]int{} // holder -> entries its records name
+	entries := map[string]int{}     // holder -> entries its records name
+	named := map[string]bool{}      // "<holder>/<entry>" for each holder an entry's record names
+	var markers []string            // "<holder>/<object>" for each holder marker
+	holders := prefix + "/holders/" // cache's markers: <holder>/<object id>
 	for _, kv := range resp.Kvs {
 		key := string(kv.Key)
 		switch {
 		case strings.HasPrefix(key, prefix+"/nodes/"):
+			continue
+		case strings.HasPrefix(key, holders):
+			markers = append(markers, strings.TrimPrefix(key, holders))
 			continue
 		case strings.HasPrefix(key, objects):
 			var r cache.Record
 			if json.Unmarshal(kv.Value, &r) == nil && r.Mode == cache.Cache && r.Job == "" && strings.HasPrefix(r.ID, "cond.") {
 				for _, h := range r.Holders {
 					entries[h.Node]++
+					named[h.Node+"/"+r.ID] = true
 				}
 				continue
 			}
 		}
 		left = append(left, "etcd key "+key)
+	}
+	for _, m := range markers {
+		if !named[m] { // an entry's holder keeps its marker; nothing else does
+			left = append(left, "etcd key "+holders+m)
+		}
 	}
 	for _, a := range cl.Agents {
 		st, err := a.Status(ctx)

@@ -419,8 +419,8 @@ func TestManyJobsOnDefaultExternalEtcd(t *testing.T) {
 	}
 	took := time.Since(start)
 
-	// What etcd holds now: job records and result object records, no file
-	// bytes. Jobs whose retention passed during the run are gone already;
+	// What etcd holds now: job records, result object records and their
+	// holders' markers, no file bytes. Jobs whose retention passed during the run are gone already;
 	// the cost of a finished job is measured on those still there.
 	resp, err := cl.Client.Get(ctx, prefix+"/", clientv3.WithPrefix())
 	if err != nil {
@@ -442,6 +442,15 @@ func TestManyJobsOnDefaultExternalEtcd(t *testing.T) {
 			perKey[strings.TrimPrefix(k, prefix+"/jobs/")] += len(kv.Key) + len(kv.Value)
 		case strings.HasPrefix(k, cache.ObjectsPrefix(prefix)):
 			id, _, _ := strings.Cut(strings.TrimPrefix(k, cache.ObjectsPrefix(prefix)), ".")
+			perKey[id] += len(kv.Key) + len(kv.Value)
+		case strings.HasPrefix(k, prefix+"/holders/"):
+			// A Store holder's marker of an object: an entry's, or a job's.
+			_, obj, _ := strings.Cut(strings.TrimPrefix(k, prefix+"/holders/"), "/")
+			if strings.HasPrefix(obj, "cond.") {
+				entryBytes += len(kv.Key)
+				break
+			}
+			id, _, _ := strings.Cut(obj, ".")
 			perKey[id] += len(kv.Key) + len(kv.Value)
 		default:
 			t.Errorf("left in etcd after every job finished: %s", k)
@@ -486,7 +495,10 @@ func TestManyJobsOnDefaultExternalEtcd(t *testing.T) {
 			return err
 		}
 		for _, kv := range r.Kvs {
-			if !strings.HasPrefix(string(kv.Key), prefix+"/nodes/") && !strings.HasPrefix(string(kv.Key), cache.ObjectsPrefix(prefix)+"cond.") {
+			k := string(kv.Key)
+			_, marked, _ := strings.Cut(strings.TrimPrefix(k, prefix+"/holders/"), "/") // an entry's marker
+			if !strings.HasPrefix(k, prefix+"/nodes/") && !strings.HasPrefix(k, cache.ObjectsPrefix(prefix)+"cond.") &&
+				!(strings.HasPrefix(k, prefix+"/holders/") && strings.HasPrefix(marked, "cond.")) {
 				return fmt.Errorf("still in etcd: %s (and %d keys in all)", kv.Key, len(r.Kvs))
 			}
 		}

@@ -42,7 +42,7 @@ func (s *Server) Client(obs Observer) *clientv3.Client {
 	// One second is clientv3's marker for "the default first keepalive
 	// timeout", which the in-process client of etcd uses too.
 	c.Lease = clientv3.NewLeaseFromLeaseClient(lease, c, time.Second)
-	c.Watcher = blankWatcher{clientv3.NewWatchFromWatchClient(adapter.WatchServerToWatchClient(v3rpc.NewWatchServer(srv)), c)}
+	c.Watcher = blankWatcher{clientv3.NewWatchFromWatchClient(queuedWatchClient{adapter.WatchServerToWatchClient(v3rpc.NewWatchServer(srv))}, c)}
 	c.Maintenance = clientv3.NewMaintenanceFromMaintenanceClient(mnt, c)
 	c.Cluster = clientv3.NewClusterFromClusterClient(adapter.ClusterServerToClusterClient(v3rpc.NewClusterServer(srv)), c)
 	c.Auth = clientv3.NewAuthFromAuthClient(adapter.AuthServerToAuthClient(v3rpc.NewAuthServer(srv)), c)

@@ -2,6 +2,7 @@ package etcdembed
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"testing"
 	"time"
@@ -13,13 +14,7 @@ import (
 // The in-process client is the same etcd: writes, watches, leases and
 // transactions as through gRPC, and the observer sees each request.
 func TestInProcessClient(t *testing.T) {
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	s, err := Start(ctx, DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	ctx, s := startServer(t)
 	var mu sync.Mutex
 	methods := map[string]int{}
 	var txnLost int
@@ -125,4 +120,54 @@ func BenchmarkPut(b *testing.B) {
 			}
 		})
 	}
+}
+
+// A burst of watch cancellations on the in-process client (a Store
+// forgetting many records at once) leaves its watch stream working: clientv3
+// sends the cancellations from the loop that also reads the responses,
+// which an unbuffered in-process pipe deadlocks (etcd issues 18879, 20716).
+func TestInProcessWatchCancelStorm(t *testing.T) {
+	ctx, s := startServer(t)
+	cli := s.Client(nil)
+	defer cli.Close()
+	const watches = 300
+	cancels := make([]context.CancelFunc, watches)
+	for i := range cancels {
+		wctx, wcancel := context.WithCancel(ctx)
+		cancels[i] = wcancel
+		wch := cli.Watch(wctx, fmt.Sprintf("storm/%d", i), clientv3.WithCreatedNotify())
+		if wr := <-wch; !wr.Created {
+			t.Fatalf("watch %d: %+v", i, wr)
+		}
+	}
+	for _, c := range cancels {
+		c()
+	}
+	// The stream still creates watches and delivers their events.
+	wch := cli.Watch(ctx, "storm/after")
+	if _, err := cli.Put(ctx, "storm/after", "x"); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case wr := <-wch:
+		if len(wr.Events) != 1 || string(wr.Events[0].Kv.Value) != "x" {
+			t.Fatalf("after the storm a watch saw %+v", wr)
+		}
+	case <-ctx.Done():
+		t.Fatal("after a storm of cancellations a new watch saw nothing: the stream is stuck")
+	}
+}
+
+// startServer starts a server for one test, closed when it ends, and
+// returns it with a context that bounds the test.
+func startServer(t *testing.T) (context.Context, *Server) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	s, err := Start(ctx, DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Close)
+	return ctx, s
 }

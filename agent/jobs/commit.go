@@ -197,16 +197,25 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 	}
 }
 
-// putsReplaceDeletes drops the deletes of single keys that ops also put
-// (a commit's push writes the progress key that finishing a stage
-// deletes): etcd refuses a transaction that names one key twice.
+// putsReplaceDeletes drops the deletes of single keys that ops also put,
+// at the top or in a nested transaction (a commit's push writes the
+// progress key that finishing a stage deletes): etcd refuses a
+// transaction that names one key twice.
 func putsReplaceDeletes(ops []clientv3.Op) []clientv3.Op {
 	put := map[string]bool{}
-	for _, op := range ops {
-		if op.IsPut() {
-			put[string(op.KeyBytes())] = true
+	var note func(ops []clientv3.Op)
+	note = func(ops []clientv3.Op) {
+		for _, op := range ops {
+			switch {
+			case op.IsPut():
+				put[string(op.KeyBytes())] = true
+			case op.IsTxn(): // a staged record writes its holders' markers with it
+				_, then, _ := op.Txn()
+				note(then)
+			}
 		}
 	}
+	note(ops)
 	out := ops[:0]
 	for _, op := range ops {
 		if op.IsDelete() && len(op.RangeBytes()) == 0 && put[string(op.KeyBytes())] {

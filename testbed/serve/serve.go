@@ -532,10 +532,14 @@ func (o *opCounter) observe(method string, req, reply any, err error) {
 
 // isCheckpoint recognises jobs.Store.SaveCheckpoint's transaction: it puts
 // the record of a job's step checkpoint object (jobs.CheckpointID's
-// "<job>.ckpt.<step>").
+// "<job>.ckpt.<step>"), in a transaction of the record's own nested in it
+// (cache.Staged.Op writes the record with its holders' markers).
 func isCheckpoint(t *pb.TxnRequest) bool {
 	for _, op := range t.Success {
 		if p := op.GetRequestPut(); p != nil && strings.Contains(string(p.Key), ".ckpt.") {
+			return true
+		}
+		if n := op.GetRequestTxn(); n != nil && isCheckpoint(n) {
 			return true
 		}
 	}

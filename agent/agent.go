@@ -70,6 +70,8 @@ type Agent struct {
 	// meshChanged fires at every gossip event and every grant received:
 	// a worker may have a slot for a waiting task (dispatch.go).
 	meshChanged signal
+	// departed fires when a member leaves (adoptLoop).
+	departed signal
 	// waiting has the StageBit of each stage with tasks waiting in this
 	// agent's ledger (NodeMeta.Waiting).
 	waiting atomic.Uint32
@@ -898,9 +900,11 @@ func (a *Agent) gossipStoreRoom() {
 	}
 }
 
-// forgetDeparted drops the data-plane state kept for producers that left
-// the mesh: an shm mapping of a departed agent's arena would otherwise keep
-// its memory alive for good.
+// forgetDeparted follows the membership's events: it drops the data-plane
+// state kept for producers that left the mesh (an shm mapping of a
+// departed agent's arena would otherwise keep its memory alive for good),
+// has the Store repair what they held and the dispatch adopt what they
+// dispatched, and wakes the dispatchers at every change.
 func (a *Agent) forgetDeparted() {
 	events, stop := a.member.Subscribe()
 	defer stop()
@@ -917,7 +921,8 @@ func (a *Agent) forgetDeparted() {
 				a.xfer.Forget(ev.Peer.Record.PeerID)
 			}
 			if ev.Type == gossip.EventDeregistered || ev.Type == gossip.EventDead {
-				a.cstore.Kick() // re-replicate what it held
+				a.cstore.Kick()   // re-replicate what it held
+				a.departed.Fire() // adopt the tasks it dispatched (adoptLoop)
 			}
 		}
 	}

@@ -328,21 +328,14 @@ func (a *Agent) setWaiting(st jobs.Stage, w bool) {
 // stage's tasks and makes itself the dispatcher of those whose dispatcher
 // is gone (jobs.Store.Orphans, Adopt). A sweep is one range read.
 func (a *Agent) adoptLoop() {
-	events, stop := a.member.Subscribe()
-	defer stop()
 	t := time.NewTicker(adoptEvery)
 	defer t.Stop()
 	for {
+		departed := a.departed.Wait()
 		select {
 		case <-a.ctx.Done():
 			return
-		case ev, ok := <-events:
-			if !ok {
-				return
-			}
-			if ev.Type != gossip.EventDeregistered && ev.Type != gossip.EventDead {
-				continue
-			}
+		case <-departed:
 		case <-t.C:
 		}
 		a.sweepAll()

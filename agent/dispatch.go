@@ -6,13 +6,15 @@ package agent
 // slot as it creates it (push.go); a task with no such worker then waits
 // in etcd, and in its dispatcher's ledger (jobs.Fed), which follows it by
 // its one key. The dispatcher hands it on (jobs.Store.Assign: one
-// transaction, the same claim a push makes) as soon as a worker has a
-// slot for it: one gossip shows free, or one that granted this node its
-// credit (grants.go). Workers grant their freed slots to the dispatchers
-// gossip shows with work waiting for their stage (NodeMeta.Waiting), so a
-// backlog drains at the pace workers free up, one grant per slot, with no
-// race: only a task's dispatcher hands it on. A dispatcher that leaves
-// has its waiting tasks adopted by another node (adoptLoop).
+// transaction, the same claim a push makes) against a slot a worker
+// granted it (grants.go), or to itself when it has one. A worker grants a
+// freed slot to one dispatcher gossip shows with work waiting for its
+// stage (NodeMeta.Waiting), so a backlog drains at the pace workers free
+// up, one grant per slot, with no race: only a task's dispatcher hands it
+// on, and only one dispatcher holds a slot's grant. (Gossip's free slots
+// are a round or two late, and every dispatcher sees the same: handing on
+// by them pushed several tasks to one slot.) A dispatcher that leaves has
+// its waiting tasks adopted by another node (adoptLoop).
 
 import (
 	"context"
@@ -29,9 +31,9 @@ import (
 	"github.com/latentmesh/latentmesh/routing"
 )
 
-// dispatchEvery bounds how long a waiting task goes unlooked-at: a free
-// slot shows by gossip or a grant, both of which wake the loop, so this
-// is only the net under a missed wake.
+// dispatchEvery bounds how long a waiting task goes unlooked-at: a grant
+// and gossip both wake the loop, so this is only the net under a missed
+// wake.
 const dispatchEvery = 250 * time.Millisecond
 
 // adoptEvery is how often one agent per stage sweeps the stage for tasks

@@ -18,7 +18,6 @@ const (
 	evTick                     // each simulated second: per-agent background etcd traffic
 	evGiveBack                 // mesh: a pushed claim's worker looks whether to give it back
 	evRequeued                 // mesh: a pushed claim's give-back landed
-	evHandedOver               // mesh: a pushed claim's hand-over to another worker landed
 )
 
 // event is one scheduled happening. seq breaks ties in scheduling order, so

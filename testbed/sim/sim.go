@@ -51,14 +51,10 @@ type Result struct {
 	ConflictsPerJob float64 `json:"claim_conflicts_per_job"`
 	// PushedShare is the share of tasks started from a claim pushed with
 	// them (no claim transaction); GiveBacks counts pushed claims their
-	// worker gave back to the queue (routing.QueuePolicy.GiveBack), and
-	// HandOvers those it handed over to a worker its view showed free
-	// instead (agent.giveBack, jobs.Store.HandOver).
+	// worker gave back to their dispatcher (routing.QueuePolicy.GiveBack).
 	PushedShare     float64 `json:"pushed_share"`
 	GiveBacks       uint64  `json:"give_backs"`
 	GiveBacksPerJob float64 `json:"give_backs_per_job"`
-	HandOvers       uint64  `json:"hand_overs"`
-	HandOversPerJob float64 `json:"hand_overs_per_job"`
 
 	EtcdWritesPerJob  float64 `json:"etcd_writes_per_job"`
 	EtcdReadsPerJob   float64 `json:"etcd_reads_per_job"`
@@ -157,7 +153,6 @@ type sim struct {
 
 	submitted, completed, completedInWindow int
 	conflicts, claimTxns, giveBacks         uint64
-	handOvers                               uint64
 	pushes                                  uint64    // tasks created with a pushed claim
 	pushedStarts, claimedStarts             [3]uint64 // by stage: tasks started from a pushed claim, and from a claim txn
 	overhead                                time.Duration
@@ -316,8 +311,6 @@ func (s *sim) handle(e event) {
 		s.giveBackCheck(e.task)
 	case evRequeued:
 		s.requeued(e.task)
-	case evHandedOver:
-		s.handedOver(e.task, e.worker)
 	}
 }
 
@@ -461,10 +454,8 @@ func (s *sim) unpush(st *stage, w *worker, t *task) {
 // giveBackCheck is a pushed claim's worker looking whether to give it back
 // (agent.returnPushes), at the steal grace and then each second: a worker
 // with a slot free and admitted would have started it, so it is busy (or
-// held back by admission); it gives the claim back when
-// routing.QueuePolicy.GiveBack says so (the stage has another worker),
-// handing it over to a worker its view shows free (agent.handOverTarget)
-// or else requeueing it.
+// held back by admission); it gives the claim back to its dispatcher when
+// routing.QueuePolicy.GiveBack says so (the stage has another worker).
 func (s *sim) giveBackCheck(t *task) {
 	if !t.pushed {
 		return // started, or given back
@@ -485,58 +476,13 @@ func (s *sim) giveBackCheck(t *task) {
 		s.clk.at(next, event{kind: evGiveBack, stage: int8(st.i), task: t})
 		return
 	}
-	// jobs.Store.HandOver: one fenced txn rewrites the claim for the
-	// worker chosen (and the task, and the progress key). The worker's
-	// loop makes it, so it cannot start the task meanwhile.
-	to := s.handOverTarget(st, wk) // before unpush: wk still holds the claim
+	// jobs.Store.Requeue: the task back to its dispatcher, unclaimed, the
+	// claim deleted; the dispatcher hands it to the next worker to grant
+	// it a slot (agent.returnPushes: no hand-over by gossip's free slots).
 	s.unpush(st, wk, t)
 	s.etcd.write(now, 1)
-	if to >= 0 {
-		s.handOvers++
-		s.clk.at(now+s.etcd.writeLat(now), event{kind: evHandedOver, stage: int8(st.i), task: t, worker: to})
-		return
-	}
-	// jobs.Store.Requeue: the task back unclaimed, the claim deleted.
 	s.giveBacks++
 	s.clk.at(now+s.etcd.writeLat(now), event{kind: evRequeued, stage: int8(st.i), task: t})
-}
-
-// handOverTarget is a worker of st other than w that holds no claim as the
-// views show it (agent.handOverTarget), or -1: one of the workers waiting
-// for work (a worker with no claim has its credit free), chosen at random.
-// A stage that admission holds back takes no hand-over (its workers gossip
-// no role), nor one whose queue has a task waiting: the claim goes back
-// to the queue in its place, since a free worker takes the queue's
-// oldest first.
-func (s *sim) handOverTarget(st *stage, w *worker) int32 {
-	free := st.viewFree
-	if w.holds == 0 {
-		free--
-	}
-	if free <= 0 || st.blocked || st.q.queued > 0 || len(st.waiting) == 0 {
-		return -1
-	}
-	for range 64 {
-		if u := st.workers[st.waiting[s.rng.IntN(len(st.waiting))]]; u != w && u.holds == 0 {
-			return u.idx
-		}
-	}
-	for _, i := range st.waiting {
-		if u := st.workers[i]; u != w && u.holds == 0 {
-			return i
-		}
-	}
-	return -1
-}
-
-// handedOver is a hand-over landing: the claim is to's, pushed to it now;
-// the views see it leave the worker that gave it.
-func (s *sim) handedOver(t *task, to int32) {
-	st := s.st[t.stage]
-	s.hold(st, st.workers[t.pushTo], -1)
-	t.pushTo, t.hint, t.pushedAt = to, to, s.clk.now
-	s.claimLanded(st, t)
-	s.stageEvent(st, 3) // the old holder's inbox, the new one's, the dispatcher's ledger
 }
 
 // requeued is a give-back landing: the task is in the queue again, in its
@@ -1015,7 +961,7 @@ func (s *sim) result(wall time.Duration) Result {
 		Duration: cfg.Duration, Load: cfg.Load, Seed: cfg.Seed,
 		Submitted: s.submitted, Completed: s.completed, Unfinished: s.submitted - s.completed,
 		JobsPerSec: float64(s.completedInWindow) / cfg.Duration.Seconds(),
-		ClaimTxns:  s.claimTxns, Conflicts: s.conflicts, GiveBacks: s.giveBacks, HandOvers: s.handOvers,
+		ClaimTxns:  s.claimTxns, Conflicts: s.conflicts, GiveBacks: s.giveBacks,
 		SimSeconds: s.clk.now.Seconds(), Events: s.clk.count, WallSeconds: wall.Seconds(),
 		Utilisation: s.busy.Seconds() / (float64(cfg.GPUs) * cfg.Duration.Seconds()),
 		QueueP50Ms:  ms(s.queueing.quantile(0.50)),
@@ -1026,7 +972,6 @@ func (s *sim) result(wall time.Duration) Result {
 		r.ClaimTxnsPerJob = float64(s.claimTxns) / n
 		r.ConflictsPerJob = float64(s.conflicts) / n
 		r.GiveBacksPerJob = float64(s.giveBacks) / n
-		r.HandOversPerJob = float64(s.handOvers) / n
 		r.EtcdWritesPerJob = float64(s.etcd.writes) / n
 		r.EtcdReadsPerJob = float64(s.etcd.reads) / n
 		r.EtcdWatchesPerJob = float64(s.etcd.watches) / n

@@ -36,6 +36,11 @@ import (
 // wake.
 const dispatchEvery = 250 * time.Millisecond
 
+// grantWait is how long waiting tasks go only to workers that granted
+// this node a slot before a dispatch pass hands them to workers gossip
+// shows free too.
+const grantWait = time.Second
+
 // adoptEvery is how often one agent per stage sweeps the stage for tasks
 // whose dispatcher left, besides a sweep at every departure:
 // the net under a departure missed. (A task given back after its
@@ -133,12 +138,19 @@ func (l *leaseAges) since(node string, lease int64) time.Time {
 // ledger to workers with a slot for them, in the queue policy's order,
 // until none is left or no worker has a slot. It sleeps on the ledger, the
 // mesh's gossip and grants (a.meshChanged), and a short timer while tasks
-// wait.
+// wait. It hands on against grants, and after grantWait with nothing
+// handed on, by gossip's free slots too.
 func (a *Agent) dispatchLoop(st jobs.Stage) {
 	f := a.fed[st]
+	progress := time.Now() // when a task last went on, or none waited
 	for a.ctx.Err() == nil {
 		changed, mesh := f.Changed(), a.meshChanged.Wait()
-		waiting := a.dispatch(st, f)
+		// Tasks that waited grantWait with none handed on go by gossip too:
+		// a slot whose grant went elsewhere, or was never sent, is not lost.
+		waiting, handed := a.dispatch(st, f, time.Since(progress) > grantWait)
+		if handed > 0 || waiting == 0 {
+			progress = time.Now()
+		}
 		a.setWaiting(st, waiting > 0)
 		var tick <-chan time.Time
 		var t *time.Timer
@@ -164,13 +176,14 @@ func (a *Agent) dispatchLoop(st jobs.Stage) {
 }
 
 // dispatch hands on what it can of st's waiting tasks and returns how
-// many still wait.
-func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
+// many still wait, and how many it handed on. byGossip lets it hand on to
+// workers gossip shows free as well as to those that granted a slot.
+func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed, byGossip bool) (waiting, handed int) {
 	ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 	defer cancel()
 	tasks := f.Waiting(ctx, a.liveOn)
 	if len(tasks) == 0 {
-		return 0
+		return 0, 0
 	}
 	now := time.Now()
 	byID := make(map[string]jobs.Task, len(tasks))
@@ -197,7 +210,7 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
 		if full[kind] {
 			continue
 		}
-		to := a.assignTarget(st, t, now, given)
+		to := a.assignTarget(st, t, now, given, byGossip)
 		if to == nil {
 			full[kind] = true
 			continue // no worker has a slot for it: the next free one grants
@@ -208,6 +221,7 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
 			f.Assigned(claim.Task, to.Node)
 			given[to.Node]++
 			waiting--
+			handed++
 			a.log.Debug("waiting task handed on", zap.String("job", t.JobID), zap.String("stage", string(st)), zap.String("to", to.Node))
 		case errors.Is(err, jobs.ErrTaken):
 			// Claimed, adopted or gone since the ledger saw it (the ledger
@@ -217,10 +231,10 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed) (waiting int) {
 			// The worker's lease just ended: gossip says so soon.
 		default:
 			a.log.Debug("handing a waiting task to a worker", zap.String("job", t.JobID), zap.String("stage", string(st)), zap.Error(err))
-			return waiting
+			return waiting, handed
 		}
 	}
-	return waiting
+	return waiting, handed
 }
 
 // targetKind is what assignTarget's choice depends on besides the
@@ -238,11 +252,11 @@ func kindOf(t jobs.Task, now time.Time, preemptAfter time.Duration) targetKind {
 
 // assignTarget chooses the worker waiting task t goes to: pickWorker's
 // choice among those that granted this node a credit (granted, less what
-// this pass gave each already), and
+// this pass gave each already; byGossip: or that gossip shows free), and
 // for interactive work past its preemption time with none free, a worker
 // that runs batch work it can stop for it (NodeMeta.Yields; the worker's
 // preemption loop gives way for a claim pushed to it). nil: none.
-func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given map[string]int) *jobs.Push {
+func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given map[string]int, byGossip bool) *jobs.Push {
 	s := t.Spec
 	if st == jobs.Denoise && s.Adapter != "" && !a.adapterServed(s.ModelName(), s.Adapter) {
 		if ok, _ := a.takesAdapter(st, t, now); !ok {
@@ -250,7 +264,11 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 		}
 		s.Adapter = "" // nobody has it: any worker fails the job (runAdapter)
 	}
-	node := a.pickWorker(st, s, func(p gossip.Peer) int { return a.granted(p, st, now) - given[p.Record.ID] })
+	free := func(p gossip.Peer) int { return a.granted(p, st, now) - given[p.Record.ID] }
+	if byGossip {
+		free = func(p gossip.Peer) int { return max(a.granted(p, st, now), a.freeSlots(p, st)) - given[p.Record.ID] }
+	}
+	node := a.pickWorker(st, s, free)
 	if node == "" && a.cfg.Queue.PreemptAfter > 0 && t.Class == routing.Interactive && !now.Before(t.EnqueuedAt.Add(a.cfg.Queue.PreemptAfter)) {
 		node = a.pickWorker(st, s, func(p gossip.Peer) int {
 			if p.Meta.Yields&gossip.StageBit(string(st)) != 0 && given[p.Record.ID] == 0 {

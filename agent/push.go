@@ -35,6 +35,9 @@ func (a *Agent) pushTarget(st jobs.Stage, s engine.Spec) (hint string, push *job
 	if hint == "" || !a.cfg.Queue.Push {
 		return hint, nil
 	}
+	if a.waiting.Load()&uint32(gossip.StageBit(string(st))) != 0 {
+		return hint, nil // tasks of st wait in this agent's ledger: the new one takes its place in their order
+	}
 	if p, ok := a.member.Peer(hint); ok && p.Lease != 0 {
 		if p.Meta.Free.For(string(st)) == 0 {
 			a.grants.Take(hint, string(st), time.Now()) // pushed against its grant: one credit spent

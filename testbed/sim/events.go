@@ -8,16 +8,16 @@ import (
 type evKind uint8
 
 const (
-	evArrive     evKind = iota // a job arrives at an agent's API (or the dispatcher)
-	evEnqueue                  // its first task is in the queue (mesh: the submit txn landed)
-	evWake                     // mesh: a stage's waiting workers wake from their watch
-	evClaimed                  // mesh: a worker's claim landed, or it took a pushed one / central: a GPU got its assignment
-	evDone                     // a stage's compute finished; the commit (or report) starts
-	evCommitted                // mesh: the commit landed / central: the dispatcher took the report
-	evDispatch                 // central: the dispatcher assigns queued tasks to free GPUs
-	evTick                     // each simulated second: per-agent background etcd traffic
-	evGiveBack                 // mesh: a pushed claim's worker looks whether to give it back
-	evRequeued                 // mesh: a pushed claim's give-back landed
+	evArrive    evKind = iota // a job arrives at an agent's API (or the dispatcher)
+	evEnqueue                 // its first task is in the queue (mesh: the submit txn landed)
+	evWake                    // mesh: a stage's waiting workers wake from their watch
+	evClaimed                 // mesh: a worker's claim landed, or it took a pushed one / central: a GPU got its assignment
+	evDone                    // a stage's compute finished; the commit (or report) starts
+	evCommitted               // mesh: the commit landed / central: the dispatcher took the report
+	evDispatch                // central: the dispatcher assigns queued tasks to free GPUs
+	evTick                    // each simulated second: per-agent background etcd traffic
+	evGiveBack                // mesh: a pushed claim's worker looks whether to give it back
+	evRequeued                // mesh: a pushed claim's give-back landed
 )
 
 // event is one scheduled happening. seq breaks ties in scheduling order, so

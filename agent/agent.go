@@ -69,9 +69,9 @@ type Agent struct {
 	inboxes map[jobs.Stage]*jobs.Inbox
 	// meshChanged fires at every gossip event and every grant received:
 	// a worker may have a slot for a waiting task (dispatch.go).
-	meshChanged signal
+	meshChanged broadcast
 	// departed fires when a member leaves (adoptLoop).
-	departed signal
+	departed broadcast
 	// waiting has the StageBit of each stage with tasks waiting in this
 	// agent's ledger (NodeMeta.Waiting).
 	waiting atomic.Uint32

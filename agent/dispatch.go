@@ -47,13 +47,13 @@ const grantWait = time.Second
 // dispatcher left is adopted by the worker giving it back.)
 const adoptEvery = time.Minute
 
-// signal is a broadcast: Wait returns a channel closed at the next Fire.
-type signal struct {
+// broadcast: Wait returns a channel closed at the next Fire.
+type broadcast struct {
 	mu sync.Mutex
 	ch chan struct{}
 }
 
-func (s *signal) Wait() <-chan struct{} {
+func (s *broadcast) Wait() <-chan struct{} {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.ch == nil {
@@ -62,7 +62,7 @@ func (s *signal) Wait() <-chan struct{} {
 	return s.ch
 }
 
-func (s *signal) Fire() {
+func (s *broadcast) Fire() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.ch != nil {

@@ -19,7 +19,6 @@ package agent
 import (
 	"context"
 	"errors"
-	"hash/fnv"
 	"sync"
 	"time"
 
@@ -375,16 +374,12 @@ func (a *Agent) sweepAll() {
 }
 
 // sweeper reports whether this agent sweeps stage st for orphans: the
-// live, registered agent whose id hashes highest with the stage's name.
+// live agent that wins the stage by rendezvous (cache.RendezvousScore).
 func (a *Agent) sweeper(st jobs.Stage) bool {
-	score := func(id string) uint64 {
-		h := fnv.New64a()
-		h.Write([]byte(string(st) + "/" + id))
-		return h.Sum64()
-	}
-	mine := score(a.id)
+	key := "sweep/" + string(st)
+	mine := cache.RendezvousScore(a.id, key)
 	for _, p := range a.member.Peers() {
-		if p.Alive && p.Record.ID != a.id && score(p.Record.ID) > mine {
+		if p.Alive && p.Record.ID != a.id && cache.RendezvousScore(p.Record.ID, key) > mine {
 			return false
 		}
 	}

@@ -6,12 +6,15 @@ import (
 	"github.com/zeebo/xxh3"
 )
 
-// score is a member's rendezvous weight for key: every node computes the
-// same order for an object without coordination, and a member joining or
-// leaving moves only the objects it wins or held.
-func score(node, key string) uint64 {
+// RendezvousScore is node's rendezvous weight for key: every node
+// computes the same order for a key without coordination, and a member
+// joining or leaving moves only the keys it wins or held. The Store
+// places objects by it; the agent chooses a stage's orphan sweeper by it.
+func RendezvousScore(node, key string) uint64 {
 	return xxh3.HashString(node + "\x00" + key)
 }
+
+func score(node, key string) uint64 { return RendezvousScore(node, key) }
 
 // rank orders members by rendezvous weight for key, highest first.
 func rank(members []Member, key string) []Member {

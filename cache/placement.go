@@ -14,13 +14,12 @@ func RendezvousScore(node, key string) uint64 {
 	return xxh3.HashString(node + "\x00" + key)
 }
 
-func score(node, key string) uint64 { return RendezvousScore(node, key) }
 
 // rank orders members by rendezvous weight for key, highest first.
 func rank(members []Member, key string) []Member {
 	out := slices.Clone(members)
 	slices.SortFunc(out, func(a, b Member) int {
-		sa, sb := score(a.Node, key), score(b.Node, key)
+		sa, sb := RendezvousScore(a.Node, key), RendezvousScore(b.Node, key)
 		switch {
 		case sa > sb:
 			return -1

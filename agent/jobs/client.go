@@ -262,6 +262,7 @@ func (s *Store) waitOnce(ctx context.Context, id string) (job Job, done bool, er
 func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 	mark := true // tell the task's holder, on its lease (gone: no marker)
 	for {
+		marked := false // this try puts a marker
 		rec, rev, err := s.getRecord(ctx, id)
 		if err != nil {
 			return Job{}, err
@@ -284,6 +285,7 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 				if k := s.heldKey(&t); k != "" {
 					ops = append(ops, clientv3.OpDelete(k))
 					if mark && t.HolderLease != 0 {
+						marked = true
 						// The holder's inbox takes puts only: a marker
 						// beside the claim tells it (Inbox).
 						ops = append(ops, clientv3.OpPut(k+cancelSuffix, "", clientv3.WithLease(clientv3.LeaseID(t.HolderLease))))
@@ -306,7 +308,7 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 		}
 		ops = append(ops, put)
 		resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(s.jobKey(id)), "=", rev)).Then(ops...).Commit()
-		if cache.LeaseGone(err) && mark && len(ops) > 0 && hasMarker(ops) {
+		if cache.LeaseGone(err) && marked {
 			mark = false // the holder's lease, maybe: its claim went with it; the next try says
 			continue
 		}
@@ -321,16 +323,6 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 		}
 		// The job moved on (a stage committed) between read and write: retry.
 	}
-}
-
-// hasMarker reports whether ops put a cancel marker.
-func hasMarker(ops []clientv3.Op) bool {
-	for _, op := range ops {
-		if op.IsPut() && strings.HasSuffix(string(op.KeyBytes()), cancelSuffix) {
-			return true
-		}
-	}
-	return false
 }
 
 func (s *Store) readTask(ctx context.Context, key string) (Task, error) {

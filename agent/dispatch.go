@@ -208,7 +208,7 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed, byGossip bool) (waiting, ha
 		if t.NotBefore.After(now) {
 			continue // backing off after a failure
 		}
-		kind := kindOf(t, now, a.cfg.Queue.PreemptAfter)
+		kind := a.kindOf(t, now)
 		if full[kind] {
 			continue
 		}
@@ -247,9 +247,16 @@ type targetKind struct {
 	due            bool
 }
 
-func kindOf(t jobs.Task, now time.Time, preemptAfter time.Duration) targetKind {
-	due := preemptAfter > 0 && t.Class == routing.Interactive && !now.Before(t.EnqueuedAt.Add(preemptAfter))
-	return targetKind{model: t.Spec.ModelName(), adapter: t.Spec.Adapter, due: due}
+func (a *Agent) kindOf(t jobs.Task, now time.Time) targetKind {
+	return targetKind{model: t.Spec.ModelName(), adapter: t.Spec.Adapter, due: a.duePreemption(t, now)}
+}
+
+// duePreemption reports whether t is interactive work that has waited
+// past --preempt-after: its dispatcher may push it to a worker that would
+// stop batch work for it.
+func (a *Agent) duePreemption(t jobs.Task, now time.Time) bool {
+	after := a.cfg.Queue.PreemptAfter
+	return after > 0 && t.Class == routing.Interactive && !now.Before(t.EnqueuedAt.Add(after))
 }
 
 // assignTarget chooses the worker waiting task t goes to: pickWorker's
@@ -271,7 +278,7 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 		free = func(p gossip.Peer) int { return max(a.granted(p, st, now), a.freeSlots(p, st)) - given[p.Record.ID] }
 	}
 	node := a.pickWorker(st, s, free)
-	if node == "" && a.cfg.Queue.PreemptAfter > 0 && t.Class == routing.Interactive && !now.Before(t.EnqueuedAt.Add(a.cfg.Queue.PreemptAfter)) {
+	if node == "" && a.duePreemption(t, now) {
 		node = a.pickWorker(st, s, func(p gossip.Peer) int {
 			if p.Meta.Yields&gossip.StageBit(string(st)) != 0 && given[p.Record.ID] == 0 {
 				return 1
@@ -299,8 +306,7 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 // exactly.
 func (a *Agent) granted(p gossip.Peer, st jobs.Stage, now time.Time) int {
 	if p.Record.ID == a.id {
-		_, free := a.slots(st)
-		return free
+		return a.freeSlots(p, st)
 	}
 	return a.grants.Free(p.Record.ID, string(st), now)
 }

@@ -72,9 +72,6 @@ type Agent struct {
 	meshChanged broadcast
 	// departed fires when a member leaves (adoptLoop).
 	departed broadcast
-	// waiting has the StageBit of each stage with tasks waiting in this
-	// agent's ledger (NodeMeta.Waiting).
-	waiting atomic.Uint32
 	// leases says since when each node has been on its lease (liveOn).
 	leases leaseAges
 	// idleGrants throttles the grants an idle worker sends (grantIdle).
@@ -145,6 +142,9 @@ type Agent struct {
 	// then gossips no free credit either, so producers do not push it
 	// tasks it could only give back after the steal grace.
 	held map[jobs.Stage]*atomic.Bool
+	// waiting is set per stage (every stage: any agent dispatches) while
+	// tasks wait in this agent's ledger of it (NodeMeta.Waiting).
+	waiting map[jobs.Stage]*atomic.Bool
 	// committing counts, per stage, the tasks whose work is done and whose
 	// credit is back but whose outcome is still being written: admission
 	// counts them as running.
@@ -174,7 +174,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.applyStateDir(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, grants: routing.NewGrants(), fed: map[jobs.Stage]*jobs.Fed{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, grants: routing.NewGrants(), fed: map[jobs.Stage]*jobs.Fed{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, waiting: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.pullCtx, a.stopPull = context.WithCancel(a.ctx)
 	a.running.init()
@@ -247,6 +247,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		a.inboxes[st] = a.store.NewInbox(st, a.id)
 	}
 	for _, st := range jobs.Stages() {
+		a.waiting[st] = &atomic.Bool{}
 		a.fed[st] = a.store.NewFed(a.ctx, st, a.id, func(worker string) { a.creditReturned(st, worker) })
 	}
 	if err = a.metrics.WatchStore(func() cache.LocalStats { return a.cstore.LocalStats() }); err != nil {
@@ -803,7 +804,11 @@ func (a *Agent) meta() gossip.NodeMeta {
 			m.Yields |= gossip.StageBit(string(st))
 		}
 	}
-	m.Waiting = uint8(a.waiting.Load())
+	for st, w := range a.waiting {
+		if w.Load() {
+			m.Waiting |= gossip.StageBit(string(st))
+		}
+	}
 	if total > 0 {
 		m.Load = float32(m.Running) / float32(total)
 	}

@@ -333,20 +333,8 @@ func (a *Agent) givingBack(c *jobs.Claim, give func() error) func() error {
 // ledger and gossips the change: workers of st grant their free slots to
 // the dispatchers that have (grants.go).
 func (a *Agent) setWaiting(st jobs.Stage, w bool) {
-	bit := gossip.StageBit(string(st))
-	for {
-		old := a.waiting.Load()
-		now := old &^ uint32(bit)
-		if w {
-			now |= uint32(bit)
-		}
-		if old == now {
-			return
-		}
-		if a.waiting.CompareAndSwap(old, now) {
-			a.publishMeta()
-			return
-		}
+	if a.waiting[st].Swap(w) != w {
+		a.publishMeta()
 	}
 }
 

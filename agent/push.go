@@ -35,7 +35,7 @@ func (a *Agent) pushTarget(st jobs.Stage, s engine.Spec) (hint string, push *job
 	if hint == "" || !a.cfg.Queue.Push {
 		return hint, nil
 	}
-	if a.waiting.Load()&uint32(gossip.StageBit(string(st))) != 0 {
+	if a.waiting[st].Load() {
 		return hint, nil // tasks of st wait in this agent's ledger: the new one takes its place in their order
 	}
 	if p, ok := a.member.Peer(hint); ok && p.Lease != 0 {

@@ -242,7 +242,7 @@ func (f *Fed) Waiting(ctx context.Context, live func(node string, lease int64) b
 	f.mu.Lock()
 	for key, e := range f.live {
 		t := e.task
-		if (t.Holder != "" && live(t.Holder, t.HolderLease)) || now.Before(e.refused) {
+		if !waits(&t, live) || now.Before(e.refused) {
 			continue
 		}
 		if t.ID == "" {
@@ -262,26 +262,32 @@ func (f *Fed) Waiting(ctx context.Context, live func(node string, lease int64) b
 			e.task = t
 		}
 		f.mu.Unlock()
-		if t.Holder == "" || !live(t.Holder, t.HolderLease) {
+		if waits(&t, live) {
 			out = append(out, t)
 		}
 	}
 	return out
 }
 
-// WaitingByClass counts the tasks Waiting would return, by class, at no
-// etcd read (a task whose content the ledger has not seen counts as its
-// zero class).
+// WaitingByClass counts the tasks that wait, by class, at no etcd read
+// (a task whose content the ledger has not seen counts as its zero class;
+// one whose hand-on was just refused counts too).
 func (f *Fed) WaitingByClass(live func(node string, lease int64) bool) map[routing.Class]int {
 	out := map[routing.Class]int{}
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	for _, e := range f.live {
-		if e.task.Holder == "" || !live(e.task.Holder, e.task.HolderLease) {
+		if waits(&e.task, live) {
 			out[e.task.Class]++
 		}
 	}
 	return out
+}
+
+// waits reports whether t waits for a worker: no claim holds it, or its
+// holder's claim no longer stands as live tells (node, lease).
+func waits(t *Task, live func(node string, lease int64) bool) bool {
+	return t.Holder == "" || !live(t.Holder, t.HolderLease)
 }
 
 // Assigned records that this node claimed t for worker (Store.Assign, at

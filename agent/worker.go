@@ -685,27 +685,12 @@ func (a *Agent) releaseUncommitted(published []string, recordErr error) {
 	}
 }
 
-// handoffFlag is set once an early handoff committed a denoise, and says so
-// on a channel too.
+// handoffFlag is set once an early handoff committed a denoise, and says
+// so on a channel too. The zero value is unset.
 type handoffFlag struct {
-	set  atomic.Bool
-	once sync.Once
-	ch   chan struct{}
-	mu   sync.Mutex
+	mu sync.Mutex
+	ch chan struct{} // closed once set; made on first use
 }
-
-func (h *handoffFlag) Load() bool { return h.set.Load() }
-
-// Store sets the flag (true; false is a no-op).
-func (h *handoffFlag) Store(v bool) {
-	if v {
-		h.set.Store(true)
-		h.once.Do(func() { close(h.done()) })
-	}
-}
-
-// Done is closed once the flag is set.
-func (h *handoffFlag) Done() <-chan struct{} { return h.done() }
 
 func (h *handoffFlag) done() chan struct{} {
 	h.mu.Lock()
@@ -715,6 +700,34 @@ func (h *handoffFlag) done() chan struct{} {
 	}
 	return h.ch
 }
+
+// Load reports whether the flag is set.
+func (h *handoffFlag) Load() bool {
+	select {
+	case <-h.done():
+		return true
+	default:
+		return false
+	}
+}
+
+// Store sets the flag (true; false is a no-op).
+func (h *handoffFlag) Store(v bool) {
+	if !v {
+		return
+	}
+	ch := h.done()
+	h.mu.Lock() // two Stores must not both close it
+	defer h.mu.Unlock()
+	select {
+	case <-ch:
+	default:
+		close(ch)
+	}
+}
+
+// Done is closed once the flag is set.
+func (h *handoffFlag) Done() <-chan struct{} { return h.done() }
 
 // watchCancel returns a context for running c that ends when the task can
 // no longer commit, so its worker is freed at once instead of after the

@@ -85,15 +85,6 @@ func (r *runningTasks) snapshot(st jobs.Stage) ([]*runningTask, <-chan struct{})
 	return out, r.changed
 }
 
-// has reports whether task id runs here (or is committing: a task leaves
-// the set when its execute returns).
-func (r *runningTasks) has(id string) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	_, ok := r.tasks[id]
-	return ok
-}
-
 // stop cancels task id with cause, or for a denoise that can stop at a
 // checkpoint asks it to; false when it is no longer running, or was asked
 // to stop already.

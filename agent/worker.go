@@ -319,7 +319,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	log.Debug("task started", zap.Int64("claim_rev", c.Rev), zap.Bool("pushed", c.Pushed), zap.Int64("fed_rev", a.fedSeen(st)))
 	a.recent.note(c.Task.JobID)
 	defer a.untrack(c)
-	defer a.inboxes[st].Done(c.Task.ID)
+	defer a.inboxes[st].Done(c)
 	var handedOff handoffFlag // set once an early handoff committed the stage
 	var ran atomic.Bool       // set once run returned: no work is left to stop
 	ctx, stop := a.watchCancel(c, &handedOff, &ran)

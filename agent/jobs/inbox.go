@@ -153,19 +153,27 @@ func (q *Inbox) goneLocked(id string) {
 
 // Take marks pushed claim c as started (or given back), so Pushed no
 // longer returns it. Only the stage's worker loop takes claims, so one is
-// taken once.
+// taken once. A newer claim on the same task stays: a claim given back
+// can be pushed here again, and its put seen, before the give-back's
+// caller takes the old one.
 func (q *Inbox) Take(c *Claim) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	delete(q.claims, c.Task.ID)
+	if cur, ok := q.claims[c.Task.ID]; ok && cur.rev <= c.Rev {
+		delete(q.claims, c.Task.ID)
+	}
 	q.taken[c.Task.ID] = c.Rev
 }
 
-// Done forgets task id, which the worker took and is done with.
-func (q *Inbox) Done(id string) {
+// Done forgets claim c, which the worker took and is done with (unless
+// a newer claim on its task was taken since: a task requeued and pushed
+// here again can start before the first run's end is recorded).
+func (q *Inbox) Done(c *Claim) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	delete(q.taken, id)
+	if q.taken[c.Task.ID] == c.Rev {
+		delete(q.taken, c.Task.ID)
+	}
 }
 
 // Loads counts the view's full reads (one at start, one per compaction or

@@ -159,3 +159,49 @@ func (v *stageView) HeldBy(node string) int {
 	}
 	return int(resp.Count)
 }
+
+// A claim given back and pushed to the same node again before the worker
+// that gave it back marks the first one taken stays in the inbox: the
+// worker starts it. (Under load the new claim's put reached the inbox
+// first, and taking the old claim dropped it: the task sat claimed by a
+// worker that never saw it, with the job unfinished.)
+func TestInboxKeepsAClaimPushedAgainBeforeTheOldIsTaken(t *testing.T) {
+	s, cli := newStore(t)
+	ctx := context.Background()
+	q := runInbox(t, s, Encode, "enc-1")
+	lease := grant(t, cli)
+	to := &Push{Node: "enc-1", Lease: lease}
+	if _, err := s.Submit(ctx, spec(), Options{Class: routing.Interactive, Push: to}); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "the push", func() bool { return len(q.Pushed(lease)) == 1 })
+	first := q.Pushed(lease)[0]
+	if err := s.Requeue(ctx, first); err != nil {
+		t.Fatal(err)
+	}
+	waiting := pending(t, s, Encode)
+	if len(waiting) != 1 {
+		t.Fatalf("after the give-back: %+v, want one task", waiting)
+	}
+	again, err := s.Assign(ctx, waiting[0], to)
+	if err != nil {
+		t.Fatal(err)
+	}
+	within(t, "the second push", func() bool {
+		p := q.Pushed(lease)
+		return len(p) == 1 && p[0].Rev == again.Rev
+	})
+	q.Take(first) // the give-back's caller, late
+	p := q.Pushed(lease)
+	if len(p) != 1 || p[0].Rev != again.Rev {
+		t.Fatalf("after taking the given-back claim: %d offered, want the second push (rev %d)", len(p), again.Rev)
+	}
+	q.Take(p[0])
+	q.Done(first)                          // the first claim's end, recorded after the second started
+	if _, err := q.load(ctx); err != nil { // as after a compaction
+		t.Fatal(err)
+	}
+	if n := len(q.Pushed(lease)); n != 0 {
+		t.Fatalf("a read after the first claim's end offers %d claims, want none: the second is running", n)
+	}
+}

@@ -275,12 +275,18 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 	}
 	free := func(p gossip.Peer) int { return a.granted(p, st, now) - given[p.Record.ID] }
 	if byGossip {
-		free = func(p gossip.Peer) int { return max(a.granted(p, st, now), a.freeSlots(p, st)) - given[p.Record.ID] }
+		free = func(p gossip.Peer) int {
+			gossiped := 0
+			if saidSince(p, t) {
+				gossiped = a.freeSlots(p, st)
+			}
+			return max(a.granted(p, st, now), gossiped) - given[p.Record.ID]
+		}
 	}
 	node := a.pickWorker(st, s, free)
 	if node == "" && a.duePreemption(t, now) {
 		node = a.pickWorker(st, s, func(p gossip.Peer) int {
-			if p.Meta.Yields&gossip.StageBit(string(st)) != 0 && given[p.Record.ID] == 0 {
+			if p.Meta.Yields&gossip.StageBit(string(st)) != 0 && given[p.Record.ID] == 0 && saidSince(p, t) {
 				return 1
 			}
 			return 0
@@ -297,6 +303,16 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 		a.grants.Take(node, string(st), now) // against its grant: one credit spent
 	}
 	return &jobs.Push{Node: node, Lease: p.Lease}
+}
+
+// saidSince reports whether what gossip says of worker p (its free slots,
+// whether it yields) may send it waiting task t: unless p gave t back,
+// and has gossiped nothing since this node's ledger saw it back. What p
+// said before is what it turned down; a worker whose batch task had just
+// ended was sent the same interactive task eight times in 40 ms, each
+// given back, until its gossip caught up.
+func saidSince(p gossip.Peer, t jobs.Task) bool {
+	return t.Back != p.Record.ID || p.MetaAt.After(t.Seen)
 }
 
 // granted is how many waiting tasks of stage st this agent may hand to

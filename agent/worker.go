@@ -326,7 +326,10 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	defer stop()
 	// Until it is recorded, preemption and drain may stop it (with a cause
 	// that makes it a requeue).
-	defer a.running.remove(c.Task.ID)
+	defer func() {
+		a.running.remove(c.Task.ID)
+		a.publishMeta() // NodeMeta.Yields follows what runs
+	}()
 	start := time.Now()
 	var staged []*cache.Staged // Store objects the task staged; their records come with its commit
 	var pulled pullTime
@@ -746,9 +749,7 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff *handoffFlag, ran *atomic.B
 		ctx = withYielder(ctx, rt.yield)
 	}
 	a.running.add(rt)
-	if c.Task.Class == routing.Batch {
-		a.publishMeta() // gossip that this node yields batch work (NodeMeta.Yields)
-	}
+	a.publishMeta() // whether this node yields batch work (NodeMeta.Yields) follows what runs
 	var wg sync.WaitGroup
 	wg.Go(func() {
 		// A cancel marks the task's claim cancelled even while it runs,

@@ -129,7 +129,7 @@ func (m *Membership) memberChanged(n *memberlist.Node, t EventType) {
 	if metaErr != nil {
 		m.log.Warn("undecodable meta from peer", zap.String("peer", id), zap.Error(metaErr))
 	} else if len(n.Meta) > 0 {
-		s.meta = meta
+		s.meta, s.metaAt = meta, time.Now()
 	}
 	if t == EventDead {
 		delete(m.joins, id)

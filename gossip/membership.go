@@ -23,6 +23,10 @@ type Peer struct {
 	Record NodeRecord
 	// Meta is the node's last gossiped NodeMeta; zero until one arrives.
 	Meta NodeMeta
+	// MetaAt is when that meta arrived, on this node's clock (now for
+	// this node itself, whose meta is current): what the node said after
+	// a moment is newer than it.
+	MetaAt time.Time
 	// Registered: the node's record is in etcd now. Peers lists only
 	// registered nodes; Peer reports an unregistered one with false.
 	Registered bool
@@ -105,6 +109,7 @@ type registration struct {
 // member is memberlist's view of a node.
 type member struct {
 	meta         NodeMeta
+	metaAt       time.Time // when meta arrived
 	alive        bool      // joined and not since declared dead or left
 	suspectUntil time.Time // set when our probe failed; see suspected
 }
@@ -512,12 +517,12 @@ func (m *Membership) peerLocked(id string) Peer {
 		p.Record.ID = id
 	}
 	if s, ok := m.members[id]; ok {
-		p.Meta = s.meta.clone()
+		p.Meta, p.MetaAt = s.meta.clone(), s.metaAt
 		p.Alive = s.alive
 		p.Suspect = p.Alive && time.Now().Before(s.suspectUntil)
 	}
 	if id == m.self.ID {
-		p.Meta = m.meta.clone()
+		p.Meta, p.MetaAt = m.meta.clone(), time.Now()
 		p.Alive, p.Suspect = true, false
 	}
 	return p

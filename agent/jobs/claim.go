@@ -140,7 +140,7 @@ func (s *Store) claim(ctx context.Context, t Task, to *Push, pushed bool) (*Clai
 	now := s.cfg.Now()
 	claimed := t
 	claimed.Attempt++
-	claimed.Holder, claimed.HolderLease = to.Node, int64(to.Lease)
+	claimed.Holder, claimed.HolderLease, claimed.Back = to.Node, int64(to.Lease), ""
 	if pushed {
 		claimed.Hint = to.Node
 	}
@@ -279,7 +279,7 @@ func (s *Store) requeue(ctx context.Context, c *Claim, preempted time.Time) erro
 // giveBack writes t back unclaimed in place of c's task: its dispatcher
 // sees it wait again.
 func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
-	t.Holder, t.HolderLease = "", 0
+	t.Holder, t.HolderLease, t.Back = "", 0, c.Node
 	// The task must be the one we claimed: a Cancel that deleted it must not
 	// be undone by writing it back.
 	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.Task.Rev))

@@ -205,7 +205,7 @@ func (f *Fed) rewritten(key string, kv *mvccpb.KeyValue) {
 		f.log.Warn("undecodable task", zap.String("key", key), zap.Error(err))
 		return
 	}
-	t.Key, t.Rev = key, kv.ModRevision
+	t.Key, t.Rev, t.Seen = key, kv.ModRevision, time.Now()
 	if !f.dispatches(&t) {
 		f.gone(key, kv.ModRevision, false)
 		return
@@ -257,6 +257,7 @@ func (f *Fed) Waiting(ctx context.Context, live func(node string, lease int64) b
 		if err != nil {
 			continue // gone (its watch says so soon), or etcd failed: the next look tries again
 		}
+		t.Seen = time.Now()
 		f.mu.Lock()
 		if e, ok := f.live[key]; ok && e.task.Rev <= t.Rev {
 			e.task = t

@@ -180,12 +180,15 @@ func TestInboxKeepsAClaimPushedAgainBeforeTheOldIsTaken(t *testing.T) {
 		t.Fatal(err)
 	}
 	waiting := pending(t, s, Encode)
-	if len(waiting) != 1 {
-		t.Fatalf("after the give-back: %+v, want one task", waiting)
+	if len(waiting) != 1 || waiting[0].Back != "enc-1" {
+		t.Fatalf("after the give-back: %+v, want one task, given back by enc-1", waiting)
 	}
 	again, err := s.Assign(ctx, waiting[0], to)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if again.Task.Back != "" {
+		t.Fatalf("a claimed task names %q as having given it back", again.Task.Back)
 	}
 	within(t, "the second push", func() bool {
 		p := q.Pushed(lease)

@@ -215,9 +215,15 @@ type Task struct {
 	// (claimOps compares it absent).
 	Holder      string `json:"holder,omitempty"`
 	HolderLease int64  `json:"holder_lease,omitempty"`
+	// Back is the worker that gave the waiting task back (Requeue, Yield,
+	// Abandon). Its dispatcher hands it there again against that worker's
+	// grant, or by gossip only once the worker has gossiped since it was
+	// seen back: what gossip said before is what the worker turned down.
+	Back string `json:"back,omitempty"`
 
-	Key string `json:"-"` // etcd key, set on read
-	Rev int64  `json:"-"` // ModRevision seen, set on read
+	Key  string    `json:"-"` // etcd key, set on read
+	Rev  int64     `json:"-"` // ModRevision seen, set on read
+	Seen time.Time `json:"-"` // when a ledger (Fed) saw this revision, on its clock
 }
 
 // Producer is the node whose output the task takes as its first input ("" for

@@ -14,7 +14,6 @@ func RendezvousScore(node, key string) uint64 {
 	return xxh3.HashString(node + "\x00" + key)
 }
 
-
 // rank orders members by rendezvous weight for key, highest first.
 func rank(members []Member, key string) []Member {
 	out := slices.Clone(members)

@@ -7,6 +7,7 @@ package jobs
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"slices"
 	"time"
@@ -62,6 +63,11 @@ type claimRecord struct {
 	// a pushed claim.
 	Of      *Task  `json:"of,omitempty"`
 	TaskKey string `json:"task_key,omitempty"`
+	// Record is the job record as the claim's own transaction wrote it (a
+	// push made by a submit or a commit; a dispatcher's later hand-on has
+	// none): its revision is the claim's, so the worker's commit is fenced
+	// on it without reading it first.
+	Record json.RawMessage `json:"record,omitempty"`
 }
 
 // Push names the worker a task is claimed for by someone else: its creator
@@ -82,8 +88,11 @@ type Push struct {
 // claimOps are the writes that claim t (whose fields the claim sets are
 // set: Holder, HolderLease, Attempt, Hint) for t.Holder: its claim key and
 // the job's progress key on the holder's lease, and the task itself.
-func (s *Store) claimOps(t *Task, pushed bool, now time.Time) []clientv3.Op {
+func (s *Store) claimOps(t *Task, pushed bool, now time.Time, job string) []clientv3.Op {
 	cr := claimRecord{Task: t.ID, Job: t.JobID, Node: t.Holder, StartedAt: now, Pushed: pushed}
+	if job != "" {
+		cr.Record = json.RawMessage(job)
+	}
 	if pushed {
 		cr.Of, cr.TaskKey = t, t.Key
 	}
@@ -97,10 +106,10 @@ func (s *Store) claimOps(t *Task, pushed bool, now time.Time) []clientv3.Op {
 }
 
 // pushOps are a push's writes for new task t: the task claimed for p on
-// its first attempt.
-func (s *Store) pushOps(t *Task, p *Push, now time.Time) []clientv3.Op {
+// its first attempt, with job, the job record the same transaction writes.
+func (s *Store) pushOps(t *Task, p *Push, now time.Time, job string) []clientv3.Op {
 	t.Attempt, t.Hint, t.Holder, t.HolderLease = 1, p.Node, p.Node, int64(p.Lease)
-	return s.claimOps(t, true, now)
+	return s.claimOps(t, true, now, job)
 }
 
 // unheld compares that t, as read, is the task etcd has and that its last
@@ -146,11 +155,13 @@ func (s *Store) claim(ctx context.Context, t Task, to *Push, pushed bool) (*Clai
 	}
 	ck := s.heldKey(&claimed)
 	cmps := append(s.unheld(&t), clientv3.Compare(clientv3.CreateRevision(ck), "=", 0))
-	resp, err := s.cli.Txn(ctx).If(cmps...).
-		Then(append(s.claimOps(&claimed, pushed, now),
-			// The job record, for the commit (Claim.job).
-			clientv3.OpGet(s.jobKey(t.JobID)))...).
-		Commit()
+	ops := s.claimOps(&claimed, pushed, now, "")
+	if !pushed {
+		// The job record, for the commit (Claim.job). A pushed claim's
+		// worker reads it when it commits: the dispatcher has no use for it.
+		ops = append(ops, clientv3.OpGet(s.jobKey(t.JobID)))
+	}
+	resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
 	if err != nil {
 		if cache.LeaseGone(err) {
 			return nil, fmt.Errorf("jobs: claim %s for %s: %w", t.ID, to.Node, err)
@@ -170,8 +181,10 @@ func (s *Store) claim(ctx context.Context, t Task, to *Push, pushed bool) (*Clai
 	}
 	claimed.Rev = resp.Header.Revision
 	c := &Claim{Task: claimed, Node: to.Node, Lease: to.Lease, Rev: resp.Header.Revision, StartedAt: now, ClaimedAt: s.cfg.Now()}
-	if kvs := resp.Responses[3].GetResponseRange().GetKvs(); len(kvs) == 1 {
-		c.job, c.jobRev = kvs[0].Value, kvs[0].ModRevision
+	if !pushed {
+		if kvs := resp.Responses[len(ops)-1].GetResponseRange().GetKvs(); len(kvs) == 1 {
+			c.job, c.jobRev = kvs[0].Value, kvs[0].ModRevision
+		}
 	}
 	return c, nil
 }
@@ -191,7 +204,7 @@ func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (
 	t := c.Task
 	t.HolderLease = int64(lease)
 	ck := s.ownKey(c)
-	resp, err := s.cli.Txn(ctx).If(s.unheld(&c.Task)...).Then(s.claimOps(&t, false, c.StartedAt)...).
+	resp, err := s.cli.Txn(ctx).If(s.unheld(&c.Task)...).Then(s.claimOps(&t, false, c.StartedAt, "")...).
 		Else(clientv3.OpGet(ck), clientv3.OpGet(t.Key, clientv3.WithKeysOnly())).Commit()
 	if err != nil {
 		return nil, fmt.Errorf("jobs: reclaim %s: %w", c.Task.ID, err)
@@ -313,7 +326,7 @@ func (s *Store) HandOver(ctx context.Context, c *Claim, to *Push) error {
 		t.Inputs[i].Ticket = nil
 	}
 	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.Task.Rev))
-	ops := append([]clientv3.Op{clientv3.OpDelete(s.ownKey(c))}, s.claimOps(&t, true, s.cfg.Now())...)
+	ops := append([]clientv3.Op{clientv3.OpDelete(s.ownKey(c))}, s.claimOps(&t, true, s.cfg.Now(), "")...)
 	resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
 	if err != nil {
 		return fmt.Errorf("jobs: hand %s over to %s: %w", t.ID, to.Node, err)

@@ -76,12 +76,13 @@ func (s *Store) SubmitTask(ctx context.Context, spec engine.Spec, opt Options) (
 	}
 	var written Task
 	for renewals := 0; ; renewals++ {
-		task, ops := t, []clientv3.Op{clientv3.OpPut(s.jobKey(t.JobID), mustJSON(rec))}
+		raw := mustJSON(rec)
+		task, ops := t, []clientv3.Op{clientv3.OpPut(s.jobKey(t.JobID), raw)}
 		for _, r := range opt.Records {
 			ops = append(ops, r.Op())
 		}
 		if push != nil {
-			ops = append(ops, s.pushOps(&task, push, now)...)
+			ops = append(ops, s.pushOps(&task, push, now, raw)...)
 		} else {
 			ops = append(ops, clientv3.OpPut(t.Key, mustJSON(task)))
 		}
@@ -302,7 +303,7 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 		rec.State, rec.Stage, rec.TaskKey = Cancelled, "", ""
 		rec.UpdatedAt = s.cfg.Now()
 		rec.Error = &Error{Code: "cancelled", Message: "cancelled by request"}
-		put, lease, err := s.putRecord(ctx, rec)
+		put, lease, _, err := s.putRecord(ctx, rec)
 		if err != nil {
 			return Job{}, fmt.Errorf("jobs: cancel %s: %w", id, err)
 		}

@@ -121,7 +121,9 @@ func (s *Store) finishOps(c *Claim) []clientv3.Op {
 // leaseGone, if not nil, is asked first when etcd refuses the transaction
 // for a lease it does not know: true means it dropped what named that lease
 // (a push to a worker whose lease ended), and the update goes again.
-func (s *Store) update(ctx context.Context, c *Claim, what string, records []StagedRecord, leaseGone func() bool, mutate func(*record) ([]clientv3.Op, error)) error {
+// carry, if not nil, returns more ops of the transaction that carry the
+// record as written (raw): a push's claim (claimRecord.Record).
+func (s *Store) update(ctx context.Context, c *Claim, what string, records []StagedRecord, leaseGone func() bool, mutate func(*record) ([]clientv3.Op, error), carry func(raw string) []clientv3.Op) error {
 	renewals := 0
 	known, knownRev := c.job, c.jobRev // the record as last seen, if any
 	for {
@@ -148,12 +150,15 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			return err
 		}
 		rec.UpdatedAt = s.cfg.Now()
-		put, lease, err := s.putRecord(ctx, rec)
+		put, lease, raw, err := s.putRecord(ctx, rec)
 		if err != nil {
 			return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, err)
 		}
 		ops := append(s.finishOps(c), put)
 		ops = append(ops, extra...)
+		if carry != nil {
+			ops = append(ops, carry(raw)...)
+		}
 		for _, r := range records {
 			ops = append(ops, r.Op())
 		}
@@ -257,7 +262,8 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) (err error) {
 		push = nil // the worker's lease ended: queue the task for anyone
 		return true
 	}
-	var nextTask Task
+	var nextTask Task // made by the record's change, written by carry
+	var pushAt time.Time
 	defer func() {
 		if err == nil && nextTask.Key != "" {
 			c.Next = nextTask
@@ -265,6 +271,7 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) (err error) {
 		}
 	}()
 	return s.update(ctx, c, "commit", out.Records, dropPush, func(rec *record) ([]clientv3.Op, error) {
+		nextTask = Task{}
 		now := s.cfg.Now()
 		nextTask = Task{}
 		if rec.Stages == nil {
@@ -306,13 +313,18 @@ func (s *Store) Commit(ctx context.Context, c *Claim, out Output) (err error) {
 			}
 		}
 		rec.State, rec.Stage, rec.TaskKey = Running, next, t.Key
-		if push != nil {
-			ops = append(ops, s.pushOps(&t, push, now)...)
-		} else {
-			ops = append(ops, clientv3.OpPut(t.Key, mustJSON(t)))
-		}
-		nextTask = t
+		nextTask, pushAt = t, now
 		return ops, nil
+	}, func(raw string) []clientv3.Op {
+		// The next task, pushed with the record, or written to wait.
+		switch {
+		case nextTask.Key == "":
+			return nil // the last stage: no next task
+		case push != nil:
+			return s.pushOps(&nextTask, push, pushAt, raw)
+		default:
+			return []clientv3.Op{clientv3.OpPut(nextTask.Key, mustJSON(nextTask))}
+		}
 	})
 }
 
@@ -324,7 +336,7 @@ func (s *Store) Fail(ctx context.Context, c *Claim, code, msg string) error {
 		rec.Error = &Error{Code: code, Message: msg}
 		ops := append(s.releaseOps(c.Task.Inputs), s.releaseCheckpointsOps(rec)...)
 		return append(ops, s.releaseInputsOps(rec)...), nil
-	})
+	}, nil)
 }
 
 // Rewind restarts the job from its first stage because an input payload was
@@ -352,7 +364,7 @@ func (s *Store) Rewind(ctx context.Context, c *Claim, reason string) error {
 		rec.Stage, rec.TaskKey = Encode, t.Key
 		next = t
 		return append(ops, clientv3.OpPut(t.Key, mustJSON(t))), nil
-	})
+	}, nil)
 	if err == nil && next.Key != "" {
 		c.Next = next
 		c.Next.Rev = c.CommitRev

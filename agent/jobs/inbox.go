@@ -97,7 +97,11 @@ func (q *Inbox) Pushed(lease clientv3.LeaseID) []*Claim {
 		}
 		t := *c.rec.Of
 		t.Key, t.Rev = c.rec.TaskKey, c.rev // written by the claim's transaction
-		out = append(out, &Claim{Task: t, Node: q.node, Lease: lease, Rev: c.rev, StartedAt: c.rec.StartedAt, ClaimedAt: now, Pushed: true})
+		cl := &Claim{Task: t, Node: q.node, Lease: lease, Rev: c.rev, StartedAt: c.rec.StartedAt, ClaimedAt: now, Pushed: true}
+		if len(c.rec.Record) > 0 {
+			cl.job, cl.jobRev = c.rec.Record, c.rev // the job record, written with the claim
+		}
+		out = append(out, cl)
 	}
 	return out
 }

@@ -2,9 +2,15 @@ package jobs
 
 import (
 	"context"
+	"maps"
+	"strings"
+	"sync"
 	"testing"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/latentmesh/latentmesh/agent/etcdembed"
 
 	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/routing"
@@ -185,5 +191,81 @@ func TestHandOver(t *testing.T) {
 	within(t, "denoise hand-over seen", func() bool { return len(den.Pushed("den-2", d2)) == 1 })
 	if got := den.Pushed("den-2", d2)[0].Task.Inputs; len(got) != 1 || got[0].Payload != "cond" || len(got[0].Ticket) != 0 {
 		t.Fatalf("handed-over inputs %+v, want cond without a ticket", got)
+	}
+}
+
+// A claim pushed by the transaction that writes the job record (a submit,
+// a commit) carries the record, at the claim's revision: its worker
+// commits with one transaction and no read of the record. A dispatcher's
+// later hand-on carries none, and the commit reads it.
+func TestPushedClaimCarriesTheJobRecord(t *testing.T) {
+	ctx := context.Background()
+	srv, err := etcdembed.Start(ctx, etcdembed.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+	var mu sync.Mutex
+	calls := map[string]int{}
+	cli := srv.Client(func(method string, _, _ any, _ error) {
+		mu.Lock()
+		calls[method[strings.LastIndex(method, "/")+1:]]++
+		mu.Unlock()
+	})
+	t.Cleanup(func() { cli.Close() })
+	cfg := DefaultConfig()
+	cfg.Logger = zaptest.NewLogger(t)
+	s, err := NewStore(cli, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	enc, den := runQueue(t, s, Encode), runQueue(t, s, Denoise)
+	encLease, denLease := grant(t, cli), grant(t, cli)
+	if _, err := s.Submit(ctx, spec(), Options{Class: routing.Interactive, Push: &Push{Node: "enc-1", Lease: encLease}}); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "push seen", func() bool { return len(enc.Pushed("enc-1", encLease)) == 1 })
+	c := enc.Pushed("enc-1", encLease)[0]
+	if c.job == nil || c.jobRev != c.Rev {
+		t.Fatalf("the pushed claim carries record %q at revision %d, want the record at the claim's revision %d", c.job, c.jobRev, c.Rev)
+	}
+	count := func(do func()) map[string]int {
+		mu.Lock()
+		clear(calls)
+		mu.Unlock()
+		do()
+		mu.Lock()
+		defer mu.Unlock()
+		return maps.Clone(calls)
+	}
+	got := count(func() {
+		if err := s.Commit(ctx, c, Output{Payloads: payload("cond", "enc-1")}); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if got["Range"] != 0 || got["Txn"] != 1 {
+		t.Fatalf("a commit on a claim pushed with its record made %v, want one Txn and no Range", got)
+	}
+	// The denoise task waits (no push): its dispatcher hands it on later,
+	// and that claim carries no record.
+	waiting := den.Pending()
+	if len(waiting) != 1 {
+		t.Fatalf("%d denoise tasks wait, want 1", len(waiting))
+	}
+	if _, err := s.Assign(ctx, waiting[0], &Push{Node: "den-1", Lease: denLease}); err != nil {
+		t.Fatal(err)
+	}
+	within(t, "hand-on seen", func() bool { return len(den.Pushed("den-1", denLease)) == 1 })
+	dc := den.Pushed("den-1", denLease)[0]
+	if dc.job != nil {
+		t.Fatalf("a hand-on's claim carries a record: %q", dc.job)
+	}
+	got = count(func() {
+		if err := s.Commit(ctx, dc, Output{Payloads: payload("latent", "den-1")}); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if got["Range"] != 1 || got["Txn"] != 1 {
+		t.Fatalf("a commit on a handed-on claim made %v, want one Range and one Txn", got)
 	}
 }

@@ -148,15 +148,16 @@ func (s *Store) readRecord(ctx context.Context, id string, opts ...clientv3.OpOp
 // putRecord is the write of a job record: a finished job's goes on the
 // retention lease of its bucket, so etcd deletes it when the retention
 // passes. lease is 0 for a record that does not expire.
-func (s *Store) putRecord(ctx context.Context, rec record) (clientv3.Op, clientv3.LeaseID, error) {
+func (s *Store) putRecord(ctx context.Context, rec record) (put clientv3.Op, lease clientv3.LeaseID, raw string, err error) {
+	raw = mustJSON(rec)
 	if !rec.State.Terminal() || s.cfg.Retention == 0 {
-		return clientv3.OpPut(s.jobKey(rec.ID), mustJSON(rec)), 0, nil
+		return clientv3.OpPut(s.jobKey(rec.ID), raw), 0, raw, nil
 	}
-	lease, _, err := s.ret.Lease(ctx, s.cfg.Retention)
+	lease, _, err = s.ret.Lease(ctx, s.cfg.Retention)
 	if err != nil {
-		return clientv3.Op{}, 0, err
+		return clientv3.Op{}, 0, "", err
 	}
-	return clientv3.OpPut(s.jobKey(rec.ID), mustJSON(rec), clientv3.WithLease(lease)), lease, nil
+	return clientv3.OpPut(s.jobKey(rec.ID), raw, clientv3.WithLease(lease)), lease, raw, nil
 }
 
 // leaseGone reports whether a write failed because etcd no longer knows its

@@ -218,6 +218,7 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed, byGossip bool) (waiting, ha
 			continue // no worker has a slot for it: the next free one grants
 		}
 		claim, err := a.store.Assign(ctx, t, to)
+		a.metrics.ClaimTxn(st)
 		switch {
 		case err == nil:
 			f.Assigned(claim.Task, to.Node)
@@ -228,6 +229,7 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed, byGossip bool) (waiting, ha
 		case errors.Is(err, jobs.ErrTaken):
 			// Claimed, adopted or gone since the ledger saw it (the ledger
 			// hears of it), or its last holder's claim is still there.
+			a.metrics.ClaimConflict(st)
 			f.Refused(t)
 		case cache.LeaseGone(err):
 			// The worker's lease just ended: gossip says so soon.

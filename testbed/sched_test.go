@@ -666,6 +666,6 @@ func TestWaitingTasksAreNotRacedFor(t *testing.T) {
 	}
 	t.Logf("%d denoise tasks among %d idle workers: %+v", jobsN, workers, sum)
 	if sum.Txns != 0 || sum.Conflicts != 0 || sum.PushedStarted != jobsN || sum.GivenBack != 0 {
-		t.Fatalf("%+v: want every denoise task pushed to one worker and started there, with no claim transaction", sum)
+		t.Fatalf("%+v: want every denoise task pushed to one worker and started there, with no hand-on", sum)
 	}
 }

@@ -131,11 +131,11 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 		}, []string{"stage", "outcome"}),
 		claimTxns: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "latentmesh_claim_txns_total",
-			Help: "Claim transactions this agent sent for queued tasks, won or lost, by stage (a pushed claim takes none).",
+			Help: "Hand-ons this agent sent as the dispatcher of waiting tasks (a claim for a worker with a slot, in one transaction), won or lost, by stage; a task pushed as it is created takes none.",
 		}, []string{"stage"}),
 		conflicts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "latentmesh_claim_conflicts_total",
-			Help: "Claims etcd refused because another agent claimed the task first, by stage.",
+			Help: "Hand-ons etcd refused because the task changed first (claimed, adopted or gone) or its last holder's claim was still there, by stage.",
 		}, []string{"stage"}),
 		requeues: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "latentmesh_task_requeues_total",
@@ -254,11 +254,11 @@ func (m *Metrics) ObserveJob(c routing.Class, latency, firstFrame time.Duration)
 	m.firstFrame.WithLabelValues(c.String()).Observe(max(firstFrame, 0).Seconds())
 }
 
-// ClaimTxn counts one claim transaction sent for a queued task of stage
-// s, whatever its answer.
+// ClaimTxn counts one hand-on transaction sent, as its dispatcher, for a
+// waiting task of stage s, whatever its answer.
 func (m *Metrics) ClaimTxn(s jobs.Stage) { m.claimTxns.WithLabelValues(string(s)).Inc() }
 
-// ClaimConflict counts one claim refused because another agent won it.
+// ClaimConflict counts one hand-on etcd refused (the task changed first).
 func (m *Metrics) ClaimConflict(s jobs.Stage) { m.conflicts.WithLabelValues(string(s)).Inc() }
 
 // ClaimCounts are the counters of how one agent's tasks of a stage were
@@ -267,9 +267,9 @@ func (m *Metrics) ClaimConflict(s jobs.Stage) { m.conflicts.WithLabelValues(stri
 // series, for a caller in the same process that has no scraper (a bench
 // reads them before and after its window, and sums them over agents).
 type ClaimCounts struct {
-	Txns          int64 `json:"txns"`           // claim transactions sent, won or lost
-	Conflicts     int64 `json:"conflicts"`      // of those, lost to another agent
-	PushedStarted int64 `json:"pushed_started"` // pushed claims started (no transaction)
+	Txns          int64 `json:"txns"`           // hand-ons sent as a dispatcher, won or lost
+	Conflicts     int64 `json:"conflicts"`      // of those, refused: the task changed first
+	PushedStarted int64 `json:"pushed_started"` // pushed claims started (with the task, or handed on)
 	GivenBack     int64 `json:"given_back"`     // pushed claims given back to the queue
 	HandedOver    int64 `json:"handed_over"`    // pushed claims handed over to another worker
 }

@@ -95,18 +95,20 @@ type Report struct {
 // counters (agent.Agent.Claims, the latentmesh_claim_txns_total,
 // latentmesh_claim_conflicts_total and latentmesh_pushed_claims_total
 // series) read before the first arrival and after the last job, summed
-// over agents. Every claim a job's stage takes is pushed with its task
-// (then started, or given back to the queue) or won by a transaction.
+// over agents. Every claim a job's stage takes is pushed to its worker,
+// with its task or by its dispatcher's hand-on later (a transaction, Txns,
+// refused as a conflict when the task changed first), and then started
+// or given back to its dispatcher.
 type ClaimStats struct {
 	Stages []StageClaims `json:"stages"` // encode, denoise, decode
 	All    StageClaims   `json:"all"`
 }
 
 // StageClaims are one stage's claim counts, the mesh's sums, and the same
-// per submitted job. PushedShare is the share of the tasks started that
-// started from a pushed claim, with no transaction of their own: pushed
-// started over pushed started plus transactions won (txns less
-// conflicts).
+// per submitted job. PushedShare is the share of the claims made with
+// their task, as it was created, rather than handed on by its dispatcher
+// later: 1 less hand-ons won (txns less conflicts) over claims (pushed
+// started plus given back).
 type StageClaims struct {
 	Stage string `json:"stage"`
 	httpapi.ClaimCounts
@@ -124,8 +126,8 @@ func stageClaims(name string, c httpapi.ClaimCounts, submitted int) StageClaims 
 		s.TxnsPerJob, s.ConflictsPerJob, s.GiveBacksPerJob = float64(c.Txns)/n, float64(c.Conflicts)/n, float64(c.GivenBack)/n
 		s.HandOversPerJob = float64(c.HandedOver) / n
 	}
-	if started := c.PushedStarted + c.Txns - c.Conflicts; started > 0 {
-		s.PushedShare = float64(c.PushedStarted) / float64(started)
+	if claims := c.PushedStarted + c.GivenBack; claims > 0 {
+		s.PushedShare = max(0, 1-float64(c.Txns-c.Conflicts)/float64(claims))
 	}
 	return s
 }
@@ -645,7 +647,7 @@ func (rep *Report) Text(w io.Writer, sampleJobs int) {
 
 // Text writes the claims as a table, a row a stage.
 func (c ClaimStats) Text(w io.Writer) {
-	fmt.Fprintf(w, "claims, from the agents' counters (per job: per submitted job; pushed: share of the tasks started that a pushed claim started)\n")
+	fmt.Fprintf(w, "claims, from the agents' counters (per job: per submitted job; txns: dispatchers' hand-ons of waiting tasks; pushed: share of the claims made with their task, not handed on later)\n")
 	fmt.Fprintf(w, "  %-8s %6s %9s %7s %10s %11s %9s %13s %14s %14s %7s\n", "stage", "txns", "conflicts", "pushed", "given back", "handed over", "txns/job", "conflicts/job", "give-backs/job", "hand-overs/job", "pushed")
 	for _, s := range append(append([]StageClaims(nil), c.Stages...), c.All) {
 		fmt.Fprintf(w, "  %-8s %6d %9d %7d %10d %11d %9.2f %13.2f %14.2f %14.2f %6.0f%%\n", s.Stage, s.Txns, s.Conflicts, s.PushedStarted, s.GivenBack, s.HandedOver,

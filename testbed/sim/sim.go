@@ -371,8 +371,9 @@ func (s *sim) enqueue(t *task) {
 		st.q.push(t)
 	}
 	// The task key reaches its dispatcher's ledger (jobs.Fed, whose watch
-	// is made before the commit), and a pushed claim's key its worker's
-	// inbox.
+	// of the task's one key is made before the commit: a watch created per
+	// task), and a pushed claim's key its worker's inbox.
+	s.etcd.watch(now, 1)
 	if t.pushTo >= 0 {
 		s.stageEvent(st, 2)
 	} else {
@@ -493,7 +494,7 @@ func (s *sim) requeued(t *task) {
 	s.hold(st, st.workers[t.pushTo], -1)
 	t.claimed, t.pushTo = false, -1
 	st.q.insert(t)
-	s.stageEvent(st, 2) // the worker's inbox, the dispatcher's ledger
+	s.stageEvent(st, 1) // the dispatcher's ledger (the claim's deletion: the inbox takes puts only)
 }
 
 // stageEvent is a transaction that changes st's task or claim keys, seen
@@ -815,10 +816,11 @@ func (s *sim) done(st *stage, w int32, t *task) {
 			t.nextPush = s.pickHint(next, true)
 		}
 	}
-	// Commit: the fenced txn, on the job record the claim read; a pushed
-	// claim carries no record, so the commit reads it first.
+	// Commit: the fenced txn, on the job record. A claim pushed by the
+	// transaction that wrote the record (a submit, a commit) carries it;
+	// a dispatcher's later hand-on does not, so that commit reads it first.
 	lat := s.etcd.writeLat(now)
-	if t.fromPush {
+	if !t.fromPush {
 		s.etcd.read(now, 1)
 		lat += s.etcd.readLat(now)
 	}
@@ -855,9 +857,9 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		s.etcd.write(now, 1)
 		// The job record changed: the client's long poll watches it.
 		s.etcd.event(now, 1)
-		// The task and its claim deleted: the worker's inbox and the
-		// task's dispatcher's ledger see it.
-		s.stageEvent(st, 2)
+		// The task and its claim deleted: the task's dispatcher's ledger
+		// sees it (the worker's inbox takes puts only).
+		s.stageEvent(st, 1)
 		if st.i > 0 {
 			// The consumed input's payload record is deleted: its
 			// producer's release watch (payloads/<producer>/) alone sees
@@ -867,10 +869,9 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		}
 		if st.i == 2 {
 			// The result's object record, with a marker for each of its
-			// two holders: each holder's Store watches its own markers
-			// (holders/<node>/), and reads the record the marker names.
+			// two holders, which carries the record: each holder's Store
+			// watches its own markers (holders/<node>/), and reads nothing.
 			s.etcd.event(now, 2)
-			s.etcd.read(now, 2)
 		}
 		s.hold(st, st.workers[w], -1)
 		st.committing--

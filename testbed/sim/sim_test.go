@@ -82,20 +82,24 @@ func runSim(t *testing.T, cfg Config) (*sim, Result) {
 
 // The mesh's etcd ops per job are the agent's (docs/benchmarks.md, "What
 // a job costs etcd"): waking workers reads nothing and opens no watch, a
-// running task hears of a cancel from its view, so the only watch is the
-// client's long poll; every write is the submit, a commit per stage, a
+// running task hears of a cancel from its inbox, so the watches are the
+// client's long poll and each task's dispatcher's (jobs.Fed follows the
+// task's one key); every write is the submit, a commit per stage, a
 // claim txn per task not started from a pushed claim and per conflict, and
 // a give-back or hand-over per pushed claim returned (progress and idle agents write
-// nothing); every read is the long poll's, a pushed task's commit's
-// read of its job record, and a ticket check per pulled input claimed with
-// a txn. Lease keepalives are counted on their own (TestKeepAlives).
+// nothing); every read is the long poll's, the commit's read of its job
+// record for a task a dispatcher handed on (a claim pushed by the
+// transaction that wrote the record carries it), and a ticket check per
+// pulled input claimed with a txn; the result's holders read nothing (their
+// markers carry the record). Lease keepalives are counted on their own
+// (TestKeepAlives).
 func TestMeshEtcdOpsPerJob(t *testing.T) {
 	for _, m := range []Mode{Mesh, MeshNoPush, MeshNoHints} {
 		t.Run(m.String(), func(t *testing.T) {
 			s, r := runSim(t, smallConfig(m))
 			jobs := uint64(r.Completed)
-			if s.etcd.watches != jobs {
-				t.Fatalf("%d watches for %d jobs, want 1 per job", s.etcd.watches, jobs)
+			if s.etcd.watches != 4*jobs {
+				t.Fatalf("%d watches for %d jobs, want 4 per job (the long poll, a ledger's per task)", s.etcd.watches, jobs)
 			}
 			var pushed, claimed uint64
 			for i := range s.st {
@@ -112,10 +116,9 @@ func TestMeshEtcdOpsPerJob(t *testing.T) {
 			if s.etcd.writes != want {
 				t.Fatalf("%d writes, want %d (%d jobs, %d claim txns, %d give-backs)", s.etcd.writes, want, jobs, r.ClaimTxns, r.GiveBacks)
 			}
-			// The client's read, a pushed task's commit's read of its job
-			// record, a claimed one's ticket check, and the result's two
-			// holders' reads of its record.
-			if want := jobs + pushed + s.claimedStarts[1] + s.claimedStarts[2] + 2*jobs; s.etcd.reads != want {
+			// The client's read, a handed-on task's commit's read of its
+			// job record, and its ticket check.
+			if want := jobs + claimed + s.claimedStarts[1] + s.claimedStarts[2]; s.etcd.reads != want {
 				t.Fatalf("%d reads, want %d", s.etcd.reads, want)
 			}
 		})

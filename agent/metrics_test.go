@@ -66,8 +66,12 @@ func TestClaimsCounted(t *testing.T) {
 				}
 				sum = sum.Add(c)
 			}
-			if sum.PushedStarted != 3 || sum.Txns != 0 {
-				t.Fatalf("%+v, want every stage's claim pushed with its task and started, and no hand-on", sum)
+			hands := int64(0) // pushed with its task: no hand-on
+			if !push {
+				hands = 3 // none pushed with its task: each handed on once
+			}
+			if sum.PushedStarted != 3 || sum.Txns != hands || sum.Conflicts != 0 {
+				t.Fatalf("%+v, want every stage's claim pushed and started, %d of them by a hand-on, none refused", sum, hands)
 			}
 			t.Logf("claims %+v", sum)
 		})

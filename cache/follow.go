@@ -162,12 +162,11 @@ func (s *Store) followMarkers(epoch context.Context, next int64) int64 {
 }
 
 // applyMarkers applies one response of the markers' watch and returns the
-// revision of its last event (0 for none). A new marker carries the record
-// its transaction wrote (marker.go): the record is loaded from it, as of
-// the marker's revision, and watched from the next, so a new record costs
-// each holder one event (the marker's) and no read, and a record deleted
-// since still commits, then frees, the copy it named. (An empty marker's
-// record is read as of the marker's revision.) Watching the record from
+// revision of its last event (0 for none). A new marker's record is read
+// as of the marker's revision, whose transaction wrote the record too, and
+// watched from there: a new record costs each holder one event (the
+// marker's) and one read, and a record deleted before its holder read it
+// still commits, then frees, the copy it named. Watching the record from
 // the marker's revision would cost its write's event too.
 func (s *Store) applyMarkers(epoch context.Context, wr clientv3.WatchResponse) int64 {
 	if len(wr.Events) == 0 {
@@ -181,11 +180,6 @@ func (s *Store) applyMarkers(epoch context.Context, wr clientv3.WatchResponse) i
 		id, rev := strings.TrimPrefix(string(ev.Kv.Key), prefix), ev.Kv.ModRevision
 		e := s.idx.getLocked(id)
 		switch {
-		case ev.Type == mvccpb.PUT && e == nil && len(ev.Kv.Value) > 0:
-			e = s.idx.addLocked(id)
-			e.marker = rev
-			s.followKeyLocked(epoch, e, rev+1, 0) // the watch waits for the lock held here
-			s.loadedLocked(e, &mvccpb.KeyValue{Key: []byte(ObjectKey(s.cfg.Prefix, id)), Value: ev.Kv.Value, ModRevision: rev, Lease: ev.Kv.Lease}, rev)
 		case ev.Type == mvccpb.PUT && e == nil:
 			e = s.idx.addLocked(id)
 			e.marker = rev

@@ -6,13 +6,10 @@ import (
 
 // Holder markers.
 //
-// Every holder a record names has a marker, a key at
+// Every holder a record names has a marker, an empty key at
 // <prefix>/holders/<node>/<id>, written by the transaction that names it
 // (Staged.Op, a repair, a reannounce) and on the record's lease, so a
-// marker of an expiring record expires with it. Its value is the record
-// that transaction wrote, so a new holder loads the record from the
-// marker's event, at the marker's revision, without reading it (an empty
-// marker, from before markers carried it, is read). A Store watches its own
+// marker of an expiring record expires with it. A Store watches its own
 // markers' prefix, and the key of each record a marker points to
 // (follow.go): a record's changes reach its holders, not every agent, so
 // a write costs O(replicas) watch events whatever the mesh's size. Every
@@ -47,12 +44,10 @@ func writeOps(prefix, id string, rec *Record, lease clientv3.LeaseID, was []Hold
 	key := ObjectKey(prefix, id)
 	var ops []clientv3.Op
 	var now []Holder
-	var val string
 	if rec == nil {
 		ops = append(ops, clientv3.OpDelete(key))
 	} else {
-		val = encodeRecord(*rec)
-		ops = append(ops, clientv3.OpPut(key, val, opts...))
+		ops = append(ops, clientv3.OpPut(key, encodeRecord(*rec), opts...))
 		now = rec.Holders
 	}
 	// A node is named once per record, but a record read from etcd is not
@@ -60,7 +55,7 @@ func writeOps(prefix, id string, rec *Record, lease clientv3.LeaseID, was []Hold
 	seen := map[string]bool{}
 	for _, h := range now {
 		if !seen[h.Node] && !names(was, h.Node) {
-			ops = append(ops, clientv3.OpPut(markerKey(prefix, h.Node, id), val, opts...))
+			ops = append(ops, clientv3.OpPut(markerKey(prefix, h.Node, id), "", opts...))
 		}
 		seen[h.Node] = true
 	}

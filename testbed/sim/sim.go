@@ -869,9 +869,10 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		}
 		if st.i == 2 {
 			// The result's object record, with a marker for each of its
-			// two holders, which carries the record: each holder's Store
-			// watches its own markers (holders/<node>/), and reads nothing.
+			// two holders: each holder's Store watches its own markers
+			// (holders/<node>/), and reads the record the marker names.
 			s.etcd.event(now, 2)
+			s.etcd.read(now, 2)
 		}
 		s.hold(st, st.workers[w], -1)
 		st.committing--

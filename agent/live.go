@@ -185,14 +185,20 @@ type followed struct {
 // followSteps sends each step of job that node reaches past from to steps,
 // until ctx ends or node says nothing more will come (then it sends node
 // to ended). A node that cannot be asked is asked again a little later:
-// the job's record, not this follower, says when the stage moved.
+// the job's record, not this follower, says when the stage moved. So is a
+// node that runs nothing of the job yet, until it has shown a step: its
+// claim, and the progress key that names it, come before it starts (a
+// task its dispatcher handed on is claimed for it, then pulled), and a
+// stream that gave up then saw no step of the stage (TestProgressOffRaft).
 func (a *Agent) followSteps(ctx context.Context, node, job string, from progress.Cursor, steps chan<- followed, ended chan<- string) {
 	cur := from
 	for ctx.Err() == nil {
 		st, ok, err := a.askStep(ctx, node, job, cur, followWait)
 		switch {
-		case err != nil:
-			a.log.Debug("following progress", zap.String("job", job), zap.String("node", node), zap.Error(err))
+		case err != nil || (!ok && cur == from):
+			if err != nil {
+				a.log.Debug("following progress", zap.String("job", job), zap.String("node", node), zap.Error(err))
+			}
 			select {
 			case <-ctx.Done():
 			case <-time.After(100 * time.Millisecond):

@@ -24,34 +24,24 @@ func (a *Agent) setHeld(st jobs.Stage, h bool) {
 	}
 }
 
-// expectOutput fixes the next stage's task of c's commit in out, and has
-// this agent's ledger follow it from before the commit (jobs.Fed.Expect),
-// so the ledger sees it end at once however soon it does, and returns the
-// credit of the worker out pushes it to then. nil for the last stage.
-func (a *Agent) expectOutput(c *jobs.Claim, out *jobs.Output) *jobs.Expected {
-	down, _ := c.Task.Stage.Next()
-	f := a.fed[down]
-	if f == nil {
-		return nil
+// fixOutput fixes the next stage's task of c's commit in out: its key
+// lies under this agent's prefix (jobs.Fed), so every attempt of the
+// commit writes the one key this agent's ledger watches.
+func (a *Agent) fixOutput(c *jobs.Claim, out *jobs.Output) {
+	if _, last := c.Task.Stage.Next(); !last {
+		out.Next = a.store.NextTask(c)
 	}
-	out.Next = a.store.NextTask(c)
-	return f.Expect(out.Next.Key, out.Push)
 }
 
 // committedOutput counts the next stage's task c's commit created among
-// this agent's outputs (jobs.Fed) until it is done. Every attempt of the
-// commit wrote the key expectOutput fixed, so after one with no answer
-// (maybe) that key is counted if etcd has it.
-func (a *Agent) committedOutput(expected *jobs.Expected, c *jobs.Claim, err error, maybe bool) {
-	switch {
-	case expected == nil: // the last stage: nothing downstream
-	case err == nil:
-		expected.Created(c.Next)
-	case maybe:
-		expected.Maybe()
-	default:
-		expected.Drop()
+// this agent's outputs (jobs.Fed) until it is done. After a commit with no
+// answer the ledger's watch counts it if it was written.
+func (a *Agent) committedOutput(c *jobs.Claim, err error) {
+	down, last := c.Task.Stage.Next()
+	if last || err != nil || c.Next.Key == "" {
+		return
 	}
+	a.fed[down].Created(c.Next)
 }
 
 // fedSeen is a revision at which the stage after st held no more of this

@@ -691,7 +691,7 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 		return jobs.Job{}, a.alarms.NoSpace() // ErrNoSpace with what to do: a 503
 	}
 	if err == nil {
-		a.fed[task.Stage].Add(task)
+		a.fed[task.Stage].Created(task) // its push's worker has its credit back when it is gone
 		a.metrics.JobSubmitted(opts.Class)
 		a.recent.note(j.ID)
 	} else if errors.Is(err, jobs.ErrUnavailable) {

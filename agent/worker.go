@@ -534,9 +534,9 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, wait
 			out.Payloads = a.issueTickets(out.Payloads, hint)
 		}
 	}
-	expected := a.expectOutput(c, &out)
+	a.fixOutput(c, &out)
 	defer func() {
-		a.committedOutput(expected, c, err, uncertain || errors.Is(err, context.DeadlineExceeded) || jobs.IsUnavailable(err))
+		a.committedOutput(c, err)
 		if err == nil && counted != nil {
 			counted() // the output is in the ledger now
 		}

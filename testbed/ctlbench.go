@@ -661,7 +661,8 @@ func (t *watchTally) snap() map[string]int64 {
 }
 
 // watchKind names a watch by its key under prefix, job and node ids left
-// out: "queues/denoise/", "queues/decode/tasks/<task>", "objects/<job>...",
+// out: "queues/denoise/", "queues/decode/tasks/<class>/<node>/",
+// "queues/decode/tasks/<task>", "objects/<job>...",
 // "jobs/<job>", "payloads/<node>/", "holders/<node>/".
 func watchKind(prefix, key string) string {
 	rest, ok := strings.CutPrefix(key, prefix+"/")
@@ -681,7 +682,10 @@ func watchKind(prefix, key string) string {
 	case top == "queues":
 		stage, rest, _ := strings.Cut(sub, "/")
 		if kind, task, _ := strings.Cut(rest, "/"); kind == "tasks" && task != "" {
-			return top + "/" + stage + "/tasks/<task>" // a producer's watch of one task it fed (jobs.Fed)
+			if strings.HasSuffix(task, "/") {
+				return top + "/" + stage + "/tasks/<class>/<node>/" // a dispatcher's watch of the tasks it created (jobs.Fed)
+			}
+			return top + "/" + stage + "/tasks/<task>" // a dispatcher's watch of one task it adopted (jobs.Fed)
 		}
 		return top + "/" + stage + "/"
 	}

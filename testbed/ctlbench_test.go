@@ -123,13 +123,14 @@ func TestWatchKind(t *testing.T) {
 		p + "/objects/":          "objects/",
 		p + "/objects/j1.frame.": "objects/<job>...",
 		p + "/queues/denoise/":   "queues/denoise/",
-		p + "/queues/decode/tasks/1/00000187a1b2c3d4-ab12": "queues/decode/tasks/<task>",
-		p + "/jobs/0123abcd":            "jobs/<job>",
-		p + "/progress/0123abcd":        "progress/<job>",
-		p + "/payloads/denoise-01/":     "payloads/<node>/",
-		p + "/holders/decode-01/":       "holders/<node>/",
-		"/elsewhere/nodes/":             "/elsewhere/nodes/",
-		p + "/latentmesh-etcd-identity": "latentmesh-etcd-identity",
+		p + "/queues/decode/tasks/1/decode-01/00000187a1b2c3d4-ab12": "queues/decode/tasks/<task>",
+		p + "/queues/decode/tasks/1/decode-01/":                      "queues/decode/tasks/<class>/<node>/",
+		p + "/jobs/0123abcd":                                         "jobs/<job>",
+		p + "/progress/0123abcd":                                     "progress/<job>",
+		p + "/payloads/denoise-01/":                                  "payloads/<node>/",
+		p + "/holders/decode-01/":                                    "holders/<node>/",
+		"/elsewhere/nodes/":                                          "/elsewhere/nodes/",
+		p + "/latentmesh-etcd-identity":                              "latentmesh-etcd-identity",
 	} {
 		if got := watchKind(p, key); got != want {
 			t.Errorf("watchKind(%q) = %q, want %q", key, got, want)

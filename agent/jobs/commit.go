@@ -65,7 +65,7 @@ func (s *Store) NextTask(c *Claim) NextTask {
 	if last {
 		return NextTask{}
 	}
-	t := Task{ID: newID(), Stage: next, Class: c.Task.Class, EnqueuedAt: s.cfg.Now()}
+	t := Task{ID: newID(), Stage: next, Class: c.Task.Class, EnqueuedAt: s.cfg.Now(), Dispatcher: c.Node}
 	return NextTask{ID: t.ID, EnqueuedAt: t.EnqueuedAt, Key: s.taskKey(&t)}
 }
 

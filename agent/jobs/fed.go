@@ -3,6 +3,7 @@ package jobs
 import (
 	"context"
 	"encoding/json"
+	"strings"
 	"sync"
 	"time"
 
@@ -20,19 +21,23 @@ import (
 //   - the producer's share of that stage's backlog, which admission bounds
 //     (routing.Admission). The count may run ahead of etcd (a deletion is
 //     counted once its event arrives), never behind it: a task is added
-//     when the commit that created it answers, before the commit stops
-//     counting as in flight;
+//     when the commit that created it answers (Created), before the commit
+//     stops counting as in flight;
 //   - the tasks that wait for a worker (Waiting): created with no worker
 //     free, given back, or held by a claim whose lease ended. Nobody else
 //     follows them: the dispatcher hands each to a worker (Store.Assign)
 //     when one has a slot, and a free worker finds them by granting its
 //     credit to the dispatchers gossip shows waiting.
 //
-// Each task is followed by a watch of its one key: its rewrites (a
-// give-back, an adoption by another node) and its deletion reach its
-// dispatcher and nobody else. A stage used to be followed whole by every
-// worker of it, so every change of the denoise queue reached every
-// denoise agent.
+// The tasks a node creates lie under its own key prefix (taskKey: one per
+// class), which its ledger reads once and then watches: their rewrites (a
+// claim, a give-back, an adoption by another node) and their deletions
+// reach their creator and nobody else, and a job costs the ledger no watch
+// of its own. A task it adopted from a node that left lies under that
+// node's prefix, and is followed by a watch of its one key. A stage used
+// to be followed whole by every worker of it, so every change of the
+// denoise queue reached every denoise agent; then by a watch per task,
+// three watch creations a job.
 //
 // The deletion returns a credit: a task pushed to a worker is gone once
 // that worker committed it (or the job ended), so its slot is free, and
@@ -43,21 +48,38 @@ type Fed struct {
 	stage    Stage
 	node     string
 	consumed func(worker string) // see NewFed
+	prefixes []string            // of the tasks node creates, one per class (Store.fedPrefix)
 	log      *zap.Logger
-	wg       sync.WaitGroup // the watches
+	wg       sync.WaitGroup // the watches of adopted tasks
 
 	mu sync.Mutex
 	// mu guards the fields below.
-	live    map[string]*followed // by task key
-	closed  bool                 // Run is waiting for the watches: start no more
-	synced  bool                 // the tasks fed before this process started are read
-	seen    int64                // see Seen
-	changed chan struct{}        // closed (and replaced) when a task goes or the read lands
+	live map[string]*followed // by task key
+	// ended are deletions under this node's prefixes of tasks the ledger
+	// did not count (yet): a task whose stage was done before its
+	// creating commit's answer came back is not counted after it.
+	ended   map[string]ended
+	pruned  time.Time     // when ended was last pruned
+	closed  bool          // Run is waiting for the watches: start no more
+	synced  bool          // the tasks fed before this process started are read
+	readRev int64         // the revision of the last read of this node's prefixes; their watches follow from it
+	seen    int64         // see Seen
+	changed chan struct{} // closed (and replaced) when a task goes or the read lands
 }
+
+// ended is a deletion the ledger saw of a task it did not count.
+type ended struct {
+	rev int64
+	at  time.Time
+}
+
+// endedKeep is how long a deletion of a task the ledger did not count is
+// remembered: far longer than a commit takes to answer.
+const endedKeep = time.Minute
 
 // followed is a task the ledger follows.
 type followed struct {
-	stop     context.CancelFunc // ends its watch
+	stop     context.CancelFunc // ends its watch (an adopted task's; nil: under this node's prefix)
 	pushedTo string             // the worker this node pushed its claim to ("": none, or not known)
 	// task is the task as last written, as far as the ledger knows: its Key
 	// always, its content (ID set) once a write of it has been seen or
@@ -72,16 +94,22 @@ type followed struct {
 }
 
 // NewFed returns the ledger of node's tasks in stage, whose watches end
-// with ctx; Run reads the tasks an earlier incarnation fed. consumed (nil:
-// none) is called, outside the ledger's lock, with the worker a task was
-// pushed to once that task is gone.
+// with ctx; Run reads and follows them. consumed (nil: none) is called,
+// outside the ledger's lock, with the worker a task was pushed to once
+// that task is gone.
 func (s *Store) NewFed(ctx context.Context, stage Stage, node string, consumed func(worker string)) *Fed {
-	return &Fed{s: s, ctx: ctx, stage: stage, node: node, consumed: consumed, log: s.log.With(zap.String("fed", string(stage))), live: map[string]*followed{}, changed: make(chan struct{})}
+	f := &Fed{s: s, ctx: ctx, stage: stage, node: node, consumed: consumed, log: s.log.With(zap.String("fed", string(stage))),
+		live: map[string]*followed{}, ended: map[string]ended{}, changed: make(chan struct{})}
+	for _, c := range routing.Classes() {
+		f.prefixes = append(f.prefixes, s.fedPrefix(stage, c, node))
+	}
+	return f
 }
 
-// Run reads, once, the tasks of the stage that node fed before this process
-// started (a restart keeps its share counted), then waits for the ledger's
-// context to end and its watches with it.
+// Run reads the tasks node fed before this process started (a restart
+// keeps its share counted, and dispatches what waits), then follows its
+// prefixes until the ledger's context ends; it reads them again when etcd
+// compacted a watch's history away.
 func (f *Fed) Run() {
 	defer func() {
 		f.mu.Lock()
@@ -89,28 +117,142 @@ func (f *Fed) Run() {
 		f.mu.Unlock()
 		f.wg.Wait()
 	}()
+	first := true
 	backoff := 50 * time.Millisecond
 	for f.ctx.Err() == nil {
-		tasks, rev, err := f.s.readQueue(f.ctx, f.stage)
+		rev, err := f.load(first)
 		if err != nil {
 			f.log.Warn("reading the tasks this node fed failed; retrying", zap.Duration("backoff", backoff), zap.Error(err))
 			sleepCtx(f.ctx, backoff)
 			backoff = min(2*backoff, 2*time.Second)
 			continue
 		}
-		f.mu.Lock()
-		for _, t := range tasks {
-			if f.dispatches(&t) {
-				f.addLocked(t, rev, "")
+		first, backoff = false, 50*time.Millisecond
+		f.watch(rev)
+	}
+}
+
+// own reports whether key lies under this node's prefixes.
+func (f *Fed) own(key string) bool {
+	for _, p := range f.prefixes {
+		if strings.HasPrefix(key, p) {
+			return true
+		}
+	}
+	return false
+}
+
+// load reads the tasks under this node's prefixes at one revision and
+// makes the ledger's view of them that read: counted tasks the read lacks
+// (and that the ledger knew of by then) are gone. The first load also
+// reads the whole stage once, for tasks this node adopted (under another
+// node's prefix) or created before keys named their creator.
+func (f *Fed) load(first bool) (int64, error) {
+	var tasks []Task
+	var rev int64
+	for _, p := range f.prefixes {
+		ts, r, err := f.s.readTasks(f.ctx, p, rev)
+		if err != nil {
+			return 0, err
+		}
+		tasks, rev = append(tasks, ts...), r
+	}
+	var others []Task
+	if first {
+		all, _, err := f.s.readTasks(f.ctx, f.s.taskPrefix(f.stage), rev)
+		if err != nil {
+			return 0, err
+		}
+		for _, t := range all {
+			if !f.own(t.Key) && f.dispatches(&t) {
+				others = append(others, t)
 			}
 		}
-		f.synced = true
-		f.seen = max(f.seen, rev)
-		f.notifyLocked()
-		f.mu.Unlock()
-		break
 	}
-	<-f.ctx.Done()
+	var credits []string
+	f.mu.Lock()
+	read := map[string]bool{}
+	for _, t := range tasks {
+		read[t.Key] = true
+		if !f.dispatches(&t) {
+			continue // adopted by another node
+		}
+		if e, ok := f.live[t.Key]; ok {
+			e.task = t
+		} else {
+			f.live[t.Key] = &followed{task: t}
+		}
+	}
+	for key, e := range f.live {
+		if f.own(key) && !read[key] && e.task.Rev <= rev {
+			delete(f.live, key)
+			if e.pushedTo != "" {
+				credits = append(credits, e.pushedTo)
+			}
+		}
+	}
+	for _, t := range others {
+		f.followLocked(t, rev, "")
+	}
+	f.readRev, f.synced = rev, true
+	f.seen = max(f.seen, rev)
+	f.notifyLocked()
+	f.mu.Unlock()
+	f.returnCredits(credits)
+	return rev, nil
+}
+
+// watch follows this node's prefixes from revision rev+1 until the
+// ledger's context ends, or etcd compacted a watch's history away (the
+// caller reads them again).
+func (f *Fed) watch(rev int64) {
+	ctx, cancel := context.WithCancel(f.ctx)
+	defer cancel()
+	compacted := make(chan struct{}, len(f.prefixes))
+	var wg sync.WaitGroup
+	for _, prefix := range f.prefixes {
+		wg.Go(func() {
+			if f.followPrefix(ctx, prefix, rev+1) {
+				compacted <- struct{}{}
+			}
+		})
+	}
+	select {
+	case <-compacted:
+		f.log.Info("ledger watch compacted; reading this node's tasks again")
+	case <-ctx.Done():
+	}
+	cancel()
+	wg.Wait()
+}
+
+// followPrefix applies the watch of prefix from revision next until ctx
+// ends (false) or etcd compacted that revision away (true). A watch that
+// breaks resumes after the last revision seen.
+func (f *Fed) followPrefix(ctx context.Context, prefix string, next int64) (compacted bool) {
+	for ctx.Err() == nil {
+		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
+		for wr := range f.s.cli.Watch(wctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(next)) {
+			if wr.CompactRevision > 0 {
+				cancel()
+				return true
+			}
+			for _, ev := range wr.Events {
+				key := string(ev.Kv.Key)
+				if ev.Type == clientv3.EventTypeDelete {
+					f.gone(key, ev.Kv.ModRevision, true)
+					continue
+				}
+				f.rewritten(key, ev.Kv)
+			}
+			if wr.Header.Revision > 0 {
+				next = max(next, wr.Header.Revision+1)
+			}
+		}
+		cancel()
+		sleepCtx(ctx, 200*time.Millisecond) // a broken watch (leader loss): resume shortly
+	}
+	return false
 }
 
 // dispatches reports whether t is this ledger's (a task written before
@@ -119,28 +261,56 @@ func (f *Fed) dispatches(t *Task) bool {
 	return t.Dispatcher == f.node || (t.Dispatcher == "" && t.Producer() == f.node)
 }
 
+// Created counts task t, which a commit or submit of this node created at
+// revision t.Rev (with its claim pushed to t.Holder, if any), unless the
+// ledger has seen it end already.
+func (f *Fed) Created(t Task) { f.add(t, t.Rev, t.Holder) }
+
 // Add follows task t, written at revision t.Rev, until it goes: a task
 // this node submitted or adopted (t.Rev 0, or t's content unknown: a
-// submit that got no answer; etcd is asked first).
+// submit that got no answer; one under this node's prefix is counted once
+// its watch sees it, another is read first).
 func (f *Fed) Add(t Task) { f.add(t, t.Rev, "") }
 
 // add counts task t (its Key at least), which existed at revision rev (0:
-// a commit with no answer may have created it; it is counted if etcd has
-// it) and was pushed to pushedTo, until it goes. The agent adds through
-// Expect; a watch Expect could not make falls back to this.
+// a write with no answer may have created it) and was pushed to pushedTo,
+// until it goes.
 func (f *Fed) add(t Task, rev int64, pushedTo string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if !f.own(t.Key) {
+		f.followLocked(t, rev, pushedTo)
+		return
+	}
+	if rev == 0 || f.closed {
+		return // its watch counts it if it was written
+	}
 	f.seen = max(f.seen, rev)
-	f.addLocked(t, rev, pushedTo)
+	if e, ok := f.live[t.Key]; ok {
+		if e.pushedTo == "" {
+			e.pushedTo = pushedTo
+		}
+		return // its watch was first
+	}
+	if end, ok := f.ended[t.Key]; ok && end.rev >= rev {
+		return // its stage was done before its creation answered
+	}
+	if f.synced && rev <= f.readRev {
+		return // the read since would have counted it: it has ended
+	}
+	t.Rev = rev
+	f.live[t.Key] = &followed{pushedTo: pushedTo, task: t}
+	f.notifyLocked() // a task to dispatch, maybe
 }
 
-// addLocked follows task t, which existed at revision rev (0: not known
-// to exist) and was pushed to pushedTo.
-func (f *Fed) addLocked(t Task, rev int64, pushedTo string) {
+// followLocked follows task t, under another node's prefix, by a watch of
+// its one key from revision rev (0: not known to exist, so etcd is asked
+// first).
+func (f *Fed) followLocked(t Task, rev int64, pushedTo string) {
 	if _, ok := f.live[t.Key]; ok || f.closed {
 		return
 	}
+	f.seen = max(f.seen, rev)
 	ctx, cancel := context.WithCancel(f.ctx)
 	f.live[t.Key] = &followed{stop: cancel, pushedTo: pushedTo, task: t}
 	f.wg.Go(func() { f.follow(ctx, t.Key, rev) })
@@ -156,9 +326,10 @@ func (f *Fed) Count() (n int, synced bool) {
 }
 
 // Seen is a revision at which the stage held at most Count of this node's
-// tasks: the newest of the commits added and the deletions seen, so every
-// task counted was created by then and every deletion counted happened by
-// then. (A deletion not seen yet only makes Count larger than the truth.)
+// tasks: the newest of the commits added, the reads and the deletions
+// seen, so every task counted was created by then and every deletion
+// counted happened by then. (A deletion not seen yet only makes Count
+// larger than the truth.)
 func (f *Fed) Seen() int64 {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -179,26 +350,53 @@ func (f *Fed) notifyLocked() {
 	f.changed = make(chan struct{})
 }
 
-// gone forgets the task at key, deleted (or adopted by another node) by
-// revision rev, and returns the credit of the worker this node pushed it
-// to.
+// gone forgets the task at key, deleted (credit) or adopted by another
+// node by revision rev, and returns the credit of the worker this node
+// pushed it to. The deletion of a task under this node's prefix is
+// remembered a while (ended), for a creation whose answer comes later.
 func (f *Fed) gone(key string, rev int64, credit bool) {
 	f.mu.Lock()
 	t, ok := f.live[key]
 	if ok {
-		t.stop()
+		if t.stop != nil {
+			t.stop()
+		}
 		delete(f.live, key)
 		f.seen = max(f.seen, rev)
 		f.notifyLocked()
 	}
+	if credit && f.own(key) {
+		now := time.Now()
+		if now.Sub(f.pruned) > endedKeep/4 {
+			for k, e := range f.ended {
+				if now.Sub(e.at) > endedKeep {
+					delete(f.ended, k)
+				}
+			}
+			f.pruned = now
+		}
+		f.ended[key] = ended{rev: rev, at: now}
+	}
 	f.mu.Unlock()
-	if ok && credit && t.pushedTo != "" && f.consumed != nil {
-		f.consumed(t.pushedTo)
+	if ok && credit && t.pushedTo != "" {
+		f.returnCredits([]string{t.pushedTo})
 	}
 }
 
-// rewritten takes a new write of the task at key: a claim, a give-back, or
-// an adoption by another node, which ends this ledger's part.
+// returnCredits tells the consumed hook of each worker a gone task was
+// pushed to.
+func (f *Fed) returnCredits(workers []string) {
+	if f.consumed == nil {
+		return
+	}
+	for _, w := range workers {
+		f.consumed(w)
+	}
+}
+
+// rewritten takes a new write of the task at key: a claim, a give-back, an
+// adoption by another node (which ends this ledger's part), or, under this
+// node's prefix, a task it created that the ledger had not counted yet.
 func (f *Fed) rewritten(key string, kv *mvccpb.KeyValue) {
 	var t Task
 	if err := json.Unmarshal(kv.Value, &t); err != nil || t.ID == "" {
@@ -212,8 +410,20 @@ func (f *Fed) rewritten(key string, kv *mvccpb.KeyValue) {
 	}
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if e, ok := f.live[key]; ok && e.task.Rev <= t.Rev {
+	e, ok := f.live[key]
+	switch {
+	case ok && e.task.Rev <= t.Rev:
 		e.task, e.refused, e.backoff = t, time.Time{}, 0
+		f.notifyLocked()
+	case !ok && f.own(key) && !f.closed:
+		// Its watch before its creation's answer (or a write with no
+		// answer): a push's claim holder is the worker it was pushed to.
+		e := &followed{task: t}
+		if kv.CreateRevision == kv.ModRevision {
+			e.pushedTo = t.Holder
+		}
+		f.live[key] = e
+		f.seen = max(f.seen, t.Rev)
 		f.notifyLocked()
 	}
 }
@@ -301,111 +511,13 @@ func (f *Fed) Assigned(t Task, worker string) {
 	}
 }
 
-// Expected is a task the ledger follows from before the commit that
-// creates it (Expect). etcd serves a watch that starts at its current
-// revision at once, but one asked to start at a revision it has passed
-// waits for its catch-up loop, which runs every 100 ms: a downstream task
-// done within that time held its producer's admission that long (bench
-// api, 64 clients: 213-225 jobs/s against 363-370 with the view).
-type Expected struct {
-	f      *Fed
-	task   Task   // the task the commit writes: its Key, and its holder if pushed
-	pushed string // the worker its claim is pushed to ("": none)
-	ctx    context.Context
-	cancel context.CancelFunc
-	made   chan struct{} // closed once wch is set
-	wch    clientv3.WatchChan
-}
-
-// Expect asks etcd to watch key, the key of the task a commit is about to
-// create, its claim pushed to push (nil: none); it waits for nothing
-// (Created does): the client's Watch call itself can wait as long as etcd
-// is silent.
-func (f *Fed) Expect(key string, push *Push) *Expected {
-	ctx, cancel := context.WithCancel(f.ctx)
-	e := &Expected{f: f, task: Task{Key: key}, ctx: ctx, cancel: cancel, made: make(chan struct{})}
-	if push != nil {
-		e.pushed, e.task.Holder, e.task.HolderLease = push.Node, push.Node, int64(push.Lease)
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if f.closed {
-		cancel() // Created finds no watch and falls back to add, which starts none either
-		return e
-	}
-	f.wg.Go(func() {
-		e.wch = f.s.cli.Watch(clientv3.WithRequireLeader(ctx), key, clientv3.WithCreatedNotify())
-		close(e.made)
-	})
-	return e
-}
-
-// Created counts task t, which the commit created at revision t.Rev (the
-// commit's Claim.Next). The watch Expect asked for sees every change after
-// the revision its creation answer names: when that is t.Rev or before, it
-// sees the task's end; when etcd made it after the commit (its goroutine
-// ran late), the task's end may have come in between, and etcd is asked
-// once whether the task is still there.
-func (e *Expected) Created(t Task) {
-	e.task = t
-	e.keep(t.Rev)
-}
-
-// Maybe counts the task if etcd has it: the commit got no answer.
-func (e *Expected) Maybe() { e.keep(0) }
-
-// Drop stops following: the commit did not create the task.
-func (e *Expected) Drop() { e.cancel() }
-
-// keep hands the watch to the ledger, for a task that existed at rev (0:
-// not known to exist, so etcd is asked first). Without a watch made within
-// a second the task is followed as add does.
-func (e *Expected) keep(rev int64) {
-	f := e.f
-	made, late := false, false
-	t := time.NewTimer(time.Second)
-	select {
-	case <-e.made:
-		select {
-		case wr, ok := <-e.wch:
-			made = ok && wr.Created && wr.Err() == nil
-			late = wr.Header.Revision > rev
-		case <-t.C:
-		}
-	case <-e.ctx.Done(): // the ledger is closing
-	case <-t.C:
-	}
-	t.Stop()
-	if !made {
-		e.cancel()
-		f.add(e.task, rev, e.pushed)
-		return
-	}
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	f.seen = max(f.seen, rev)
-	if _, ok := f.live[e.task.Key]; ok || f.closed {
-		e.cancel()
-		return
-	}
-	f.live[e.task.Key] = &followed{stop: e.cancel, pushedTo: e.pushed, task: e.task}
-	f.wg.Go(func() { f.followFrom(e.ctx, e.task.Key, rev, e.wch, late) })
-	f.notifyLocked() // a task to dispatch, maybe
-}
-
-// follow follows the task at key, which existed at rev, until its
-// deletion: its rewrites update the ledger (rewritten). A watch that
-// breaks resumes after the last revision seen; one answered with a
-// compaction (history gone, or etcd replaced) reads the task again.
+// follow follows the task at key (an adopted task, under another node's
+// prefix), which existed at rev (0: not known to), until its deletion: its
+// rewrites update the ledger (rewritten). A watch that breaks resumes
+// after the last revision seen; one answered with a compaction (history
+// gone, or etcd replaced) reads the task again, as does rev 0 first.
 func (f *Fed) follow(ctx context.Context, key string, rev int64) {
-	f.followFrom(ctx, key, rev, nil, rev == 0)
-}
-
-// followFrom is follow, reading wch, a watch of key already made, first;
-// check asks etcd first whether the task is there (rev 0: not known to
-// have been).
-func (f *Fed) followFrom(ctx context.Context, key string, rev int64, wch clientv3.WatchChan, check bool) {
-	next := rev + 1
+	next, check := rev+1, rev == 0
 	backoff := 50 * time.Millisecond
 	for ctx.Err() == nil {
 		if check {
@@ -423,11 +535,8 @@ func (f *Fed) followFrom(ctx context.Context, key string, rev int64, wch clientv
 			next, check = resp.Header.Revision+1, false
 		}
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		if wch == nil {
-			wch = f.s.cli.Watch(wctx, key, clientv3.WithRev(next))
-		}
 		compacted := false
-		for wr := range wch {
+		for wr := range f.s.cli.Watch(wctx, key, clientv3.WithRev(next)) {
 			if wr.CompactRevision > 0 {
 				compacted = true
 				break
@@ -445,7 +554,6 @@ func (f *Fed) followFrom(ctx context.Context, key string, rev int64, wch clientv
 			}
 		}
 		cancel()
-		wch = nil
 		if compacted {
 			check = true
 			continue

@@ -3,10 +3,13 @@ package jobs
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/latentmesh/latentmesh/routing"
 )
 
 // runFed runs node's ledger of stage until the test ends.
@@ -145,11 +148,12 @@ func twoEncodes(t *testing.T, consumed func(string)) (*Store, clientv3.LeaseID, 
 	return s, lease, f, pend
 }
 
-// A task followed from before its commit (Expect) is counted once the
-// commit creates it under the fixed key, and forgotten when it ends; an
-// expected task whose commit failed is not counted, nor is one taken for a
-// commit with no answer unless etcd has it.
-func TestFedExpectedBeforeCommit(t *testing.T) {
+// A task a commit created is counted once its creator's ledger watch sees
+// it or the commit's answer says so (Created), whichever comes first, and
+// once only; a commit refused creates nothing; a task whose stage was
+// done before its creation's answer reached the ledger is not counted
+// after it, nor is one a ledger read since shows gone.
+func TestFedCountsCreatedTasksOnce(t *testing.T) {
 	s, lease, f, pend := twoEncodes(t, nil)
 	ctx := context.Background()
 	enc, err := s.TryClaim(ctx, pend[0], "enc", lease)
@@ -157,18 +161,18 @@ func TestFedExpectedBeforeCommit(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := Output{Payloads: payload("cond", "enc"), Next: s.NextTask(enc)}
-	e := f.Expect(out.Next.Key, nil)
 	if err := s.Commit(ctx, enc, out); err != nil {
 		t.Fatal(err)
 	}
-	if enc.Next.Key != out.Next.Key {
-		t.Fatalf("commit wrote %q, expected %q", enc.Next.Key, out.Next.Key)
+	if enc.Next.Key != out.Next.Key || !f.own(enc.Next.Key) {
+		t.Fatalf("commit wrote %q, fixed %q; want it under enc's prefix", enc.Next.Key, out.Next.Key)
 	}
-	e.Created(enc.Next)
+	within(t, "the watch counts the task", func() bool { return fedCount(f) == 1 })
+	f.Created(enc.Next)
 	if n := fedCount(f); n != 1 {
-		t.Fatalf("after the commit: %d fed, want 1", n)
+		t.Fatalf("after the commit's answer too: %d fed, want 1", n)
 	}
-	// A commit refused (its claim requeued) creates nothing: dropped.
+	// A commit refused (its claim requeued) creates nothing.
 	other, err := s.TryClaim(ctx, pend[1], "enc", lease)
 	if err != nil {
 		t.Fatal(err)
@@ -176,58 +180,25 @@ func TestFedExpectedBeforeCommit(t *testing.T) {
 	if err := s.Requeue(ctx, other); err != nil {
 		t.Fatal(err)
 	}
-	out2 := Output{Payloads: payload("cond2", "enc"), Next: s.NextTask(other)}
-	e2 := f.Expect(out2.Next.Key, nil)
-	if err := s.Commit(ctx, other, out2); err == nil {
+	if err := s.Commit(ctx, other, Output{Payloads: payload("cond2", "enc"), Next: s.NextTask(other)}); err == nil {
 		t.Fatal("a requeued claim committed")
 	}
-	e2.Drop()
-	// Taken for a commit with no answer: counted only if etcd has it.
-	f.Expect(out2.Next.Key, nil).Maybe()
-	f.Expect(out.Next.Key, nil).Maybe()
-	within(t, "the unwritten key dropped", func() bool { n, _ := f.Count(); return n == 1 })
-	den := claimOne(t, s, Denoise, "den", lease)
+	// The first task's stage is done before its creation's answer comes.
+	den := claimAtKey(t, s, enc.Next.Key, lease)
 	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
 		t.Fatal(err)
 	}
-	within(t, "the expected task gone", func() bool { return fedCount(f) == 0 })
-	if f.Seen() < den.CommitRev {
-		t.Fatalf("seen %d, before the deletion at %d", f.Seen(), den.CommitRev)
+	within(t, "the task's end seen", func() bool { return fedCount(f) == 0 })
+	f.Created(enc.Next)
+	if n := fedCount(f); n != 0 || f.Seen() < den.CommitRev {
+		t.Fatalf("a task that ended, answered late: %d fed (want 0), seen %d (want %d or later)", n, f.Seen(), den.CommitRev)
 	}
-}
-
-// A watch etcd made after the commit (Expect's goroutine ran late) may
-// have missed the task's end: the ledger asks etcd once, and keeps the
-// watch when the task is still there.
-func TestFedExpectedLate(t *testing.T) {
-	s, lease, f, pend := twoEncodes(t, nil)
-	ctx := context.Background()
-	var claims []*Claim
-	for i, p := range pend {
-		c, err := s.TryClaim(ctx, p, "enc", lease)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := s.Commit(ctx, c, Output{Payloads: payload(fmt.Sprintf("cond%d", i), "enc"), Next: s.NextTask(c)}); err != nil {
-			t.Fatal(err)
-		}
-		claims = append(claims, c)
+	// A ledger whose read came after the task's end does not count it.
+	later := runFed(t, s, Denoise, "enc")
+	later.Created(enc.Next)
+	if n := fedCount(later); n != 0 {
+		t.Fatalf("a ledger read after the task's end counts %d", n)
 	}
-	// The first task ends before its watch is asked for.
-	den := claimAtKey(t, s, claims[0].Next.Key, lease)
-	if err := s.Commit(ctx, den, Output{Payloads: payload("latent", "den")}); err != nil {
-		t.Fatal(err)
-	}
-	for _, c := range claims {
-		e := f.Expect(c.Next.Key, nil)
-		e.Created(c.Next)
-	}
-	within(t, "the task that ended first forgotten", func() bool { return fedCount(f) == 1 })
-	den = claimAtKey(t, s, claims[1].Next.Key, lease)
-	if err := s.Commit(ctx, den, Output{Payloads: payload("latent2", "den")}); err != nil {
-		t.Fatal(err)
-	}
-	within(t, "the other task's end seen by its late watch", func() bool { return fedCount(f) == 0 })
 }
 
 // claimAtKey claims the denoise task at key.
@@ -258,23 +229,29 @@ func TestFedReturnsPushedCredit(t *testing.T) {
 	var returned []string
 	s, lease, f, pend := twoEncodes(t, func(w string) { mu.Lock(); returned = append(returned, w); mu.Unlock() })
 	ctx := context.Background()
+	den := runQueue(t, s, Denoise)
 	for i, pushedTo := range []string{"den-a", ""} {
 		c, err := s.TryClaim(ctx, pend[i], "enc", lease)
 		if err != nil {
 			t.Fatal(err)
 		}
 		out := Output{Payloads: payload(fmt.Sprintf("cond%d", i), "enc"), Next: s.NextTask(c)}
-		var push *Push
 		if pushedTo != "" {
-			push = &Push{Node: pushedTo}
+			out.Push = &Push{Node: pushedTo, Lease: lease}
 		}
-		e := f.Expect(out.Next.Key, push)
 		if err := s.Commit(ctx, c, out); err != nil {
 			t.Fatal(err)
 		}
-		e.Created(c.Next)
-		den := claimAtKey(t, s, c.Next.Key, lease)
-		if err := s.Commit(ctx, den, Output{Payloads: payload(fmt.Sprintf("latent%d", i), "den")}); err != nil {
+		f.Created(c.Next)
+		var dc *Claim
+		if pushedTo != "" {
+			within(t, "the push seen", func() bool { return len(den.Pushed(pushedTo, lease)) == 1 })
+			dc = den.Pushed(pushedTo, lease)[0]
+			den.Take(dc)
+		} else {
+			dc = claimAtKey(t, s, c.Next.Key, lease)
+		}
+		if err := s.Commit(ctx, dc, Output{Payloads: payload(fmt.Sprintf("latent%d", i), "den")}); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -283,5 +260,56 @@ func TestFedReturnsPushedCredit(t *testing.T) {
 	defer mu.Unlock()
 	if len(returned) != 1 || returned[0] != "den-a" {
 		t.Fatalf("credits returned to %q, want one to den-a", returned)
+	}
+}
+
+// countingWatcher counts the watches asked for, by key.
+type countingWatcher struct {
+	clientv3.Watcher
+	mu   sync.Mutex
+	keys []string
+}
+
+func (w *countingWatcher) Watch(ctx context.Context, key string, opts ...clientv3.OpOption) clientv3.WatchChan {
+	w.mu.Lock()
+	w.keys = append(w.keys, key)
+	w.mu.Unlock()
+	return w.Watcher.Watch(ctx, key, opts...)
+}
+
+// A dispatcher's ledger makes its watches once, one per class of the
+// tasks its node creates, and none per task: five tasks created and done
+// cost it no watch.
+func TestFedWatchesItsPrefixesOnly(t *testing.T) {
+	s, cli := newStore(t)
+	w := &countingWatcher{Watcher: cli.Watcher}
+	cli.Watcher = w
+	ctx := context.Background()
+	lease := grant(t, cli)
+	f := runFed(t, s, Denoise, "enc")
+	for i := range 5 {
+		if _, err := s.Submit(ctx, spec(), Options{}); err != nil {
+			t.Fatal(err)
+		}
+		c := claimOne(t, s, Encode, "enc", lease)
+		if err := s.Commit(ctx, c, Output{Payloads: payload(fmt.Sprintf("cond%d", i), "enc"), Next: s.NextTask(c)}); err != nil {
+			t.Fatal(err)
+		}
+		f.Created(c.Next)
+		den := claimAtKey(t, s, c.Next.Key, lease)
+		if err := s.Commit(ctx, den, Output{Payloads: payload(fmt.Sprintf("latent%d", i), "den")}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	within(t, "every task gone", func() bool { return fedCount(f) == 0 })
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if len(w.keys) != len(routing.Classes()) {
+		t.Fatalf("the ledger asked for %d watches, want %d (one per class): %q", len(w.keys), len(routing.Classes()), w.keys)
+	}
+	for _, k := range w.keys {
+		if !strings.HasSuffix(k, "/enc/") {
+			t.Fatalf("a watch of %q, want only enc's prefixes", k)
+		}
 	}
 }

@@ -343,10 +343,15 @@ func (q *Inbox) load(ctx context.Context) (int64, error) {
 }
 
 // readQueue reads every task of stage, at one revision, in pages of
-// Config.QueuePage: what Pending, Adopt's sweep and a ledger's first read
-// go by.
+// Config.QueuePage: what Pending and Adopt's sweep go by.
 func (s *Store) readQueue(ctx context.Context, stage Stage) (tasks []Task, rev int64, err error) {
-	prefix := s.taskPrefix(stage)
+	return s.readTasks(ctx, s.taskPrefix(stage), 0)
+}
+
+// readTasks reads every task under prefix at revision rev (0: the
+// current one), in pages of Config.QueuePage, and returns the revision
+// read.
+func (s *Store) readTasks(ctx context.Context, prefix string, rev int64) (tasks []Task, _ int64, err error) {
 	end := clientv3.GetPrefixRangeEnd(prefix)
 	from := prefix
 	for {
@@ -356,9 +361,11 @@ func (s *Store) readQueue(ctx context.Context, stage Stage) (tasks []Task, rev i
 		}
 		resp, err := s.cli.Get(ctx, from, opts...)
 		if err != nil {
-			return nil, 0, fmt.Errorf("jobs: read %s queue: %w", stage, err)
+			return nil, 0, fmt.Errorf("jobs: read tasks %s: %w", prefix, err)
 		}
-		rev = resp.Header.Revision
+		if rev == 0 {
+			rev = resp.Header.Revision // the later pages are read at the first one's revision
+		}
 		for _, kv := range resp.Kvs {
 			var t Task
 			if err := json.Unmarshal(kv.Value, &t); err != nil || t.ID == "" {

@@ -5,22 +5,24 @@ package jobs
 // caller's id inside its key. In brief (docs/ARCHITECTURE.md, "etcd
 // layout", has the full table):
 //
-//	key                                       value          lifetime
-//	jobs/<job>                                record (Job)   until finished; then a retention lease
-//	progress/<job>                            Progress       the worker's lease
-//	queues/<stage>/tasks/<class>/<ns>-<task>  Task           until its stage commits
-//	queues/<stage>/claims/<node>/<task>       claimRecord    the worker's lease
-//	payloads/<producer>/<payload>             PayloadRecord  until its consumer commits
-//	objects/<job>.<name>                      cache.Record   package cache's: ResultID, PreviewID, relayed payloads
+//	key                                                 value          lifetime
+//	jobs/<job>                                          record (Job)   until finished; then a retention lease
+//	progress/<job>                                      Progress       the worker's lease
+//	queues/<stage>/tasks/<class>/<creator>/<ns>-<task>  Task           until its stage commits
+//	queues/<stage>/claims/<node>/<task>                 claimRecord    the worker's lease
+//	payloads/<producer>/<payload>                       PayloadRecord  until its consumer commits
+//	objects/<job>.<name>                                cache.Record   package cache's: ResultID, PreviewID, relayed payloads
 //
-// <ns> is the enqueue time in nanoseconds, 16 hex digits, so task keys
-// sort by class, then age.
+// <creator> is the node that created the task, its first dispatcher;
+// <ns> is the enqueue time in nanoseconds, 16 hex digits, so a creator's
+// task keys sort by class, then age.
 
 import (
 	"fmt"
 	"strings"
 
 	"github.com/latentmesh/latentmesh/cache"
+	"github.com/latentmesh/latentmesh/routing"
 )
 
 // Key layout. Values are JSON (except result parts) so etcdctl shows them.
@@ -28,8 +30,9 @@ func (s *Store) jobKey(id string) string      { return s.cfg.Prefix + "/jobs/" +
 func (s *Store) progressKey(id string) string { return s.cfg.Prefix + "/progress/" + id }
 
 // A stage's claims are kept by the node that holds them, so a worker
-// follows its own (its Inbox) and no other's: nobody watches a whole
-// stage. A task's dispatcher follows the task's key alone (Fed).
+// follows its own (its Inbox) and no other's; a stage's tasks are kept by
+// the node that created them, which follows its own (its Fed): nobody
+// watches a whole stage.
 func (s *Store) queuePrefix(st Stage) string { return s.cfg.Prefix + "/queues/" + string(st) + "/" }
 func (s *Store) taskPrefix(st Stage) string  { return s.queuePrefix(st) + "tasks/" }
 func (s *Store) claimPrefix(st Stage) string { return s.queuePrefix(st) + "claims/" }
@@ -76,9 +79,22 @@ func (s *Store) previewPrefix(id string) string {
 	return cache.ObjectKey(s.cfg.Prefix, previewsOf(id))
 }
 
-// taskKey orders by class, then enqueue time; the task id makes it unique.
+// taskKey is <stage's tasks>/<class>/<creator>/<enqueue time>-<id>: the
+// tasks a node creates, and so dispatches (Task.Dispatcher), lie under
+// one prefix per class (fedPrefix), which its ledger watches; a stage's
+// depth by class is a count of one prefix (ClassDepth). The key does not
+// move when another node adopts the task.
 func (s *Store) taskKey(t *Task) string {
-	return fmt.Sprintf("%s%d/%016x-%s", s.taskPrefix(t.Stage), t.Class, t.EnqueuedAt.UnixNano(), t.ID)
+	return fmt.Sprintf("%s%016x-%s", s.fedPrefix(t.Stage, t.Class, t.Dispatcher), t.EnqueuedAt.UnixNano(), t.ID)
+}
+
+// fedPrefix is the key prefix of the tasks of stage and class that node
+// created ("" names the tasks created with no dispatcher named).
+func (s *Store) fedPrefix(st Stage, c routing.Class, node string) string {
+	if node == "" {
+		node = "-"
+	}
+	return fmt.Sprintf("%s%d/%s/", s.taskPrefix(st), c, node)
 }
 
 // validID keeps user-supplied ids from escaping their key (no '/').

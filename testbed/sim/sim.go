@@ -370,10 +370,9 @@ func (s *sim) enqueue(t *task) {
 	} else {
 		st.q.push(t)
 	}
-	// The task key reaches its dispatcher's ledger (jobs.Fed, whose watch
-	// of the task's one key is made before the commit: a watch created per
-	// task), and a pushed claim's key its worker's inbox.
-	s.etcd.watch(now, 1)
+	// The task key reaches its dispatcher's ledger (jobs.Fed watches the
+	// prefix of the tasks its node creates, made once at start: no watch
+	// per task), and a pushed claim's key its worker's inbox.
 	if t.pushTo >= 0 {
 		s.stageEvent(st, 2)
 	} else {

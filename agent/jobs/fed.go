@@ -212,7 +212,7 @@ func (f *Fed) watch(rev int64) {
 	var wg sync.WaitGroup
 	for _, prefix := range f.prefixes {
 		wg.Go(func() {
-			if f.followPrefix(ctx, prefix, rev+1) {
+			if f.watchFrom(ctx, prefix, true, rev+1) {
 				compacted <- struct{}{}
 			}
 		})
@@ -226,31 +226,35 @@ func (f *Fed) watch(rev int64) {
 	wg.Wait()
 }
 
-// followPrefix applies the watch of prefix from revision next until ctx
-// ends (false) or etcd compacted that revision away (true). A watch that
-// breaks resumes after the last revision seen.
-func (f *Fed) followPrefix(ctx context.Context, prefix string, next int64) (compacted bool) {
+// watchFrom applies the watch of key (of every key under it when prefix)
+// from revision next until ctx ends (false) or etcd compacted that
+// revision away (true): a deletion ends a task (gone), a put rewrites one.
+// A watch that breaks (leader loss) resumes after the last revision seen.
+func (f *Fed) watchFrom(ctx context.Context, key string, prefix bool, next int64) (compacted bool) {
 	for ctx.Err() == nil {
+		opts := []clientv3.OpOption{clientv3.WithRev(next)}
+		if prefix {
+			opts = append(opts, clientv3.WithPrefix())
+		}
 		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		for wr := range f.s.cli.Watch(wctx, prefix, clientv3.WithPrefix(), clientv3.WithRev(next)) {
+		for wr := range f.s.cli.Watch(wctx, key, opts...) {
 			if wr.CompactRevision > 0 {
 				cancel()
 				return true
 			}
 			for _, ev := range wr.Events {
-				key := string(ev.Kv.Key)
 				if ev.Type == clientv3.EventTypeDelete {
-					f.gone(key, ev.Kv.ModRevision, true)
+					f.gone(string(ev.Kv.Key), ev.Kv.ModRevision, true)
 					continue
 				}
-				f.rewritten(key, ev.Kv)
+				f.rewritten(string(ev.Kv.Key), ev.Kv)
 			}
 			if wr.Header.Revision > 0 {
 				next = max(next, wr.Header.Revision+1)
 			}
 		}
 		cancel()
-		sleepCtx(ctx, 200*time.Millisecond) // a broken watch (leader loss): resume shortly
+		sleepCtx(ctx, 200*time.Millisecond)
 	}
 	return false
 }
@@ -512,10 +516,10 @@ func (f *Fed) Assigned(t Task, worker string) {
 }
 
 // follow follows the task at key (an adopted task, under another node's
-// prefix), which existed at rev (0: not known to), until its deletion: its
-// rewrites update the ledger (rewritten). A watch that breaks resumes
-// after the last revision seen; one answered with a compaction (history
-// gone, or etcd replaced) reads the task again, as does rev 0 first.
+// prefix), which existed at rev (0: not known to), until it goes: its
+// deletion, or a rewrite that names another dispatcher, ends ctx (gone).
+// It reads the task first at rev 0, and again after a compaction (history
+// gone, or etcd replaced).
 func (f *Fed) follow(ctx context.Context, key string, rev int64) {
 	next, check := rev+1, rev == 0
 	backoff := 50 * time.Millisecond
@@ -532,32 +536,8 @@ func (f *Fed) follow(ctx context.Context, key string, rev int64) {
 				return
 			}
 			f.rewritten(key, resp.Kvs[0])
-			next, check = resp.Header.Revision+1, false
+			next = resp.Header.Revision + 1
 		}
-		wctx, cancel := context.WithCancel(clientv3.WithRequireLeader(ctx))
-		compacted := false
-		for wr := range f.s.cli.Watch(wctx, key, clientv3.WithRev(next)) {
-			if wr.CompactRevision > 0 {
-				compacted = true
-				break
-			}
-			for _, ev := range wr.Events {
-				if ev.Type == clientv3.EventTypeDelete {
-					cancel()
-					f.gone(key, ev.Kv.ModRevision, true)
-					return
-				}
-				f.rewritten(key, ev.Kv)
-			}
-			if wr.Header.Revision > 0 {
-				next = max(next, wr.Header.Revision+1)
-			}
-		}
-		cancel()
-		if compacted {
-			check = true
-			continue
-		}
-		sleepCtx(ctx, 200*time.Millisecond) // a broken watch (leader loss): resume shortly
+		check = f.watchFrom(ctx, key, false, next)
 	}
 }

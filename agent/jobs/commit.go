@@ -43,10 +43,10 @@ type Output struct {
 	ResumedFrom, Checkpoints int
 	CacheHits                []string
 	// Next, when set (Store.NextTask), is the next stage's task's
-	// identity, fixed before the commit so that its producer can follow
-	// the task from before it exists (Fed.Expect), and the same in every
-	// attempt. Unset, each attempt makes one up; Claim.Next says which
-	// key the commit wrote.
+	// identity, fixed before the commit so that every attempt writes the
+	// one key (an attempt with no answer may have written it: its
+	// producer's ledger counts it once its watch sees it). Unset, each
+	// attempt makes one up; Claim.Next says which key the commit wrote.
 	Next NextTask
 }
 

@@ -869,9 +869,11 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		if st.i == 2 {
 			// The result's object record, with a marker for each of its
 			// two holders: each holder's Store watches its own markers
-			// (holders/<node>/), and reads the record the marker names.
+			// (holders/<node>/), reads the record the marker names, and
+			// watches that record while it holds it (cache/follow.go).
 			s.etcd.event(now, 2)
 			s.etcd.read(now, 2)
+			s.etcd.watch(now, 2)
 		}
 		s.hold(st, st.workers[w], -1)
 		st.committing--

@@ -84,8 +84,9 @@ func runSim(t *testing.T, cfg Config) (*sim, Result) {
 // a job costs etcd"): waking workers reads nothing and opens no watch, a
 // running task hears of a cancel from its inbox, and a dispatcher's ledger
 // watches the prefix of the tasks its node creates from its start, so the
-// only watch a job makes is the client's long poll; every write is the
-// submit, a commit per stage, a
+// watches a job makes are the client's long poll and the result's two
+// holders' watches of its record; every write is the submit, a commit per
+// stage, a
 // claim txn per task not started from a pushed claim and per conflict, and
 // a give-back or hand-over per pushed claim returned (progress and idle agents write
 // nothing); every read is the long poll's, the commit's read of its job
@@ -98,8 +99,8 @@ func TestMeshEtcdOpsPerJob(t *testing.T) {
 		t.Run(m.String(), func(t *testing.T) {
 			s, r := runSim(t, smallConfig(m))
 			jobs := uint64(r.Completed)
-			if s.etcd.watches != jobs {
-				t.Fatalf("%d watches for %d jobs, want 1 per job (the long poll)", s.etcd.watches, jobs)
+			if s.etcd.watches != 3*jobs {
+				t.Fatalf("%d watches for %d jobs, want 3 per job (the long poll, the result's holders')", s.etcd.watches, jobs)
 			}
 			var pushed, claimed uint64
 			for i := range s.st {

@@ -59,12 +59,12 @@ type Fed struct {
 	// did not count (yet): a task whose stage was done before its
 	// creating commit's answer came back is not counted after it.
 	ended   map[string]ended
-	pruned  time.Time     // when ended was last pruned
-	closed  bool          // Run is waiting for the watches: start no more
-	synced  bool          // the tasks fed before this process started are read
-	readRev int64         // the revision of the last read of this node's prefixes; their watches follow from it
-	seen    int64         // see Seen
-	changed chan struct{} // closed (and replaced) when a task goes or the read lands
+	pruned  time.Time // when ended was last pruned
+	closed  bool      // Run is waiting for the watches: start no more
+	synced  bool      // the tasks fed before this process started are read
+	readRev int64     // the revision of the last read of this node's prefixes; their watches follow from it
+	seen    int64     // see Seen
+	changed changes   // a task added, rewritten or gone; a read landed
 }
 
 // ended is a deletion the ledger saw of a task it did not count.
@@ -99,7 +99,7 @@ type followed struct {
 // that task is gone.
 func (s *Store) NewFed(ctx context.Context, stage Stage, node string, consumed func(worker string)) *Fed {
 	f := &Fed{s: s, ctx: ctx, stage: stage, node: node, consumed: consumed, log: s.log.With(zap.String("fed", string(stage))),
-		live: map[string]*followed{}, ended: map[string]ended{}, changed: make(chan struct{})}
+		live: map[string]*followed{}, ended: map[string]ended{}}
 	for _, c := range routing.Classes() {
 		f.prefixes = append(f.prefixes, s.fedPrefix(stage, c, node))
 	}
@@ -196,7 +196,7 @@ func (f *Fed) load(first bool) (int64, error) {
 	}
 	f.readRev, f.synced = rev, true
 	f.seen = max(f.seen, rev)
-	f.notifyLocked()
+	f.changed.notify()
 	f.mu.Unlock()
 	f.returnCredits(credits)
 	return rev, nil
@@ -270,10 +270,9 @@ func (f *Fed) dispatches(t *Task) bool {
 // ledger has seen it end already.
 func (f *Fed) Created(t Task) { f.add(t, t.Rev, t.Holder) }
 
-// Add follows task t, written at revision t.Rev, until it goes: a task
-// this node submitted or adopted (t.Rev 0, or t's content unknown: a
-// submit that got no answer; one under this node's prefix is counted once
-// its watch sees it, another is read first).
+// Add follows task t, which this node adopted (under another node's
+// prefix), from revision t.Rev until it goes (t.Rev 0: t's content is
+// not known, and etcd is asked first).
 func (f *Fed) Add(t Task) { f.add(t, t.Rev, "") }
 
 // add counts task t (its Key at least), which existed at revision rev (0:
@@ -304,7 +303,7 @@ func (f *Fed) add(t Task, rev int64, pushedTo string) {
 	}
 	t.Rev = rev
 	f.live[t.Key] = &followed{pushedTo: pushedTo, task: t}
-	f.notifyLocked() // a task to dispatch, maybe
+	f.changed.notify() // a task to dispatch, maybe
 }
 
 // followLocked follows task t, under another node's prefix, by a watch of
@@ -318,7 +317,7 @@ func (f *Fed) followLocked(t Task, rev int64, pushedTo string) {
 	ctx, cancel := context.WithCancel(f.ctx)
 	f.live[t.Key] = &followed{stop: cancel, pushedTo: pushedTo, task: t}
 	f.wg.Go(func() { f.follow(ctx, t.Key, rev) })
-	f.notifyLocked() // a task to dispatch, maybe
+	f.changed.notify() // a task to dispatch, maybe
 }
 
 // Count is how many of the tasks this node fed are not gone, and Synced
@@ -346,12 +345,7 @@ func (f *Fed) Seen() int64 {
 func (f *Fed) Changed() <-chan struct{} {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return f.changed
-}
-
-func (f *Fed) notifyLocked() {
-	close(f.changed)
-	f.changed = make(chan struct{})
+	return f.changed.wait()
 }
 
 // gone forgets the task at key, deleted (credit) or adopted by another
@@ -367,7 +361,7 @@ func (f *Fed) gone(key string, rev int64, credit bool) {
 		}
 		delete(f.live, key)
 		f.seen = max(f.seen, rev)
-		f.notifyLocked()
+		f.changed.notify()
 	}
 	if credit && f.own(key) {
 		now := time.Now()
@@ -418,7 +412,7 @@ func (f *Fed) rewritten(key string, kv *mvccpb.KeyValue) {
 	switch {
 	case ok && e.task.Rev <= t.Rev:
 		e.task, e.refused, e.backoff = t, time.Time{}, 0
-		f.notifyLocked()
+		f.changed.notify()
 	case !ok && f.own(key) && !f.closed:
 		// Its watch before its creation's answer (or a write with no
 		// answer): a push's claim holder is the worker it was pushed to.
@@ -428,7 +422,7 @@ func (f *Fed) rewritten(key string, kv *mvccpb.KeyValue) {
 		}
 		f.live[key] = e
 		f.seen = max(f.seen, t.Rev)
-		f.notifyLocked()
+		f.changed.notify()
 	}
 }
 

@@ -36,8 +36,7 @@ type Inbox struct {
 	mu      sync.Mutex
 	claims  map[string]claimInfo // pushed claims not taken yet, by task id
 	synced  bool                 // the claims have been read at least once
-	changed chan struct{}        // closed (and replaced) on every change
-	loads   int                  // full reads, for tests and status
+	changed changes              // every change
 	// gone holds the channels of TaskGone waiters, by task id.
 	gone map[string][]chan struct{}
 	// taken are the pushed claims the worker has taken (Take), by task id,
@@ -59,7 +58,7 @@ type claimInfo struct {
 // NewInbox returns an empty view of node's claims on stage's tasks; Run
 // fills and follows it.
 func (s *Store) NewInbox(stage Stage, node string) *Inbox {
-	return &Inbox{s: s, stage: stage, node: node, claims: map[string]claimInfo{}, gone: map[string][]chan struct{}{}, taken: map[string]int64{}, changed: make(chan struct{})}
+	return &Inbox{s: s, stage: stage, node: node, claims: map[string]claimInfo{}, gone: map[string][]chan struct{}{}, taken: map[string]int64{}}
 }
 
 // Stage is the stage the view follows.
@@ -70,7 +69,7 @@ func (q *Inbox) Stage() Stage { return q.stage }
 func (q *Inbox) Changed() <-chan struct{} {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	return q.changed
+	return q.changed.wait()
 }
 
 // Synced reports whether the view has read the claims at least once.
@@ -180,19 +179,6 @@ func (q *Inbox) Done(c *Claim) {
 	}
 }
 
-// Loads counts the view's full reads (one at start, one per compaction or
-// replaced etcd).
-func (q *Inbox) Loads() int {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	return q.loads
-}
-
-func (q *Inbox) notifyLocked() {
-	close(q.changed)
-	q.changed = make(chan struct{})
-}
-
 // Run reads the claims and follows them until ctx is done.
 func (q *Inbox) Run(ctx context.Context) {
 	log := q.s.log.With(zap.String("inbox", string(q.stage)))
@@ -276,7 +262,7 @@ func (q *Inbox) apply(evs []*clientv3.Event) (markers []string) {
 		}
 		q.offerLocked(id, ev.Kv)
 	}
-	q.notifyLocked()
+	q.changed.notify()
 	return markers
 }
 
@@ -337,8 +323,7 @@ func (q *Inbox) load(ctx context.Context) (int64, error) {
 		}
 	}
 	q.synced = true
-	q.loads++
-	q.notifyLocked()
+	q.changed.notify()
 	return resp.Header.Revision, nil
 }
 

@@ -681,10 +681,7 @@ func (a *Agent) Submit(ctx context.Context, spec engine.Spec, opts jobs.Options)
 		return err
 	})
 	if err != nil {
-		abort() // the job's staged objects (its image) are no one's
-		if task.Key != "" {
-			a.fed[task.Stage].Add(task) // a submit with no answer may have landed: followed if it did
-		}
+		abort() // the job's staged objects (its image) are no one's (a submit with no answer that landed is counted by its ledger's watch)
 	}
 	if jobs.IsNoSpace(err) {
 		a.alarms.Observe(err)

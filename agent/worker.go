@@ -456,7 +456,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 		record = func() error {
 			err := a.store.Rewind(a.ctx, c, reason)
 			if err == nil && c.Next.Key != "" {
-				a.fed[jobs.Encode].Add(c.Next) // this agent dispatches the new encode
+				a.fed[jobs.Encode].Created(c.Next) // this agent dispatches the new encode
 			}
 			return err
 		}

@@ -101,9 +101,9 @@ func (s *Store) SubmitTask(ctx context.Context, spec engine.Spec, opt Options) (
 			continue
 		}
 		if err != nil {
-			// It may have been written all the same: the caller may follow
-			// its key (Fed.Add of a task at revision 0 asks etcd first).
-			return Job{}, Task{Key: t.Key, Stage: t.Stage}, fmt.Errorf("jobs: submit: %w", err)
+			// It may have been written all the same: its dispatcher's
+			// ledger counts it once its watch sees it.
+			return Job{}, Task{}, fmt.Errorf("jobs: submit: %w", err)
 		}
 		if !resp.Succeeded {
 			return Job{}, Task{}, fmt.Errorf("jobs: submit: job id %s collided", t.JobID)

@@ -109,9 +109,8 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Inbox, lease clientv3.LeaseI
 // worker could start them (routing.QueuePolicy.GiveBack), and interactive
 // ones due for preemption that it has no batch task to give way for
 // (routing.QueuePolicy.Stranded): their dispatcher pushes them to a worker
-// that can. Each goes straight to a worker gossip shows free
-// (handOverTarget), or else back to its dispatcher. It returns when to
-// look again (zero: nothing is waiting).
+// that can. Each goes back to its dispatcher. It returns when to look
+// again (zero: nothing is waiting).
 func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 	pushed := q.Pushed(a.member.Lease())
 	if len(pushed) == 0 {
@@ -119,6 +118,7 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 	}
 	now := time.Now()
 	canPreempt := len(a.batchOnly(st)) > 0
+	others := a.otherWorker(st)
 	for _, c := range pushed {
 		stranded, at := a.cfg.Queue.Stranded(candidate(c.Task), now, canPreempt)
 		if stranded {
@@ -134,7 +134,6 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 		// Back to its dispatcher, which hands it to a worker that grants
 		// it a slot: a hand-over here could only go by gossip's free
 		// slots, which lag, and a worker they show free may be as busy.
-		_, others := a.handOverTarget(st, c.Task.Spec)
 		if a.cfg.Queue.GiveBack(c.StartedAt, now, others) {
 			a.giveBack(q, c, nil, "no free slot")
 			continue
@@ -146,14 +145,13 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 	return next
 }
 
-// handOverTarget chooses the worker of stage st a pushed claim of a task
-// for s is handed over to (routing.PickHint): another live worker that
-// takes such work now (gossip: its roles, models and adapters) with a
-// free slot (freeSlots). to is nil when there is none. others reports
-// whether the stage has another live worker, free or not: the claim goes
-// back to its dispatcher, which pushes it to the first of them to free a
-// slot (routing.QueuePolicy.GiveBack).
-func (a *Agent) handOverTarget(st jobs.Stage, s engine.Spec) (to *jobs.Push, others bool) {
+// handOverTo chooses the worker of stage st a pushed claim of a task for
+// s is handed over to when this agent cannot start it at all (draining,
+// or its engine no longer serves the model; routing.PickHint): another
+// live worker that takes such work now (gossip: its roles, models and
+// adapters) with a free slot (freeSlots). nil: none, the claim goes back
+// to its dispatcher.
+func (a *Agent) handOverTo(st jobs.Stage, s engine.Spec) *jobs.Push {
 	node := a.pickWorker(st, s, func(p gossip.Peer) int {
 		if p.Record.ID == a.id {
 			return 0
@@ -161,20 +159,22 @@ func (a *Agent) handOverTarget(st jobs.Stage, s engine.Spec) (to *jobs.Push, oth
 		return a.freeSlots(p, st)
 	})
 	if p, ok := a.member.Peer(node); ok && p.Lease != 0 {
-		return &jobs.Push{Node: node, Lease: p.Lease}, true
+		return &jobs.Push{Node: node, Lease: p.Lease}
 	}
-	for _, p := range a.member.Peers() {
-		if p.Alive && p.Record.ID != a.id && p.Record.HasRole(string(st)) {
-			return nil, true
-		}
-	}
-	return nil, false
+	return nil
 }
 
-// handOverTo is handOverTarget's choice alone.
-func (a *Agent) handOverTo(st jobs.Stage, s engine.Spec) *jobs.Push {
-	to, _ := a.handOverTarget(st, s)
-	return to
+// otherWorker reports whether stage st has a live worker besides this
+// one, free or not: a claim this one cannot start goes back to its
+// dispatcher, which pushes it to the first of them to free a slot
+// (routing.QueuePolicy.GiveBack).
+func (a *Agent) otherWorker(st jobs.Stage) bool {
+	for _, p := range a.member.Peers() {
+		if p.Alive && p.Record.ID != a.id && p.Record.HasRole(string(st)) {
+			return true
+		}
+	}
+	return false
 }
 
 // giveBack returns pushed claim c: handed over to worker to (Store.HandOver)

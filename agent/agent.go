@@ -142,6 +142,9 @@ type Agent struct {
 	// then gossips no free credit either, so producers do not push it
 	// tasks it could only give back after the steal grace.
 	held map[jobs.Stage]*atomic.Bool
+	// books keeps, per stage worked, to whom its free slots are promised
+	// and when its busy ones should free (slots.go).
+	books map[jobs.Stage]*slotBook
 	// waiting is set per stage (every stage: any agent dispatches) while
 	// tasks wait in this agent's ledger of it (NodeMeta.Waiting).
 	waiting map[jobs.Stage]*atomic.Bool
@@ -174,7 +177,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.applyStateDir(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, grants: routing.NewGrants(), fed: map[jobs.Stage]*jobs.Fed{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, waiting: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, grants: routing.NewGrants(), fed: map[jobs.Stage]*jobs.Fed{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, books: map[jobs.Stage]*slotBook{}, waiting: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.pullCtx, a.stopPull = context.WithCancel(a.ctx)
 	a.running.init()
@@ -271,6 +274,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		a.metrics.InitStage(r)
 		a.blocked[r] = &atomic.Bool{}
 		a.held[r] = &atomic.Bool{}
+		a.books[r] = newSlotBook()
 		a.committing[r] = &atomic.Int64{}
 	}
 	a.alarms = jobs.NewAlarmWatcher(cli, cfg.AlarmEvery, a.log)
@@ -794,6 +798,10 @@ func (a *Agent) meta() gossip.NodeMeta {
 			m.Roles = append(m.Roles, string(st))
 			_, free := a.slots(st)
 			m.Free.Set(string(st), uint32(free))
+			if q := a.inboxes[st]; free == 0 && q != nil {
+				// Busy: the queue credit a short stage offers (slotBook.room).
+				m.Room.Set(string(st), uint32(a.books[st].room(q.Waiting(a.member.Lease()), a.cfg.Queue.HoldFor, time.Now())))
+			}
 		}
 		m.Running += uint32(c.InUse())
 		total += c.Total()

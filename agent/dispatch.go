@@ -275,23 +275,20 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 		}
 		s.Adapter = "" // nobody has it: any worker fails the job (runAdapter)
 	}
-	free := func(p gossip.Peer) int { return a.granted(p, st, now) - given[p.Record.ID] }
-	if byGossip {
-		free = func(p gossip.Peer) int {
-			gossiped := 0
-			if saidSince(p, t) {
-				gossiped = a.freeSlots(p, st)
-			}
-			return max(a.granted(p, st, now), gossiped) - given[p.Record.ID]
+	credit := func(p gossip.Peer) routing.Target {
+		n := a.granted(p, st, now) - given[p.Record.ID]
+		if n <= 0 && byGossip && saidSince(p, t) {
+			return routing.Target{Free: a.freeSlots(p, st) - given[p.Record.ID]}
 		}
+		return routing.Target{Free: n, Granted: true}
 	}
-	node := a.pickWorker(st, s, free)
+	node := a.pickWorker(st, s, credit)
 	if node == "" && a.duePreemption(t, now) {
-		node = a.pickWorker(st, s, func(p gossip.Peer) int {
+		node = a.pickWorker(st, s, func(p gossip.Peer) routing.Target {
 			if p.Meta.Yields&gossip.StageBit(string(st)) != 0 && given[p.Record.ID] == 0 && saidSince(p, t) {
-				return 1
+				return routing.Target{Free: 1}
 			}
-			return 0
+			return routing.Target{}
 		})
 	}
 	if node == "" {

@@ -39,9 +39,7 @@ func (a *Agent) pushTarget(st jobs.Stage, s engine.Spec) (hint string, push *job
 		return hint, nil // tasks of st wait in this agent's ledger: the new one takes its place in their order
 	}
 	if p, ok := a.member.Peer(hint); ok && p.Lease != 0 {
-		if p.Meta.Free.For(string(st)) == 0 {
-			a.grants.Take(hint, string(st), time.Now()) // pushed against its grant: one credit spent
-		}
+		a.grants.Take(hint, string(st), time.Now()) // pushed against its grant, if it made one: one credit spent
 		return hint, &jobs.Push{Node: hint, Lease: p.Lease}
 	}
 	return hint, nil
@@ -119,7 +117,9 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 	now := time.Now()
 	canPreempt := len(a.batchOnly(st)) > 0
 	others := a.otherWorker(st)
-	for _, c := range pushed {
+	// They start in the order they came, each as a slot frees.
+	slices.SortFunc(pushed, func(x, y *jobs.Claim) int { return x.StartedAt.Compare(y.StartedAt) })
+	for k, c := range pushed {
 		stranded, at := a.cfg.Queue.Stranded(candidate(c.Task), now, canPreempt)
 		if stranded {
 			a.giveBack(q, c, nil, "interactive work this worker cannot make room for") // its dispatcher finds a worker that yields
@@ -134,12 +134,12 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 		// Back to its dispatcher, which hands it to a worker that grants
 		// it a slot: a hand-over here could only go by gossip's free
 		// slots, which lag, and a worker they show free may be as busy.
-		if a.cfg.Queue.GiveBack(c.StartedAt, now, others) {
+		if a.cfg.Queue.GiveBack(c.StartedAt, now, others, a.books[st].startIn(k, now)) {
 			a.giveBack(q, c, nil, "no free slot")
 			continue
 		}
-		// Due, but this is the stage's only worker: look again within a
-		// second (a peer that joins comes by gossip).
+		// Due, but this is the stage's only worker, or a slot frees soon:
+		// look again within a second (a peer that joins comes by gossip).
 		next = earliest(next, now.Add(time.Second))
 	}
 	return next
@@ -152,11 +152,11 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 // adapters) with a free slot (freeSlots). nil: none, the claim goes back
 // to its dispatcher.
 func (a *Agent) handOverTo(st jobs.Stage, s engine.Spec) *jobs.Push {
-	node := a.pickWorker(st, s, func(p gossip.Peer) int {
+	node := a.pickWorker(st, s, func(p gossip.Peer) routing.Target {
 		if p.Record.ID == a.id {
-			return 0
+			return routing.Target{}
 		}
-		return a.freeSlots(p, st)
+		return routing.Target{Free: a.freeSlots(p, st)}
 	})
 	if p, ok := a.member.Peer(node); ok && p.Lease != 0 {
 		return &jobs.Push{Node: node, Lease: p.Lease}
@@ -232,19 +232,31 @@ func cachedCopy(in jobs.Input) (transfer.Ref, bool) {
 // pickHint names the preferred worker of stage st of s: pickWorker by
 // the free slots gossip, this agent's view or a grant show (freeSlots).
 func (a *Agent) pickHint(st jobs.Stage, s engine.Spec) string {
-	return a.pickWorker(st, s, func(p gossip.Peer) int { return a.freeSlots(p, st) })
+	now := time.Now()
+	return a.pickWorker(st, s, func(p gossip.Peer) routing.Target {
+		if p.Record.ID == a.id {
+			_, free := a.slots(st) // this node's own count is exact
+			return routing.Target{Free: free, Granted: true}
+		}
+		if g := a.grants.Free(p.Record.ID, string(st), now); g > 0 {
+			return routing.Target{Free: g, Granted: true}
+		}
+		return routing.Target{Free: int(p.Meta.Free.For(string(st))), Room: int(p.Meta.Room.For(string(st)))}
+	})
 }
 
 // pickWorker chooses a worker of stage st for s by routing.PickHint: power
 // of two choices among live peers taking work for it (for a denoise naming
 // an adapter, among those that have it loaded) with free slots as free
 // counts them, same host first. "": none has one.
-func (a *Agent) pickWorker(st jobs.Stage, s engine.Spec, free func(gossip.Peer) int) string {
+func (a *Agent) pickWorker(st jobs.Stage, s engine.Spec, credit func(gossip.Peer) routing.Target) string {
 	var targets []routing.Target
 	model := s.ModelName()
 	for _, p := range a.member.Peers() {
 		if takesWork(p, st, model) && takesAdapterOf(p, st, s) {
-			targets = append(targets, routing.Target{Node: p.Record.ID, Free: free(p), SameHost: a.sameHost(p)})
+			t := credit(p)
+			t.Node, t.SameHost = p.Record.ID, a.sameHost(p)
+			targets = append(targets, t)
 		}
 	}
 	return routing.PickHint(targets, nil)

@@ -87,11 +87,16 @@ func (a *Agent) worker(st jobs.Stage) {
 		if err := credits.TryAcquire(); err != nil {
 			panic("agent: credit taken by someone else while claiming") // only this loop takes credits
 		}
+		revoke, slotFreed := a.books[st].take(c.Task.Producer(), time.Now())
+		if revoke != "" {
+			a.revokeGrant(st, revoke)
+		}
 		a.publishMeta()
 		a.wg.Go(func() {
 			var once sync.Once
 			workDone := func() {
 				once.Do(func() {
+					slotFreed(time.Now())
 					credits.Release()
 					a.publishMeta()
 					a.grantFreed(st, c.Task.Producer(), c.Pushed)
@@ -207,7 +212,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			// stage back was granted to nobody), and look again when
 			// gossip shows another.
 			mesh = a.meshChanged.Wait()
-			a.grantIdle(st)
+			wake = earliest(wake, a.grantIdle(st)) // a promise that lapses unspent is made again
 		}
 		// An engine registering (or going) changes which tasks are ours:
 		// look again then too, not only when the inbox moves.

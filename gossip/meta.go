@@ -70,9 +70,13 @@ func (c *StageCredits) Set(role string, n uint32) {
 // memberlist: what it can take right now. It must encode to at most
 // MetaMaxSize bytes. Keys are one or two letters to keep it small.
 type NodeMeta struct {
-	Version         uint8        `msgpack:"v"`
-	Roles           []string     `msgpack:"r,omitempty"`
-	Free            StageCredits `msgpack:"f"`           // free credits per stage
+	Version uint8        `msgpack:"v"`
+	Roles   []string     `msgpack:"r,omitempty"`
+	Free    StageCredits `msgpack:"f"` // free credits per stage
+	// Room is, per stage, how many more tasks pushed to the node beyond
+	// its free slots it would start soon enough to keep rather than give
+	// back (a short stage's queue credit; routing.QueuePolicy.HoldFor).
+	Room            StageCredits `msgpack:"o,omitempty"`
 	Queued          uint32       `msgpack:"q,omitempty"` // tasks accepted, not started
 	Running         uint32       `msgpack:"u,omitempty"` // tasks executing
 	Load            float32      `msgpack:"l,omitempty"` // 0 idle .. 1 saturated (may exceed 1)

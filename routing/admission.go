@@ -86,18 +86,41 @@ type Target struct {
 	Node     string
 	Free     int  // free credits for the stage
 	SameHost bool // can take the payload over shared memory
+	// Granted: the free credits are a grant the worker made to the
+	// producer choosing (GrantTo), not gossip's, which every producer sees
+	// alike and a round or two late.
+	Granted bool
+	// Room is the queue credit of a worker with no free credit: tasks it
+	// would start soon enough to keep (QueuePolicy.HoldFor).
+	Room int
 }
 
 // PickHint chooses the preferred consumer of a new task by the power of two
-// choices among workers with credit: sample two, prefer same host, then more
-// free credit. It returns "" when no worker has credit (no hint: anyone may
-// take the task). rng may be nil for the global source.
+// choices among workers with credit, among those that granted it when any
+// did: sample two, prefer same host, then more free credit. With no free
+// credit anywhere, it chooses so among the workers with queue credit
+// (Room), preferring more of it. It returns "" when no worker has either
+// (no hint: the task waits for a worker to grant its dispatcher a slot).
+// rng may be nil for the global source.
 func PickHint(targets []Target, rng *rand.Rand) string {
-	var ok []Target
+	var ok, granted, room []Target
 	for _, t := range targets {
-		if t.Free > 0 {
+		switch {
+		case t.Free > 0:
 			ok = append(ok, t)
+			if t.Granted {
+				granted = append(granted, t)
+			}
+		case t.Room > 0:
+			t.Free = t.Room // compared as free credit below
+			room = append(room, t)
 		}
+	}
+	if len(granted) > 0 {
+		ok = granted
+	}
+	if len(ok) == 0 {
+		ok = room
 	}
 	switch len(ok) {
 	case 0:

@@ -2,58 +2,41 @@ package routing
 
 import (
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"time"
 )
 
-// Credit grants: a worker whose slot frees tells the producers that feed
-// its stage at once (the agent sends the grant over libp2p), sooner than
-// gossip carries its free credits, so that the producer's next task is
-// pushed to it instead of waiting in the queue for a claim. A grant lapses
-// at its expiry, so a dead consumer's credit vanishes with it; a producer
-// spends one credit of it for each task it pushes against it.
+// Credit grants: a worker whose slot frees grants it to one producer that
+// feeds its stage (the agent sends the grant over libp2p), sooner and
+// surer than gossip carries its free credits, so that the producer's next
+// task is pushed to it instead of waiting in the queue for a claim, and
+// no other producer's push lands on the slot. A grant lapses at its
+// expiry, so a dead consumer's credit vanishes with it; a producer spends
+// one credit of it for each task it pushes against it. A grant of no
+// credit takes an earlier one back.
 
 // GrantTTL is how long a grant holds: a few gossip rounds, after which
 // gossip shows the worker as it is.
 const GrantTTL = 2 * time.Second
 
-// GrantFanout is how many producers a worker grants a freed slot to: the
-// one whose task it just finished (affinity: it most likely has the next)
-// and one other, chosen at random (the power of two choices: a second
-// producer with work finds the slot too, and the two need not race, since
-// each push is a claim etcd fences).
-const GrantFanout = 2
-
-// GrantTo chooses up to GrantFanout producers to grant a freed slot to
-// among producers: fed (the producer of the task that just ended, if it is
-// among them) and one other at random. A fed producer that pushed that
-// task learns the slot is free from its own ledger (Grants.Return), so
-// when pushed it is left out and only the other is chosen. rng may be nil
-// for the global source.
-func GrantTo(producers []string, fed string, pushed bool, rng *rand.Rand) []string {
-	intn := rand.IntN
+// GrantTo chooses the one producer a worker's free slots are granted to
+// ahead of work, among producers: fed (the producer of the task that just
+// ended, if it is among them: affinity, it most likely has the next),
+// else one at random. One producer holds a slot's grant at a time: two
+// holding it would push two tasks to one slot. rng may be nil for the
+// global source; "" when there is no producer.
+func GrantTo(producers []string, fed string, rng *rand.Rand) string {
+	if fed != "" && slices.Contains(producers, fed) {
+		return fed
+	}
+	if len(producers) == 0 {
+		return ""
+	}
 	if rng != nil {
-		intn = rng.IntN
+		return producers[rng.IntN(len(producers))]
 	}
-	var out, others []string
-	want := GrantFanout
-	for _, p := range producers {
-		switch {
-		case p != fed:
-			others = append(others, p)
-		case pushed:
-			want-- // it has the credit back already
-		default:
-			out = append(out, p)
-		}
-	}
-	for len(out) < want && len(others) > 0 {
-		i := intn(len(others))
-		out = append(out, others[i])
-		others[i] = others[len(others)-1]
-		others = others[:len(others)-1]
-	}
-	return out
+	return producers[rand.IntN(len(producers))]
 }
 
 // Grants is a producer's table of the credits workers granted it, by worker

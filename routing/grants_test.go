@@ -2,7 +2,6 @@ package routing
 
 import (
 	"math/rand/v2"
-	"slices"
 	"testing"
 	"time"
 )
@@ -38,37 +37,25 @@ func TestGrantsLapseAndSpend(t *testing.T) {
 	}
 }
 
-func TestGrantToAffinityAndOneOther(t *testing.T) {
+func TestGrantToAffinityElseOneAtRandom(t *testing.T) {
 	rng := rand.New(rand.NewPCG(1, 2))
 	producers := []string{"a", "b", "c", "d"}
+	for range 50 {
+		if to := GrantTo(producers, "c", rng); to != "c" {
+			t.Fatalf("granted to %q, want c, the producer of the task that ended", to)
+		}
+	}
 	seen := map[string]int{}
 	for range 400 {
-		to := GrantTo(slices.Clone(producers), "c", false, rng)
-		if len(to) != GrantFanout || to[0] != "c" || to[1] == "c" {
-			t.Fatalf("granted to %v, want c and one other", to)
-		}
-		seen[to[1]]++
+		seen[GrantTo(producers, "gone", rng)]++
 	}
-	for _, p := range []string{"a", "b", "d"} {
-		if seen[p] < 80 {
-			t.Errorf("%s chosen %d of 400 times as the second producer", p, seen[p])
+	for _, p := range producers {
+		if seen[p] < 60 {
+			t.Errorf("%s chosen %d of 400 times with no feeder among the producers", p, seen[p])
 		}
 	}
-	if to := GrantTo([]string{"a"}, "gone", false, rng); !slices.Equal(to, []string{"a"}) {
-		t.Errorf("one producer, the feeder gone: %v", to)
-	}
-	if to := GrantTo(nil, "a", false, rng); len(to) != 0 {
-		t.Errorf("no producers: %v", to)
-	}
-	// The feeder pushed the task: its ledger returns the credit, so one
-	// other producer is granted and the feeder is not.
-	for range 50 {
-		if to := GrantTo(slices.Clone(producers), "c", true, rng); len(to) != 1 || to[0] == "c" {
-			t.Fatalf("pushed by c: granted to %v, want one producer other than c", to)
-		}
-	}
-	if to := GrantTo([]string{"c"}, "c", true, rng); len(to) != 0 {
-		t.Errorf("pushed by the only producer: granted to %v, want none", to)
+	if to := GrantTo(nil, "a", rng); to != "" {
+		t.Errorf("no producers: %q", to)
 	}
 }
 

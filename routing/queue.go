@@ -73,6 +73,10 @@ type QueuePolicy struct {
 	// worker's claim of it), so no second worker gives way for the same
 	// task meanwhile.
 	PreemptGrace time.Duration
+	// HoldFor: a worker keeps a task pushed to it that it cannot start
+	// yet when it expects to start it within HoldFor (GiveBack): a short
+	// stage's next slot frees sooner than the task would reach another.
+	HoldFor time.Duration
 	// Push: a new task's creator claims it for its hinted worker in the
 	// same write, when the hint has a free slot, instead of leaving it for
 	// the worker to claim. The hinted worker starts it without a claim
@@ -94,21 +98,25 @@ func DefaultQueuePolicy() QueuePolicy {
 		StealGrace:   250 * time.Millisecond,
 		PreemptAfter: 2 * time.Second,
 		PreemptGrace: time.Second, // a claim takes milliseconds; a second is ample on a loaded etcd
+		HoldFor:      time.Second, // a give-back's writes and grant take about as long under load
 		Push:         true,        // a handoff is one etcd write, not two
 	}
 }
 
 // GiveBack decides whether a worker should return a task pushed to it at
-// pushed (Push) that it has not started by now: once it has waited
-// StealGrace, as long as another worker of the stage could run it (others).
-// The worker hands it over to one with a free slot when there is one;
-// otherwise it goes back to the queue, where the first worker to free a
-// slot takes it, rather than wait for this one. (Keeping it until another
-// is free cost a 10-GPU pool 29 to 69 ms of dispatch per job in the
-// simulator: a claim looks again only every second.) A stage's only
-// worker keeps it.
-func (p QueuePolicy) GiveBack(pushed, now time.Time, others bool) bool {
-	return others && !now.Before(pushed.Add(p.StealGrace))
+// pushed (Push) that it has not started by now, and expects to start in
+// startIn (negative: it cannot tell): once it has waited StealGrace, as
+// long as another worker of the stage could run it (others), unless it
+// starts within HoldFor. The worker hands it over to one with a free
+// slot when there is one; otherwise it goes back to the queue, where the
+// first worker to free a slot takes it, rather than wait for this one.
+// (Keeping it until another is free cost a 10-GPU pool 29 to 69 ms of
+// dispatch per job in the simulator: a claim looks again only every
+// second.) A stage's only worker keeps it. A short wait is kept: going
+// back costs two etcd writes and a read (the give-back, the hand-on, its
+// commit's read of the job record), and a grant's round trip.
+func (p QueuePolicy) GiveBack(pushed, now time.Time, others bool, startIn time.Duration) bool {
+	return others && !now.Before(pushed.Add(p.StealGrace)) && (startIn < 0 || startIn > p.HoldFor)
 }
 
 // Stranded decides whether a worker should return interactive task c,

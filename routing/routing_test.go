@@ -209,6 +209,22 @@ func TestPickHint(t *testing.T) {
 		if got := PickHint([]Target{{Node: "a", Free: 1}, {Node: "b", Free: 3}}, rng); got != "b" {
 			t.Fatalf("more credit should win: got %q", got)
 		}
+		// A worker that granted this producer its slot beats any that
+		// gossip shows free, which others see too: same host, more credit.
+		if got := PickHint([]Target{{Node: "near", Free: 4, SameHost: true}, {Node: "g", Free: 1, Granted: true}, {Node: "far", Free: 8}}, rng); got != "g" {
+			t.Fatalf("the granted worker should win: got %q", got)
+		}
+		// Queue credit counts only where no worker has a free slot, and
+		// more of it wins.
+		if got := PickHint([]Target{{Node: "busy", Room: 8}, {Node: "free", Free: 1}}, rng); got != "free" {
+			t.Fatalf("a free slot should beat queue credit: got %q", got)
+		}
+		if got := PickHint([]Target{{Node: "r1", Room: 1}, {Node: "r3", Room: 3}, {Node: "none"}}, rng); got != "r3" && got != "r1" {
+			t.Fatalf("queue credit only: got %q", got)
+		}
+		if got := PickHint([]Target{{Node: "r1", Room: 1}, {Node: "r3", Room: 3}}, rng); got != "r3" {
+			t.Fatalf("more queue credit should win: got %q", got)
+		}
 	}
 	// Many candidates: the least loaded of all is never beaten by the worst.
 	targets := []Target{{Node: "w0", Free: 1}, {Node: "w1", Free: 2}, {Node: "w2", Free: 3}, {Node: "w3", Free: 4}}
@@ -436,18 +452,22 @@ func TestGiveBack(t *testing.T) {
 	p := DefaultQueuePolicy()
 	pushed := time.Unix(1000, 0)
 	for _, c := range []struct {
-		waited time.Duration
-		others bool
-		want   bool
+		waited  time.Duration
+		others  bool
+		startIn time.Duration
+		want    bool
 	}{
-		{0, true, false},                // just pushed: its worker may free a slot at once
-		{p.StealGrace - 1, true, false}, // still within the grace
-		{p.StealGrace, true, true},      // waited the grace, and another worker could run it
-		{time.Minute, false, false},     // the stage's only worker: it waits here as well as in the queue
-		{p.StealGrace + 1, false, false},
+		{0, true, -1, false},                      // just pushed: its worker may free a slot at once
+		{p.StealGrace - 1, true, -1, false},       // still within the grace
+		{p.StealGrace, true, -1, true},            // waited the grace, another worker could run it, no end in sight
+		{p.StealGrace, true, p.HoldFor + 1, true}, // its slot frees later than HoldFor
+		{p.StealGrace, true, p.HoldFor, false},    // its slot frees soon: kept
+		{time.Minute, true, 0, false},             // due now
+		{time.Minute, false, -1, false},           // the stage's only worker: it waits here as well as in the queue
+		{p.StealGrace + 1, false, time.Hour, false},
 	} {
-		if got := p.GiveBack(pushed, pushed.Add(c.waited), c.others); got != c.want {
-			t.Errorf("GiveBack after %v, others %v = %v, want %v", c.waited, c.others, got, c.want)
+		if got := p.GiveBack(pushed, pushed.Add(c.waited), c.others, c.startIn); got != c.want {
+			t.Errorf("GiveBack after %v, others %v, start in %v = %v, want %v", c.waited, c.others, c.startIn, got, c.want)
 		}
 	}
 }

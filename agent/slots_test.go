@@ -1,0 +1,81 @@
+package agent
+
+import (
+	"testing"
+	"time"
+
+	"github.com/latentmesh/latentmesh/routing"
+)
+
+// A promise holds one producer until it lapses or a slot is taken; a slot
+// taken by anyone but its holder names the holder to take it back from.
+func TestSlotBookPromise(t *testing.T) {
+	b := newSlotBook()
+	now := time.Unix(1000, 0)
+	if to, _ := b.promised(now); to != "" {
+		t.Fatalf("a new book promised its slots to %q", to)
+	}
+	b.promise("enc-1", now)
+	if to, until := b.promised(now.Add(time.Second)); to != "enc-1" || !until.Equal(now.Add(routing.GrantTTL)) {
+		t.Fatalf("promised to %q until %v, want enc-1 until %v", to, until, now.Add(routing.GrantTTL))
+	}
+	if to, _ := b.promised(now.Add(routing.GrantTTL)); to != "" {
+		t.Fatalf("a lapsed promise still held, to %q", to)
+	}
+
+	b.promise("enc-1", now)
+	revoke, done := b.take("enc-1", now.Add(time.Millisecond))
+	if revoke != "" {
+		t.Fatalf("the holder's own push spent the promise, yet %q is to be told", revoke)
+	}
+	if to, _ := b.promised(now.Add(time.Millisecond)); to != "" {
+		t.Fatalf("a spent promise still held, to %q", to)
+	}
+	done(now.Add(time.Second))
+
+	b.promise("enc-1", now.Add(2*time.Second))
+	if revoke, _ := b.take("enc-2", now.Add(2*time.Second)); revoke != "enc-1" {
+		t.Fatalf("a slot taken by another's task: revoke %q, want enc-1", revoke)
+	}
+	b.promise("enc-1", now)
+	if revoke, _ := b.take("enc-2", now.Add(routing.GrantTTL)); revoke != "" {
+		t.Fatalf("a lapsed promise needs no revoke, got %q", revoke)
+	}
+}
+
+// startIn estimates a waiting task's start from how long tasks held a slot
+// here: the busy slots free in the order they are due, each serving the
+// next task, and an unknown mean or no busy slot cannot tell.
+func TestSlotBookStartIn(t *testing.T) {
+	b := newSlotBook()
+	now := time.Unix(1000, 0)
+	_, done := b.take("", now)
+	if got := b.startIn(0, now); got >= 0 {
+		t.Fatalf("no task ended yet: start in %v, want unknown", got)
+	}
+	done(now.Add(4 * time.Second)) // mean 4 s
+	if got := b.startIn(0, now.Add(4*time.Second)); got >= 0 {
+		t.Fatalf("no slot busy: start in %v, want unknown (something else holds it)", got)
+	}
+	t0 := now.Add(10 * time.Second)
+	_, d1 := b.take("", t0)
+	_, d2 := b.take("", t0.Add(time.Second))
+	at := t0.Add(3 * time.Second) // slot 1 due in 1 s, slot 2 in 2 s
+	for k, want := range []time.Duration{time.Second, 2 * time.Second, 5 * time.Second, 6 * time.Second} {
+		if got := b.startIn(k, at); got != want {
+			t.Errorf("task %d waiting: start in %v, want %v", k, got, want)
+		}
+	}
+	if got := b.startIn(0, t0.Add(time.Minute)); got != 0 {
+		t.Errorf("slots overdue: start in %v, want 0", got)
+	}
+	d1(t0.Add(4 * time.Second))  // held 4 s: the mean stays
+	d2(t0.Add(13 * time.Second)) // held 12 s: the mean moves an eighth of the way
+	if want := 4*time.Second + (12*time.Second-4*time.Second)/slotMeanWeight; b.mean != want {
+		t.Errorf("mean %v, want %v", b.mean, want)
+	}
+	d2(t0.Add(time.Hour)) // a second call does nothing
+	if want := 4*time.Second + (12*time.Second-4*time.Second)/slotMeanWeight; b.mean != want {
+		t.Errorf("a slot freed twice moved the mean to %v", b.mean)
+	}
+}

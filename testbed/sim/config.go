@@ -72,7 +72,7 @@ func Modes() []Mode { return []Mode{Mesh, MeshNoPush, MeshNoHints, Central} }
 // which it saturates, per kind of operation.
 type EtcdCosts struct {
 	WriteLatency time.Duration `json:"write_latency"` // one write txn through raft, idle etcd
-	ReadLatency  time.Duration `json:"read_latency"`  // one linearizable read txn, idle etcd
+	ReadLatency  time.Duration `json:"read_latency"`  // one linearizable read of a job record, idle etcd
 	WatchDelay   time.Duration `json:"watch_delay"`   // a put until a watcher receives it
 	// The rates one etcd sustains, each measured alone; the model's load is
 	// the sum of each kind's ops/s over its rate (1 = saturated).
@@ -94,14 +94,20 @@ type EtcdCosts struct {
 // that do not measure again. The keepalive capacity was measured later, on
 // the same machine busier and noisier (its write capacity then 1,200 to
 // 4,900/s): it is the same-run ratio to the write capacity, whose median
-// was 10, times the write capacity recorded here.
+// was 10, times the write capacity recorded here. The reads likewise: they
+// were first measured as a queue listing (64 task records and their claim
+// keys in one txn: 610/s, 0.46 ms idle), a read nothing makes any more;
+// a read of one job record, which is every read a job costs now, does
+// 1.42x to 2.18x the write capacity in the same run (median 1.92 over 7
+// runs, when the machine did 6,900 to 9,900 writes/s) and takes 0.35x a
+// write's idle latency.
 func DefaultEtcdCosts() EtcdCosts {
 	return EtcdCosts{
 		WriteLatency:   800 * time.Microsecond,
-		ReadLatency:    460 * time.Microsecond,
+		ReadLatency:    280 * time.Microsecond,
 		WatchDelay:     1000 * time.Microsecond,
 		WriteCap:       960,
-		ReadCap:        610,
+		ReadCap:        1840, // 1.92x WriteCap: one job record a read
 		WatchCreateCap: 1830,
 		EventCap:       25700,
 		KeepAliveCap:   9600, // 10x WriteCap: the median ratio over 17 runs here (5x to 22x, 7,500 to 52,000/s)
@@ -122,9 +128,10 @@ const (
 // DedicatedScale is how many times the local etcd's capacities the
 // dedicated profile has, an assumption: etcd's performance guide has a
 // three-member cluster on cloud VMs doing "more than 30,000 requests per
-// second under heavy load", of small requests, 30 to 50 times the 960
-// claim-shaped write txns and 610 range-read txns a second one etcd does
-// on these 2 shared cores; 10x stays below that for larger txns.
+// second under heavy load", of small requests, 30 times the 960
+// claim-shaped write txns and 16 times the 1,840 one-record reads a second
+// one etcd does on these 2 shared cores; 10x stays below that for larger
+// txns.
 const DedicatedScale = 10
 
 // EtcdProfile is local as the named profile would serve: ProfileLocal is

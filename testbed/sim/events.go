@@ -18,6 +18,7 @@ const (
 	evTick                    // each simulated second: per-agent background etcd traffic
 	evGiveBack                // mesh: a pushed claim's worker looks whether to give it back
 	evRequeued                // mesh: a pushed claim's give-back landed
+	evGrantEnds               // mesh: a free worker's grant of its slot to a producer runs out
 )
 
 // event is one scheduled happening. seq breaks ties in scheduling order, so

@@ -33,7 +33,9 @@ func DefaultMeasureConfig() MeasureConfig {
 // MeasureEtcd starts an embedded etcd (agent/etcdembed, as `latentmesh-dev dev`
 // runs) and measures on this machine what the simulation's etcd model needs:
 // the latency of a claim-shaped write txn (compare, two puts) and of a
-// Pending-shaped read txn on an idle etcd, how many of each it serves with
+// linearizable read of one job-record-sized key (every read a job costs
+// either design: a client's long poll, a commit's or a holder's read of a
+// record; nothing lists a queue any more) on an idle etcd, how many of each it serves with
 // Concurrency in flight, how fast it creates watches, and how many watch
 // events a second it delivers to Watchers watches of one prefix, and how many
 // lease renewals a second it answers for Leases leases. Client and
@@ -58,10 +60,12 @@ func MeasureEtcd(ctx context.Context, mc MeasureConfig) (EtcdCosts, error) {
 		clis[i] = c
 	}
 	const pre = "/latentmesh/sim/"
-	// A queue of 64 tasks for the reads, about the size of a task record.
+	// Records to read, one at a time, each about the size of a job record.
+	const records = 64
 	val := string(make([]byte, 600))
-	for i := range 64 {
-		if _, err := clis[0].Put(ctx, fmt.Sprintf("%stasks/denoise/1/%016x", pre, i), val); err != nil {
+	job := string(make([]byte, 1500))
+	for i := range records {
+		if _, err := clis[0].Put(ctx, fmt.Sprintf("%sjobs/%016x", pre, i), job); err != nil {
 			return EtcdCosts{}, err
 		}
 	}
@@ -74,9 +78,7 @@ func MeasureEtcd(ctx context.Context, mc MeasureConfig) (EtcdCosts, error) {
 		return err
 	}
 	read := func(ctx context.Context, c *clientv3.Client) error {
-		_, err := c.Txn(ctx).Then(
-			clientv3.OpGet(pre+"tasks/denoise/", clientv3.WithPrefix(), clientv3.WithLimit(256)),
-			clientv3.OpGet(pre+"claims/denoise/", clientv3.WithPrefix(), clientv3.WithKeysOnly())).Commit()
+		_, err := c.Get(ctx, fmt.Sprintf("%sjobs/%016x", pre, seq.Add(1)%records))
 		return err
 	}
 	var out EtcdCosts

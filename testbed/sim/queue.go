@@ -39,6 +39,10 @@ type task struct {
 	// (agent: pickHint in run) and the push target (pushTarget in commit).
 	nextHint, nextPush int32
 	doneAt             time.Duration // its compute ended; its commit began
+	// producer is the previous stage's worker that created it (-1: a
+	// submit): the producer its worker grants its slot to when the task
+	// ends (affinity, agent.grantFreed).
+	producer int32
 }
 
 // stageQueue is a stage's task keys in etcd's key order: class, then

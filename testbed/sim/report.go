@@ -105,14 +105,14 @@ func satText(g float64) string {
 
 func table(w io.Writer, runs []Result) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, strings.Join([]string{"gpus", "pools", "mode", "jobs/s", "dispatch ms/job", "pushed", "claim txns/job", "conflicts/job", "give-backs/job", "etcd ops/job", "etcd ops/s", "watch events/s", "etcd load", "gpu util", "queue p50 ms", "queue p99 ms", "unfinished", "wall s", ""}, "\t"))
+	fmt.Fprintln(tw, strings.Join([]string{"gpus", "pools", "mode", "jobs/s", "dispatch ms/job", "p50", "pushed", "claim txns/job", "conflicts/job", "give-backs/job", "etcd ops/job", "etcd ops/s", "watch events/s", "etcd load", "gpu util", "queue p50 ms", "queue p99 ms", "unfinished", "wall s", ""}, "\t"))
 	for _, r := range runs {
 		load := fmt.Sprintf("%.2f", r.EtcdLoad)
 		if r.Mode == Central.String() {
 			load += fmt.Sprintf(" (disp %.2f)", r.DispatcherLoad)
 		}
-		fmt.Fprintf(tw, "%d\t%s\t%s\t%.1f\t%.1f\t%.2f\t%.2f\t%.2f\t%.3f\t%.1f\t%.0f\t%.0f\t%s\t%.3f\t%.1f\t%.1f\t%d\t%.1f\t\n",
-			r.GPUs, r.Pools, r.Mode, r.JobsPerSec, r.DispatchOverheadMs, r.PushedShare, r.ClaimTxnsPerJob, r.ConflictsPerJob, r.GiveBacksPerJob, r.EtcdOpsPerJob, r.EtcdOpsPerSec, r.EtcdEventsPerSec, load, r.Utilisation, r.QueueP50Ms, r.QueueP99Ms, r.Unfinished, r.WallSeconds)
+		fmt.Fprintf(tw, "%d\t%s\t%s\t%.1f\t%.1f\t%.1f\t%.2f\t%.2f\t%.2f\t%.3f\t%.1f\t%.0f\t%.0f\t%s\t%.3f\t%.1f\t%.1f\t%d\t%.1f\t\n",
+			r.GPUs, r.Pools, r.Mode, r.JobsPerSec, r.DispatchOverheadMs, r.DispatchOverheadP50Ms, r.PushedShare, r.ClaimTxnsPerJob, r.ConflictsPerJob, r.GiveBacksPerJob, r.EtcdOpsPerJob, r.EtcdOpsPerSec, r.EtcdEventsPerSec, load, r.Utilisation, r.QueueP50Ms, r.QueueP99Ms, r.Unfinished, r.WallSeconds)
 	}
 	tw.Flush()
 }

@@ -43,6 +43,11 @@ type Result struct {
 	// races, held-back hints, pushes waiting on a busy worker until given
 	// back (mesh); messages and decisions (central).
 	DispatchOverheadMs float64 `json:"dispatch_overhead_ms"`
+	// DispatchOverheadP50Ms is the median job's dispatch overhead, as
+	// DispatchOverheadMs sums it: most jobs pay the commits' and watches'
+	// latency alone, and the mean is the tail's (a task given back waits
+	// out the steal grace and a gossip round).
+	DispatchOverheadP50Ms float64 `json:"dispatch_overhead_p50_ms"`
 	// ClaimTxns counts the claim transactions workers sent (TryClaim, won
 	// or lost); Conflicts the lost ones (ErrTaken).
 	ClaimTxns       uint64  `json:"claim_txns"`
@@ -112,6 +117,11 @@ type worker struct {
 	// a pushed claim), -1 when not there.
 	pushed   []*task
 	readyPos int32
+	// grantTo is the producer (the previous stage's worker) its free slot
+	// is granted to until grantUntil (agent/grants.go): only that producer
+	// pushes to it against the grant. -1: none.
+	grantTo    int32
+	grantUntil time.Duration
 }
 
 type stage struct {
@@ -130,6 +140,11 @@ type stage struct {
 	// not started, and tasks done whose commit is on its way (admission
 	// counts them as running, agent.committing).
 	viewFree, pushWaiting, committing int
+	// granted lists, by producer (the previous stage's worker), the
+	// workers that granted it their free slot, newest last; an entry whose
+	// worker has since started work or granted its slot elsewhere is
+	// dropped when found (takeGrant).
+	granted [][]int32
 }
 
 type sim struct {
@@ -156,6 +171,7 @@ type sim struct {
 	pushes                                  uint64    // tasks created with a pushed claim
 	pushedStarts, claimedStarts             [3]uint64 // by stage: tasks started from a pushed claim, and from a claim txn
 	overhead                                time.Duration
+	overheads                               histogram // per job
 	queueing                                histogram
 	busy                                    time.Duration // compute inside [0, Duration]
 
@@ -214,13 +230,23 @@ func newSim(cfg Config) (*sim, error) {
 	for i, name := range costmodel.Stages {
 		st := &stage{i: i, compute: m.StageTime(name), inBytes: inBytes[i], wakeAt: -1, free: sizes[i], viewFree: sizes[i]}
 		for w := range sizes[i] {
-			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1})
+			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1, grantTo: -1})
 			st.names = append(st.names, fmt.Sprintf("%s-%d", name, w))
 		}
 		for w := range st.workers {
 			s.addWaiting(st, int32(w))
 		}
 		s.st[i] = st
+		if i > 0 {
+			st.granted = make([][]int32, sizes[i-1])
+		}
+	}
+	if cfg.Mode == Mesh {
+		for _, st := range s.st[1:] {
+			for w := range st.workers {
+				s.grantSlot(st, int32(w), -1)
+			}
+		}
 	}
 	for k := time.Duration(0); k < cfg.Duration; k += time.Second {
 		s.clk.at(k, event{kind: evTick})
@@ -281,7 +307,7 @@ func (s *sim) hints() bool { return s.cfg.Mode == Mesh || s.cfg.Mode == MeshNoPu
 
 // newTask is stage's task of j, runnable from avail.
 func newTask(j *job, stage int, avail time.Duration) *task {
-	return &task{job: j, stage: stage, avail: avail, hint: -1, pushTo: -1, nextHint: -1, nextPush: -1}
+	return &task{job: j, stage: stage, avail: avail, hint: -1, pushTo: -1, nextHint: -1, nextPush: -1, producer: -1}
 }
 
 func (s *sim) handle(e event) {
@@ -311,6 +337,15 @@ func (s *sim) handle(e event) {
 		s.giveBackCheck(e.task)
 	case evRequeued:
 		s.requeued(e.task)
+	case evGrantEnds:
+		if st, wk := s.st[e.stage], s.st[e.stage].workers[e.worker]; wk.grantUntil == now {
+			wk.grantTo = -1
+			if st.q.queued > 0 {
+				s.requestWake(st, now) // its dispatchers hand it a waiting task
+			} else {
+				s.grantSlot(st, e.worker, -1)
+			}
+		}
 	}
 }
 
@@ -344,7 +379,7 @@ func (s *sim) arrive() {
 	// client long-polls the job (httpapi wait, Store.Wait: a watch, then a
 	// read).
 	if s.cfg.Queue.Push {
-		if h := s.pickHint(s.st[0], false); h >= 0 {
+		if h := s.pickHint(s.st[0]); h >= 0 {
 			t.hint, t.pushTo, t.pushedAt = h, h, now
 		}
 	}
@@ -468,8 +503,18 @@ func (s *sim) giveBackCheck(t *task) {
 		s.clk.at(now+time.Second, event{kind: evGiveBack, stage: int8(st.i), task: t})
 		return
 	}
-	if !s.cfg.Queue.GiveBack(s.epoch.Add(t.pushedAt), s.epoch.Add(now), len(st.workers) > 1) {
-		next := now + time.Second // the stage's only worker: look again within a second
+	// It starts this claim once its running task and the claims pushed
+	// before this one are done (the agent estimates the same from its
+	// tasks' progress, agent.startIn).
+	startIn := wk.busySince + st.compute - now
+	for _, u := range wk.pushed {
+		if u == t {
+			break
+		}
+		startIn += st.compute
+	}
+	if !s.cfg.Queue.GiveBack(s.epoch.Add(t.pushedAt), s.epoch.Add(now), len(st.workers) > 1, max(startIn, 0)) {
+		next := now + time.Second // kept: look again within a second
 		if due := t.pushedAt + s.cfg.Queue.StealGrace; due > now {
 			next = due
 		}
@@ -553,30 +598,137 @@ func (s *sim) freeInGossip(w *worker) bool {
 	return w.idleSince <= t
 }
 
-// pickHint names the preferred worker of st for a new task, as the
-// producer does (agent.pickHint): routing.PickHint over workers with a
-// free slot, as gossip shows it or, for one gossip shows full, as the
-// picker's view of st shows it (view: it follows st; agent.freeSlots).
+// pickHint names the preferred worker of st for a new task, as a producer
+// with no grant from st does (agent.pickHint): routing.PickHint over
+// workers gossip shows with a free slot, else with queue credit (room).
 // Every worker has one slot and none shares a host, so PickHint's choice
-// is uniform among them; it is given a uniform sample of them, not all
-// 10,000.
-func (s *sim) pickHint(st *stage, view bool) int32 {
+// is uniform among the free ones; it is given a uniform sample of them,
+// not all 10,000.
+func (s *sim) pickHint(st *stage) int32 {
 	var targets [2]routing.Target
 	var idx [2]int32
 	n := 0
+	var roomy [2]routing.Target
+	var ridx [2]int32
+	r := 0
 	for try := 0; try < 64 && n < len(targets); try++ {
 		w := st.workers[s.rng.IntN(len(st.workers))]
-		if (s.freeInGossip(w) || (view && w.holds == 0)) && (n == 0 || idx[0] != w.idx) {
-			targets[n], idx[n] = routing.Target{Node: st.names[w.idx], Free: 1}, w.idx
-			n++
+		switch {
+		case s.freeInGossip(w):
+			if n == 0 || idx[0] != w.idx {
+				targets[n], idx[n] = routing.Target{Node: st.names[w.idx], Free: 1}, w.idx
+				n++
+			}
+		case r < len(roomy) && (r == 0 || ridx[0] != w.idx):
+			if room := s.roomInGossip(st, w); room > 0 {
+				roomy[r], ridx[r] = routing.Target{Node: st.names[w.idx], Room: room}, w.idx
+				r++
+			}
 		}
 	}
-	name := routing.PickHint(targets[:n], s.rng)
-	for i, t := range targets[:n] {
+	cands, cidx := targets[:n], idx[:n]
+	if n == 0 {
+		cands, cidx = roomy[:r], ridx[:r]
+	}
+	name := routing.PickHint(cands, s.rng)
+	for i, t := range cands {
 		if t.Node == name {
-			return idx[i]
+			return cidx[i]
 		}
 	}
+	return -1
+}
+
+// roomInGossip is busy worker w's queue credit as gossip shows it, a
+// GossipDelay late (agent: slotBook.room): the tasks that would start
+// within the hold after its running one, less the claims pushed to it
+// that gossip has caught up with. Pushes since then are not seen yet,
+// which is how gossip's queue credit overbooks a worker.
+func (s *sim) roomInGossip(st *stage, w *worker) int {
+	now := s.clk.now
+	seen := 0
+	for _, t := range w.pushed {
+		if t.pushedAt <= now-s.cfg.GossipDelay {
+			seen++
+		}
+	}
+	start := w.busySince + st.compute - now // the first waiting task's
+	if !w.busy {
+		// Idle, but not for a GossipDelay: gossip shows it busy, as it
+		// last published, with the room it had then.
+		start = 0
+	}
+	n := 0
+	for k := seen; n < maxRoom && start+time.Duration(k)*st.compute <= s.cfg.Queue.HoldFor; k++ {
+		n++
+	}
+	return n
+}
+
+// maxRoom bounds a worker's queue credit, as the agent's does.
+const maxRoom = 8
+
+// pushTarget is the worker of st that producer p (a worker of the stage
+// before) pushes its new task to (agent.pushTarget): one that granted p
+// its slot, else pickHint's.
+func (s *sim) pushTarget(st *stage, p int32) int32 {
+	if w := s.takeGrant(st, p); w >= 0 {
+		return w
+	}
+	return s.pickHint(st)
+}
+
+// grantSlot is free worker w of st granting its slot to one producer
+// (agent.grantFreed, grantIdle; routing.GrantTo): fed, the producer of
+// the task that just ended, else one at random, for routing.GrantTTL;
+// granted again when that runs out while w is still free. A worker with
+// tasks of st waiting in etcd is handed one instead (wake), and one that
+// holds a pushed claim has its slot spoken for.
+func (s *sim) grantSlot(st *stage, w int32, fed int32) {
+	wk := st.workers[w]
+	if st.i == 0 || wk.busy || len(wk.pushed) > 0 || st.q.queued > 0 {
+		return
+	}
+	p := fed
+	if p < 0 {
+		p = int32(s.rng.IntN(len(st.granted)))
+	}
+	wk.grantTo, wk.grantUntil = p, s.clk.now+routing.GrantTTL
+	if l := st.granted[p]; len(l) == cap(l) && len(l) >= 16 {
+		st.granted[p] = s.validGrants(st, p, l[:0], l) // drop the stale before the list grows
+	}
+	st.granted[p] = append(st.granted[p], w)
+	s.clk.at(wk.grantUntil, event{kind: evGrantEnds, stage: int8(st.i), worker: w})
+}
+
+// validGrants appends to dst the workers of list whose grant to p holds.
+func (s *sim) validGrants(st *stage, p int32, dst, list []int32) []int32 {
+	for _, w := range list {
+		if wk := st.workers[w]; wk.grantTo == p && wk.grantUntil > s.clk.now {
+			dst = append(dst, w)
+		}
+	}
+	return dst
+}
+
+// takeGrant spends producer p's newest grant from a worker of st, which
+// it holds whether or not that worker has since taken other work (a push
+// to it then waits or is given back); -1 for none.
+func (s *sim) takeGrant(st *stage, p int32) int32 {
+	if p < 0 || st.granted == nil {
+		return -1
+	}
+	l := st.granted[p]
+	for len(l) > 0 {
+		w := l[len(l)-1]
+		l = l[:len(l)-1]
+		if wk := st.workers[w]; wk.grantTo == p && wk.grantUntil > s.clk.now {
+			wk.grantTo = -1 // spent
+			st.granted[p] = l
+			return w
+		}
+	}
+	st.granted[p] = l
 	return -1
 }
 
@@ -650,7 +802,8 @@ func (s *sim) wake(st *stage) {
 		s.takeOwn(st, t.hint, ordered, tnow, at)
 	}
 	// The rest are handed the common order's next tasks, one each, by their
-	// dispatchers.
+	// dispatchers. A worker whose slot was promised to a producer ahead of
+	// work (grantSlot) takes it back: waiting work comes first.
 	g, k := len(st.waiting), 0
 	for _, c := range ordered {
 		if g == 0 {
@@ -675,6 +828,15 @@ func (s *sim) wake(st *stage) {
 	// Workers that lost every race wait on their views again: no etcd op.
 	if !retry.IsZero() {
 		s.requestWake(st, retry.Sub(s.epoch))
+	}
+	// The waiting tasks are all handed on: a worker left idle grants its
+	// slot to a producer (agent.grantIdle), as its slot's end did not.
+	if st.q.queued == 0 && len(s.cands) > 0 {
+		for _, w := range st.waiting {
+			if wk := st.workers[w]; wk.grantUntil <= now {
+				s.grantSlot(st, w, -1)
+			}
+		}
 	}
 }
 
@@ -711,7 +873,7 @@ func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time
 		s.unpush(st, wk, t)
 		t.fromPush = true
 		s.removeWaiting(st, h)
-		wk.busy, wk.busySince = true, s.clk.now
+		wk.busy, wk.busySince, wk.grantTo = true, s.clk.now, -1 // a grant still out is taken back
 		s.setFree(st, -1)
 		s.clk.at(s.clk.now, event{kind: evClaimed, stage: int8(st.i), worker: h, task: t})
 		return
@@ -742,7 +904,7 @@ func (s *sim) claim(st *stage, w int32, t *task, at time.Duration) {
 	t.claimed = true
 	st.q.queued--
 	wk := st.workers[w]
-	wk.busy, wk.busySince = true, s.clk.now
+	wk.busy, wk.busySince, wk.grantTo = true, s.clk.now, -1 // a grant still out is taken back (agent.revokeGrant)
 	s.setFree(st, -1)
 	s.clk.at(at, event{kind: evClaimed, stage: int8(st.i), worker: w, task: t})
 }
@@ -780,7 +942,7 @@ func (s *sim) start(st *stage, w int32, t *task) {
 		if st.i == 1 && s.hints() {
 			// Denoise names decode's worker before its sampler runs
 			// (agent.denoise); a push picks again at the commit.
-			t.nextHint = s.pickHint(s.st[2], true)
+			t.nextHint = s.pickHint(s.st[2])
 		}
 	}
 	if st.inBytes > 0 {
@@ -807,12 +969,12 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	if st.i < 2 && s.hints() {
 		next := s.st[st.i+1]
 		if st.i == 0 {
-			t.nextHint = s.pickHint(next, true) // encode names denoise's worker once its work is done
+			t.nextHint = s.pickHint(next) // encode names denoise's worker once its work is done
 		}
 		if s.cfg.Queue.Push {
 			// agent.commit: pushTarget picks the next stage's worker now; a
 			// free one gets the task with its claim.
-			t.nextPush = s.pickHint(next, true)
+			t.nextPush = s.pushTarget(next, w)
 		}
 	}
 	// Commit: the fenced txn, on the job record. A claim pushed by the
@@ -832,6 +994,7 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	st.committing++
 	s.addWaiting(st, w)
 	s.requestWake(st, now)
+	s.grantSlot(st, w, t.producer)
 }
 
 func (s *sim) committed(st *stage, w int32, t *task) {
@@ -852,6 +1015,9 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		// assignment.
 		s.etcd.write(now, 1)
 		s.etcd.event(now, 1)
+		if st.i == 2 {
+			s.keepResult(now)
+		}
 	} else {
 		s.etcd.write(now, 1)
 		// The job record changed: the client's long poll watches it.
@@ -867,13 +1033,7 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 			s.etcd.event(now, 1)
 		}
 		if st.i == 2 {
-			// The result's object record, with a marker for each of its
-			// two holders: each holder's Store watches its own markers
-			// (holders/<node>/), reads the record the marker names, and
-			// watches that record while it holds it (cache/follow.go).
-			s.etcd.event(now, 2)
-			s.etcd.read(now, 2)
-			s.etcd.watch(now, 2)
+			s.keepResult(now) // its record is written by this commit
 		}
 		s.hold(st, st.workers[w], -1)
 		st.committing--
@@ -881,6 +1041,7 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 	t.gone = true
 	if st.i < 2 {
 		next := newTask(t.job, st.i+1, t.avail)
+		next.producer = w
 		next.hint = t.nextHint
 		if t.nextPush >= 0 {
 			// Pushed in this commit: the claim was written as the commit
@@ -901,6 +1062,19 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 	// Mesh: the worker took up its next task at done.
 }
 
+// keepResult is the Store taking a job's result in: its object record,
+// with a marker for each of its two holders, written with the decode's
+// commit (the mesh) or the dispatcher's record of it (central); each
+// holder's Store watches its own markers (holders/<node>/), reads the
+// record the marker names, and watches that record while it holds it
+// (cache/follow.go). Both designs keep results in the Store alike: where
+// the result lives is not the dispatcher's choice.
+func (s *sim) keepResult(now time.Duration) {
+	s.etcd.event(now, 2)
+	s.etcd.read(now, 2)
+	s.etcd.watch(now, 2)
+}
+
 func (s *sim) finish(j *job) {
 	j.completed++
 	s.completed++
@@ -911,6 +1085,7 @@ func (s *sim) finish(j *job) {
 		s.seen[j.id]++
 	}
 	s.overhead += j.overhead
+	s.overheads.add(j.overhead)
 	s.queueing.add(j.queueing)
 }
 
@@ -972,6 +1147,7 @@ func (s *sim) result(wall time.Duration) Result {
 	}
 	if n := float64(s.completed); n > 0 {
 		r.DispatchOverheadMs = ms(s.overhead) / n
+		r.DispatchOverheadP50Ms = ms(s.overheads.quantile(0.50))
 		r.ClaimTxnsPerJob = float64(s.claimTxns) / n
 		r.ConflictsPerJob = float64(s.conflicts) / n
 		r.GiveBacksPerJob = float64(s.giveBacks) / n

@@ -129,13 +129,15 @@ func TestMeshEtcdOpsPerJob(t *testing.T) {
 // The central baseline pays what the mesh pays outside its claim loop:
 // the client's submit is the job record's write and its long poll a watch
 // and a read, as on the mesh; each stage's record is a write and an event
-// for that long poll, as a mesh commit is; nothing else.
+// for that long poll, as a mesh commit is; the Store keeps the result as
+// on the mesh (its record in the decode's record write, an event, a read
+// and a watch for each of its two holders); nothing else.
 func TestCentralEtcdOpsPerJob(t *testing.T) {
 	s, r := runSim(t, smallConfig(Central))
 	jobs := uint64(r.Completed)
 	e := s.etcd
-	if e.writes != 4*jobs || e.reads != jobs || e.watches != jobs || e.events != 3*jobs {
-		t.Fatalf("%d jobs: %d writes (want 4 a job), %d reads, %d watches (1), %d events (3)", jobs, e.writes, e.reads, e.watches, e.events)
+	if e.writes != 4*jobs || e.reads != 3*jobs || e.watches != 3*jobs || e.events != 5*jobs {
+		t.Fatalf("%d jobs: %d writes (want 4 a job), %d reads (3), %d watches (3), %d events (5)", jobs, e.writes, e.reads, e.watches, e.events)
 	}
 }
 
@@ -169,12 +171,11 @@ func TestKeepAlives(t *testing.T) {
 // pool every task finds a free worker when it is created and is pushed to
 // it: none costs a claim txn, none is raced for, none is given back; the
 // same pool without pushes has every task handed on by its dispatcher
-// with a txn, and nobody races for one, hints or none. Under load, gossip
-// shows some busy workers free, and a push to one is handed over after the
-// steal grace to a worker its view shows free (not raced for by the idle
-// ones, as a stale hint is without pushes), and a task created while no
-// worker looks free is queued; still, every pushed task started is a claim
-// txn saved.
+// with a txn, and nobody races for one, hints or none. Under load, a
+// producer pushes against the slot a worker granted it alone, or to a busy
+// short-stage worker's queue credit, and gossip, a round late, sends a few
+// pushes where they wait too long and are given back; every pushed task
+// started is a claim txn saved.
 func TestPushedClaims(t *testing.T) {
 	idle := func(m Mode) Config {
 		c := smallConfig(m)
@@ -211,8 +212,27 @@ func TestPushedClaims(t *testing.T) {
 	_, noPush := runSim(t, smallConfig(MeshNoPush))
 	t.Logf("loaded: pushes %.2f claim txns/job, %.2f conflicts/job, %.2f pushed, %.2f give-backs/job; no pushes %.2f claim txns/job, %.2f conflicts/job",
 		push.ClaimTxnsPerJob, push.ConflictsPerJob, push.PushedShare, push.GiveBacksPerJob, noPush.ClaimTxnsPerJob, noPush.ConflictsPerJob)
-	if push.PushedShare < 0.5 || push.GiveBacks == 0 || push.ClaimTxnsPerJob > noPush.ClaimTxnsPerJob-1.5 || push.Conflicts != 0 || noPush.Conflicts != 0 {
+	// One encoder and one decoder among 100 GPUs: their tasks go to their
+	// queue credit while they are busy (0 claim txns a job, from 1.7 when
+	// a task waited for a grant and a hand-on instead).
+	if push.PushedShare < 0.95 || push.ClaimTxnsPerJob > 0.1 || push.GiveBacksPerJob > 0.1 || push.Conflicts != 0 || noPush.Conflicts != 0 {
 		t.Fatalf("loaded pool: pushes %.2f claim txns/job and %.2f conflicts/job (%.2f of tasks pushed), no pushes %.2f and %.2f",
 			push.ClaimTxnsPerJob, push.ConflictsPerJob, push.PushedShare, noPush.ClaimTxnsPerJob, noPush.ConflictsPerJob)
+	}
+}
+
+// A slot is granted to one producer at a time, and producers push against
+// their grants before gossip's free slots, which every producer sees
+// alike: at 3,000 GPUs (33 encoders feeding 2,985 denoisers) a push
+// hardly ever meets a worker another producer filled. Before, with a
+// freed slot granted to two producers and gossip's free slots used beside
+// the grants, a third of the denoise pushes did: 0.48 give-backs a job.
+func TestGrantedPushesMeetFreeSlots(t *testing.T) {
+	cfg := DefaultConfig()
+	cfg.GPUs, cfg.Duration = 3000, time.Minute
+	_, r := runSim(t, cfg)
+	t.Logf("%d jobs: %.3f give-backs a job, %.3f claim txns a job, %.2f of tasks pushed", r.Completed, r.GiveBacksPerJob, r.ClaimTxnsPerJob, r.PushedShare)
+	if r.GiveBacksPerJob > 0.05 || r.ClaimTxnsPerJob > 0.05 || r.PushedShare < 0.98 {
+		t.Fatalf("%.3f give-backs and %.3f claim txns a job, %.2f of tasks pushed; want at most 0.05, 0.05 and at least 0.98", r.GiveBacksPerJob, r.ClaimTxnsPerJob, r.PushedShare)
 	}
 }

@@ -125,10 +125,13 @@ func TestCancelDropsPushedClaim(t *testing.T) {
 		t.Fatal(err)
 	}
 	within(t, "claim gone from the view", func() bool { _, r := enc.Depth(); return r == 0 })
-	resp, err := cli.Get(ctx, s.claimPrefix(Encode), clientv3.WithPrefix(), clientv3.WithCountOnly())
-	if err != nil || resp.Count != 0 {
-		t.Fatalf("%d claims left after the cancel (%v)", resp.Count, err)
-	}
+	// The claim went with the cancel; the cancel's marker beside it goes
+	// once the holder's inbox has seen it, which may be a moment after its
+	// view lost the claim.
+	within(t, "no claim key left", func() bool {
+		resp, err := cli.Get(ctx, s.claimPrefix(Encode), clientv3.WithPrefix(), clientv3.WithCountOnly())
+		return err == nil && resp.Count == 0
+	})
 }
 
 // A pushed claim its worker has not started is handed over to another

@@ -798,9 +798,8 @@ func (a *Agent) meta() gossip.NodeMeta {
 			m.Roles = append(m.Roles, string(st))
 			_, free := a.slots(st)
 			m.Free.Set(string(st), uint32(free))
-			if q := a.inboxes[st]; free == 0 && q != nil {
-				// Busy: the queue credit a short stage offers (slotBook.room).
-				m.Room.Set(string(st), uint32(a.books[st].room(q.Waiting(a.member.Lease()), a.cfg.Queue.HoldFor, time.Now())))
+			if free == 0 {
+				m.Room.Set(string(st), uint32(a.queueCredit(st))) // busy: what a short stage still takes
 			}
 		}
 		m.Running += uint32(c.InUse())

@@ -98,6 +98,25 @@ func (a *Agent) liveOn(node string, lease int64) bool {
 	return time.Since(a.leases.since(node, int64(cur))) < holderGrace
 }
 
+// liveOnMemo is liveOn remembering its answers, for one pass over many
+// tasks.
+func (a *Agent) liveOnMemo() func(node string, lease int64) bool {
+	type holder struct {
+		node  string
+		lease int64
+	}
+	seen := map[holder]bool{}
+	return func(node string, lease int64) bool {
+		h := holder{node, lease}
+		live, ok := seen[h]
+		if !ok {
+			live = a.liveOn(node, lease)
+			seen[h] = live
+		}
+		return live
+	}
+}
+
 // alive reports whether node is a live member, registered or not: a
 // dispatcher keeps its ledger in memory, lease or none.
 func (a *Agent) alive(node string) bool {
@@ -181,9 +200,16 @@ func (a *Agent) dispatchLoop(st jobs.Stage) {
 // many still wait, and how many it handed on. byGossip lets it hand on to
 // workers gossip shows free as well as to those that granted a slot.
 func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed, byGossip bool) (waiting, handed int) {
+	live := a.liveOnMemo() // a backlog's tasks name few holders
+	if !byGossip && !a.holdsCredit(st, time.Now()) {
+		// Nothing to hand on against: count, do not list and order, the
+		// tasks (a pass runs at every change of the ledger and of gossip,
+		// and a backlog behind a busy stage is long).
+		return f.WaitingCount(live), 0
+	}
 	ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
 	defer cancel()
-	tasks := f.Waiting(ctx, a.liveOn)
+	tasks := f.Waiting(ctx, live)
 	if len(tasks) == 0 {
 		return 0, 0
 	}
@@ -239,6 +265,20 @@ func (a *Agent) dispatch(st jobs.Stage, f *jobs.Fed, byGossip bool) (waiting, ha
 		}
 	}
 	return waiting, handed
+}
+
+// holdsCredit reports whether this agent may hand a task of st on at now
+// without gossip: a worker's grant holds credit, or this node has a free
+// slot of its own for st.
+func (a *Agent) holdsCredit(st jobs.Stage, now time.Time) bool {
+	if a.grants.Any(string(st), now) {
+		return true
+	}
+	if a.credits[st] == nil {
+		return false
+	}
+	_, free := a.slots(st)
+	return free > 0
 }
 
 // targetKind is what assignTarget's choice depends on besides the

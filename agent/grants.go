@@ -83,7 +83,34 @@ func (a *Agent) grantFreed(st jobs.Stage, fed string, pushed bool) {
 		to = fed
 	}
 	a.idleGrants.due(to+"/"+string(st), time.Now(), grantIdleEvery) // grantIdle need not send it again
-	a.sendGrant(records[to], st, free)
+	a.sendGrant(records[to], st, free+a.queueCredit(st))
+}
+
+// grantQueue grants this node's queue credit for st (queueCredit: the
+// tasks it would start within the hold after those it has) to one
+// dispatcher gossip shows with tasks of st waiting, fed first, when a task
+// of st starts here: so that while a backlog waits, the next task is in
+// this node's inbox when a slot frees, instead of being handed on only
+// after the slot's grant (a 1-slot denoise of 3 ms tasks idled about a
+// millisecond a task for that round trip). The grant says how things
+// stand, so a dispatcher granted again holds the new figure, not the sum.
+func (a *Agent) grantQueue(st jobs.Stage, fed string) {
+	if a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() {
+		return
+	}
+	room := a.queueCredit(st)
+	if room <= 0 {
+		return
+	}
+	waiting, _, records := a.grantees(st)
+	if len(waiting) == 0 {
+		return
+	}
+	to := waiting[rand.IntN(len(waiting))]
+	if slices.Contains(waiting, fed) {
+		to = fed
+	}
+	a.sendGrant(records[to], st, room)
 }
 
 // grantIdleEvery is how often an idle worker grants its free slots again to
@@ -114,11 +141,24 @@ func (a *Agent) grantIdle(st jobs.Stage) time.Time {
 	rand.Shuffle(len(waiting), func(i, j int) { waiting[i], waiting[j] = waiting[j], waiting[i] })
 	for _, to := range waiting {
 		if a.idleGrants.due(to+"/"+string(st), now, grantIdleEvery) {
-			a.sendGrant(records[to], st, free)
+			a.sendGrant(records[to], st, free+a.queueCredit(st))
 			break
 		}
 	}
 	return time.Time{}
+}
+
+// queueCredit is how many tasks of st beyond its free slots this node
+// would start soon enough to keep (slotBook.room): a dispatcher with work
+// waiting is granted them with the free slots, so that the next task is in
+// this node's inbox when a slot frees, not handed on only then (a 1-slot
+// denoise of 3 ms tasks idled about a millisecond a task for the hand-on).
+func (a *Agent) queueCredit(st jobs.Stage) int {
+	q := a.inboxes[st]
+	if q == nil {
+		return 0
+	}
+	return a.books[st].room(q.Waiting(a.member.Lease()), a.cfg.Queue.HoldFor, time.Now())
 }
 
 // grantable is how many slots of st this node may grant now: its free

@@ -110,11 +110,23 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Inbox, lease clientv3.LeaseI
 // that can. Each goes back to its dispatcher. It returns when to look
 // again (zero: nothing is waiting).
 func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
-	pushed := q.Pushed(a.member.Lease())
-	if len(pushed) == 0 {
+	lease := a.member.Lease()
+	claimed, enqueued, n := q.Oldest(lease)
+	if n == 0 {
 		return time.Time{} // the common case: ask nothing of gossip or the running tasks
 	}
 	now := time.Now()
+	// None has waited the steal grace, nor is due for preemption: nothing
+	// to look at before the first of those (a worker with a queue in its
+	// inbox comes here at every change).
+	due := claimed.Add(a.cfg.Queue.StealGrace)
+	if a.cfg.Queue.PreemptAfter > 0 {
+		due = earliest(due, enqueued.Add(a.cfg.Queue.PreemptAfter))
+	}
+	if now.Before(due) {
+		return due
+	}
+	pushed := q.Pushed(lease)
 	canPreempt := len(a.batchOnly(st)) > 0
 	others := a.otherWorker(st)
 	// They start in the order they came, each as a slot frees.

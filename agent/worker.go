@@ -92,6 +92,7 @@ func (a *Agent) worker(st jobs.Stage) {
 			a.revokeGrant(st, revoke)
 		}
 		a.publishMeta()
+		a.grantQueue(st, c.Task.Producer())
 		a.wg.Go(func() {
 			var once sync.Once
 			workDone := func() {

@@ -105,6 +105,18 @@ func (g *Grants) Free(node, stage string, now time.Time) int {
 	return gr.free
 }
 
+// Any reports whether some worker's grant for stage holds credit at now.
+func (g *Grants) Any(stage string, now time.Time) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	for k, gr := range g.m {
+		if k.stage == stage && gr.free > 0 && now.Before(gr.until) {
+			return true
+		}
+	}
+	return false
+}
+
 // Take spends one credit of node's grant for stage, reporting whether there
 // was one: a producer pushing a task against it.
 func (g *Grants) Take(node, stage string, now time.Time) bool {

@@ -478,6 +478,20 @@ func (f *Fed) Waiting(ctx context.Context, live func(node string, lease int64) b
 	return out
 }
 
+// WaitingCount counts the tasks that wait, at no etcd read, as
+// WaitingByClass does.
+func (f *Fed) WaitingCount(live func(node string, lease int64) bool) int {
+	n := 0
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, e := range f.live {
+		if waits(&e.task, live) {
+			n++
+		}
+	}
+	return n
+}
+
 // WaitingByClass counts the tasks that wait, by class, at no etcd read
 // (a task whose content the ledger has not seen counts as its zero class;
 // one whose hand-on was just refused counts too).

@@ -105,6 +105,28 @@ func (q *Inbox) Pushed(lease clientv3.LeaseID) []*Claim {
 	return out
 }
 
+// Oldest is, over the claims pushed to this node on lease that its worker
+// has not taken, the earliest claim (StartedAt) and the earliest enqueue
+// of their tasks; n counts them. A worker that gives back only claims that
+// waited so long asks no more while none has.
+func (q *Inbox) Oldest(lease clientv3.LeaseID) (claimed, enqueued time.Time, n int) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for _, c := range q.claims {
+		if c.lease != lease || lease == 0 {
+			continue
+		}
+		if n == 0 || c.rec.StartedAt.Before(claimed) {
+			claimed = c.rec.StartedAt
+		}
+		if e := c.rec.Of.EnqueuedAt; n == 0 || e.Before(enqueued) {
+			enqueued = e
+		}
+		n++
+	}
+	return claimed, enqueued, n
+}
+
 // Waiting counts the claims pushed to this node on lease that its worker
 // has not taken: tasks queued here for a slot.
 func (q *Inbox) Waiting(lease clientv3.LeaseID) int {

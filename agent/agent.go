@@ -74,9 +74,7 @@ type Agent struct {
 	departed broadcast
 	// leases says since when each node has been on its lease (liveOn).
 	leases leaseAges
-	// idleGrants throttles the grants an idle worker sends (grantIdle).
-	idleGrants throttle
-	cstore     *cache.Store // this node's part of the pooled Store
+	cstore *cache.Store // this node's part of the pooled Store
 	// board holds the steps of the stages running here, which progSrv
 	// serves to other agents (live.go): progress never goes to etcd.
 	board   *progress.Board

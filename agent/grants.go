@@ -4,7 +4,6 @@ import (
 	"context"
 	"math/rand/v2"
 	"slices"
-	"sync"
 	"time"
 
 	"github.com/libp2p/go-libp2p/core/peer"
@@ -48,42 +47,26 @@ func (a *Agent) creditReturned(st jobs.Stage, worker string) {
 	}
 }
 
-// grantFreed grants this node's free slots of st when a task of it ends,
-// when the stage takes work (not while draining, held back by admission,
-// or blocked). With
-// dispatchers gossip shows holding tasks of st that wait
-// (NodeMeta.Waiting), the slots go to one of them, which hands them a task
-// at once: fed, the producer of the task that just ended, if it is one
-// (it has the credit back from its own ledger if it pushed that task, and
-// is sent nothing), else one at random. A dispatcher hands waiting work on
-// only against such a grant, so one slot granted twice would be one task
-// pushed to a busy worker. (Waiting work comes first: a slot promised
-// ahead is taken back if a hand-on takes it, slotBook.take.) With none
-// waiting, they are promised to one producer of the stage before for its
-// next push (routing.GrantTo: fed, else one at random), unless they are
-// promised already.
-func (a *Agent) grantFreed(st jobs.Stage, fed string, pushed bool) {
-	free := a.grantable(st)
-	if free <= 0 {
+// grantFreed gives this node's free slots of st an owner when task c of
+// it ends (its work done), when the stage takes work (not while draining,
+// held back by admission, or blocked): one party at a time holds a free
+// slot (slotBook), so that no two pushes meet on it. A task that reached
+// this node through its inbox (every task now: pushed or handed on) gives
+// its dispatcher the credit back from its own ledger once the commit
+// lands (Grants.Return), so the slot is that dispatcher's, for
+// routing.ReturnTTL, and nobody else is granted it meanwhile: granted to
+// another dispatcher too, it was handed two tasks (a 16-GPU bench serve
+// run gave back 0.9 denoise tasks a job). Otherwise grantIdle finds it an
+// owner (the worker's loop calls it when it has nothing to start).
+func (a *Agent) grantFreed(st jobs.Stage, c *jobs.Claim) {
+	if a.grantable(st) <= 0 {
 		return
 	}
-	waiting, producers, records := a.grantees(st)
-	if len(waiting) == 0 {
-		if to, _ := a.books[st].promised(time.Now()); to == "" {
-			to = routing.GrantTo(producers, fed, nil)
-			a.promise(st, to, free, records, to != fed || !pushed)
-		}
+	if d := c.Task.Dispatcher; c.Pushed && d != "" && d != a.id && a.alive(d) {
+		a.books[st].promise(d, time.Now(), routing.ReturnTTL)
 		return
 	}
-	to := waiting[rand.IntN(len(waiting))]
-	if slices.Contains(waiting, fed) {
-		if pushed {
-			return // its ledger gave it the credit back
-		}
-		to = fed
-	}
-	a.idleGrants.due(to+"/"+string(st), time.Now(), grantIdleEvery) // grantIdle need not send it again
-	a.sendGrant(records[to], st, free+a.queueCredit(st))
+	a.grantIdle(st, c.Task.Producer())
 }
 
 // grantQueue grants this node's queue credit for st (queueCredit: the
@@ -110,43 +93,49 @@ func (a *Agent) grantQueue(st jobs.Stage, fed string) {
 	if slices.Contains(waiting, fed) {
 		to = fed
 	}
-	a.sendGrant(records[to], st, room)
+	a.sendGrant(records[to], st, room, grantWaitingTTL)
 }
 
-// grantIdleEvery is how often an idle worker grants its free slots again to
-// one dispatcher that still shows work waiting.
-const grantIdleEvery = routing.GrantTTL / 4
-
-// grantIdle grants this node's free slots of st: to one dispatcher gossip
-// shows with tasks of st waiting, at most once per grantIdleEvery for
-// each, else, unless they are promised already, to a producer of the stage
-// before, as a promise. A worker whose loop finds nothing to start calls
-// it: the grant a slot's end sends (grantFreed) goes nowhere while
-// admission holds the stage back, a dispatcher hands waiting work on only
-// against a grant, and a promise lapses unspent when its producer had no
-// task. It returns when the slots' promise lapses (zero: none holds).
-func (a *Agent) grantIdle(st jobs.Stage) time.Time {
+// grantIdle gives this node's free slots of st an owner unless they have
+// one (a promise that holds), and returns when that owner's hold lapses
+// (zero: none made): to one dispatcher gossip shows with tasks of st
+// waiting (fed, the producer of the task that just ended, first), which
+// hands it a task at once, else, ahead of work, to one producer of the
+// stage before for its next push (routing.GrantTo: fed, else one at
+// random). A dispatcher hands waiting work on only against such a grant.
+// A worker whose loop finds nothing to start calls it, so an owner that
+// let its hold lapse unspent is replaced then.
+func (a *Agent) grantIdle(st jobs.Stage, fed string) time.Time {
 	free := a.grantable(st)
 	if free <= 0 {
 		return time.Time{}
 	}
-	waiting, producers, records := a.grantees(st)
 	now := time.Now()
-	if len(waiting) == 0 {
-		if _, until := a.books[st].promised(now); !until.IsZero() {
-			return until
-		}
-		return a.promise(st, routing.GrantTo(producers, "", nil), free, records, true)
+	if to, until := a.books[st].promised(now); to != "" {
+		return until
 	}
-	rand.Shuffle(len(waiting), func(i, j int) { waiting[i], waiting[j] = waiting[j], waiting[i] })
-	for _, to := range waiting {
-		if a.idleGrants.due(to+"/"+string(st), now, grantIdleEvery) {
-			a.sendGrant(records[to], st, free+a.queueCredit(st))
-			break
-		}
+	waiting, producers, records := a.grantees(st)
+	to := routing.GrantTo(producers, fed, nil)
+	if len(waiting) > 0 {
+		to = routing.GrantTo(waiting, fed, nil)
+		free += a.queueCredit(st)
 	}
-	return time.Time{}
+	if to == "" {
+		return time.Time{}
+	}
+	ttl := routing.GrantTTL
+	if len(waiting) > 0 {
+		ttl = grantWaitingTTL
+	}
+	until := a.books[st].promise(to, now, ttl)
+	a.sendGrant(records[to], st, free, ttl)
+	return until
 }
+
+// grantWaitingTTL is how long a slot granted to a dispatcher with work
+// waiting is its: it hands a task on at once, or the slot goes to another
+// soon.
+const grantWaitingTTL = routing.GrantTTL / 4
 
 // queueCredit is how many tasks of st beyond its free slots this node
 // would start soon enough to keep (slotBook.room): a dispatcher with work
@@ -162,13 +151,16 @@ func (a *Agent) queueCredit(st jobs.Stage) int {
 }
 
 // grantable is how many slots of st this node may grant now: its free
-// ones, when the stage takes work (not while draining, held back by
-// admission, or blocked).
+// ones that no claim in its inbox takes next, when the stage takes work
+// (not while draining, held back by admission, or blocked).
 func (a *Agent) grantable(st jobs.Stage) int {
 	if a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() {
 		return 0
 	}
 	_, free := a.slots(st)
+	if q := a.inboxes[st]; q != nil {
+		free -= q.Waiting(a.member.Lease())
+	}
 	return free
 }
 
@@ -195,61 +187,17 @@ func (a *Agent) grantees(st jobs.Stage) (waiting, producers []string, records ma
 	return waiting, producers, records
 }
 
-// promise promises the free slots of st to producer to ("": none), and
-// sends it the grant when send (a producer that pushed the task just
-// ended has the credit back from its own ledger). It returns when the
-// promise lapses.
-func (a *Agent) promise(st jobs.Stage, to string, free int, records map[string]gossip.NodeRecord, send bool) time.Time {
-	if to == "" {
-		return time.Time{}
-	}
-	now := time.Now()
-	a.books[st].promise(to, now)
-	if send {
-		a.sendGrant(records[to], st, free)
-	}
-	_, until := a.books[st].promised(now)
-	return until
-}
-
 // revokeGrant takes back the grant of st's slots that producer holds: the
 // slot went to another task.
 func (a *Agent) revokeGrant(st jobs.Stage, producer string) {
 	if p, ok := a.member.Peer(producer); ok {
-		a.sendGrant(p.Record, st, 0)
+		a.sendGrant(p.Record, st, 0, routing.GrantTTL)
 	}
 }
 
-// throttle remembers when each key last acted.
-type throttle struct {
-	mu   sync.Mutex
-	last map[string]time.Time
-}
-
-// due reports whether key last acted at least every ago (and notes that it
-// acts now), forgetting keys long quiet.
-func (t *throttle) due(key string, now time.Time, every time.Duration) bool {
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.last == nil {
-		t.last = map[string]time.Time{}
-	}
-	if now.Sub(t.last[key]) < every {
-		return false
-	}
-	if len(t.last) > 1024 {
-		for k, at := range t.last {
-			if now.Sub(at) > every {
-				delete(t.last, k)
-			}
-		}
-	}
-	t.last[key] = now
-	return true
-}
-
-// sendGrant sends rec's node a grant of free slots of st, in the background.
-func (a *Agent) sendGrant(rec gossip.NodeRecord, st jobs.Stage, free int) {
+// sendGrant sends rec's node a grant of free slots of st for ttl, in the
+// background.
+func (a *Agent) sendGrant(rec gossip.NodeRecord, st jobs.Stage, free int, ttl time.Duration) {
 	pid, err := peer.Decode(rec.PeerID)
 	if err != nil {
 		return
@@ -257,7 +205,7 @@ func (a *Agent) sendGrant(rec gossip.NodeRecord, st jobs.Stage, free int) {
 	a.wg.Go(func() {
 		ctx, cancel := context.WithTimeout(a.ctx, time.Second)
 		defer cancel()
-		if err := grant.Send(ctx, a.host, pid, rec.P2PAddrs, string(st), free, routing.GrantTTL); err != nil {
+		if err := grant.Send(ctx, a.host, pid, rec.P2PAddrs, string(st), free, ttl); err != nil {
 			a.log.Debug("credit grant not sent", zap.String("to", rec.ID), zap.Error(err))
 		}
 	})

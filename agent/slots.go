@@ -4,8 +4,6 @@ import (
 	"slices"
 	"sync"
 	"time"
-
-	"github.com/latentmesh/latentmesh/routing"
 )
 
 // slotBook keeps, for one stage this agent works, what its credits
@@ -40,11 +38,13 @@ const slotMeanWeight = 8
 
 func newSlotBook() *slotBook { return &slotBook{busy: map[uint64]time.Time{}} }
 
-// promise promises the free slots to producer to from now.
-func (b *slotBook) promise(to string, now time.Time) {
+// promise promises the free slots to to from now for ttl, and returns
+// when that lapses.
+func (b *slotBook) promise(to string, now time.Time, ttl time.Duration) time.Time {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.to, b.until = to, now.Add(routing.GrantTTL)
+	b.to, b.until = to, now.Add(ttl)
+	return b.until
 }
 
 // promised is the producer the free slots are promised to at now, and
@@ -61,8 +61,10 @@ func (b *slotBook) promised(now time.Time) (string, time.Time) {
 // take records a slot taken at now by a task that from pushed or handed
 // on. It ends the promise: revoke is its holder, when another took the
 // slot (the holder's grant is void: its push would find the slot busy).
-// done is called once the task gives its slot back.
-func (b *slotBook) take(from string, now time.Time) (revoke string, done func(time.Time)) {
+// done is called once the task gives its slot back, learn when it ran to
+// its end: a task preempted, drained or failed early would make the mean
+// say the stage is short, and workers keep tasks for short stages.
+func (b *slotBook) take(from string, now time.Time) (revoke string, done func(end time.Time, learn bool)) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.to != "" && now.Before(b.until) && b.to != from {
@@ -73,19 +75,21 @@ func (b *slotBook) take(from string, now time.Time) (revoke string, done func(ti
 	b.next++
 	b.busy[tok] = now
 	var once sync.Once
-	return revoke, func(end time.Time) {
-		once.Do(func() { b.free(tok, end) })
+	return revoke, func(end time.Time, learn bool) {
+		once.Do(func() { b.free(tok, end, learn) })
 	}
 }
 
-func (b *slotBook) free(tok uint64, end time.Time) {
+func (b *slotBook) free(tok uint64, end time.Time, learn bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	held := end.Sub(b.busy[tok])
 	delete(b.busy, tok)
-	if b.mean == 0 {
+	switch {
+	case !learn:
+	case b.mean == 0:
 		b.mean = held
-	} else {
+	default:
 		b.mean += (held - b.mean) / slotMeanWeight
 	}
 }

@@ -15,7 +15,7 @@ func TestSlotBookPromise(t *testing.T) {
 	if to, _ := b.promised(now); to != "" {
 		t.Fatalf("a new book promised its slots to %q", to)
 	}
-	b.promise("enc-1", now)
+	b.promise("enc-1", now, routing.GrantTTL)
 	if to, until := b.promised(now.Add(time.Second)); to != "enc-1" || !until.Equal(now.Add(routing.GrantTTL)) {
 		t.Fatalf("promised to %q until %v, want enc-1 until %v", to, until, now.Add(routing.GrantTTL))
 	}
@@ -23,7 +23,7 @@ func TestSlotBookPromise(t *testing.T) {
 		t.Fatalf("a lapsed promise still held, to %q", to)
 	}
 
-	b.promise("enc-1", now)
+	b.promise("enc-1", now, routing.GrantTTL)
 	revoke, done := b.take("enc-1", now.Add(time.Millisecond))
 	if revoke != "" {
 		t.Fatalf("the holder's own push spent the promise, yet %q is to be told", revoke)
@@ -31,13 +31,13 @@ func TestSlotBookPromise(t *testing.T) {
 	if to, _ := b.promised(now.Add(time.Millisecond)); to != "" {
 		t.Fatalf("a spent promise still held, to %q", to)
 	}
-	done(now.Add(time.Second))
+	done(now.Add(time.Second), true)
 
-	b.promise("enc-1", now.Add(2*time.Second))
+	b.promise("enc-1", now.Add(2*time.Second), routing.GrantTTL)
 	if revoke, _ := b.take("enc-2", now.Add(2*time.Second)); revoke != "enc-1" {
 		t.Fatalf("a slot taken by another's task: revoke %q, want enc-1", revoke)
 	}
-	b.promise("enc-1", now)
+	b.promise("enc-1", now, routing.GrantTTL)
 	if revoke, _ := b.take("enc-2", now.Add(routing.GrantTTL)); revoke != "" {
 		t.Fatalf("a lapsed promise needs no revoke, got %q", revoke)
 	}
@@ -53,7 +53,7 @@ func TestSlotBookStartIn(t *testing.T) {
 	if got := b.startIn(0, now); got >= 0 {
 		t.Fatalf("no task ended yet: start in %v, want unknown", got)
 	}
-	done(now.Add(4 * time.Second)) // mean 4 s
+	done(now.Add(4*time.Second), true) // mean 4 s
 	if got := b.startIn(0, now.Add(4*time.Second)); got >= 0 {
 		t.Fatalf("no slot busy: start in %v, want unknown (something else holds it)", got)
 	}
@@ -69,13 +69,21 @@ func TestSlotBookStartIn(t *testing.T) {
 	if got := b.startIn(0, t0.Add(time.Minute)); got != 0 {
 		t.Errorf("slots overdue: start in %v, want 0", got)
 	}
-	d1(t0.Add(4 * time.Second))  // held 4 s: the mean stays
-	d2(t0.Add(13 * time.Second)) // held 12 s: the mean moves an eighth of the way
+	d1(t0.Add(4*time.Second), true)  // held 4 s: the mean stays
+	d2(t0.Add(13*time.Second), true) // held 12 s: the mean moves an eighth of the way
 	if want := 4*time.Second + (12*time.Second-4*time.Second)/slotMeanWeight; b.mean != want {
 		t.Errorf("mean %v, want %v", b.mean, want)
 	}
-	d2(t0.Add(time.Hour)) // a second call does nothing
+	d2(t0.Add(time.Hour), true) // a second call does nothing
 	if want := 4*time.Second + (12*time.Second-4*time.Second)/slotMeanWeight; b.mean != want {
 		t.Errorf("a slot freed twice moved the mean to %v", b.mean)
+	}
+	// A task stopped early (preempted, drained, failed) frees its slot
+	// and teaches nothing.
+	was := b.mean
+	_, d3 := b.take("", t0.Add(time.Minute))
+	d3(t0.Add(time.Minute+time.Millisecond), false)
+	if b.mean != was || len(b.busy) != 0 {
+		t.Errorf("a task stopped after 1 ms: mean %v (was %v), %d slots busy", b.mean, was, len(b.busy))
 	}
 }

@@ -87,23 +87,23 @@ func (a *Agent) worker(st jobs.Stage) {
 		if err := credits.TryAcquire(); err != nil {
 			panic("agent: credit taken by someone else while claiming") // only this loop takes credits
 		}
-		revoke, slotFreed := a.books[st].take(c.Task.Producer(), time.Now())
+		revoke, slotFreed := a.books[st].take(c.Task.Dispatcher, time.Now())
 		if revoke != "" {
 			a.revokeGrant(st, revoke)
 		}
 		a.publishMeta()
-		a.grantQueue(st, c.Task.Producer())
+		a.grantQueue(st, c.Task.Dispatcher)
 		a.wg.Go(func() {
 			var once sync.Once
-			workDone := func() {
+			workDone := func(ok bool) {
 				once.Do(func() {
-					slotFreed(time.Now())
+					slotFreed(time.Now(), ok)
 					credits.Release()
 					a.publishMeta()
-					a.grantFreed(st, c.Task.Producer(), c.Pushed)
+					a.grantFreed(st, c)
 				})
 			}
-			defer workDone()
+			defer workDone(false)
 			a.execute(c, workDone)
 		})
 	}
@@ -213,7 +213,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			// stage back was granted to nobody), and look again when
 			// gossip shows another.
 			mesh = a.meshChanged.Wait()
-			wake = earliest(wake, a.grantIdle(st)) // a promise that lapses unspent is made again
+			wake = earliest(wake, a.grantIdle(st, "")) // a slot whose owner let it lapse gets another
 		}
 		// An engine registering (or going) changes which tasks are ours:
 		// look again then too, not only when the inbox moves.
@@ -309,11 +309,11 @@ func earliest(a, b time.Time) time.Time {
 // execute runs a claimed task and records the outcome in etcd.
 //
 // workDone gives the task's credit back: execute calls it once the stage's
-// work is done, before writing the outcome to etcd. A credit is a slot of
+// work is done (ok: it ran to its end), before writing the outcome to etcd. A credit is a slot of
 // the GPU, which a commit does not need; the next task's claim and pull
 // then overlap this one's commit. Until execute returns, the task counts
 // as running for admission (a.committing).
-func (a *Agent) execute(c *jobs.Claim, workDone func()) {
+func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 	st := c.Task.Stage
 	log := a.log.With(zap.String("job", c.Task.JobID), zap.String("stage", string(st)), zap.Int("attempt", c.Task.Attempt))
 	// The task starts here (a pushed claim was made with the task, maybe
@@ -352,7 +352,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func()) {
 	// producer about to push to it.
 	uncount := a.countCommitting(st)
 	defer uncount()
-	workDone()
+	workDone(err == nil) // a task stopped early says nothing of how long one takes
 
 	release := func() {
 		for _, id := range published {

@@ -20,6 +20,12 @@ import (
 // gossip shows the worker as it is.
 const GrantTTL = 2 * time.Second
 
+// ReturnTTL is how long a credit a producer's ledger gives back holds
+// (Return): long enough for the producer's next push, which is what it
+// is for, and short, since the worker keeps its slot for the producer
+// that long.
+const ReturnTTL = 500 * time.Millisecond
+
 // GrantTo chooses the one producer a worker's free slots are granted to
 // ahead of work, among producers: fed (the producer of the task that just
 // ended, if it is among them: affinity, it most likely has the next),
@@ -84,7 +90,7 @@ func (g *Grants) Return(node, stage string, slots int, now time.Time) {
 	if !ok || !now.Before(gr.until) {
 		gr = grant{}
 	}
-	gr.free, gr.until = min(gr.free+1, slots), now.Add(GrantTTL)
+	gr.free, gr.until = min(gr.free+1, slots), now.Add(ReturnTTL)
 	if gr.free <= 0 {
 		delete(g.m, k)
 		return

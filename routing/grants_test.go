@@ -60,7 +60,8 @@ func TestGrantToAffinityElseOneAtRandom(t *testing.T) {
 }
 
 // A pushed task's end gives one credit back, adding to what the table
-// holds, up to the worker's slots; a lapsed entry counts for nothing.
+// holds, up to the worker's slots, for ReturnTTL; a lapsed entry counts
+// for nothing.
 func TestGrantsReturn(t *testing.T) {
 	g := NewGrants()
 	now := time.Now()
@@ -76,7 +77,10 @@ func TestGrantsReturn(t *testing.T) {
 	if n := g.Free("w", "denoise", later); n != 1 {
 		t.Fatalf("a return after a lapsed grant holds %d, want 1", n)
 	}
-	if n := g.Free("w", "denoise", later.Add(GrantTTL)); n != 0 {
-		t.Fatalf("a return still holds %d after GrantTTL", n)
+	if n := g.Free("w", "denoise", later.Add(ReturnTTL-time.Millisecond)); n != 1 {
+		t.Fatalf("a return holds %d just before ReturnTTL, want 1", n)
+	}
+	if n := g.Free("w", "denoise", later.Add(ReturnTTL)); n != 0 {
+		t.Fatalf("a return still holds %d after ReturnTTL", n)
 	}
 }

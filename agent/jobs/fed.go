@@ -375,8 +375,19 @@ func (f *Fed) gone(key string, rev int64, credit bool) {
 		}
 		f.ended[key] = ended{rev: rev, at: now}
 	}
-	f.mu.Unlock()
+	// The slot the task held is free unless another of this ledger's
+	// tasks is pushed to the same worker: that one takes it next.
+	queued := false
 	if ok && credit && t.pushedTo != "" {
+		for _, e := range f.live {
+			if e.pushedTo == t.pushedTo {
+				queued = true
+				break
+			}
+		}
+	}
+	f.mu.Unlock()
+	if ok && credit && t.pushedTo != "" && !queued {
 		f.returnCredits([]string{t.pushedTo})
 	}
 }

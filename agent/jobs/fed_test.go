@@ -3,6 +3,7 @@ package jobs
 import (
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -311,5 +312,47 @@ func TestFedWatchesItsPrefixesOnly(t *testing.T) {
 		if !strings.HasSuffix(k, "/enc/") {
 			t.Fatalf("a watch of %q, want only enc's prefixes", k)
 		}
+	}
+}
+
+// A worker that still has another of this ledger's tasks pushed to it
+// starts that one in the slot the first leaves: the first's end returns no
+// credit (a credit returned then sent a third task to a busy worker), the
+// second's does.
+func TestFedReturnsNoCreditWhileAnotherIsQueued(t *testing.T) {
+	var mu sync.Mutex
+	var returned []string
+	s, lease, f, pend := twoEncodes(t, func(w string) { mu.Lock(); returned = append(returned, w); mu.Unlock() })
+	ctx := context.Background()
+	den := runQueue(t, s, Denoise)
+	for i := range pend {
+		c, err := s.TryClaim(ctx, pend[i], "enc", lease)
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := Output{Payloads: payload(fmt.Sprintf("cond%d", i), "enc"), Next: s.NextTask(c), Push: &Push{Node: "den-a", Lease: lease}}
+		if err := s.Commit(ctx, c, out); err != nil {
+			t.Fatal(err)
+		}
+		f.Created(c.Next)
+	}
+	within(t, "both pushes seen", func() bool { return len(den.Pushed("den-a", lease)) == 2 })
+	for i, dc := range den.Pushed("den-a", lease) {
+		den.Take(dc)
+		if err := s.Commit(ctx, dc, Output{Payloads: payload(fmt.Sprintf("latent%d", i), "den")}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The ledger takes the deletions in order, so a credit the first
+	// returned would come before the second's.
+	within(t, "both gone, a credit back", func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return fedCount(f) == 0 && len(returned) > 0
+	})
+	mu.Lock()
+	defer mu.Unlock()
+	if !slices.Equal(returned, []string{"den-a"}) {
+		t.Fatalf("credits returned to %q, want one to den-a, for the second task", returned)
 	}
 }

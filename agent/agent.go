@@ -142,7 +142,7 @@ type Agent struct {
 	held map[jobs.Stage]*atomic.Bool
 	// books keeps, per stage worked, to whom its free slots are promised
 	// and when its busy ones should free (slots.go).
-	books map[jobs.Stage]*slotBook
+	books map[jobs.Stage]*routing.SlotBook
 	// waiting is set per stage (every stage: any agent dispatches) while
 	// tasks wait in this agent's ledger of it (NodeMeta.Waiting).
 	waiting map[jobs.Stage]*atomic.Bool
@@ -175,7 +175,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.applyStateDir(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, grants: routing.NewGrants(), fed: map[jobs.Stage]*jobs.Fed{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, books: map[jobs.Stage]*slotBook{}, waiting: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, grants: routing.NewGrants(), fed: map[jobs.Stage]*jobs.Fed{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, books: map[jobs.Stage]*routing.SlotBook{}, waiting: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.pullCtx, a.stopPull = context.WithCancel(a.ctx)
 	a.running.init()
@@ -272,7 +272,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		a.metrics.InitStage(r)
 		a.blocked[r] = &atomic.Bool{}
 		a.held[r] = &atomic.Bool{}
-		a.books[r] = newSlotBook()
+		a.books[r] = routing.NewSlotBook()
 		a.committing[r] = &atomic.Int64{}
 	}
 	a.alarms = jobs.NewAlarmWatcher(cli, cfg.AlarmEvery, a.log)

@@ -18,7 +18,7 @@ import (
 // Credit grants (agent/grant, routing.Grants): a worker whose slot frees
 // grants it at once, to one dispatcher with work waiting for its stage,
 // or else to one producer that feeds the stage, which pushes its next task
-// there against it (a promise, slotBook). Gossip carries free credits a
+// there against it (a promise, routing.SlotBook). Gossip carries free credits a
 // round or two late, and the same to every producer: pushing by it sent a
 // third of the denoise tasks of a simulated 10,000-GPU mesh to workers
 // another producer had just filled. A producer whose pushed task is gone
@@ -50,7 +50,7 @@ func (a *Agent) creditReturned(st jobs.Stage, worker string) {
 // grantFreed gives this node's free slots of st an owner when task c of
 // it ends (its work done), when the stage takes work (not while draining,
 // held back by admission, or blocked): one party at a time holds a free
-// slot (slotBook), so that no two pushes meet on it. A task that reached
+// slot (routing.SlotBook), so that no two pushes meet on it. A task that reached
 // this node through its inbox (every task now: pushed or handed on) gives
 // its dispatcher the credit back from its own ledger once the commit
 // lands (Grants.Return), so the slot is that dispatcher's, for
@@ -63,7 +63,7 @@ func (a *Agent) grantFreed(st jobs.Stage, c *jobs.Claim) {
 		return
 	}
 	if d := c.Task.Dispatcher; c.Pushed && d != "" && d != a.id && a.alive(d) {
-		a.books[st].promise(d, time.Now(), routing.ReturnTTL)
+		a.books[st].Promise(d, time.Now(), routing.ReturnTTL)
 		return
 	}
 	a.grantIdle(st, c.Task.Producer())
@@ -111,7 +111,7 @@ func (a *Agent) grantIdle(st jobs.Stage, fed string) time.Time {
 		return time.Time{}
 	}
 	now := time.Now()
-	if to, until := a.books[st].promised(now); to != "" {
+	if to, until := a.books[st].Promised(now); to != "" {
 		return until
 	}
 	waiting, producers, records := a.grantees(st)
@@ -127,7 +127,7 @@ func (a *Agent) grantIdle(st jobs.Stage, fed string) time.Time {
 	if len(waiting) > 0 {
 		ttl = grantWaitingTTL
 	}
-	until := a.books[st].promise(to, now, ttl)
+	until := a.books[st].Promise(to, now, ttl)
 	a.sendGrant(records[to], st, free, ttl)
 	return until
 }
@@ -138,7 +138,7 @@ func (a *Agent) grantIdle(st jobs.Stage, fed string) time.Time {
 const grantWaitingTTL = routing.GrantTTL / 4
 
 // queueCredit is how many tasks of st beyond its free slots this node
-// would start soon enough to keep (slotBook.room): a dispatcher with work
+// would start soon enough to keep (routing.SlotBook.Room): a dispatcher with work
 // waiting is granted them with the free slots, so that the next task is in
 // this node's inbox when a slot frees, not handed on only then (a 1-slot
 // denoise of 3 ms tasks idled about a millisecond a task for the hand-on).
@@ -147,7 +147,7 @@ func (a *Agent) queueCredit(st jobs.Stage) int {
 	if q == nil {
 		return 0
 	}
-	return a.books[st].room(q.Waiting(a.member.Lease()), a.cfg.Queue.HoldFor, time.Now())
+	return a.books[st].Room(q.Waiting(a.member.Lease()), a.cfg.Queue.HoldFor, time.Now())
 }
 
 // grantable is how many slots of st this node may grant now: its free

@@ -146,7 +146,7 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 		// Back to its dispatcher, which hands it to a worker that grants
 		// it a slot: a hand-over here could only go by gossip's free
 		// slots, which lag, and a worker they show free may be as busy.
-		if a.cfg.Queue.GiveBack(c.StartedAt, now, others, a.books[st].startIn(k, now)) {
+		if a.cfg.Queue.GiveBack(c.StartedAt, now, others, a.books[st].StartIn(k, now)) {
 			a.giveBack(q, c, nil, "no free slot")
 			continue
 		}

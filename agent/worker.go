@@ -87,7 +87,7 @@ func (a *Agent) worker(st jobs.Stage) {
 		if err := credits.TryAcquire(); err != nil {
 			panic("agent: credit taken by someone else while claiming") // only this loop takes credits
 		}
-		revoke, slotFreed := a.books[st].take(c.Task.Dispatcher, time.Now())
+		revoke, slotFreed := a.books[st].Take(c.Task.Dispatcher, time.Now())
 		if revoke != "" {
 			a.revokeGrant(st, revoke)
 		}

@@ -122,6 +122,11 @@ type worker struct {
 	// pushes to it against the grant. -1: none.
 	grantTo    int32
 	grantUntil time.Duration
+	// book is its slot clock, the agent's (routing.SlotBook): when its
+	// busy slot should free, learnt from its tasks. slotDone frees the
+	// slot it took; nil while it runs nothing.
+	book     *routing.SlotBook
+	slotDone func(end time.Time, learn bool)
 }
 
 type stage struct {
@@ -230,7 +235,7 @@ func newSim(cfg Config) (*sim, error) {
 	for i, name := range costmodel.Stages {
 		st := &stage{i: i, compute: m.StageTime(name), inBytes: inBytes[i], wakeAt: -1, free: sizes[i], viewFree: sizes[i]}
 		for w := range sizes[i] {
-			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1, grantTo: -1})
+			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1, grantTo: -1, book: routing.NewSlotBook()})
 			st.names = append(st.names, fmt.Sprintf("%s-%d", name, w))
 		}
 		for w := range st.workers {
@@ -504,16 +509,17 @@ func (s *sim) giveBackCheck(t *task) {
 		return
 	}
 	// It starts this claim once its running task and the claims pushed
-	// before this one are done (the agent estimates the same from its
-	// tasks' progress, agent.startIn).
-	startIn := wk.busySince + st.compute - now
+	// before this one are done, as its slot clock estimates
+	// (routing.SlotBook.StartIn, the agent's).
+	k := 0
 	for _, u := range wk.pushed {
 		if u == t {
 			break
 		}
-		startIn += st.compute
+		k++
 	}
-	if !s.cfg.Queue.GiveBack(s.epoch.Add(t.pushedAt), s.epoch.Add(now), len(st.workers) > 1, max(startIn, 0)) {
+	startIn := wk.book.StartIn(k, s.epoch.Add(now))
+	if !s.cfg.Queue.GiveBack(s.epoch.Add(t.pushedAt), s.epoch.Add(now), len(st.workers) > 1, startIn) {
 		next := now + time.Second // kept: look again within a second
 		if due := t.pushedAt + s.cfg.Queue.StealGrace; due > now {
 			next = due
@@ -640,7 +646,7 @@ func (s *sim) pickHint(st *stage) int32 {
 }
 
 // roomInGossip is busy worker w's queue credit as gossip shows it, a
-// GossipDelay late (agent: slotBook.room): the tasks that would start
+// GossipDelay late (routing.SlotBook.Room): the tasks that would start
 // within the hold after its running one, less the claims pushed to it
 // that gossip has caught up with. Pushes since then are not seen yet,
 // which is how gossip's queue credit overbooks a worker.
@@ -652,21 +658,17 @@ func (s *sim) roomInGossip(st *stage, w *worker) int {
 			seen++
 		}
 	}
-	start := w.busySince + st.compute - now // the first waiting task's
-	if !w.busy {
-		// Idle, but not for a GossipDelay: gossip shows it busy, as it
-		// last published, with the room it had then.
-		start = 0
+	if w.busy {
+		return w.book.Room(seen, s.cfg.Queue.HoldFor, s.epoch.Add(now))
 	}
+	// Idle, but not for a GossipDelay: gossip shows it busy, as it last
+	// published, with the room it had as its task started.
 	n := 0
-	for k := seen; n < maxRoom && start+time.Duration(k)*st.compute <= s.cfg.Queue.HoldFor; k++ {
+	for k := seen; n < routing.MaxRoom && time.Duration(k+1)*st.compute <= s.cfg.Queue.HoldFor; k++ {
 		n++
 	}
 	return n
 }
-
-// maxRoom bounds a worker's queue credit, as the agent's does.
-const maxRoom = 8
 
 // pushTarget is the worker of st that producer p (a worker of the stage
 // before) pushes its new task to (agent.pushTarget): one that granted p
@@ -874,6 +876,7 @@ func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time
 		t.fromPush = true
 		s.removeWaiting(st, h)
 		wk.busy, wk.busySince, wk.grantTo = true, s.clk.now, -1 // a grant still out is taken back
+		_, wk.slotDone = wk.book.Take("", s.epoch.Add(s.clk.now))
 		s.setFree(st, -1)
 		s.clk.at(s.clk.now, event{kind: evClaimed, stage: int8(st.i), worker: h, task: t})
 		return
@@ -905,6 +908,7 @@ func (s *sim) claim(st *stage, w int32, t *task, at time.Duration) {
 	st.q.queued--
 	wk := st.workers[w]
 	wk.busy, wk.busySince, wk.grantTo = true, s.clk.now, -1 // a grant still out is taken back (agent.revokeGrant)
+	_, wk.slotDone = wk.book.Take("", s.epoch.Add(s.clk.now))
 	s.setFree(st, -1)
 	s.clk.at(at, event{kind: evClaimed, stage: int8(st.i), worker: w, task: t})
 }
@@ -990,6 +994,8 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	// worker's loop looks for its next task at once. Admission counts this
 	// task until its commit lands, and the views count its claim.
 	wk.busy, wk.idleSince = false, now
+	wk.slotDone(s.epoch.Add(now), true)
+	wk.slotDone = nil
 	s.setFree(st, +1)
 	st.committing++
 	s.addWaiting(st, w)

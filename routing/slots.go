@@ -1,4 +1,4 @@
-package agent
+package routing
 
 import (
 	"slices"
@@ -6,23 +6,22 @@ import (
 	"time"
 )
 
-// slotBook keeps, for one stage this agent works, what its credits
-// (routing.Credits) do not: to whom its free slots are promised ahead of
-// work, and when its busy slots should free.
+// SlotBook keeps, for one stage a worker works, what its credits
+// (Credits) do not: to whom its free slots are promised, and when its busy
+// slots should free. It is safe for concurrent use.
 //
-// A promise is a grant of the free slots to one producer of the stage's
-// input (grants.go), made when no dispatcher has work waiting for them:
-// that producer pushes its next task here against it, and no other
-// producer is promised them until the promise is spent or lapses
-// (routing.GrantTTL). One producer per slot is what keeps two pushes off
-// one slot. A slot taken by any other task (a dispatcher's hand-on of
-// waiting work, which comes first) ends the promise, and its holder is
-// told.
+// A free slot has one owner at a time (the agent's grants.go decides
+// who: the dispatcher of the task that just ended, a dispatcher with work
+// waiting, or a producer ahead of work, GrantTo), for a while (Promise):
+// one party per slot is what keeps two tasks off one slot. A slot taken by
+// a task from anyone but its owner ends the promise, and the owner is to
+// be told (Take).
 //
-// When a busy slot frees is estimated from how long this agent's tasks of
+// When a busy slot frees is estimated from how long the worker's tasks of
 // the stage have held a slot, so that a claim pushed to a busy worker is
-// kept when it would start soon (routing.QueuePolicy.GiveBack).
-type slotBook struct {
+// kept when it would start soon (QueuePolicy.GiveBack), and a short stage
+// offers queue credit (Room).
+type SlotBook struct {
 	mu    sync.Mutex
 	to    string    // the producer the free slots are promised to; "" for none
 	until time.Time // when the promise lapses
@@ -36,20 +35,21 @@ type slotBook struct {
 // few tasks.
 const slotMeanWeight = 8
 
-func newSlotBook() *slotBook { return &slotBook{busy: map[uint64]time.Time{}} }
+// NewSlotBook returns a book with no promise and no history.
+func NewSlotBook() *SlotBook { return &SlotBook{busy: map[uint64]time.Time{}} }
 
-// promise promises the free slots to to from now for ttl, and returns
+// Promise promises the free slots to to from now for ttl, and returns
 // when that lapses.
-func (b *slotBook) promise(to string, now time.Time, ttl time.Duration) time.Time {
+func (b *SlotBook) Promise(to string, now time.Time, ttl time.Duration) time.Time {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	b.to, b.until = to, now.Add(ttl)
 	return b.until
 }
 
-// promised is the producer the free slots are promised to at now, and
+// Promised is the producer the free slots are promised to at now, and
 // when that lapses; "" when they are not.
-func (b *slotBook) promised(now time.Time) (string, time.Time) {
+func (b *SlotBook) Promised(now time.Time) (string, time.Time) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.to == "" || !now.Before(b.until) {
@@ -58,13 +58,13 @@ func (b *slotBook) promised(now time.Time) (string, time.Time) {
 	return b.to, b.until
 }
 
-// take records a slot taken at now by a task that from pushed or handed
+// Take records a slot taken at now by a task that from pushed or handed
 // on. It ends the promise: revoke is its holder, when another took the
 // slot (the holder's grant is void: its push would find the slot busy).
 // done is called once the task gives its slot back, learn when it ran to
 // its end: a task preempted, drained or failed early would make the mean
 // say the stage is short, and workers keep tasks for short stages.
-func (b *slotBook) take(from string, now time.Time) (revoke string, done func(end time.Time, learn bool)) {
+func (b *SlotBook) Take(from string, now time.Time) (revoke string, done func(end time.Time, learn bool)) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.to != "" && now.Before(b.until) && b.to != from {
@@ -80,7 +80,7 @@ func (b *slotBook) take(from string, now time.Time) (revoke string, done func(en
 	}
 }
 
-func (b *slotBook) free(tok uint64, end time.Time, learn bool) {
+func (b *SlotBook) free(tok uint64, end time.Time, learn bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	held := end.Sub(b.busy[tok])
@@ -94,12 +94,12 @@ func (b *slotBook) free(tok uint64, end time.Time, learn bool) {
 	}
 }
 
-// startIn estimates how long from now the k-th task waiting for a slot
+// StartIn estimates how long from now the k-th task waiting for a slot
 // (0: the first) waits: the busy slots free in the order they are due,
 // each after mean, and a slot that frees takes the next task. Negative
 // when it cannot tell: no task has ended here yet, or no slot is busy
 // (the wait is for something else, such as admission).
-func (b *slotBook) startIn(k int, now time.Time) time.Duration {
+func (b *SlotBook) StartIn(k int, now time.Time) time.Duration {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.mean == 0 || len(b.busy) == 0 {
@@ -114,18 +114,18 @@ func (b *slotBook) startIn(k int, now time.Time) time.Duration {
 	return ends[k%n] + time.Duration(k/n)*b.mean
 }
 
-// maxRoom bounds the queue credit a stage offers beyond its free slots:
+// MaxRoom bounds the queue credit a stage offers beyond its free slots:
 // tasks that start within the hold (room).
-const maxRoom = 8
+const MaxRoom = 8
 
-// room is how many tasks beyond queued ones already waiting would start
-// within hold from now (startIn): the queue credit gossip offers
+// Room is how many tasks beyond queued ones already waiting would start
+// within hold from now (StartIn): the queue credit gossip offers
 // producers when the stage's slots are busy. None while the wait cannot
 // be told.
-func (b *slotBook) room(queued int, hold time.Duration, now time.Time) int {
+func (b *SlotBook) Room(queued int, hold time.Duration, now time.Time) int {
 	n := 0
-	for k := queued; n < maxRoom; k++ {
-		if in := b.startIn(k, now); in < 0 || in > hold {
+	for k := queued; n < MaxRoom; k++ {
+		if in := b.StartIn(k, now); in < 0 || in > hold {
 			break
 		}
 		n++

@@ -1,44 +1,42 @@
-package agent
+package routing
 
 import (
 	"testing"
 	"time"
-
-	"github.com/latentmesh/latentmesh/routing"
 )
 
 // A promise holds one producer until it lapses or a slot is taken; a slot
 // taken by anyone but its holder names the holder to take it back from.
 func TestSlotBookPromise(t *testing.T) {
-	b := newSlotBook()
+	b := NewSlotBook()
 	now := time.Unix(1000, 0)
-	if to, _ := b.promised(now); to != "" {
+	if to, _ := b.Promised(now); to != "" {
 		t.Fatalf("a new book promised its slots to %q", to)
 	}
-	b.promise("enc-1", now, routing.GrantTTL)
-	if to, until := b.promised(now.Add(time.Second)); to != "enc-1" || !until.Equal(now.Add(routing.GrantTTL)) {
-		t.Fatalf("promised to %q until %v, want enc-1 until %v", to, until, now.Add(routing.GrantTTL))
+	b.Promise("enc-1", now, GrantTTL)
+	if to, until := b.Promised(now.Add(time.Second)); to != "enc-1" || !until.Equal(now.Add(GrantTTL)) {
+		t.Fatalf("promised to %q until %v, want enc-1 until %v", to, until, now.Add(GrantTTL))
 	}
-	if to, _ := b.promised(now.Add(routing.GrantTTL)); to != "" {
+	if to, _ := b.Promised(now.Add(GrantTTL)); to != "" {
 		t.Fatalf("a lapsed promise still held, to %q", to)
 	}
 
-	b.promise("enc-1", now, routing.GrantTTL)
-	revoke, done := b.take("enc-1", now.Add(time.Millisecond))
+	b.Promise("enc-1", now, GrantTTL)
+	revoke, done := b.Take("enc-1", now.Add(time.Millisecond))
 	if revoke != "" {
 		t.Fatalf("the holder's own push spent the promise, yet %q is to be told", revoke)
 	}
-	if to, _ := b.promised(now.Add(time.Millisecond)); to != "" {
+	if to, _ := b.Promised(now.Add(time.Millisecond)); to != "" {
 		t.Fatalf("a spent promise still held, to %q", to)
 	}
 	done(now.Add(time.Second), true)
 
-	b.promise("enc-1", now.Add(2*time.Second), routing.GrantTTL)
-	if revoke, _ := b.take("enc-2", now.Add(2*time.Second)); revoke != "enc-1" {
+	b.Promise("enc-1", now.Add(2*time.Second), GrantTTL)
+	if revoke, _ := b.Take("enc-2", now.Add(2*time.Second)); revoke != "enc-1" {
 		t.Fatalf("a slot taken by another's task: revoke %q, want enc-1", revoke)
 	}
-	b.promise("enc-1", now, routing.GrantTTL)
-	if revoke, _ := b.take("enc-2", now.Add(routing.GrantTTL)); revoke != "" {
+	b.Promise("enc-1", now, GrantTTL)
+	if revoke, _ := b.Take("enc-2", now.Add(GrantTTL)); revoke != "" {
 		t.Fatalf("a lapsed promise needs no revoke, got %q", revoke)
 	}
 }
@@ -47,26 +45,26 @@ func TestSlotBookPromise(t *testing.T) {
 // here: the busy slots free in the order they are due, each serving the
 // next task, and an unknown mean or no busy slot cannot tell.
 func TestSlotBookStartIn(t *testing.T) {
-	b := newSlotBook()
+	b := NewSlotBook()
 	now := time.Unix(1000, 0)
-	_, done := b.take("", now)
-	if got := b.startIn(0, now); got >= 0 {
+	_, done := b.Take("", now)
+	if got := b.StartIn(0, now); got >= 0 {
 		t.Fatalf("no task ended yet: start in %v, want unknown", got)
 	}
 	done(now.Add(4*time.Second), true) // mean 4 s
-	if got := b.startIn(0, now.Add(4*time.Second)); got >= 0 {
+	if got := b.StartIn(0, now.Add(4*time.Second)); got >= 0 {
 		t.Fatalf("no slot busy: start in %v, want unknown (something else holds it)", got)
 	}
 	t0 := now.Add(10 * time.Second)
-	_, d1 := b.take("", t0)
-	_, d2 := b.take("", t0.Add(time.Second))
+	_, d1 := b.Take("", t0)
+	_, d2 := b.Take("", t0.Add(time.Second))
 	at := t0.Add(3 * time.Second) // slot 1 due in 1 s, slot 2 in 2 s
 	for k, want := range []time.Duration{time.Second, 2 * time.Second, 5 * time.Second, 6 * time.Second} {
-		if got := b.startIn(k, at); got != want {
+		if got := b.StartIn(k, at); got != want {
 			t.Errorf("task %d waiting: start in %v, want %v", k, got, want)
 		}
 	}
-	if got := b.startIn(0, t0.Add(time.Minute)); got != 0 {
+	if got := b.StartIn(0, t0.Add(time.Minute)); got != 0 {
 		t.Errorf("slots overdue: start in %v, want 0", got)
 	}
 	d1(t0.Add(4*time.Second), true)  // held 4 s: the mean stays
@@ -81,7 +79,7 @@ func TestSlotBookStartIn(t *testing.T) {
 	// A task stopped early (preempted, drained, failed) frees its slot
 	// and teaches nothing.
 	was := b.mean
-	_, d3 := b.take("", t0.Add(time.Minute))
+	_, d3 := b.Take("", t0.Add(time.Minute))
 	d3(t0.Add(time.Minute+time.Millisecond), false)
 	if b.mean != was || len(b.busy) != 0 {
 		t.Errorf("a task stopped after 1 ms: mean %v (was %v), %d slots busy", b.mean, was, len(b.busy))

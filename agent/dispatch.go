@@ -43,6 +43,16 @@ const dispatchEvery = 250 * time.Millisecond
 // ordering exists to avoid.
 const grantWait = 250 * time.Millisecond
 
+// gossipSettled is how long a worker's gossip must have stood still before
+// a dispatcher that waited grantWait hands it a task by its free slots: a
+// worker that is idle and granted this dispatcher nothing (its grant lost,
+// or gone elsewhere) says the same for long; one whose slot just freed is
+// most likely taken already (by the owner of that slot, or by another
+// dispatcher's grant), and its gossip is a round or two behind. Without
+// it, a 16-GPU Wan bench serve run handed 76 waiting tasks by gossip to
+// busy workers, each given back.
+const gossipSettled = time.Second
+
 // adoptEvery is how often one agent per stage sweeps the stage for tasks
 // whose dispatcher left, besides a sweep at every departure:
 // the net under a departure missed. (A task given back after its
@@ -317,7 +327,7 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 	}
 	credit := func(p gossip.Peer) routing.Target {
 		n := a.granted(p, st, now) - given[p.Record.ID]
-		if n <= 0 && byGossip && saidSince(p, t) {
+		if n <= 0 && byGossip && saidSince(p, t) && now.Sub(p.MetaAt) >= gossipSettled {
 			return routing.Target{Free: a.freeSlots(p, st) - given[p.Record.ID]}
 		}
 		return routing.Target{Free: n, Granted: true}

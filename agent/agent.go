@@ -792,7 +792,7 @@ func (a *Agent) meta() gossip.NodeMeta {
 		// nor while a stage has no room for its outputs, admission holds
 		// it back, or it has no engine slot. Producers hint and push only
 		// to those.
-		if !a.blocked[st].Load() && !a.held[st].Load() && !a.draining.Load() && a.runner.Slots(st) > 0 {
+		if a.takingWork(st) && a.runner.Slots(st) > 0 {
 			m.Roles = append(m.Roles, string(st))
 			_, free := a.slots(st)
 			m.Free.Set(string(st), uint32(free))

@@ -312,7 +312,7 @@ func (a *Agent) duePreemption(t jobs.Task, now time.Time) bool {
 }
 
 // assignTarget chooses the worker waiting task t goes to: pickWorker's
-// choice among those that granted this node a credit (granted, less what
+// choice among those that granted this node a credit (credit, less what
 // this pass gave each already; byGossip: or that gossip shows free), and
 // for interactive work past its preemption time with none free, a worker
 // that runs batch work it can stop for it (NodeMeta.Yields; the worker's
@@ -325,14 +325,18 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 		}
 		s.Adapter = "" // nobody has it: any worker fails the job (runAdapter)
 	}
-	credit := func(p gossip.Peer) routing.Target {
-		n := a.granted(p, st, now) - given[p.Record.ID]
-		if n <= 0 && byGossip && saidSince(p, t) && now.Sub(p.MetaAt) >= gossipSettled {
-			return routing.Target{Free: a.freeSlots(p, st) - given[p.Record.ID]}
+	// Against a grant (or this node's own free slot), less what this pass
+	// gave; by gossip's free slots only past grantWait (byGossip).
+	node := a.pickWorker(st, s, func(p gossip.Peer) routing.Target {
+		id := p.Record.ID
+		if c := a.credit(p, st, now); c.Granted && c.Free > given[id] {
+			return routing.Target{Free: c.Free - given[id], Granted: true}
 		}
-		return routing.Target{Free: n, Granted: true}
-	}
-	node := a.pickWorker(st, s, credit)
+		if byGossip && id != a.id && saidSince(p, t) && now.Sub(p.MetaAt) >= gossipSettled {
+			return routing.Target{Free: int(p.Meta.Free.For(string(st))) - given[id]}
+		}
+		return routing.Target{}
+	})
 	if node == "" && a.duePreemption(t, now) {
 		node = a.pickWorker(st, s, func(p gossip.Peer) routing.Target {
 			if p.Meta.Yields&gossip.StageBit(string(st)) != 0 && given[p.Record.ID] == 0 && saidSince(p, t) {
@@ -362,18 +366,6 @@ func (a *Agent) assignTarget(st jobs.Stage, t jobs.Task, now time.Time, given ma
 // given back, until its gossip caught up.
 func saidSince(p gossip.Peer, t jobs.Task) bool {
 	return t.Back != p.Record.ID || p.MetaAt.After(t.Seen)
-}
-
-// granted is how many waiting tasks of stage st this agent may hand to
-// peer p now: the credit p granted it (gossip's free slots are a round
-// or two late, and every dispatcher sees the same: each would push to the
-// same slot), or, for this node, its own free slots, which it knows
-// exactly.
-func (a *Agent) granted(p gossip.Peer, st jobs.Stage, now time.Time) int {
-	if p.Record.ID == a.id {
-		return a.freeSlots(p, st)
-	}
-	return a.grants.Free(p.Record.ID, string(st), now)
 }
 
 // givingBack wraps give, a give-back of claim c (Requeue, Yield,

@@ -2,7 +2,6 @@ package agent
 
 import (
 	"context"
-	"math/rand/v2"
 	"slices"
 	"time"
 
@@ -78,7 +77,7 @@ func (a *Agent) grantFreed(st jobs.Stage, c *jobs.Claim) {
 // millisecond a task for that round trip). The grant says how things
 // stand, so a dispatcher granted again holds the new figure, not the sum.
 func (a *Agent) grantQueue(st jobs.Stage, fed string) {
-	if a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() {
+	if !a.takingWork(st) {
 		return
 	}
 	room := a.queueCredit(st)
@@ -86,14 +85,9 @@ func (a *Agent) grantQueue(st jobs.Stage, fed string) {
 		return
 	}
 	waiting, _, records := a.grantees(st)
-	if len(waiting) == 0 {
-		return
+	if to := routing.GrantTo(waiting, fed, nil); to != "" {
+		a.sendGrant(records[to], st, room, grantWaitingTTL)
 	}
-	to := waiting[rand.IntN(len(waiting))]
-	if slices.Contains(waiting, fed) {
-		to = fed
-	}
-	a.sendGrant(records[to], st, room, grantWaitingTTL)
 }
 
 // grantIdle gives this node's free slots of st an owner unless they have
@@ -115,17 +109,13 @@ func (a *Agent) grantIdle(st jobs.Stage, fed string) time.Time {
 		return until
 	}
 	waiting, producers, records := a.grantees(st)
-	to := routing.GrantTo(producers, fed, nil)
+	to, ttl := routing.GrantTo(producers, fed, nil), routing.GrantTTL
 	if len(waiting) > 0 {
-		to = routing.GrantTo(waiting, fed, nil)
+		to, ttl = routing.GrantTo(waiting, fed, nil), grantWaitingTTL
 		free += a.queueCredit(st)
 	}
 	if to == "" {
 		return time.Time{}
-	}
-	ttl := routing.GrantTTL
-	if len(waiting) > 0 {
-		ttl = grantWaitingTTL
 	}
 	until := a.books[st].Promise(to, now, ttl)
 	a.sendGrant(records[to], st, free, ttl)
@@ -151,17 +141,20 @@ func (a *Agent) queueCredit(st jobs.Stage) int {
 }
 
 // grantable is how many slots of st this node may grant now: its free
-// ones that no claim in its inbox takes next, when the stage takes work
-// (not while draining, held back by admission, or blocked).
+// ones (slots leaves out those the claims in its inbox take next), when
+// the stage takes work.
 func (a *Agent) grantable(st jobs.Stage) int {
-	if a.draining.Load() || a.held[st].Load() || a.blocked[st].Load() {
+	if !a.takingWork(st) {
 		return 0
 	}
 	_, free := a.slots(st)
-	if q := a.inboxes[st]; q != nil {
-		free -= q.Waiting(a.member.Lease())
-	}
 	return free
+}
+
+// takingWork reports whether stage st takes work now: not while this
+// agent drains, admission holds the stage back, or no task's output fits.
+func (a *Agent) takingWork(st jobs.Stage) bool {
+	return !a.draining.Load() && !a.held[st].Load() && !a.blocked[st].Load()
 }
 
 // grantees are who gossip shows may be granted slots of st: the

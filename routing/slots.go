@@ -23,7 +23,7 @@ import (
 // offers queue credit (Room).
 type SlotBook struct {
 	mu    sync.Mutex
-	to    string    // the producer the free slots are promised to; "" for none
+	to    string    // the owner the free slots are promised to; "" for none
 	until time.Time // when the promise lapses
 	mean  time.Duration
 	busy  map[uint64]time.Time // slots taken, by token: when each was taken
@@ -47,7 +47,7 @@ func (b *SlotBook) Promise(to string, now time.Time, ttl time.Duration) time.Tim
 	return b.until
 }
 
-// Promised is the producer the free slots are promised to at now, and
+// Promised is the owner the free slots are promised to at now, and
 // when that lapses; "" when they are not.
 func (b *SlotBook) Promised(now time.Time) (string, time.Time) {
 	b.mu.Lock()
@@ -102,16 +102,7 @@ func (b *SlotBook) free(tok uint64, end time.Time, learn bool) {
 func (b *SlotBook) StartIn(k int, now time.Time) time.Duration {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.mean == 0 || len(b.busy) == 0 {
-		return -1
-	}
-	ends := make([]time.Duration, 0, len(b.busy))
-	for _, at := range b.busy {
-		ends = append(ends, max(0, at.Add(b.mean).Sub(now)))
-	}
-	slices.Sort(ends)
-	n := len(ends)
-	return ends[k%n] + time.Duration(k/n)*b.mean
+	return startIn(b.dueLocked(now), k, b.mean)
 }
 
 // MaxRoom bounds the queue credit a stage offers beyond its free slots:
@@ -123,12 +114,39 @@ const MaxRoom = 8
 // producers when the stage's slots are busy. None while the wait cannot
 // be told.
 func (b *SlotBook) Room(queued int, hold time.Duration, now time.Time) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	due := b.dueLocked(now)
 	n := 0
 	for k := queued; n < MaxRoom; k++ {
-		if in := b.StartIn(k, now); in < 0 || in > hold {
+		if in := startIn(due, k, b.mean); in < 0 || in > hold {
 			break
 		}
 		n++
 	}
 	return n
+}
+
+// dueLocked is how long from now each busy slot should free, soonest
+// first; nil when that cannot be told (no mean yet).
+func (b *SlotBook) dueLocked(now time.Time) []time.Duration {
+	if b.mean == 0 {
+		return nil
+	}
+	due := make([]time.Duration, 0, len(b.busy))
+	for _, at := range b.busy {
+		due = append(due, max(0, at.Add(b.mean).Sub(now)))
+	}
+	slices.Sort(due)
+	return due
+}
+
+// startIn is the k-th waiting task's wait when the busy slots free at due
+// and each task then holds one mean; -1 with no slot due.
+func startIn(due []time.Duration, k int, mean time.Duration) time.Duration {
+	n := len(due)
+	if n == 0 {
+		return -1
+	}
+	return due[k%n] + time.Duration(k/n)*mean
 }

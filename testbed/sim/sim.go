@@ -875,8 +875,7 @@ func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time
 		s.unpush(st, wk, t)
 		t.fromPush = true
 		s.removeWaiting(st, h)
-		wk.busy, wk.busySince, wk.grantTo = true, s.clk.now, -1 // a grant still out is taken back
-		_, wk.slotDone = wk.book.Take("", s.epoch.Add(s.clk.now))
+		s.occupy(wk)
 		s.setFree(st, -1)
 		s.clk.at(s.clk.now, event{kind: evClaimed, stage: int8(st.i), worker: h, task: t})
 		return
@@ -907,10 +906,23 @@ func (s *sim) claim(st *stage, w int32, t *task, at time.Duration) {
 	t.claimed = true
 	st.q.queued--
 	wk := st.workers[w]
-	wk.busy, wk.busySince, wk.grantTo = true, s.clk.now, -1 // a grant still out is taken back (agent.revokeGrant)
-	_, wk.slotDone = wk.book.Take("", s.epoch.Add(s.clk.now))
+	s.occupy(wk)
 	s.setFree(st, -1)
 	s.clk.at(at, event{kind: evClaimed, stage: int8(st.i), worker: w, task: t})
+}
+
+// occupy is worker wk's slot taken by a task, now: a grant of it still
+// out is taken back (agent.revokeGrant), and its slot clock starts.
+func (s *sim) occupy(wk *worker) {
+	wk.busy, wk.busySince, wk.grantTo = true, s.clk.now, -1
+	_, wk.slotDone = wk.book.Take("", s.epoch.Add(s.clk.now))
+}
+
+// release is worker wk's slot freed by a task that ran to its end, now.
+func (s *sim) release(wk *worker) {
+	wk.busy, wk.idleSince = false, s.clk.now
+	wk.slotDone(s.epoch.Add(s.clk.now), true)
+	wk.slotDone = nil
 }
 
 // start is a worker holding its task: the claim landed or it took a
@@ -993,9 +1005,7 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	// The credit goes back now, before the commit (agent.execute): the
 	// worker's loop looks for its next task at once. Admission counts this
 	// task until its commit lands, and the views count its claim.
-	wk.busy, wk.idleSince = false, now
-	wk.slotDone(s.epoch.Add(now), true)
-	wk.slotDone = nil
+	s.release(wk)
 	s.setFree(st, +1)
 	st.committing++
 	s.addWaiting(st, w)
@@ -1060,7 +1070,7 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 	}
 	if s.central() {
 		wk := st.workers[w]
-		wk.busy, wk.idleSince = false, now
+		s.release(wk)
 		s.setFree(st, +1)
 		s.addWaiting(st, w)
 		s.requestDispatch()

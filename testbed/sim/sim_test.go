@@ -40,6 +40,11 @@ func TestInvariants(t *testing.T) {
 				if st.free != len(st.workers) || len(st.waiting) != len(st.workers) || st.q.queued != 0 {
 					t.Fatalf("stage %d not drained: free %d waiting %d queued %d of %d", st.i, st.free, len(st.waiting), st.q.queued, len(st.workers))
 				}
+				for _, wk := range st.workers {
+					if wk.slotDone != nil {
+						t.Fatalf("stage %d: worker %d still holds a slot in its slot clock", st.i, wk.idx)
+					}
+				}
 				if m != Central && (st.viewFree != len(st.workers) || st.pushWaiting != 0 || st.committing != 0 || len(st.ready) != 0) {
 					t.Fatalf("stage %d: claims left: %d of %d workers hold none, %d pushed waiting, %d committing, %d ready", st.i, st.viewFree, len(st.workers), st.pushWaiting, st.committing, len(st.ready))
 				}

@@ -673,7 +673,7 @@ func watchKind(prefix, key string) string {
 	switch {
 	case !nested:
 		return rest
-	case top == "jobs" || top == "progress":
+	case top == "jobs" || top == "progress" || top == "ended":
 		return top + "/<job>"
 	case top == "payloads" || top == "holders":
 		return top + "/<node>/"

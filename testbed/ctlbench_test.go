@@ -127,6 +127,7 @@ func TestWatchKind(t *testing.T) {
 		p + "/queues/decode/tasks/1/decode-01/":                      "queues/decode/tasks/<class>/<node>/",
 		p + "/jobs/0123abcd":                                         "jobs/<job>",
 		p + "/progress/0123abcd":                                     "progress/<job>",
+		p + "/ended/0123abcd":                                        "ended/<job>",
 		p + "/payloads/denoise-01/":                                  "payloads/<node>/",
 		p + "/holders/decode-01/":                                    "holders/<node>/",
 		"/elsewhere/nodes/":                                          "/elsewhere/nodes/",

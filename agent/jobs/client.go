@@ -95,7 +95,7 @@ func (s *Store) SubmitTask(ctx context.Context, spec engine.Spec, opt Options) (
 			continue
 		}
 		if len(opt.Records) > 0 && cache.LeaseGone(err) && renewals < leaseRenewals {
-			if rerr := s.renewLeases(ctx, 0, opt.Records); rerr != nil {
+			if rerr := s.renewLeases(ctx, nil, opt.Records); rerr != nil {
 				return Job{}, Task{}, fmt.Errorf("jobs: submit: %w", rerr)
 			}
 			continue
@@ -152,13 +152,14 @@ func (s *Store) get(ctx context.Context, id string, opts ...clientv3.OpOption) (
 }
 
 // Wait blocks until the job is in a terminal state or ctx is done. It opens
-// one watch of the record, waits until etcd has created it, then reads the
-// record, and follows the watch, reading the records its events carry. The
-// order matters: a watch asked to start at a revision etcd has already
-// passed (the read's, once a stage committed since) is served by etcd's
-// unsynced-watcher loop, up to 100 ms later, which was most of a tiny job's
-// latency; a watch from now never is, and the read after it misses
-// nothing. A broken or compacted watch starts over.
+// one watch of the job's ended key (keys.go), waits until etcd has created
+// it, then reads the record, and returns at the record that key's event
+// carries: the transaction that finishes a job writes it, so a waiter sees
+// one event a job, not one a stage. The order matters: a watch asked to
+// start at a revision etcd has already passed (the read's) is served by
+// etcd's unsynced-watcher loop, up to 100 ms later, which was most of a
+// tiny job's latency; a watch from now never is, and the read after it
+// misses nothing. A broken watch starts over.
 func (s *Store) Wait(ctx context.Context, id string) (Job, error) {
 	if !validID(id) {
 		return Job{}, ErrNotFound
@@ -214,7 +215,7 @@ func (s *Store) Changes(ctx context.Context, id string) <-chan struct{} {
 // waitOnce is one watch of Wait: done when the job is terminal; neither
 // done nor an error when the watch ended first.
 func (s *Store) waitOnce(ctx context.Context, id string) (job Job, done bool, err error) {
-	wch := s.cli.Watch(ctx, s.jobKey(id), clientv3.WithCreatedNotify())
+	wch := s.cli.Watch(ctx, s.endedKey(id), clientv3.WithCreatedNotify())
 	select {
 	case wr, ok := <-wch:
 		if !ok || wr.Canceled || wr.Err() != nil {
@@ -235,20 +236,10 @@ func (s *Store) waitOnce(ctx context.Context, id string) (job Job, done bool, er
 			return Job{}, false, nil
 		}
 		for _, ev := range wr.Events {
-			if ev.Type == clientv3.EventTypeDelete {
-				return Job{}, false, nil // deleted: the next read says what became of it
-			}
-			// Most events are a stage committing: read the state alone
-			// (decoding into one field allocates nothing else), and the
-			// whole record only once it is the last.
-			var st struct {
-				State State `json:"state"`
-			}
-			if json.Unmarshal(ev.Kv.Value, &st) != nil || !st.State.Terminal() {
-				continue
-			}
+			// A put is the finishing transaction's copy of the record (its
+			// lease ending deletes it, long after).
 			var rec record
-			if json.Unmarshal(ev.Kv.Value, &rec) == nil {
+			if ev.Type == clientv3.EventTypePut && json.Unmarshal(ev.Kv.Value, &rec) == nil && rec.State.Terminal() {
 				return rec.Job, true, nil
 			}
 		}
@@ -303,17 +294,17 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 		rec.State, rec.Stage, rec.TaskKey = Cancelled, "", ""
 		rec.UpdatedAt = s.cfg.Now()
 		rec.Error = &Error{Code: "cancelled", Message: "cancelled by request"}
-		put, lease, _, err := s.putRecord(ctx, rec)
+		put, leases, _, err := s.recordOps(ctx, rec)
 		if err != nil {
 			return Job{}, fmt.Errorf("jobs: cancel %s: %w", id, err)
 		}
-		ops = append(ops, put)
+		ops = append(ops, put...)
 		resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(s.jobKey(id)), "=", rev)).Then(ops...).Commit()
 		if cache.LeaseGone(err) && marked {
 			mark = false // the holder's lease, maybe: its claim went with it; the next try says
 			continue
 		}
-		if s.leaseGone(err, lease) {
+		if s.leaseGone(err, leases) {
 			continue
 		}
 		if err != nil {
@@ -522,6 +513,7 @@ func (s *Store) Delete(ctx context.Context, id string) error {
 	}
 	resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(s.jobKey(id)), "=", rev)).Then(
 		clientv3.OpDelete(s.jobKey(id)),
+		clientv3.OpDelete(s.endedKey(id)),
 		clientv3.OpDelete(s.objectsOf(id), clientv3.WithPrefix()),
 	).Commit()
 	if err != nil {

@@ -84,11 +84,11 @@ type StagedRecord interface {
 // to wait, not a loop here.
 const leaseRenewals = 3
 
-// renewLeases forgets the job record's retention lease (the next putRecord
-// grants a fresh one) and renews those of the staged records.
-func (s *Store) renewLeases(ctx context.Context, lease clientv3.LeaseID, records []StagedRecord) error {
-	if lease != 0 {
-		s.ret.Forget(lease)
+// renewLeases forgets the job record's retention leases (the next
+// recordOps grants fresh ones) and renews those of the staged records.
+func (s *Store) renewLeases(ctx context.Context, leases []clientv3.LeaseID, records []StagedRecord) error {
+	for _, l := range leases {
+		s.ret.Forget(l)
 	}
 	for _, r := range records {
 		if err := r.Renew(ctx); err != nil {
@@ -150,11 +150,11 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			return err
 		}
 		rec.UpdatedAt = s.cfg.Now()
-		put, lease, raw, err := s.putRecord(ctx, rec)
+		put, leases, raw, err := s.recordOps(ctx, rec)
 		if err != nil {
 			return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, err)
 		}
-		ops := append(s.finishOps(c), put)
+		ops := append(s.finishOps(c), put...)
 		ops = append(ops, extra...)
 		if carry != nil {
 			ops = append(ops, carry(raw)...)
@@ -172,7 +172,7 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 		if cache.LeaseGone(err) && renewals < leaseRenewals {
 			// The error does not say whose lease is gone: renew them all.
 			renewals++
-			if rerr := s.renewLeases(ctx, lease, records); rerr != nil {
+			if rerr := s.renewLeases(ctx, leases, records); rerr != nil {
 				return fmt.Errorf("jobs: %s %s/%s: %w", what, c.Task.JobID, c.Task.Stage, rerr)
 			}
 			continue

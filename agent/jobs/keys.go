@@ -7,6 +7,7 @@ package jobs
 //
 //	key                                                 value          lifetime
 //	jobs/<job>                                          record (Job)   until finished; then a retention lease
+//	ended/<job>                                         record (Job)   written as it finishes; 10 minutes (Wait)
 //	progress/<job>                                      Progress       the worker's lease
 //	queues/<stage>/tasks/<class>/<creator>/<ns>-<task>  Task           until its stage commits
 //	queues/<stage>/claims/<node>/<task>                 claimRecord    the worker's lease
@@ -28,6 +29,11 @@ import (
 // Key layout. Values are JSON (except result parts) so etcdctl shows them.
 func (s *Store) jobKey(id string) string      { return s.cfg.Prefix + "/jobs/" + id }
 func (s *Store) progressKey(id string) string { return s.cfg.Prefix + "/progress/" + id }
+
+// endedKey is a copy of a job's record written by the transaction that
+// finishes it, on a short lease: Wait watches it, so a waiting client sees
+// one event a job, not one a stage.
+func (s *Store) endedKey(id string) string { return s.cfg.Prefix + "/ended/" + id }
 
 // A stage's claims are kept by the node that holds them, so a worker
 // follows its own (its Inbox) and no other's; a stage's tasks are kept by

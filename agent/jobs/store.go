@@ -145,28 +145,54 @@ func (s *Store) readRecord(ctx context.Context, id string, opts ...clientv3.OpOp
 	return rec, resp.Kvs[0].ModRevision, resp.Header.Revision, nil
 }
 
-// putRecord is the write of a job record: a finished job's goes on the
+// endedTTL is how long a finished job's ended key (keys.go) lives, at
+// most (a shorter retention takes it with the record): the waiters at its
+// end have returned long before; one that comes later reads the record and
+// finds it finished.
+const endedTTL = 10 * time.Minute
+
+// recordOps are the writes of a job record: a finished job's goes on the
 // retention lease of its bucket, so etcd deletes it when the retention
-// passes. lease is 0 for a record that does not expire.
-func (s *Store) putRecord(ctx context.Context, rec record) (put clientv3.Op, lease clientv3.LeaseID, raw string, err error) {
+// passes, and is copied to the job's ended key, which Wait watches (one
+// event a job, not one a stage). leases are the leases the ops name, for
+// leaseGone.
+func (s *Store) recordOps(ctx context.Context, rec record) (ops []clientv3.Op, leases []clientv3.LeaseID, raw string, err error) {
 	raw = mustJSON(rec)
-	if !rec.State.Terminal() || s.cfg.Retention == 0 {
-		return clientv3.OpPut(s.jobKey(rec.ID), raw), 0, raw, nil
+	if !rec.State.Terminal() {
+		return []clientv3.Op{clientv3.OpPut(s.jobKey(rec.ID), raw)}, nil, raw, nil
 	}
-	lease, _, err = s.ret.Lease(ctx, s.cfg.Retention)
-	if err != nil {
-		return clientv3.Op{}, 0, "", err
+	var put clientv3.Op
+	if s.cfg.Retention == 0 {
+		put = clientv3.OpPut(s.jobKey(rec.ID), raw)
+	} else {
+		lease, _, err := s.ret.Lease(ctx, s.cfg.Retention)
+		if err != nil {
+			return nil, nil, "", err
+		}
+		put, leases = clientv3.OpPut(s.jobKey(rec.ID), raw, clientv3.WithLease(lease)), append(leases, lease)
 	}
-	return clientv3.OpPut(s.jobKey(rec.ID), raw, clientv3.WithLease(lease)), lease, raw, nil
+	if s.cfg.Retention == 0 || s.cfg.Retention > endedTTL {
+		// The ended key goes before the record does.
+		ended, _, err := s.ret.Lease(ctx, endedTTL)
+		if err != nil {
+			return nil, nil, "", err
+		}
+		leases = append(leases, ended)
+	}
+	// Otherwise the record's own lease: the ended key goes with it.
+	ops = []clientv3.Op{put, clientv3.OpPut(s.endedKey(rec.ID), raw, clientv3.WithLease(leases[len(leases)-1]))}
+	return ops, leases, raw, nil
 }
 
-// leaseGone reports whether a write failed because etcd no longer knows its
-// retention lease (an etcd replaced or restored); the lease is forgotten and
-// the caller writes again with a fresh one.
-func (s *Store) leaseGone(err error, lease clientv3.LeaseID) bool {
-	if lease == 0 || !cache.LeaseGone(err) {
+// leaseGone reports whether a write failed because etcd no longer knows one
+// of its retention leases (an etcd replaced or restored); the leases are
+// forgotten and the caller writes again with fresh ones.
+func (s *Store) leaseGone(err error, leases []clientv3.LeaseID) bool {
+	if len(leases) == 0 || !cache.LeaseGone(err) {
 		return false
 	}
-	s.ret.Forget(lease)
+	for _, l := range leases {
+		s.ret.Forget(l)
+	}
 	return true
 }

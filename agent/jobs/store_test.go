@@ -181,3 +181,84 @@ func TestLifecycle(t *testing.T) {
 		t.Fatalf("cancel finished: %v", err)
 	}
 }
+
+// A waiting client follows the job's ended key, which only the finishing
+// transaction writes: its watch gets one event a job, not one a stage
+// commit, and it still returns at the terminal state, whether it began
+// before the first stage, between stages or after the end.
+func TestWaitSeesOneEventAJob(t *testing.T) {
+	s, cli := newStore(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	lease := grant(t, cli)
+	job, err := s.Submit(ctx, spec(), Options{Class: routing.Standard})
+	if err != nil {
+		t.Fatal(err)
+	}
+	events := make(chan int, 1)
+	wctx, stopWatch := context.WithCancel(ctx)
+	wch := cli.Watch(wctx, s.endedKey(job.ID))
+	go func() {
+		n := 0
+		for wr := range wch {
+			n += len(wr.Events)
+		}
+		events <- n
+	}()
+	type waited struct {
+		job Job
+		err error
+	}
+	wait := func() <-chan waited {
+		ch := make(chan waited, 1)
+		go func() {
+			j, err := s.Wait(ctx, job.ID)
+			ch <- waited{j, err}
+		}()
+		return ch
+	}
+	before := wait()
+	enc := claimOne(t, s, Encode, "enc-1", lease)
+	if err := s.Commit(ctx, enc, Output{Payloads: payload("emb", "enc-1")}); err != nil {
+		t.Fatal(err)
+	}
+	between := wait()
+	den := claimOne(t, s, Denoise, "den-1", lease)
+	if err := s.Commit(ctx, den, Output{Payloads: payload("lat", "den-1")}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case w := <-before:
+		t.Fatalf("Wait returned before the job ended: %+v %v", w.job, w.err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	dec := claimOne(t, s, Decode, "dec-1", lease)
+	res := &Result{ContentType: "image/png", Bytes: 42, SHA256: "ab", Object: ResultID(job.ID)}
+	if err := s.Commit(ctx, dec, Output{Result: res}); err != nil {
+		t.Fatal(err)
+	}
+	for name, ch := range map[string]<-chan waited{"before the first stage": before, "between stages": between, "after the end": wait()} {
+		if w := <-ch; w.err != nil || w.job.State != Succeeded || w.job.Result == nil || *w.job.Result != *res {
+			t.Errorf("Wait begun %s: %+v, %v; want the succeeded job", name, w.job, w.err)
+		}
+	}
+	// The ended key is the finished record, on a lease of its own.
+	r, err := cli.Get(ctx, s.endedKey(job.ID))
+	if err != nil || len(r.Kvs) != 1 || r.Kvs[0].Lease == 0 {
+		t.Fatalf("ended key: %+v %v; want the record on a lease", r, err)
+	}
+	if rec, _ := cli.Get(ctx, s.jobKey(job.ID)); len(rec.Kvs) != 1 || string(rec.Kvs[0].Value) != string(r.Kvs[0].Value) {
+		t.Errorf("ended key's value is not the finished record")
+	}
+	stopWatch()
+	if n := <-events; n != 1 {
+		t.Errorf("the ended key saw %d events over the job's three commits, want 1", n)
+	}
+	// Deleting the job deletes its ended key.
+	if err := s.Delete(ctx, job.ID); err != nil {
+		t.Fatal(err)
+	}
+	if r, _ := cli.Get(ctx, s.endedKey(job.ID), clientv3.WithCountOnly()); r.Count != 0 {
+		t.Errorf("ended key left after the job's delete")
+	}
+}

@@ -162,12 +162,15 @@ func (s *Store) followMarkers(epoch context.Context, next int64) int64 {
 }
 
 // applyMarkers applies one response of the markers' watch and returns the
-// revision of its last event (0 for none). A new marker's record is read
-// as of the marker's revision, whose transaction wrote the record too, and
-// watched from there: a new record costs each holder one event (the
-// marker's) and one read, and a record deleted before its holder read it
-// still commits, then frees, the copy it named. Watching the record from
-// the marker's revision would cost its write's event too.
+// revision of its last event (0 for none). A new marker carries the record
+// its transaction wrote (marker.go), which is the record as of the
+// marker's revision: the holder loads it and watches the record from the
+// next revision, so a new record costs each holder one event (the
+// marker's) and no read, and a record deleted before its holder's watch
+// began still commits, then frees, the copy it named. A marker without a
+// record (one written before markers carried it) has the record read as of
+// the marker's revision. Watching the record from the marker's revision
+// would cost its write's event too.
 func (s *Store) applyMarkers(epoch context.Context, wr clientv3.WatchResponse) int64 {
 	if len(wr.Events) == 0 {
 		return 0
@@ -183,7 +186,12 @@ func (s *Store) applyMarkers(epoch context.Context, wr clientv3.WatchResponse) i
 		case ev.Type == mvccpb.PUT && e == nil:
 			e = s.idx.addLocked(id)
 			e.marker = rev
-			s.followKeyLocked(epoch, e, 0, rev)
+			if l := s.carried(ev.Kv, id); l != nil {
+				s.applyLocked(e, l, rev)
+				s.followKeyLocked(epoch, e, rev+1, 0)
+			} else {
+				s.followKeyLocked(epoch, e, 0, rev)
+			}
 		case ev.Type == mvccpb.PUT:
 			e.marker = rev
 		case e != nil:
@@ -194,6 +202,21 @@ func (s *Store) applyMarkers(epoch context.Context, wr clientv3.WatchResponse) i
 	rev := wr.Events[len(wr.Events)-1].Kv.ModRevision
 	s.idx.rev = max(s.idx.rev, rev)
 	return rev
+}
+
+// carried is the thin record a marker's put carries (encodeThin), which
+// is object id's record as the marker's transaction wrote it, with the
+// marker's revision and lease; nil for an empty marker, or one that does
+// not carry a record of id (which the record's read then settles).
+func (s *Store) carried(marker *mvccpb.KeyValue, id string) *listed {
+	if len(marker.Value) == 0 {
+		return nil
+	}
+	rec, err := decodeThin(marker.Value)
+	if err != nil || rec.ID != id {
+		return nil
+	}
+	return &listed{Record: rec, modRev: marker.ModRevision, lease: clientv3.LeaseID(marker.Lease), thin: true}
 }
 
 // followKeyLocked starts the watch of e's record from revision next; with
@@ -297,17 +320,48 @@ func (s *Store) applyKey(e *entry, wr clientv3.WatchResponse) int64 {
 	return e.rev
 }
 
+// whole is l, a record this node follows, as etcd holds it when l is a
+// marker's thin copy (l itself otherwise): what a rewrite of the record,
+// or a reader, needs. The entry takes it while its record is still the
+// one l copies; nil, with no error, when the record is gone.
+func (s *Store) whole(ctx context.Context, l *listed) (*listed, error) {
+	if !l.thin {
+		return l, nil
+	}
+	resp, err := s.cli.Get(ctx, ObjectKey(s.cfg.Prefix, l.ID))
+	if err != nil {
+		return nil, err
+	}
+	ls := s.decodeListed(resp.Kvs)
+	if len(ls) != 1 {
+		return nil, nil
+	}
+	s.idx.mu.Lock()
+	if e := s.idx.getLocked(l.ID); e != nil && e.rec != nil && e.rec.thin && e.rec.modRev == ls[0].modRev {
+		e.rec = ls[0]
+	}
+	s.idx.mu.Unlock()
+	return ls[0], nil
+}
+
 // loadedLocked sets e to the state of its record kv (nil: none) read at
 // revision rev, and applies that state to the copies of its object as a
 // pass would (judgeLocked). A staged copy past its timeout waits for the
 // pass.
 func (s *Store) loadedLocked(e *entry, kv *mvccpb.KeyValue, rev int64) {
-	e.rec, e.rev = nil, rev
+	var l *listed
 	if kv != nil {
 		if ls := s.decodeListed([]*mvccpb.KeyValue{kv}); len(ls) == 1 {
-			e.rec = ls[0]
+			l = ls[0]
 		}
 	}
+	s.applyLocked(e, l, rev)
+}
+
+// applyLocked sets e to the record l (nil: none) as of revision rev, and
+// applies it to the copies of its object as a pass would (judgeLocked).
+func (s *Store) applyLocked(e *entry, l *listed, rev int64) {
+	e.rec, e.rev = l, rev
 	now := s.cfg.Now()
 	for _, c := range s.hold.copiesOf(e.id) {
 		s.judgeLocked(c, e, now)

@@ -14,6 +14,9 @@ type listed struct {
 	Record
 	modRev int64
 	lease  clientv3.LeaseID
+	// thin: taken from a marker (thinRecord), not the record itself; read
+	// the record (Store.whole) before acting on it.
+	thin bool
 }
 
 // entry is one object this node follows: a marker of its points to the

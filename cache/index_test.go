@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"reflect"
 	"slices"
 	"strings"
 	"sync"
@@ -333,6 +334,7 @@ func TestIndexFollowsOwnRecords(t *testing.T) {
 		}
 		return rec
 	}
+	reads := kv.ranges.Load()
 	a := put(n, "a")
 	put(n, "b")
 	put(other, "c")
@@ -340,7 +342,11 @@ func TestIndexFollowsOwnRecords(t *testing.T) {
 	if idx := indexOf(s); len(idx) != 2 || idx["c"] != 0 {
 		t.Fatalf("index %v, want a and b alone", idx)
 	}
-	reads := kv.ranges.Load()
+	// Each holder took the new record from its marker, which carries it.
+	if n := kv.ranges.Load() - reads; n != 0 {
+		t.Errorf("three puts cost %d reads of records, want 0", n)
+	}
+	reads = kv.ranges.Load()
 	a.ContentType = "image/png"
 	c.putRecord(ctx, a)
 	indexMatches(t, c, s, "rewrite indexed")
@@ -365,8 +371,8 @@ func TestIndexFollowsOwnRecords(t *testing.T) {
 }
 
 // A record written for two holders reaches those two Stores' watches and
-// no other: a write costs each holder one event (its marker; it then
-// reads the record), and a blind delete two more (the record, then the
+// no other: a write costs each holder one event (its marker, which
+// carries the record), and a blind delete two more (the record, then the
 // marker its holder drops), however many nodes the mesh has. No watch is
 // opened on all of objects/.
 func TestRecordReachesOnlyItsHolders(t *testing.T) {
@@ -637,4 +643,60 @@ func BenchmarkMaintainPass(b *testing.B) {
 	}
 	run("holder", holder.s)
 	run("collector", collector.s)
+}
+
+// A marker carries its record thinned: each holder learns what its copy
+// needs from the marker's event (no read), the marker stays small, and
+// the whole record is read only to act on it, never written back thin.
+func TestMarkersCarryThinRecords(t *testing.T) {
+	c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: quiet})
+	ctx := testCtx(t)
+	rec, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "job1.result", Mode: Pinned, Replicas: 2, ContentType: "image/png"}, pattern(objSize, 3))
+	if err != nil {
+		t.Fatal(err)
+	}
+	whole, err := c.cli.Get(uncounted(ctx), ObjectKey(c.prefix, rec.ID))
+	if err != nil || len(whole.Kvs) != 1 {
+		t.Fatalf("record: %v %v", whole, err)
+	}
+	for _, h := range holderNodes(rec) {
+		resp, err := c.cli.Get(uncounted(ctx), markerKey(c.prefix, h, rec.ID))
+		if err != nil || len(resp.Kvs) != 1 {
+			t.Fatalf("%s's marker: %v %v", h, resp, err)
+		}
+		m := resp.Kvs[0]
+		got, err := decodeThin(m.Value)
+		if err != nil {
+			t.Fatalf("%s's marker does not carry a record: %q", h, m.Value)
+		}
+		for i, gh := range got.Holders {
+			if wh := rec.Holders[i]; gh.Node != wh.Node || gh.Tier != wh.Tier || gh.Ref.ID != wh.Ref.ID {
+				t.Errorf("%s's marker names holder %+v, want %+v", h, gh, wh)
+			}
+		}
+		if got.ID != rec.ID || got.Checksum != rec.Checksum || got.Mode != rec.Mode || got.Replicas != rec.Replicas || len(got.Holders) != len(rec.Holders) {
+			t.Errorf("%s's marker carries %+v, want the thin copy of %+v", h, got, rec)
+		}
+		if len(m.Value) > 300 || len(m.Value) >= len(whole.Kvs[0].Value)/4 || m.ModRevision != whole.Kvs[0].ModRevision {
+			t.Errorf("%s's marker: %d bytes at revision %d, the record %d bytes at %d: want at most 300 and under a quarter, same revision", h, len(m.Value), m.ModRevision, len(whole.Kvs[0].Value), whole.Kvs[0].ModRevision)
+		}
+		n := c.node(h)
+		wantStats(t, n, "committed from the marker", func(ls LocalStats) bool { return ls.Copies == 1 && ls.Staged == 0 })
+		n.s.idx.mu.Lock()
+		l := n.s.idx.getLocked(rec.ID).rec
+		n.s.idx.mu.Unlock()
+		if l == nil || !l.thin {
+			t.Fatalf("%s's entry %+v, want the marker's thin copy", h, l)
+		}
+		// Acting on it reads the record: whole, and the entry keeps it.
+		w, err := n.s.whole(ctx, l)
+		if err != nil || w == nil || w.thin || !reflect.DeepEqual(w.Record, rec) {
+			t.Fatalf("whole: %+v %v, want the record %+v", w, err, rec)
+		}
+		n.s.idx.mu.Lock()
+		if e := n.s.idx.getLocked(rec.ID); e.rec != w {
+			t.Errorf("%s's entry kept %+v after the read, want the whole record", h, e.rec)
+		}
+		n.s.idx.mu.Unlock()
+	}
 }

@@ -264,6 +264,13 @@ func (s *Store) unlistMissing(ctx context.Context, l *listed) (changed bool) {
 	if !ok || s.hold.has(ref.ID) {
 		return false
 	}
+	l, err := s.whole(ctx, l)
+	if err != nil || l == nil {
+		return true // gone (its watch says so), or etcd away: the next pass
+	}
+	if ref, ok = l.Holds(s.cfg.Node); !ok || s.hold.has(ref.ID) {
+		return true
+	}
 	var recovered *copyOf
 	for _, c := range s.hold.copiesOf(l.ID) {
 		if c.recovered && c.ref.Checksum == l.Checksum {

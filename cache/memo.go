@@ -40,6 +40,7 @@ func flightKey(prefix, id string) string { return prefix + "/objflight/" + id }
 // neither holds nor read within Config.EntryTTL. A record whose every
 // holder left the mesh is no entry (its copy went with them).
 func (s *Store) Entry(ctx context.Context, id string) (Record, bool) {
+	s.wholeEntry(ctx, id)
 	if rec, ok, known := s.knownEntry(id); known {
 		return rec, ok
 	}
@@ -57,7 +58,9 @@ func (s *Store) Entry(ctx context.Context, id string) (Record, bool) {
 // reports that it knows the entry, or that it is none.
 func (s *Store) knownEntry(id string) (rec Record, ok, known bool) {
 	s.idx.mu.Lock()
-	if e := s.idx.getLocked(id); e != nil && e.rev != 0 { // a record that names this node, or did
+	// A record that names this node, or did; a marker's thin copy is not
+	// enough for a reader (wholeEntry reads the record the first time).
+	if e := s.idx.getLocked(id); e != nil && e.rev != 0 && (e.rec == nil || !e.rec.thin) {
 		known = true
 		if e.rec != nil {
 			rec = e.rec.Record
@@ -72,6 +75,21 @@ func (s *Store) knownEntry(id string) (rec Record, ok, known bool) {
 	}
 	s.hold.touchObject(id) // a use, if the copy is here
 	return rec, true, true
+}
+
+// wholeEntry replaces the thin copy of object id's record that this
+// node's marker gave it, if that is what it has, with the record: once,
+// on the entry's first lookup here.
+func (s *Store) wholeEntry(ctx context.Context, id string) {
+	s.idx.mu.Lock()
+	var l *listed
+	if e := s.idx.getLocked(id); e != nil && e.rec != nil && e.rec.thin {
+		l = e.rec
+	}
+	s.idx.mu.Unlock()
+	if l != nil {
+		s.whole(ctx, l) // an error leaves it thin: Entry reads the record itself
+	}
 }
 
 // readEntry is the entry whose record val was read from etcd, if it is

@@ -95,7 +95,8 @@ func (s *Store) repairAll(ctx context.Context, ls []*listed, members []Member, a
 		}
 		wg.Go(func() {
 			defer func() { <-sem }()
-			if !s.repair(ctx, l, cands, alive) {
+			l, err := s.whole(ctx, l)
+			if err != nil || l != nil && !s.repair(ctx, l, cands, alive) {
 				short.Store(true)
 			}
 		})

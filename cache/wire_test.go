@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"reflect"
 	"strings"
 	"testing"
 
@@ -367,4 +368,28 @@ func TestRequestRoom(t *testing.T) {
 	if n := len(encodeFrame(t, &r)); n > 12<<10 || n >= requestRoom {
 		t.Fatalf("the largest request takes %d bytes; requestRoom is %d and its comment says under 12 KiB", n, requestRoom)
 	}
+}
+
+// A marker's value is written by any node: decodeThin takes any bytes
+// without panicking, refuses one over maxThin or naming more than
+// maxHolders holders, and what it accepts encodes back to the same record.
+func FuzzThinRecord(f *testing.F) {
+	rec := Record{ID: "j1.result", Checksum: 7, Mode: Pinned, Replicas: 2,
+		Holders: []Holder{{Node: "a", Tier: Memory, Ref: transfer.Ref{ID: "p1"}}, {Node: "b", Tier: Disk, Ref: transfer.Ref{ID: "p2"}}}}
+	f.Add([]byte(encodeThin(rec)))
+	f.Add([]byte(`{"i":"x","h":[` + strings.Repeat(`{"n":"a"},`, 20) + `{"n":"a"}]}`))
+	f.Add([]byte(`{"i":"../x"}`))
+	f.Fuzz(func(t *testing.T, b []byte) {
+		got, err := decodeThin(b)
+		if err != nil {
+			return
+		}
+		if len(b) > maxThin || len(got.Holders) > maxHolders || !ValidID(got.ID) {
+			t.Fatalf("accepted %d bytes naming %d holders, id %q", len(b), len(got.Holders), got.ID)
+		}
+		again, err := decodeThin([]byte(encodeThin(got)))
+		if err != nil || !reflect.DeepEqual(again, got) {
+			t.Fatalf("round trip: %+v %v, want %+v", again, err, got)
+		}
+	})
 }

@@ -1030,14 +1030,12 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		// state, so the record, for recovery, does not hold up the next
 		// assignment.
 		s.etcd.write(now, 1)
-		s.etcd.event(now, 1)
 		if st.i == 2 {
+			s.etcd.event(now, 1) // the ended key: the client's long poll
 			s.keepResult(now)
 		}
 	} else {
 		s.etcd.write(now, 1)
-		// The job record changed: the client's long poll watches it.
-		s.etcd.event(now, 1)
 		// The task and its claim deleted: the task's dispatcher's ledger
 		// sees it (the worker's inbox takes puts only).
 		s.stageEvent(st, 1)
@@ -1049,6 +1047,10 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 			s.etcd.event(now, 1)
 		}
 		if st.i == 2 {
+			// The finishing commit writes the job's ended key, which the
+			// client's long poll watches (jobs.Store.Wait): one event a
+			// job, whichever design.
+			s.etcd.event(now, 1)
 			s.keepResult(now) // its record is written by this commit
 		}
 		s.hold(st, st.workers[w], -1)
@@ -1081,13 +1083,12 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 // keepResult is the Store taking a job's result in: its object record,
 // with a marker for each of its two holders, written with the decode's
 // commit (the mesh) or the dispatcher's record of it (central); each
-// holder's Store watches its own markers (holders/<node>/), reads the
-// record the marker names, and watches that record while it holds it
-// (cache/follow.go). Both designs keep results in the Store alike: where
-// the result lives is not the dispatcher's choice.
+// holder's Store watches its own markers (holders/<node>/), takes the
+// record from the marker, which carries it, and watches the record while
+// it holds it (cache/follow.go). Both designs keep results in the Store
+// alike: where the result lives is not the dispatcher's choice.
 func (s *sim) keepResult(now time.Duration) {
 	s.etcd.event(now, 2)
-	s.etcd.read(now, 2)
 	s.etcd.watch(now, 2)
 }
 

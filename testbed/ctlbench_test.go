@@ -56,9 +56,15 @@ func TestControlBench(t *testing.T) {
 		positive("txns/job", f.PerJob.Txns)
 		positive("jobs/s", f.JobsPerSec)
 		positive("idle seconds", f.IdleSeconds)
-		// Every job's long poll watches its record, and its record is
-		// written: the client's own count of what its watches received.
-		positive("events/job at jobs/<job>", f.EventsByWatch["jobs/<job>"])
+		// Every job's long poll watches its ended key, which the job's
+		// end writes once: the client's own count of what its watches
+		// received.
+		if got := f.EventsByWatch["ended/<job>"]; got != 1 {
+			t.Errorf("%d agents: %v events/job at ended/<job>, want 1", f.Agents, got)
+		}
+		if got := f.EventsByWatch["jobs/<job>"]; got != 0 {
+			t.Errorf("%d agents: %v events/job at jobs/<job>: nothing watches a job's record while it runs", f.Agents, got)
+		}
 		if f.IdlePerAgent.Proposals < 0 || f.IdlePerAgent.Ranges < 0 {
 			t.Errorf("%d agents: idle counters went backwards: %+v", f.Agents, f.IdlePerAgent)
 		}

@@ -24,6 +24,8 @@ import (
 	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/testbed/costmodel"
+	"github.com/latentmesh/latentmesh/testbed/sim"
 	"github.com/latentmesh/latentmesh/testbed/simgpu"
 	"github.com/latentmesh/latentmesh/transfer"
 )
@@ -152,6 +154,32 @@ type ControlBenchFleet struct {
 	// IdlePerAgent is etcd's counters over the idle window, per agent
 	// and second.
 	IdlePerAgent EtcdCost `json:"idle_per_agent_s"`
+	// Sim is what the simulator counts for a job on a fleet of this shape
+	// (simulateFleet), to check it against etcd's count.
+	Sim SimPerJob `json:"sim"`
+}
+
+// SimPerJob is the simulator's count of what a job costs etcd on a mesh
+// of a fleet's shape: testbed/sim's Mesh mode on 1 encode, the fleet's
+// denoise and 1 decode GPU, every job's texts cached as here, at 30% of
+// the pools' capacity for an hour (no task waits for a slot, as with the
+// bench's two clients).
+type SimPerJob struct {
+	Jobs   int     `json:"jobs"`
+	Writes float64 `json:"writes"` // write transactions: compare EtcdCost.Txns
+	Events float64 `json:"watch_events"`
+}
+
+// simulateFleet runs the simulator on a fleet of n agents' shape.
+func simulateFleet(n int) (SimPerJob, error) {
+	c := sim.DefaultConfig()
+	c.Mode, c.Seed, c.Load, c.Duration = sim.Mesh, 1, 0.3, time.Hour
+	c.GPUs, c.Pools, c.CondCached = n, costmodel.Pools{Encode: 1, Denoise: n - 2, Decode: 1}, true
+	r, err := sim.Run(c)
+	if err != nil {
+		return SimPerJob{}, err
+	}
+	return SimPerJob{Jobs: r.Completed, Writes: r.EtcdWritesPerJob, Events: r.EtcdEventsPerJob}, nil
 }
 
 // EtcdCost is a difference of etcd's counters, scaled (per job, or per
@@ -365,6 +393,9 @@ func runControlFleet(ctx context.Context, cfg ControlBenchConfig, i, n int) (f C
 		if d := v - e0[k]; d != 0 {
 			f.EventsByWatch[k] = float64(d) / float64(f.Jobs)
 		}
+	}
+	if f.Sim, err = simulateFleet(n); err != nil {
+		return f, "", err
 	}
 	return f, s2.version, nil
 }
@@ -697,10 +728,10 @@ func watchKind(prefix, key string) string {
 func (rep ControlBenchReport) WriteTable(w io.Writer) error {
 	fmt.Fprintf(w, "etcd %s; %d jobs of %d steps per fleet, %d clients\n", rep.EtcdVersion, rep.Jobs, rep.Steps, rep.Clients)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	fmt.Fprintln(tw, "agents\tevents/job\tproposals/job\tranges/job\ttxns/job\tidle proposals/agent/s\tidle ranges/agent/s\tjobs/s\t")
+	fmt.Fprintln(tw, "agents\tevents/job\tproposals/job\tranges/job\ttxns/job\tidle proposals/agent/s\tidle ranges/agent/s\tjobs/s\tsim events/job\tsim txns/job\t")
 	for _, f := range rep.Fleets {
-		fmt.Fprintf(tw, "%d\t%.1f\t%.2f\t%.1f\t%.2f\t%.3f\t%.3f\t%.1f\t\n", f.Agents, f.PerJob.Events, f.PerJob.Proposals,
-			f.PerJob.Ranges, f.PerJob.Txns, f.IdlePerAgent.Proposals, f.IdlePerAgent.Ranges, f.JobsPerSec)
+		fmt.Fprintf(tw, "%d\t%.1f\t%.2f\t%.1f\t%.2f\t%.3f\t%.3f\t%.1f\t%.1f\t%.2f\t\n", f.Agents, f.PerJob.Events, f.PerJob.Proposals,
+			f.PerJob.Ranges, f.PerJob.Txns, f.IdlePerAgent.Proposals, f.IdlePerAgent.Ranges, f.JobsPerSec, f.Sim.Events, f.Sim.Writes)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -731,8 +762,36 @@ func (rep ControlBenchReport) WriteTable(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err := fmt.Fprintln(w, rep.Verdict())
+	if _, err := fmt.Fprintln(w, rep.Verdict()); err != nil {
+		return err
+	}
+	_, err := fmt.Fprintln(w, rep.SimVerdict())
 	return err
+}
+
+// SimAgreement is how far the simulator's counts a job may be from
+// etcd's (ControlBenchFleet.Sim): it models the agent's operations, and a
+// drift between them is a bug in one.
+const SimAgreement = 0.10
+
+// SimOff is the largest relative difference, over the fleets, between
+// the simulator's events and write transactions a job and etcd's.
+func (rep ControlBenchReport) SimOff() (events, writes float64) {
+	for _, f := range rep.Fleets {
+		events = max(events, math.Abs(f.Sim.Events-f.PerJob.Events)/f.PerJob.Events)
+		writes = max(writes, math.Abs(f.Sim.Writes-f.PerJob.Txns)/f.PerJob.Txns)
+	}
+	return events, writes
+}
+
+// SimVerdict says whether the simulator's counts agree with etcd's.
+func (rep ControlBenchReport) SimVerdict() string {
+	ev, wr := rep.SimOff()
+	ok := "yes"
+	if ev > SimAgreement || wr > SimAgreement {
+		ok = "no"
+	}
+	return fmt.Sprintf("simulator against etcd, a job on the same fleets: events at most %.0f%% off, write txns %.0f%% off (within %.0f%%: %s)", 100*ev, 100*wr, 100*SimAgreement, ok)
 }
 
 // Verdict compares the largest fleet's events and proposals per job with

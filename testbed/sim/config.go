@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/latentmesh/latentmesh/routing"
+	"github.com/latentmesh/latentmesh/testbed/costmodel"
 )
 
 // Mode is the control plane being simulated.
@@ -171,6 +172,14 @@ type Config struct {
 	Mode  Mode
 	Model string // a costmodel model
 	GPUs  int    // split into encode:denoise:decode pools by costmodel.PlanPools
+	// Pools, if set, are the pools instead (GPUs must be their sum): a
+	// real mesh's shape, to compare counts with (testbed's bench control).
+	Pools costmodel.Pools
+	// CondCached has every job's texts in the conditioning cache: a job
+	// has no encode task (the submit queues its denoise task, whose input
+	// is the cache's entry, never released), as every job after the first
+	// of a repeated prompt on a real mesh.
+	CondCached bool
 	// Duration is how long jobs arrive; the run then drains every job.
 	Duration time.Duration
 	// Load is the arrival rate as a fraction of the pools' capacity.
@@ -235,6 +244,9 @@ func DefaultConfig() Config {
 func (c Config) check() error {
 	if c.GPUs < 3 {
 		return fmt.Errorf("sim: %d GPUs: need at least one per stage", c.GPUs)
+	}
+	if p := c.Pools; p != (costmodel.Pools{}) && (p.Encode < 1 || p.Denoise < 1 || p.Decode < 1 || p.Encode+p.Denoise+p.Decode != c.GPUs) {
+		return fmt.Errorf("sim: pools %s: want at least one GPU a stage, %d in all", p, c.GPUs)
 	}
 	if c.Duration <= 0 || !(c.Load > 0) {
 		return errors.New("sim: duration and load must be positive")

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"strconv"
 	"time"
@@ -188,6 +189,21 @@ type sim struct {
 	dispPending   bool
 }
 
+// poolCapacity is the jobs/s pools sustain of model m: the slowest
+// stage's pool over its stage time (encode left out when every job's
+// texts are cached).
+func poolCapacity(m costmodel.Model, p costmodel.Pools, condCached bool) float64 {
+	capacity := math.Inf(1)
+	for i, name := range costmodel.Stages {
+		if i == 0 && condCached {
+			continue
+		}
+		n := [3]int{p.Encode, p.Denoise, p.Decode}[i]
+		capacity = min(capacity, float64(n)/m.StageTime(name).Seconds())
+	}
+	return capacity
+}
+
 // Run simulates one configuration.
 func Run(cfg Config) (Result, error) {
 	s, err := newSim(cfg)
@@ -212,6 +228,9 @@ func newSim(cfg Config) (*sim, error) {
 	plan, err := costmodel.PlanPools(m, cfg.GPUs, 0)
 	if err != nil {
 		return nil, err
+	}
+	if cfg.Pools != (costmodel.Pools{}) {
+		plan.Pools, plan.Capacity = cfg.Pools, poolCapacity(m, cfg.Pools, cfg.CondCached)
 	}
 	s := &sim{
 		cfg:    cfg,
@@ -364,7 +383,11 @@ func (s *sim) arrive() {
 	j := &job{id: s.nextID, class: s.class(), arrive: now}
 	s.nextID++
 	s.submitted++
-	t := newTask(j, 0, now)
+	first := 0
+	if s.cfg.CondCached {
+		first = 1 // no encode task: denoise reads the cached entry
+	}
+	t := newTask(j, first, now)
 	if s.central() {
 		// The dispatcher records the job durably (one write, as the mesh's
 		// submit) and queues it once the write lands; the client
@@ -384,7 +407,7 @@ func (s *sim) arrive() {
 	// client long-polls the job (httpapi wait, Store.Wait: a watch, then a
 	// read).
 	if s.cfg.Queue.Push {
-		if h := s.pickHint(s.st[0]); h >= 0 {
+		if h := s.pickHint(s.st[first]); h >= 0 {
 			t.hint, t.pushTo, t.pushedAt = h, h, now
 		}
 	}
@@ -1039,11 +1062,12 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		// The task and its claim deleted: the task's dispatcher's ledger
 		// sees it (the worker's inbox takes puts only).
 		s.stageEvent(st, 1)
-		if st.i > 0 {
+		if st.i > 1 || st.i == 1 && !s.cfg.CondCached {
 			// The consumed input's payload record is deleted: its
 			// producer's release watch (payloads/<producer>/) alone sees
 			// it. The new output's record is a put, which that watch
-			// filters out.
+			// filters out. A cache entry is no payload: it outlives its
+			// consumers.
 			s.etcd.event(now, 1)
 		}
 		if st.i == 2 {

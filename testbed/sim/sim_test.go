@@ -1,6 +1,7 @@
 package sim
 
 import (
+	"github.com/latentmesh/latentmesh/testbed/costmodel"
 	"math"
 	"testing"
 	"time"
@@ -240,5 +241,40 @@ func TestGrantedPushesMeetFreeSlots(t *testing.T) {
 	t.Logf("%d jobs: %.3f give-backs a job, %.3f claim txns a job, %.2f of tasks pushed", r.Completed, r.GiveBacksPerJob, r.ClaimTxnsPerJob, r.PushedShare)
 	if r.GiveBacksPerJob > 0.05 || r.ClaimTxnsPerJob > 0.05 || r.PushedShare < 0.98 {
 		t.Fatalf("%.3f give-backs and %.3f claim txns a job, %.2f of tasks pushed; want at most 0.05, 0.05 and at least 0.98", r.GiveBacksPerJob, r.ClaimTxnsPerJob, r.PushedShare)
+	}
+}
+
+// A mesh of a real fleet's shape whose jobs' texts are all cached (bench
+// control's): no encode task runs, every job completes once, and a job
+// costs the submit and two commits, and per stage its inbox's and its
+// ledger's events, the payload release of the latent alone (the cached
+// entry is no payload), the ended key and the result's two holders.
+func TestCondCachedPools(t *testing.T) {
+	for _, m := range []Mode{Mesh, Central} {
+		t.Run(m.String(), func(t *testing.T) {
+			cfg := smallConfig(m)
+			cfg.GPUs, cfg.Pools, cfg.CondCached, cfg.Load = 6, costmodel.Pools{Encode: 1, Denoise: 4, Decode: 1}, true, 0.3
+			s, r := runSim(t, cfg)
+			if r.Completed == 0 || r.Completed != r.Submitted || r.Pools != cfg.Pools {
+				t.Fatalf("completed %d of %d on pools %s", r.Completed, r.Submitted, r.Pools)
+			}
+			if n := s.pushedStarts[0] + s.claimedStarts[0]; n != 0 {
+				t.Errorf("%d encode tasks started, want none", n)
+			}
+			jobs := uint64(r.Completed)
+			t.Logf("%d jobs: %.2f writes, %.2f events a job; %d claim txns, %d give-backs", jobs, r.EtcdWritesPerJob, r.EtcdEventsPerJob, r.ClaimTxns, r.GiveBacks)
+			if m == Central {
+				if s.etcd.writes != 3*jobs || s.etcd.events != 3*jobs {
+					t.Errorf("%d writes and %d events for %d jobs, want 3 and 3 a job", s.etcd.writes, s.etcd.events, jobs)
+				}
+				return
+			}
+			if want := 3*jobs + r.ClaimTxns + r.GiveBacks; s.etcd.writes != want {
+				t.Errorf("%d writes, want %d (%d jobs, %d claim txns, %d give-backs)", s.etcd.writes, want, jobs, r.ClaimTxns, r.GiveBacks)
+			}
+			if r.ClaimTxns == 0 && r.GiveBacks == 0 && s.etcd.events != 10*jobs {
+				t.Errorf("%d events for %d jobs, every task pushed: want 10 a job", s.etcd.events, jobs)
+			}
+		})
 	}
 }

@@ -5,7 +5,7 @@
 // routing.Admission.Admit, routing.PickHint) on modelled etcd latency and
 // capacity, gossip delay and transfer bandwidth, with stage costs from
 // testbed/costmodel, and counts the etcd operations a job costs as
-// agent/worker.go, agent/push.go and agent/jobs issue them. MeasureEtcd measures the etcd figures on this machine (embedded
+// agent/worker.go, agent/execute.go, agent/push.go and agent/jobs issue them. MeasureEtcd measures the etcd figures on this machine (embedded
 // etcd), so the model's capacity is not a guess. Only cmd/latentmesh-dev uses it.
 package sim
 

@@ -76,6 +76,11 @@ type Config struct {
 	// second per 64 MiB of the object): a paused or cut-off candidate costs
 	// its object this, and the next candidate is asked.
 	RepairTimeout time.Duration
+	// VerifyEvery is how often a record that its holders follow by their
+	// markers alone (a Pinned one: a result) is read again, a batch of
+	// them a pass: a write that left a holder's marker unchanged (a blind
+	// put over it, a blind delete no writer told it of) reaches it then.
+	VerifyEvery time.Duration
 	// RepairRetry is how soon a pass follows one that left an object of
 	// this node's short of copies (a repair failed: a candidate full or
 	// cut off, etcd away), instead of waiting for MaintainEvery.
@@ -157,6 +162,7 @@ func DefaultConfig() Config {
 		MaintainEvery:  10 * time.Second, // a departure is kicked at once; this is the safety net
 		RepairTimeout:  3 * time.Second,  // an answering holder copies a small object in milliseconds
 		RepairRetry:    time.Second,      // a failed repair is tried again soon, not a period later
+		VerifyEvery:    time.Hour,        // every write of a result tells its holders' markers; this is the safety net
 		RepairParallel: 8,                // a departed holder's objects mend together
 		RecentJoin:     30 * time.Second, // longer than a restart loop's period
 		OrphanBatch:    500,              // at most 500 records and job records read a pass; 2,000 objects all judged in 40 s
@@ -188,7 +194,7 @@ func (c Config) validate() (Config, error) {
 		return c, errors.New("cache: config: SpillCapacity needs a SpillDir")
 	case c.Replicas < 1 || c.Replicas > 8:
 		return c, fmt.Errorf("cache: config: Replicas %d not in [1,8]", c.Replicas)
-	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0 || c.MemoWait <= 0 || c.EntryTTL < 0:
+	case c.StageTimeout <= 0 || c.RequestTimeout <= 0 || c.MaintainEvery <= 0 || c.VerifyEvery <= 0 || c.ExpiryGrace < 0 || c.LostGrace < 0 || c.MemoWait <= 0 || c.EntryTTL < 0:
 		return c, errors.New("cache: config: timeouts must be positive (start from DefaultConfig)")
 	case c.RepairTimeout <= 0 || c.RepairRetry <= 0 || c.RepairParallel < 1 || c.RecentJoin < 0:
 		return c, errors.New("cache: config: RepairTimeout, RepairRetry and RepairParallel must be positive (start from DefaultConfig)")

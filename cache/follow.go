@@ -85,6 +85,11 @@ func (s *Store) listMarkers(epoch context.Context) (int64, error) {
 	for id, e := range s.idx.entries {
 		if _, ok := markers[id]; !ok {
 			e.marker = 0
+			if e.byMarker {
+				// Its marker was its only news: gone, the record no
+				// longer names this node (or is gone too).
+				s.applyLocked(e, nil, resp.Header.Revision)
+			}
 			s.forgetIfDoneLocked(e)
 		}
 	}
@@ -136,7 +141,7 @@ func (s *Store) load(ctx, epoch context.Context, ids []string) error {
 				kv = kvs[0]
 			}
 			s.loadedLocked(e, kv, rev)
-			s.followKeyLocked(epoch, e, rev+1, 0)
+			s.follow(epoch, e, rev)
 		}
 		s.idx.mu.Unlock()
 	}
@@ -188,14 +193,20 @@ func (s *Store) applyMarkers(epoch context.Context, wr clientv3.WatchResponse) i
 			e.marker = rev
 			if l := s.carried(ev.Kv, id); l != nil {
 				s.applyLocked(e, l, rev)
-				s.followKeyLocked(epoch, e, rev+1, 0)
+				s.follow(epoch, e, rev)
 			} else {
 				s.followKeyLocked(epoch, e, 0, rev)
 			}
 		case ev.Type == mvccpb.PUT:
 			e.marker = rev
+			if l := s.carried(ev.Kv, id); l != nil && e.byMarker {
+				s.applyLocked(e, l, rev) // a rewrite that still names this node
+			}
 		case e != nil:
 			e.marker = 0
+			if e.byMarker {
+				s.applyLocked(e, nil, rev) // unlisted, or the record deleted with its markers
+			}
 			s.forgetIfDoneLocked(e)
 		}
 	}
@@ -217,6 +228,17 @@ func (s *Store) carried(marker *mvccpb.KeyValue, id string) *listed {
 		return nil
 	}
 	return &listed{Record: rec, modRev: marker.ModRevision, lease: clientv3.LeaseID(marker.Lease), thin: true}
+}
+
+// follow has e, just loaded as of revision rev, followed from there: by
+// its marker alone for a record byMarkerOnly keeps so, by a watch of its
+// key otherwise.
+func (s *Store) follow(epoch context.Context, e *entry, rev int64) {
+	if byMarkerOnly(e.rec) {
+		e.byMarker, e.checked = true, s.cfg.Now()
+		return
+	}
+	s.followKeyLocked(epoch, e, rev+1, 0)
 }
 
 // followKeyLocked starts the watch of e's record from revision next; with

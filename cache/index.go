@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
@@ -22,7 +23,8 @@ type listed struct {
 // entry is one object this node follows: a marker of its points to the
 // object's record (or the node found a record naming one of its copies
 // without one, checkUnnamed), and a watch of the record's key keeps rec
-// current (follow.go).
+// current (follow.go), or, for a record followed by its markers alone,
+// the marker's own events.
 type entry struct {
 	id  string
 	rec *listed // the record as of rev; nil: none
@@ -31,7 +33,22 @@ type entry struct {
 	rev    int64
 	marker int64              // this node's marker's mod revision; 0: none
 	stop   context.CancelFunc // ends the key's watch; nil until it starts
+	// byMarker: the record is followed by this node's marker alone, no
+	// watch of its key (byMarkerOnly); checked is when it was last read.
+	byMarker bool
+	checked  time.Time
 }
+
+// byMarkerOnly reports whether a record's holders follow it by their
+// markers alone. A Pinned record (a job's result) lives as long as its
+// retention, days, and changes only by writes that tell its holders'
+// markers: its repairs and unlistings, which put every holder's marker,
+// its job's deletion and the collector, which delete them, and its
+// lease's end, which takes them with it. A watch of each such record on
+// each holder would be thousands of watches an agent, held for days.
+// Other records live for a stage or a checkpoint's while, and are deleted
+// blind (a consuming commit, a job's end): their holders watch them.
+func byMarkerOnly(l *listed) bool { return l != nil && l.Mode == Pinned }
 
 // names reports whether e's record names node.
 func (e *entry) names(node string) bool { return e.rec != nil && names(e.rec.Holders, node) }

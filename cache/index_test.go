@@ -306,11 +306,13 @@ func indexMatches(t *testing.T, c *cluster, s *Store, what string) {
 	})
 }
 
-// The watches keep each node's index to the records that name it:
-// records put, rewritten and deleted through etcd appear in it, change and
-// leave without any pass, a record naming another node never does, and no
-// pass reads the records from etcd. A record deleted blind leaves its
-// holder's marker, which the holder's next pass drops.
+// The watches keep each node's index to the records that name it (here
+// objects whose holders watch their records; a result is followed by its
+// markers alone, TestResultFollowedByMarkers): records put, rewritten and
+// deleted through etcd appear in it, change and leave without any pass, a
+// record naming another node never does, and no pass reads the records
+// from etcd. A record deleted blind leaves its holder's marker, which the
+// holder's next pass drops.
 func TestIndexFollowsOwnRecords(t *testing.T) {
 	kv := &countingKV{}
 	c := newCluster(t, clusterConfig{nodes: 2, mem: 4 << 20, tune: quiet, client: kv.install})
@@ -328,7 +330,7 @@ func TestIndexFollowsOwnRecords(t *testing.T) {
 	}
 	put := func(on *node, id string) Record {
 		t.Helper()
-		rec, err := on.s.PutBytes(ctx, PutSpec{ID: id, Mode: Pinned, Local: true}, pattern(4096, 9))
+		rec, err := on.s.PutBytes(ctx, PutSpec{ID: id, Mode: TTL, TTL: time.Hour, Local: true}, pattern(4096, 9))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -371,72 +373,90 @@ func TestIndexFollowsOwnRecords(t *testing.T) {
 }
 
 // A record written for two holders reaches those two Stores' watches and
-// no other: a write costs each holder one event (its marker, which
-// carries the record), and a blind delete two more (the record, then the
-// marker its holder drops), however many nodes the mesh has. No watch is
-// opened on all of objects/.
+// no other, however many nodes the mesh has: a write costs each holder one
+// event (its marker, which carries the record); a delete (Delete deletes
+// the markers with the record) one more for a result, which its holders
+// follow by their markers alone and never watch, and two for an object
+// its holders watch (the record, the marker). No watch is opened on all
+// of objects/.
 func TestRecordReachesOnlyItsHolders(t *testing.T) {
-	w := &countingWatcher{}
-	c := newCluster(t, clusterConfig{nodes: 4, mem: 4 << 20, tune: quiet, client: w.install})
-	ctx := testCtx(t)
-	before := map[string]int64{}
-	for _, n := range c.nodes {
-		before[n.name] = n.s.LocalStats().WatchEvents
-	}
-	rec, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "shared", Mode: Pinned, Replicas: 2}, pattern(objSize, 5))
-	if err != nil {
-		t.Fatal(err)
-	}
-	holders := holderNodes(rec)
-	if len(holders) != 2 {
-		t.Fatalf("holders %v, want 2", holders)
-	}
-	events := func(n *node) int64 { return n.s.LocalStats().WatchEvents - before[n.name] }
-	for _, h := range holders {
-		n := c.node(h)
-		wantStats(t, n, "committed", func(ls LocalStats) bool { return ls.Copies == 1 && ls.Staged == 0 })
-		eventually(t, 10*time.Second, h+" follows the record", func() error {
-			n.s.idx.mu.Lock()
-			defer n.s.idx.mu.Unlock()
-			if e := n.s.idx.getLocked(rec.ID); e == nil || e.rev == 0 {
-				return errors.New("not yet")
+	for _, tc := range []struct {
+		spec  PutSpec
+		byKey bool // its holders watch the record's key
+	}{
+		{PutSpec{ID: "j1.result", Mode: Pinned, Replicas: 2}, false},
+		{PutSpec{ID: "j1.ckpt.000010", Mode: TTL, TTL: time.Hour, Replicas: 2}, true},
+	} {
+		t.Run(string(tc.spec.Mode), func(t *testing.T) {
+			w := &countingWatcher{}
+			c := newCluster(t, clusterConfig{nodes: 4, mem: 4 << 20, tune: quiet, client: w.install})
+			ctx := testCtx(t)
+			before := map[string]int64{}
+			for _, n := range c.nodes {
+				before[n.name] = n.s.LocalStats().WatchEvents
 			}
-			return nil
+			rec, err := c.nodes[0].s.PutBytes(ctx, tc.spec, pattern(objSize, 5))
+			if err != nil {
+				t.Fatal(err)
+			}
+			holders := holderNodes(rec)
+			if len(holders) != 2 {
+				t.Fatalf("holders %v, want 2", holders)
+			}
+			events := func(n *node) int64 { return n.s.LocalStats().WatchEvents - before[n.name] }
+			for _, h := range holders {
+				n := c.node(h)
+				wantStats(t, n, "committed", func(ls LocalStats) bool { return ls.Copies == 1 && ls.Staged == 0 })
+				eventually(t, 10*time.Second, h+" follows the record", func() error {
+					n.s.idx.mu.Lock()
+					defer n.s.idx.mu.Unlock()
+					if e := n.s.idx.getLocked(rec.ID); e == nil || e.rev == 0 {
+						return errors.New("not yet")
+					}
+					return nil
+				})
+				if got := events(n); got != 1 {
+					t.Errorf("holder %s received %d events, want 1 (its marker)", h, got)
+				}
+			}
+			if err := c.nodes[0].s.Delete(ctx, rec.ID); err != nil {
+				t.Fatal(err)
+			}
+			want := int64(2)
+			if tc.byKey {
+				want = 3
+			}
+			for _, h := range holders {
+				n := c.node(h)
+				wantStats(t, n, "freed by the delete's event", func(ls LocalStats) bool { return ls.Copies == 0 })
+				eventually(t, 10*time.Second, h+" saw its marker go", func() error {
+					if got := events(n); got != want {
+						return fmt.Errorf("%d events, want %d", got, want)
+					}
+					return nil
+				})
+			}
+			for _, n := range c.nodes {
+				if !slices.Contains(holders, n.name) {
+					if got := events(n); got != 0 {
+						t.Errorf("%s, no holder, received %d events of the record", n.name, got)
+					}
+				}
+			}
+			var total int
+			for key, n := range w.snapshot() {
+				total += n
+				if key == ObjectsPrefix(c.prefix) || key == c.prefix+"/" {
+					t.Errorf("a watch of %s received %d events", key, n)
+				}
+				if key == ObjectKey(c.prefix, rec.ID) && !tc.byKey {
+					t.Errorf("a result's record was watched (%d events): its holders follow it by their markers", n)
+				}
+			}
+			if total != 2*int(want) {
+				t.Errorf("the mesh's watches received %d events, want %d: %v", total, 2*want, w.snapshot())
+			}
 		})
-		if got := events(n); got != 1 {
-			t.Errorf("holder %s received %d events, want 1 (its marker)", h, got)
-		}
-	}
-	if err := c.nodes[0].s.Delete(ctx, rec.ID); err != nil {
-		t.Fatal(err)
-	}
-	for _, h := range holders {
-		n := c.node(h)
-		wantStats(t, n, "freed by the delete's event", func(ls LocalStats) bool { return ls.Copies == 0 })
-		n.s.maintain(ctx) // drops its marker, which the delete left
-		eventually(t, 10*time.Second, h+" saw its marker go", func() error {
-			if got := events(n); got != 3 {
-				return fmt.Errorf("%d events, want 3", got)
-			}
-			return nil
-		})
-	}
-	for _, n := range c.nodes {
-		if !slices.Contains(holders, n.name) {
-			if got := events(n); got != 0 {
-				t.Errorf("%s, no holder, received %d events of the record", n.name, got)
-			}
-		}
-	}
-	var total int
-	for key, n := range w.snapshot() {
-		total += n
-		if key == ObjectsPrefix(c.prefix) || key == c.prefix+"/" {
-			t.Errorf("a watch of %s received %d events", key, n)
-		}
-	}
-	if total != 6 {
-		t.Errorf("the mesh's watches received %d events, want 6: %v", total, w.snapshot())
 	}
 }
 
@@ -698,5 +718,73 @@ func TestMarkersCarryThinRecords(t *testing.T) {
 			t.Errorf("%s's entry kept %+v after the read, want the whole record", h, e.rec)
 		}
 		n.s.idx.mu.Unlock()
+	}
+}
+
+// A result's holders follow its record by their markers alone: no watch
+// of its key; a rewrite that read it (here as a repair writes) reaches
+// every holder through its marker, which carries the new record; a blind
+// delete, which tells no marker, is found by the next verification
+// (VerifyEvery) and frees the copies.
+func TestResultFollowedByMarkers(t *testing.T) {
+	w := &countingWatcher{}
+	c := newCluster(t, clusterConfig{nodes: 3, mem: 4 << 20, tune: quiet, client: w.install})
+	ctx := testCtx(t)
+	rec, err := c.nodes[0].s.PutBytes(ctx, PutSpec{ID: "j1.result", Mode: Pinned, Replicas: 2}, pattern(objSize, 4))
+	if err != nil {
+		t.Fatal(err)
+	}
+	holders := holderNodes(rec)
+	entry := func(n *node) entry {
+		n.s.idx.mu.Lock()
+		defer n.s.idx.mu.Unlock()
+		if e := n.s.idx.getLocked(rec.ID); e != nil {
+			return *e
+		}
+		return entry{}
+	}
+	for _, h := range holders {
+		n := c.node(h)
+		wantStats(t, n, "committed", func(ls LocalStats) bool { return ls.Copies == 1 && ls.Staged == 0 })
+		eventually(t, 10*time.Second, h+" follows the record by its marker", func() error {
+			if e := entry(n); !e.byMarker || e.stop != nil || e.rec == nil {
+				return fmt.Errorf("entry %+v, want one followed by its marker alone", e)
+			}
+			return nil
+		})
+	}
+	// A rewrite that read the record: the other holder hears of it.
+	n := c.node(holders[0])
+	l, err := n.s.whole(ctx, entry(n).rec)
+	if err != nil || l == nil {
+		t.Fatalf("whole: %v %v", l, err)
+	}
+	next := l.Record
+	next.ContentType = "image/webp"
+	if resp, err := n.s.writeIf(ctx, l, &next); err != nil || !resp.Succeeded {
+		t.Fatalf("rewrite: %v %v", resp, err)
+	}
+	other := c.node(holders[1])
+	eventually(t, 10*time.Second, holders[1]+" hears of the rewrite", func() error {
+		if e := entry(other); e.rev <= l.modRev || e.rec == nil || !e.rec.thin {
+			return fmt.Errorf("entry %+v, want the rewrite's thin record after revision %d", e, l.modRev)
+		}
+		return nil
+	})
+	if n := w.snapshot()[ObjectKey(c.prefix, rec.ID)]; n != 0 {
+		t.Errorf("the result's record was watched: %d events", n)
+	}
+	// A blind delete tells no holder: the copies stay until verified.
+	c.deleteRecord(ctx, rec.ID)
+	for _, h := range holders {
+		n := c.node(h)
+		if ls := n.s.LocalStats(); ls.Copies != 1 {
+			t.Fatalf("%s: %d copies right after a blind delete, want its copy kept until verified", h, ls.Copies)
+		}
+		n.s.idx.mu.Lock()
+		n.s.idx.getLocked(rec.ID).checked = time.Time{} // due
+		n.s.idx.mu.Unlock()
+		n.s.verify(ctx)
+		wantStats(t, n, "freed by the verification", func(ls LocalStats) bool { return ls.Copies == 0 })
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -198,6 +199,7 @@ func (s *Store) maintain(ctx context.Context) (pending bool) {
 	}
 	s.checkUnnamed(ctx, unnamed)
 	s.dropMarkers(ctx, stale)
+	s.verify(ctx)
 	return s.tend(ctx, ls) || loading
 }
 
@@ -310,4 +312,65 @@ func (s *Store) writeIf(ctx context.Context, l *listed, rec *Record) (*clientv3.
 	key := ObjectKey(s.cfg.Prefix, l.ID)
 	return s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", l.modRev)).
 		Then(writeOps(s.cfg.Prefix, l.ID, rec, l.lease, l.Holders)...).Commit()
+}
+
+// verify reads again, in one read, up to loadBatch of the records this
+// node follows by its markers alone that it has not read for VerifyEvery,
+// and applies what etcd holds now: a write its marker did not hear of (a
+// blind put over the record, a blind delete) reaches the copy here, and
+// a record gone frees it. A record changed meanwhile by a marker's event
+// (newer than the read) is left as that event set it.
+func (s *Store) verify(ctx context.Context) {
+	due := s.cfg.Now().Add(-s.cfg.VerifyEvery)
+	var ids []string
+	s.idx.mu.Lock()
+	for id, e := range s.idx.entries {
+		if e.byMarker && e.checked.Before(due) {
+			ids = append(ids, id)
+			if len(ids) == loadBatch {
+				break
+			}
+		}
+	}
+	s.idx.mu.Unlock()
+	if len(ids) == 0 {
+		return
+	}
+	ops := make([]clientv3.Op, len(ids))
+	for i, id := range ids {
+		ops[i] = clientv3.OpGet(ObjectKey(s.cfg.Prefix, id))
+	}
+	resp, err := s.cli.Txn(ctx).Then(ops...).Commit()
+	if err != nil {
+		s.log.Debug("verifying records followed by their markers", zap.Int("records", len(ids)), zap.Error(err))
+		return
+	}
+	rev, now := resp.Header.Revision, s.cfg.Now()
+	s.idx.mu.Lock()
+	defer s.idx.mu.Unlock()
+	for i, id := range ids {
+		e := s.idx.getLocked(id)
+		if e == nil || !e.byMarker || e.rev > rev {
+			continue
+		}
+		var kv *mvccpb.KeyValue
+		if kvs := resp.Responses[i].GetResponseRange().GetKvs(); len(kvs) == 1 {
+			kv = kvs[0]
+		}
+		if kv == nil || !names(decodedHolders(kv), s.cfg.Node) {
+			s.log.Info("a record followed by its marker changed unannounced; applied", zap.String("object", id), zap.Bool("gone", kv == nil))
+		}
+		s.loadedLocked(e, kv, rev)
+		e.checked = now
+	}
+}
+
+// decodedHolders are the holders of the record kv holds; none when it
+// does not decode.
+func decodedHolders(kv *mvccpb.KeyValue) []Holder {
+	rec, err := decodeRecord(kv.Value)
+	if err != nil {
+		return nil
+	}
+	return rec.Holders
 }

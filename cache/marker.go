@@ -4,7 +4,9 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 
+	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/latentmesh/latentmesh/transfer"
@@ -43,9 +45,8 @@ func markersPrefix(prefix, node string) string { return prefix + "/holders/" + n
 func markerKey(prefix, node, id string) string { return markersPrefix(prefix, node) + id }
 
 // writeOps are the operations that set object id's record to rec (nil:
-// delete it) with its holders' markers: a marker for each holder rec names
-// that was does not, and no marker for each holder of was that rec does
-// not name. was is the record the write replaces, when the writer read it
+// delete it) with its holders' markers: a marker for each holder rec
+// names, and no marker for each holder of was that rec does not name. was is the record the write replaces, when the writer read it
 // (and its transaction compares that record's revision); nil for a blind
 // write, whose left-out holders drop their own markers.
 func writeOps(prefix, id string, rec *Record, lease clientv3.LeaseID, was []Holder) []clientv3.Op {
@@ -63,11 +64,14 @@ func writeOps(prefix, id string, rec *Record, lease clientv3.LeaseID, was []Hold
 		ops = append(ops, clientv3.OpPut(key, encodeRecord(*rec), opts...))
 		thin, now = encodeThin(*rec), rec.Holders
 	}
-	// A node is named once per record, but a record read from etcd is not
-	// ours to trust: a key written twice would fail the transaction.
+	// Every holder's marker is put, not only a new holder's: it carries
+	// the record, and a holder that follows the record by its marker alone
+	// (byMarkerOnly) learns of the rewrite from it. A node is named once
+	// per record, but a record read from etcd is not ours to trust: a key
+	// written twice would fail the transaction.
 	seen := map[string]bool{}
 	for _, h := range now {
-		if !seen[h.Node] && !names(was, h.Node) {
+		if !seen[h.Node] {
 			ops = append(ops, clientv3.OpPut(markerKey(prefix, h.Node, id), thin, opts...))
 		}
 		seen[h.Node] = true
@@ -145,3 +149,29 @@ func decodeThin(b []byte) (Record, error) {
 	}
 	return rec, nil
 }
+
+// MarkerDeletes are the deletes of the markers of every holder the record
+// kv (read from etcd) names: a writer deleting a record it read deletes
+// them in the same transaction, so that holders that follow the record by
+// their markers alone (a result) free their copies at once. None for a
+// record that does not decode.
+func MarkerDeletes(prefix string, kv *mvccpb.KeyValue) []clientv3.Op {
+	rec, err := decodeRecord(kv.Value)
+	if err != nil {
+		return nil
+	}
+	var ops []clientv3.Op
+	seen := map[string]bool{}
+	for _, h := range rec.Holders {
+		if !seen[h.Node] && validMarkerNode(h.Node) {
+			ops = append(ops, clientv3.OpDelete(markerKey(prefix, h.Node, rec.ID)))
+		}
+		seen[h.Node] = true
+	}
+	return ops
+}
+
+// validMarkerNode reports whether node may name a marker: a node id with
+// no '/' (Config.Node's rule), so a record read from etcd cannot make a
+// delete reach outside its node's markers.
+func validMarkerNode(node string) bool { return node != "" && !strings.Contains(node, "/") }

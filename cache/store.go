@@ -1057,12 +1057,27 @@ func (s *Store) DeleteOp(id string) clientv3.Op {
 	return clientv3.OpDelete(ObjectKey(s.cfg.Prefix, id))
 }
 
-// Delete frees object id; its holders drop their copies, and their
-// markers, when they see the record go.
+// Delete frees object id: it reads the record and deletes it with its
+// holders' markers (a holder that follows it by its marker alone frees its
+// copy then); the holders that watch it drop their copies, and their
+// markers, when they see the record go. A record that changes under it
+// three times in a row is an error.
 func (s *Store) Delete(ctx context.Context, id string) error {
 	s.recent.forget(id)
-	_, err := s.cli.Delete(ctx, ObjectKey(s.cfg.Prefix, id))
-	return err
+	key := ObjectKey(s.cfg.Prefix, id)
+	for range 3 {
+		resp, err := s.cli.Get(ctx, key)
+		if err != nil || len(resp.Kvs) == 0 {
+			return err
+		}
+		kv := resp.Kvs[0]
+		ops := append([]clientv3.Op{clientv3.OpDelete(key)}, MarkerDeletes(s.cfg.Prefix, kv)...)
+		t, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", kv.ModRevision)).Then(ops...).Commit()
+		if err != nil || t.Succeeded {
+			return err
+		}
+	}
+	return fmt.Errorf("cache: delete %s: its record kept changing", id)
 }
 
 // List returns the records whose id starts with idPrefix ("" for all;

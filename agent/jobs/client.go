@@ -504,23 +504,49 @@ func (s *Store) States(ctx context.Context, ids []string) (map[string]State, err
 // (result, previews), whose holders then free their copies. A job still
 // queued or running is ErrNotFinished's to cancel first.
 func (s *Store) Delete(ctx context.Context, id string) error {
+	for range 3 {
+		done, err := s.deleteOnce(ctx, id)
+		if done || err != nil {
+			return err
+		}
+	}
+	return fmt.Errorf("jobs: delete %s: the job or its result kept changing; try again", id)
+}
+
+// deleteOnce is one try of Delete: done is false when the job's record
+// or its result's changed between the read and the write.
+func (s *Store) deleteOnce(ctx context.Context, id string) (done bool, err error) {
 	rec, rev, err := s.getRecord(ctx, id)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if !rec.State.Terminal() {
-		return fmt.Errorf("%w: job %s is %s", ErrNotFinished, id, rec.State)
+		return false, fmt.Errorf("%w: job %s is %s", ErrNotFinished, id, rec.State)
 	}
-	resp, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(s.jobKey(id)), "=", rev)).Then(
+	// The result's holders follow its record by their markers alone
+	// (cache.byMarkerOnly): its markers go with it. The job's other
+	// objects' holders watch their records.
+	resultKey := cache.ObjectKey(s.cfg.Prefix, ResultID(id))
+	res, err := s.cli.Get(ctx, resultKey)
+	if err != nil {
+		return false, fmt.Errorf("jobs: delete %s: %w", id, err)
+	}
+	var resultRev int64
+	ops := []clientv3.Op{
 		clientv3.OpDelete(s.jobKey(id)),
 		clientv3.OpDelete(s.endedKey(id)),
 		clientv3.OpDelete(s.objectsOf(id), clientv3.WithPrefix()),
-	).Commit()
+	}
+	if len(res.Kvs) == 1 {
+		resultRev = res.Kvs[0].ModRevision
+		ops = append(ops, cache.MarkerDeletes(s.cfg.Prefix, res.Kvs[0])...)
+	}
+	resp, err := s.cli.Txn(ctx).If(
+		clientv3.Compare(clientv3.ModRevision(s.jobKey(id)), "=", rev),
+		clientv3.Compare(clientv3.ModRevision(resultKey), "=", resultRev),
+	).Then(ops...).Commit()
 	if err != nil {
-		return fmt.Errorf("jobs: delete %s: %w", id, err)
+		return false, fmt.Errorf("jobs: delete %s: %w", id, err)
 	}
-	if !resp.Succeeded {
-		return fmt.Errorf("jobs: delete %s: the job changed meanwhile; try again", id)
-	}
-	return nil
+	return resp.Succeeded, nil
 }

@@ -1107,13 +1107,13 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 // keepResult is the Store taking a job's result in: its object record,
 // with a marker for each of its two holders, written with the decode's
 // commit (the mesh) or the dispatcher's record of it (central); each
-// holder's Store watches its own markers (holders/<node>/), takes the
-// record from the marker, which carries it, and watches the record while
-// it holds it (cache/follow.go). Both designs keep results in the Store
-// alike: where the result lives is not the dispatcher's choice.
+// holder's Store watches its own markers (holders/<node>/) and takes the
+// record from the marker, which carries it; it follows a result by its
+// marker alone, with no watch of the record (cache/follow.go). Both
+// designs keep results in the Store alike: where the result lives is not
+// the dispatcher's choice.
 func (s *sim) keepResult(now time.Duration) {
 	s.etcd.event(now, 2)
-	s.etcd.watch(now, 2)
 }
 
 func (s *sim) finish(j *job) {

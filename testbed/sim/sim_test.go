@@ -89,11 +89,10 @@ func runSim(t *testing.T, cfg Config) (*sim, Result) {
 // The mesh's etcd ops per job are the agent's (docs/benchmarks.md, "What
 // a job costs etcd"): waking workers reads nothing and opens no watch, a
 // running task hears of a cancel from its inbox, and a dispatcher's ledger
-// watches the prefix of the tasks its node creates from its start, so the
-// watches a job makes are the client's long poll and the result's two
-// holders' watches of its record; every write is the submit, a commit per
-// stage, a
-// claim txn per task not started from a pushed claim and per conflict, and
+// watches the prefix of the tasks its node creates from its start, and a
+// result's holders follow its record by their markers, so the one watch a
+// job makes is the client's long poll; every write is the submit, a commit
+// per stage, a claim txn per task not started from a pushed claim and per conflict, and
 // a give-back or hand-over per pushed claim returned (progress and idle agents write
 // nothing); every read is the long poll's, the commit's read of its job
 // record for a task a dispatcher handed on (a claim pushed by the
@@ -105,8 +104,8 @@ func TestMeshEtcdOpsPerJob(t *testing.T) {
 		t.Run(m.String(), func(t *testing.T) {
 			s, r := runSim(t, smallConfig(m))
 			jobs := uint64(r.Completed)
-			if s.etcd.watches != 3*jobs {
-				t.Fatalf("%d watches for %d jobs, want 3 per job (the long poll, the result's holders')", s.etcd.watches, jobs)
+			if s.etcd.watches != jobs {
+				t.Fatalf("%d watches for %d jobs, want 1 per job (the long poll; the result's holders follow it by their markers)", s.etcd.watches, jobs)
 			}
 			var pushed, claimed uint64
 			for i := range s.st {
@@ -136,15 +135,15 @@ func TestMeshEtcdOpsPerJob(t *testing.T) {
 // The central baseline pays what the mesh pays outside its claim loop:
 // the client's submit is the job record's write and its long poll a watch
 // and a read, as on the mesh; each stage's record is a write, as a mesh
-// commit is, and the last one's ended key an event for that long poll; the Store keeps the result as
-// on the mesh (its record in the decode's record write, an event and a
-// watch for each of its two holders); nothing else.
+// commit is, and the last one's ended key an event for that long poll; the
+// Store keeps the result as on the mesh (its record in the decode's record
+// write, an event for each of its two holders' markers); nothing else.
 func TestCentralEtcdOpsPerJob(t *testing.T) {
 	s, r := runSim(t, smallConfig(Central))
 	jobs := uint64(r.Completed)
 	e := s.etcd
-	if e.writes != 4*jobs || e.reads != 1*jobs || e.watches != 3*jobs || e.events != 3*jobs {
-		t.Fatalf("%d jobs: %d writes (want 4 a job), %d reads (1), %d watches (3), %d events (3)", jobs, e.writes, e.reads, e.watches, e.events)
+	if e.writes != 4*jobs || e.reads != 1*jobs || e.watches != 1*jobs || e.events != 3*jobs {
+		t.Fatalf("%d jobs: %d writes (want 4 a job), %d reads (1), %d watches (1), %d events (3)", jobs, e.writes, e.reads, e.watches, e.events)
 	}
 }
 

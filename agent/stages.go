@@ -266,6 +266,18 @@ func (a *Agent) earlyCommit(ctx context.Context, c *jobs.Claim, out jobs.Output,
 	case recorded:
 		log.Info("an early commit attempt that got no answer had committed")
 		return nil
+	case errors.Is(err, jobs.ErrFinished):
+		// The payload's consumer may have committed, deleting its record,
+		// before this retry was refused: the job's record says whose
+		// stage it kept.
+		j, gerr := a.store.Get(rctx, c.Task.JobID)
+		if gerr != nil {
+			return fmt.Errorf("%w: %w (and reading the job: %v)", errMaybeCommitted, err, gerr)
+		}
+		if r := j.Stages[c.Task.Stage]; j.State == jobs.Succeeded && r != nil && r.Node == a.id && r.Attempt == c.Task.Attempt {
+			log.Info("an early commit attempt that got no answer had committed; the job has finished since")
+			return nil
+		}
 	}
 	return err
 }

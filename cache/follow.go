@@ -199,12 +199,12 @@ func (s *Store) applyMarkers(epoch context.Context, wr clientv3.WatchResponse) i
 			}
 		case ev.Type == mvccpb.PUT:
 			e.marker = rev
-			if l := s.carried(ev.Kv, id); l != nil && e.byMarker {
+			if l := s.carried(ev.Kv, id); l != nil && e.byMarker && rev > e.rev {
 				s.applyLocked(e, l, rev) // a rewrite that still names this node
 			}
 		case e != nil:
 			e.marker = 0
-			if e.byMarker {
+			if e.byMarker && rev > e.rev {
 				s.applyLocked(e, nil, rev) // unlisted, or the record deleted with its markers
 			}
 			s.forgetIfDoneLocked(e)

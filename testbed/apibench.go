@@ -105,13 +105,21 @@ type APIBenchEtcd struct {
 
 // raftProposals reads the embedded etcd's count of committed raft
 // proposals from this process's Prometheus registry (0 without one).
-func raftProposals() float64 {
+func raftProposals() float64 { return etcdMetric("etcd_server_proposals_committed_total") }
+
+// leaseGrants reads the embedded etcd's count of leases granted: each is
+// a raft proposal, made once per retention bucket, not per job.
+func leaseGrants() float64 { return etcdMetric("etcd_debugging_lease_granted_total") }
+
+// etcdMetric reads one of the embedded etcd's counters or gauges from
+// this process's Prometheus registry (0 without one).
+func etcdMetric(name string) float64 {
 	mfs, err := prometheus.DefaultGatherer.Gather()
 	if err != nil {
 		return 0
 	}
 	for _, mf := range mfs {
-		if mf.GetName() == "etcd_server_proposals_committed_total" && len(mf.GetMetric()) > 0 {
+		if mf.GetName() == name && len(mf.GetMetric()) > 0 {
 			m := mf.GetMetric()[0]
 			if m.GetGauge() != nil {
 				return m.GetGauge().GetValue()

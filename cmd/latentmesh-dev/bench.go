@@ -276,8 +276,11 @@ stage), on a fresh etcd started with its default flags: Debian's etcd
 3.4 from PATH (scripts/install-deps.sh installs it), or --etcd-endpoints.
 Jobs go through the client HTTP API (submit, then long-poll). Per job:
 watch events sent, raft proposals, ranges, transactions and the gRPC
-requests; idle: per agent and second. The last line compares the largest
-fleet with the smallest, and both with the budget of issue 18.
+requests; idle: per agent and second. The simulator (latentmesh-dev sim)
+runs on each fleet's shape, and its events and write transactions a job
+are shown beside etcd's. The last lines compare the largest fleet with
+the smallest, both with the budget of issue 18, and the simulator with
+etcd.
 
 `)
 		fs.PrintDefaults()

@@ -149,7 +149,7 @@ func PlanPools(m Model, gpus int, rate float64) (Plan, error) {
 	total := m.Total().Seconds()
 	p := Plan{Model: m.Name, GPUs: gpus, Rate: rate, Pools: fill(m, gpus)}
 	p.Bottleneck = bottleneck(m, p.Pools)
-	p.Capacity = rateOf(m, p.Pools, p.Bottleneck)
+	p.Capacity = Capacity(m, p.Pools)
 	p.Colocated = float64(gpus) / total
 	for _, st := range Stages {
 		t := m.StageTime(st)
@@ -207,6 +207,9 @@ func gpusFor(m Model, rate float64) int {
 func rateOf(m Model, p Pools, st string) float64 {
 	return float64(p.get(st)) / m.StageTime(st).Seconds()
 }
+
+// Capacity is the jobs/s pools p sustain of m: their slowest stage's.
+func Capacity(m Model, p Pools) float64 { return rateOf(m, p, bottleneck(m, p)) }
 
 // bottleneck is the stage with the lowest rate.
 func bottleneck(m Model, p Pools) string {

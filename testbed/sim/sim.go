@@ -2,7 +2,6 @@ package sim
 
 import (
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"strconv"
 	"time"
@@ -189,21 +188,6 @@ type sim struct {
 	dispPending   bool
 }
 
-// poolCapacity is the jobs/s pools sustain of model m: the slowest
-// stage's pool over its stage time (encode left out when every job's
-// texts are cached).
-func poolCapacity(m costmodel.Model, p costmodel.Pools, condCached bool) float64 {
-	capacity := math.Inf(1)
-	for i, name := range costmodel.Stages {
-		if i == 0 && condCached {
-			continue
-		}
-		n := [3]int{p.Encode, p.Denoise, p.Decode}[i]
-		capacity = min(capacity, float64(n)/m.StageTime(name).Seconds())
-	}
-	return capacity
-}
-
 // Run simulates one configuration.
 func Run(cfg Config) (Result, error) {
 	s, err := newSim(cfg)
@@ -225,12 +209,15 @@ func newSim(cfg Config) (*sim, error) {
 	if err != nil {
 		return nil, err
 	}
+	if cfg.CondCached {
+		m = costmodel.Cache{PromptHit: 1, NegativeHit: 1}.Apply(m) // no job encodes
+	}
 	plan, err := costmodel.PlanPools(m, cfg.GPUs, 0)
 	if err != nil {
 		return nil, err
 	}
 	if cfg.Pools != (costmodel.Pools{}) {
-		plan.Pools, plan.Capacity = cfg.Pools, poolCapacity(m, cfg.Pools, cfg.CondCached)
+		plan.Pools, plan.Capacity = cfg.Pools, costmodel.Capacity(m, cfg.Pools)
 	}
 	s := &sim{
 		cfg:    cfg,

@@ -121,31 +121,43 @@ func (s *Store) load(ctx, epoch context.Context, ids []string) error {
 	for len(ids) > 0 {
 		batch := ids[:min(len(ids), loadBatch)]
 		ids = ids[len(batch):]
-		ops := make([]clientv3.Op, len(batch))
-		for i, id := range batch {
-			ops[i] = clientv3.OpGet(ObjectKey(s.cfg.Prefix, id))
-		}
-		resp, err := s.cli.Txn(ctx).Then(ops...).Commit()
+		kvs, rev, err := s.readRecords(ctx, batch)
 		if err != nil {
 			return fmt.Errorf("cache: load records: %w", err)
 		}
-		rev := resp.Header.Revision
 		s.idx.mu.Lock()
 		for i, id := range batch {
 			e := s.idx.getLocked(id)
 			if e == nil || e.stop != nil {
 				continue // forgotten meanwhile, or followed by a marker's event
 			}
-			var kv *mvccpb.KeyValue
-			if kvs := resp.Responses[i].GetResponseRange().GetKvs(); len(kvs) == 1 {
-				kv = kvs[0]
-			}
-			s.loadedLocked(e, kv, rev)
+			s.loadedLocked(e, kvs[i], rev)
 			s.follow(epoch, e, rev)
 		}
 		s.idx.mu.Unlock()
 	}
 	return nil
+}
+
+// readRecords reads the records of objects ids (at most 128, etcd's
+// operations a transaction) in one read: each one's key-value, nil where
+// there is none, and the revision read.
+func (s *Store) readRecords(ctx context.Context, ids []string) ([]*mvccpb.KeyValue, int64, error) {
+	ops := make([]clientv3.Op, len(ids))
+	for i, id := range ids {
+		ops[i] = clientv3.OpGet(ObjectKey(s.cfg.Prefix, id))
+	}
+	resp, err := s.cli.Txn(ctx).Then(ops...).Commit()
+	if err != nil {
+		return nil, 0, err
+	}
+	kvs := make([]*mvccpb.KeyValue, len(ids))
+	for i := range ids {
+		if got := resp.Responses[i].GetResponseRange().GetKvs(); len(got) == 1 {
+			kvs[i] = got[0]
+		}
+	}
+	return kvs, resp.Header.Revision, nil
 }
 
 // followMarkers applies the markers' watch from revision next until it

@@ -4,7 +4,6 @@ import (
 	"context"
 	"time"
 
-	"go.etcd.io/etcd/api/v3/mvccpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -336,16 +335,12 @@ func (s *Store) verify(ctx context.Context) {
 	if len(ids) == 0 {
 		return
 	}
-	ops := make([]clientv3.Op, len(ids))
-	for i, id := range ids {
-		ops[i] = clientv3.OpGet(ObjectKey(s.cfg.Prefix, id))
-	}
-	resp, err := s.cli.Txn(ctx).Then(ops...).Commit()
+	kvs, rev, err := s.readRecords(ctx, ids)
 	if err != nil {
 		s.log.Debug("verifying records followed by their markers", zap.Int("records", len(ids)), zap.Error(err))
 		return
 	}
-	rev, now := resp.Header.Revision, s.cfg.Now()
+	now := s.cfg.Now()
 	s.idx.mu.Lock()
 	defer s.idx.mu.Unlock()
 	for i, id := range ids {
@@ -353,24 +348,11 @@ func (s *Store) verify(ctx context.Context) {
 		if e == nil || !e.byMarker || e.rev > rev {
 			continue
 		}
-		var kv *mvccpb.KeyValue
-		if kvs := resp.Responses[i].GetResponseRange().GetKvs(); len(kvs) == 1 {
-			kv = kvs[0]
-		}
-		if kv == nil || !names(decodedHolders(kv), s.cfg.Node) {
-			s.log.Info("a record followed by its marker changed unannounced; applied", zap.String("object", id), zap.Bool("gone", kv == nil))
-		}
-		s.loadedLocked(e, kv, rev)
+		named := e.names(s.cfg.Node)
+		s.loadedLocked(e, kvs[i], rev)
 		e.checked = now
+		if named && !e.names(s.cfg.Node) {
+			s.log.Info("a record followed by its marker changed unannounced; applied", zap.String("object", id), zap.Bool("gone", kvs[i] == nil))
+		}
 	}
-}
-
-// decodedHolders are the holders of the record kv holds; none when it
-// does not decode.
-func decodedHolders(kv *mvccpb.KeyValue) []Holder {
-	rec, err := decodeRecord(kv.Value)
-	if err != nil {
-		return nil
-	}
-	return rec.Holders
 }

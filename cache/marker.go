@@ -71,16 +71,24 @@ func writeOps(prefix, id string, rec *Record, lease clientv3.LeaseID, was []Hold
 	// written twice would fail the transaction.
 	seen := map[string]bool{}
 	for _, h := range now {
-		if !seen[h.Node] {
+		if !seen[h.Node] && validMarkerNode(h.Node) {
 			ops = append(ops, clientv3.OpPut(markerKey(prefix, h.Node, id), thin, opts...))
 		}
 		seen[h.Node] = true
 	}
-	for _, h := range was {
-		if !seen[h.Node] {
+	return append(ops, dropMarkers(prefix, id, was, seen)...)
+}
+
+// dropMarkers are the deletes of the markers object id's holders have,
+// but those of the nodes in keep (which it fills): each node once, and
+// none whose name could reach outside its own markers (validMarkerNode).
+func dropMarkers(prefix, id string, holders []Holder, keep map[string]bool) []clientv3.Op {
+	var ops []clientv3.Op
+	for _, h := range holders {
+		if !keep[h.Node] && validMarkerNode(h.Node) {
 			ops = append(ops, clientv3.OpDelete(markerKey(prefix, h.Node, id)))
 		}
-		seen[h.Node] = true
+		keep[h.Node] = true
 	}
 	return ops
 }
@@ -160,15 +168,7 @@ func MarkerDeletes(prefix string, kv *mvccpb.KeyValue) []clientv3.Op {
 	if err != nil {
 		return nil
 	}
-	var ops []clientv3.Op
-	seen := map[string]bool{}
-	for _, h := range rec.Holders {
-		if !seen[h.Node] && validMarkerNode(h.Node) {
-			ops = append(ops, clientv3.OpDelete(markerKey(prefix, h.Node, rec.ID)))
-		}
-		seen[h.Node] = true
-	}
-	return ops
+	return dropMarkers(prefix, rec.ID, rec.Holders, map[string]bool{})
 }
 
 // validMarkerNode reports whether node may name a marker: a node id with

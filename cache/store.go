@@ -1070,9 +1070,12 @@ func (s *Store) Delete(ctx context.Context, id string) error {
 		if err != nil || len(resp.Kvs) == 0 {
 			return err
 		}
-		kv := resp.Kvs[0]
-		ops := append([]clientv3.Op{clientv3.OpDelete(key)}, MarkerDeletes(s.cfg.Prefix, kv)...)
-		t, err := s.cli.Txn(ctx).If(clientv3.Compare(clientv3.ModRevision(key), "=", kv.ModRevision)).Then(ops...).Commit()
+		ls := s.decodeListed(resp.Kvs)
+		if len(ls) == 0 { // no record this Store can read the holders of
+			_, err := s.cli.Delete(ctx, key)
+			return err
+		}
+		t, err := s.writeIf(ctx, ls[0], nil)
 		if err != nil || t.Succeeded {
 			return err
 		}

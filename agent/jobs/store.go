@@ -161,27 +161,23 @@ func (s *Store) recordOps(ctx context.Context, rec record) (ops []clientv3.Op, l
 	if !rec.State.Terminal() {
 		return []clientv3.Op{clientv3.OpPut(s.jobKey(rec.ID), raw)}, nil, raw, nil
 	}
-	var put clientv3.Op
-	if s.cfg.Retention == 0 {
-		put = clientv3.OpPut(s.jobKey(rec.ID), raw)
-	} else {
-		lease, _, err := s.ret.Lease(ctx, s.cfg.Retention)
-		if err != nil {
+	put, retention := clientv3.OpPut(s.jobKey(rec.ID), raw), clientv3.LeaseID(0)
+	if s.cfg.Retention != 0 {
+		if retention, _, err = s.ret.Lease(ctx, s.cfg.Retention); err != nil {
 			return nil, nil, "", err
 		}
-		put, leases = clientv3.OpPut(s.jobKey(rec.ID), raw, clientv3.WithLease(lease)), append(leases, lease)
+		put, leases = clientv3.OpPut(s.jobKey(rec.ID), raw, clientv3.WithLease(retention)), append(leases, retention)
 	}
+	// The ended key goes after endedTTL, or with the record when its
+	// retention is shorter.
+	ended := retention
 	if s.cfg.Retention == 0 || s.cfg.Retention > endedTTL {
-		// The ended key goes before the record does.
-		ended, _, err := s.ret.Lease(ctx, endedTTL)
-		if err != nil {
+		if ended, _, err = s.ret.Lease(ctx, endedTTL); err != nil {
 			return nil, nil, "", err
 		}
 		leases = append(leases, ended)
 	}
-	// Otherwise the record's own lease: the ended key goes with it.
-	ops = []clientv3.Op{put, clientv3.OpPut(s.endedKey(rec.ID), raw, clientv3.WithLease(leases[len(leases)-1]))}
-	return ops, leases, raw, nil
+	return []clientv3.Op{put, clientv3.OpPut(s.endedKey(rec.ID), raw, clientv3.WithLease(ended))}, leases, raw, nil
 }
 
 // leaseGone reports whether a write failed because etcd no longer knows one

@@ -269,6 +269,9 @@ func (c Config) validate() (Config, error) {
 	if c.External.Socket != "" && c.Transfer.Arena.Size <= 0 {
 		return c, errors.New("agent: an engine socket needs an arena: the engine reads and writes tensors in it")
 	}
+	if c.External.BatchWindow < 0 || c.External.BatchWindow > time.Minute {
+		return c, fmt.Errorf("agent: engine batch window %v, want 0-1m", c.External.BatchWindow)
+	}
 	// One prefix and one logger tie the layers together.
 	c.Gossip.Prefix, c.Jobs.Prefix, c.Store.Prefix = c.Prefix, c.Prefix, c.Prefix
 	c.Gossip.Logger, c.Transfer.Logger, c.Jobs.Logger, c.API.Logger = c.Logger, c.Logger, c.Logger, c.Logger

@@ -94,11 +94,27 @@ func (a *Agent) gossipEngine() {
 		a.publishMeta()
 		a.publishModels()
 		a.dropStaleCond()
+		a.checkBatchSlots()
 		select {
 		case <-a.ctx.Done():
 			return
 		case <-ch:
 		case <-leaseChanged:
+		}
+	}
+}
+
+// checkBatchSlots warns when the engine batches a stage in calls larger
+// than this agent's --slots lets run at once: the batches never fill.
+func (a *Agent) checkBatchSlots() {
+	reg := a.Engine()
+	if reg == nil {
+		return
+	}
+	for st, c := range a.credits {
+		if n := reg.StageBatch(string(st)); n > c.Total() {
+			a.log.Warn("the engine batches this stage, but --slots lets fewer of its tasks run at once: raise --slots to fill its batches",
+				zap.String("stage", string(st)), zap.Int("batch", n), zap.Int("slots", c.Total()))
 		}
 	}
 }

@@ -489,6 +489,15 @@ func (a *Agent) Engine() *extengine.Registration {
 	return a.ext.Engine()
 }
 
+// EngineCalls is how many calls of stage st this agent has made to its
+// external engine (a batch is one call; 0 with the built-in engine).
+func (a *Agent) EngineCalls(st jobs.Stage) int64 {
+	if a.ext == nil {
+		return 0
+	}
+	return a.ext.Calls(string(st))
+}
+
 // EngineChanged returns a channel closed the next time an external engine
 // registers or goes away (nil for the built-in engine, which never does).
 func (a *Agent) EngineChanged() <-chan struct{} { return a.runner.Changed() }

@@ -359,6 +359,9 @@ func (c *checker) run(ctx context.Context) {
 	for _, r := range c.lifecycleChecks(ctx, reg) {
 		c.report(r)
 	}
+	for _, r := range c.batchChecks(ctx, reg) {
+		c.report(r)
+	}
 	c.report(c.protocolFrames())
 	c.report(c.crash(ctx, reg))
 }

@@ -60,6 +60,13 @@ type fakeEngine struct {
 	// lifecycleFaults.lifecycle negotiates decode_state, chunk_ready and
 	// adapters for model fake (checklifecycle_test.go), with its faults.
 	lifecycleFaults
+
+	// batch > 1 has model fake batch its denoise and decode that many
+	// tasks a call (each member still run as alone); batchSwap writes each
+	// member the output of the next one's task, batchCancelAll stops
+	// every member of a batch at a cancel of one.
+	batch                     int32
+	batchSwap, batchCancelAll bool
 }
 
 // fakeSampler names the fake's checkpoints.
@@ -79,11 +86,13 @@ type fakeSession struct {
 	// mu guards the fields below.
 	cancelled   map[uint64]bool
 	stopped     map[uint64]bool
-	acks        map[uint64]chan int32 // checkpointed answers, by task
-	answers     map[uint64]chan *Msg  // tensor answers, by task
-	streams     map[uint64][]byte     // a decode stream's state, by stream id
-	lacks       []*Msg                // the agent's acks of lifecycle frames
-	adapterSent bool                  // adapter_loaded went (lifecycleFaults.adapterOnTask)
+	acks        map[uint64]chan int32  // checkpointed answers, by task
+	answers     map[uint64]chan *Msg   // tensor answers, by task
+	streams     map[uint64][]byte      // a decode stream's state, by stream id
+	lacks       []*Msg                 // the agent's acks of lifecycle frames
+	adapterSent bool                   // adapter_loaded went (lifecycleFaults.adapterOnTask)
+	forming     map[uint64][]*fakeTask // a batch's members come so far, by batch id
+	batchOf     map[uint64][]*fakeTask // a batched task's batch, by task
 }
 
 // fakeTask is one task of a fakeSession: its frame and the channels its
@@ -143,6 +152,10 @@ func (f fakeEngine) serve(ctx context.Context, path string) (err error) {
 	if f.lifecycle {
 		reg.Versions, reg.Features = []int32{Version1, Version2}, append(reg.Features, FeatureDecodeState, FeatureChunkReady, FeatureAdapters)
 	}
+	if f.batch > 1 {
+		reg.Models[0].Batch = map[string]int32{StageDenoise: f.batch, StageDecode: f.batch}
+		reg.Versions, reg.Features = []int32{Version1, Version2}, append(reg.Features, FeatureBatch)
+	}
 	if err := WriteMsg(c, reg); err != nil {
 		return err
 	}
@@ -183,7 +196,7 @@ func (f fakeEngine) serve(ctx context.Context, path string) (err error) {
 	defer unix.Munmap(mem)
 	s := &fakeSession{f: f, c: c, mem: mem, version: max(w.Version, Version1), stop: make(chan struct{}),
 		cancelled: map[uint64]bool{}, stopped: map[uint64]bool{}, acks: map[uint64]chan int32{}, answers: map[uint64]chan *Msg{},
-		streams: map[uint64][]byte{}}
+		streams: map[uint64][]byte{}, forming: map[uint64][]*fakeTask{}, batchOf: map[uint64][]*fakeTask{}}
 	if f.lifecycle {
 		if err := s.welcomed(w); err != nil {
 			return err
@@ -229,9 +242,32 @@ func (f fakeEngine) serve(ctx context.Context, path string) (err error) {
 			s.busy.Add(1)
 			t := &fakeTask{m: m, acks: make(chan int32, 1), answers: make(chan *Msg, 1)}
 			s.acks[m.Task], s.answers[m.Task] = t.acks, t.answers
-			wg.Go(func() { s.run(t) })
+			if m.Batch == 0 {
+				wg.Go(func() { s.run(t) })
+				break
+			}
+			members := append(s.forming[m.Batch], t)
+			s.forming[m.Batch] = members
+			if len(members) < int(m.BatchSize) {
+				break
+			}
+			delete(s.forming, m.Batch)
+			for i, mt := range members {
+				s.batchOf[mt.m.Task] = members
+				if f.batchSwap { // the next member's task, into this one's output
+					other := *members[(i+1)%len(members)].m
+					other.Task, other.Output = mt.m.Task, mt.m.Output
+					mt.m = &other
+				}
+				wg.Go(func() { s.run(mt) })
+			}
 		case TypeCancel:
 			s.cancelled[m.Task] = true
+			if f.batchCancelAll {
+				for _, mt := range s.batchOf[m.Task] {
+					s.cancelled[mt.m.Task] = true
+				}
+			}
 		case TypeStop:
 			s.stopped[m.Task] = true
 		case TypeCheckpointed:
@@ -597,5 +633,39 @@ func TestCheckCancelConclusiveOrSaysNot(t *testing.T) {
 		if !strings.Contains(c.String(), want) {
 			t.Errorf("inconclusive cancel line %q, want it to contain %q", c, want)
 		}
+	}
+}
+
+// Batching: an engine that runs each member of a batch as alone passes;
+// one that mixes members' results up, or stops a whole batch at a cancel
+// of one member, fails with a line saying so.
+func TestCheckBatch(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		f     fakeEngine
+		check string
+		want  string
+	}{
+		{"correct", fakeEngine{}, "", ""},
+		{"swaps members' outputs", fakeEngine{batchSwap: true}, "batch denoise fake", "member 0 of a batch of 4 wrote an output that is not its own"},
+		{"cancels the whole batch", fakeEngine{batchCancelAll: true}, "batch denoise fake", "failed when member 1 was cancelled"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := tc.f
+			f.beats, f.step, f.batch = "always", 10*time.Millisecond, 4
+			res, ok, out := runCheck(t, f)
+			for _, n := range []string{"batch denoise fake", "batch decode fake"} {
+				r := result(t, res, n)
+				switch {
+				case n == tc.check && (ok || !r.Failed() || !strings.Contains(r.Detail, tc.want)):
+					t.Errorf("an engine that %s: %s, want a failure saying %q", tc.name, r, tc.want)
+				case n != tc.check && !r.Pass:
+					t.Errorf("an engine that %s: %s", tc.name, r)
+				}
+			}
+			if tc.check == "" && !ok {
+				t.Errorf("a correct batching engine fails the check:\n%s", out)
+			}
+		})
 	}
 }

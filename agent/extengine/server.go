@@ -85,7 +85,11 @@ type Config struct {
 	// gone and before its tasks fail: `engine check` reports a frame the
 	// agent refused.
 	OnGone func(err error)
-	Logger *zap.Logger
+	// BatchWindow bounds how long a task of a batching model waits for
+	// more of its kind before its batch goes (batch.go); a full batch goes
+	// at once.
+	BatchWindow time.Duration
+	Logger      *zap.Logger
 }
 
 // DefaultConfig suits a real engine: a denoise step of a large model may
@@ -93,10 +97,11 @@ type Config struct {
 func DefaultConfig(socket string) Config {
 	return Config{
 		Socket:           socket,
-		HeartbeatEvery:   time.Second,      // cheap; one small frame each way
-		HeartbeatTimeout: 5 * time.Second,  // five missed beats: hung, not busy
-		CancelGrace:      30 * time.Second, // a step of a large video model
-		RegisterTimeout:  10 * time.Second, // an engine connects once it has loaded
+		HeartbeatEvery:   time.Second,           // cheap; one small frame each way
+		HeartbeatTimeout: 5 * time.Second,       // five missed beats: hung, not busy
+		CancelGrace:      30 * time.Second,      // a step of a large video model
+		RegisterTimeout:  10 * time.Second,      // an engine connects once it has loaded
+		BatchWindow:      20 * time.Millisecond, // a small image's stage; under load batches fill while the engine works
 		Logger:           zap.NewNop(),
 	}
 }
@@ -141,7 +146,7 @@ func allocatorOf(a Arena) func(int64) ([]byte, func(), error) {
 
 // features are the features this agent grants: the shape features to any
 // v2 engine, the others given an allocator (needsAlloc).
-var features = slices.Concat([]string{FeatureCheckpoint, FeatureTensorCache}, shapeFeatures, lifecycleFeatures)
+var features = slices.Concat([]string{FeatureCheckpoint, FeatureTensorCache}, shapeFeatures, lifecycleFeatures, []string{FeatureBatch})
 
 // Registration is what the connected engine declared, and what its
 // welcome granted.
@@ -196,18 +201,20 @@ func (r *Registration) Model(stage, model string) (Model, bool) {
 	return Model{}, false
 }
 
-// SlotsFor is how many tasks of stage the engine runs at once (1 unless
-// it said otherwise); 0 when it serves no model of stage.
+// SlotsFor is how many tasks of stage the engine runs at once: its calls
+// at once (slots, 1 unless it said otherwise) times the largest batch of
+// a model serving stage (batch.go); 0 when it serves no model of stage.
 func (r *Registration) SlotsFor(stage string) int {
 	if r == nil {
 		return 0
 	}
 	for _, m := range r.Models {
 		if slices.Contains(m.Stages, stage) {
-			if n, ok := r.Slots[stage]; ok {
-				return int(n)
+			n, ok := r.Slots[stage]
+			if !ok {
+				n = 1
 			}
-			return 1
+			return int(n) * r.StageBatch(stage)
 		}
 	}
 	return 0
@@ -225,6 +232,7 @@ type Server struct {
 	// fillCheckpoint, if set, fills each checkpoint buffer before its task
 	// is sent: `engine check` fills canaries, to see a latent written whole.
 	fillCheckpoint func([]byte)
+	batch          batcher // batch.go
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -273,6 +281,7 @@ func Listen(cfg Config, a Arena) (*Server, error) {
 		return nil, fmt.Errorf("extengine: %w", err)
 	}
 	s := &Server{cfg: cfg, arena: a, alloc: allocatorOf(a), log: cfg.Logger.Named("engine"), ln: ln, changed: make(chan struct{})}
+	s.batch = batcher{s: s, open: map[batchKey]*forming{}, calls: map[*conn]map[string]chan struct{}{}}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Go(s.accept)
 	return s, nil
@@ -497,16 +506,14 @@ func (s *Server) Run(ctx context.Context, r Request) error {
 			return fmt.Errorf("%w: %v", ErrBadFrame, err)
 		}
 	}
-	id, added := c.add(p)
-	if !added {
-		return ErrEngineLost
+	sent, err := s.send(ctx, c, live, r, m, p)
+	defer sent()
+	if err != nil {
+		ok = m.Task != 0 // added to the connection: its failure releases the regions
+		return err
 	}
 	ok = true // the engine may see the regions from here on: the answer releases them
-	m.Task = id
-	if err := c.write(m); err != nil {
-		c.fail(fmt.Errorf("send task: %w", err))
-		return fmt.Errorf("%w: %v", ErrEngineLost, err)
-	}
+	id := m.Task
 	stop, stopped := r.Stop, false
 	if !checkpoints {
 		stop = nil // nothing to stop at: the caller cancels instead
@@ -555,6 +562,28 @@ wait:
 		c.fail(fmt.Errorf("task %d still running %v after its cancel", id, s.cfg.CancelGrace))
 		return ctx.Err()
 	}
+}
+
+// send hands task m (its pending p) to the engine on c: alone, or in a
+// batch of its kind when its model batches its stage (batch.go). Once m
+// was added to c, m.Task is set, whatever the error.
+// Call done once the task is answered (it frees a batch's call slot).
+func (s *Server) send(ctx context.Context, c *conn, live *Registration, r Request, m *Msg, p *pending) (done func(), err error) {
+	if n := live.MaxBatch(r.Stage, r.Model); n > 1 && batchable(r) {
+		return s.batch.join(ctx, c, r, n, m, p)
+	}
+	done = func() {}
+	id, added := c.add(p)
+	if !added {
+		return done, ErrEngineLost
+	}
+	m.Task = id
+	s.batch.counter(&s.batch.made, r.Stage).Add(1)
+	if err := c.write(m); err != nil {
+		c.fail(fmt.Errorf("send task: %w", err))
+		return done, fmt.Errorf("%w: %v", ErrEngineLost, err)
+	}
+	return done, nil
 }
 
 // checkpointing adds a checkpointing denoise's fields to task m: the
@@ -767,17 +796,23 @@ func (c *conn) add(p *pending) (uint64, bool) {
 	return id, true
 }
 
-func (c *conn) write(m *Msg) error {
-	m.V = c.version
-	b, err := EncodeMsg(m)
-	if err != nil {
-		return err
+// write sends ms, in one write: a batch's tasks reach the engine back to
+// back.
+func (c *conn) write(ms ...*Msg) error {
+	var b []byte
+	for _, m := range ms {
+		m.V = c.version
+		f, err := EncodeMsg(m)
+		if err != nil {
+			return err
+		}
+		b = append(b, f...)
 	}
 	c.wmu.Lock()
 	defer c.wmu.Unlock()
 	// An engine that stops reading must not block a task forever.
 	c.uc.SetWriteDeadline(time.Now().Add(c.s.cfg.HeartbeatTimeout))
-	_, err = c.uc.Write(b)
+	_, err := c.uc.Write(b)
 	return err
 }
 
@@ -1100,6 +1135,7 @@ func (c *conn) fail(err error) {
 
 	c.uc.Close()
 	s := c.s
+	s.batch.forget(c)
 	if s.cfg.OnGone != nil {
 		s.cfg.OnGone(err) // before Changed fires: a watcher of it finds the reason
 	}

@@ -24,6 +24,12 @@ func testServer(t *testing.T) (*Server, *arena.Arena) {
 // wrap (one without an allocator grants no v2 feature).
 func testServerOn(t *testing.T, wrap func(*arena.Arena) Arena) (*Server, *arena.Arena) {
 	t.Helper()
+	return testServerWith(t, wrap, func(*Config) {})
+}
+
+// testServerWith is testServerOn with the config changed by tweak.
+func testServerWith(t *testing.T, wrap func(*arena.Arena) Arena, tweak func(*Config)) (*Server, *arena.Arena) {
+	t.Helper()
 	ar, err := arena.New(arena.Config{Name: "extengine-test", Size: 4 << 20, Align: 4096})
 	if err != nil {
 		t.Fatal(err)
@@ -32,6 +38,7 @@ func testServerOn(t *testing.T, wrap func(*arena.Arena) Arena) (*Server, *arena.
 	cfg := DefaultConfig(filepath.Join(t.TempDir(), "engine.sock"))
 	cfg.HeartbeatEvery, cfg.HeartbeatTimeout, cfg.CancelGrace = 50*time.Millisecond, 300*time.Millisecond, time.Second
 	cfg.Logger = zaptest.NewLogger(t)
+	tweak(&cfg)
 	s, err := Listen(cfg, wrap(ar))
 	if err != nil {
 		t.Fatal(err)

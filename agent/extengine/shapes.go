@@ -91,7 +91,7 @@ var shapeFeatures = []string{FeatureNamedCond, FeatureTemporal, FeatureImage, Fe
 
 // needsAlloc reports whether granting feature needs the Server's allocator.
 func needsAlloc(feature string) bool {
-	return !slices.Contains(shapeFeatures, feature) && !slices.Contains(lifecycleFeatures, feature)
+	return !slices.Contains(shapeFeatures, feature) && !slices.Contains(lifecycleFeatures, feature) && feature != FeatureBatch
 }
 
 // dropUngranted clears what mo declares of the shape features reg did not
@@ -108,6 +108,9 @@ func dropUngranted(mo *Model, reg *Registration) {
 	}
 	if !reg.Supports(FeatureParams) {
 		mo.Params = nil
+	}
+	if !reg.Supports(FeatureBatch) {
+		mo.Batch = nil
 	}
 }
 

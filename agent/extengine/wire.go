@@ -196,6 +196,10 @@ type Msg struct {
 	Chunk   int32  `msgpack:"chunk,omitempty"`
 	Last    bool   `msgpack:"last,omitempty"`
 	Adapter string `msgpack:"adapter,omitempty"`
+	// task, v2 (batch.go): the batch the task goes in, and how many tasks
+	// it has (the engine runs them in one call once all have come).
+	Batch     uint64 `msgpack:"batch,omitempty"`
+	BatchSize int32  `msgpack:"batch_size,omitempty"`
 
 	// progress, preview
 	Step  int32  `msgpack:"step,omitempty"`
@@ -274,6 +278,9 @@ type Model struct {
 	Conds  []CondTensor       `msgpack:"conds,omitempty"`
 	Image  *ImageDecl         `msgpack:"image,omitempty"`
 	Params []engine.ParamSpec `msgpack:"params,omitempty"`
+	// Batch is, per stage, the most tasks of it one engine call takes
+	// (v2, batch.go); the agent drops it unless batching is granted.
+	Batch map[string]int32 `msgpack:"batch,omitempty"`
 }
 
 // CheckpointSpec is what a model's checkpoints are.
@@ -464,6 +471,9 @@ func (m *Msg) Validate() error {
 		return err
 	}
 	if err := m.validateLifecycleFields(); err != nil {
+		return err
+	}
+	if err := m.validateBatchFields(); err != nil {
 		return err
 	}
 	switch m.T {
@@ -716,6 +726,9 @@ func (mo *Model) validate() error {
 		if !validDType(ck.DType) || ck.Channels < 1 || ck.Channels > 4096 || ck.Every < 0 || ck.Every > MaxLimitSteps {
 			return fmt.Errorf("checkpoint latent %s, %d channels, every %d", ck.DType, ck.Channels, ck.Every)
 		}
+	}
+	if err := mo.validateBatch(); err != nil {
+		return err
 	}
 	return mo.validateShapes()
 }

@@ -149,9 +149,10 @@ func checkpointOfDecode() []byte {
 // FuzzDecodeMsg feeds the agent's decoder arbitrary bytes: it must return
 // a frame or an error, never panic, and whatever it accepts must validate
 // and encode again. The seeds hold a frame of every type, v2's included,
-// and every field of the model shapes (shapeFrames).
+// and every field of the model shapes (shapeFrames), the lifecycle and
+// batching.
 func FuzzDecodeMsg(f *testing.F) {
-	seeds := slices.Concat(v2Frames(), shapeFrames(), lifecycleFrames())
+	seeds := slices.Concat(v2Frames(), shapeFrames(), lifecycleFrames(), batchFrames())
 	for _, m := range append([]*Msg{validRegister(), {T: TypeHeartbeat}, {T: TypeProgress, Task: 1, Step: 1, Total: 2}, {T: TypeFailed, Task: 1, Code: "x"}}, seeds...) {
 		b, err := EncodeMsg(m)
 		if err != nil {

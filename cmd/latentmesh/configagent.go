@@ -117,6 +117,7 @@ func newAgentSettings() *agentSettings {
 		{name: "checkpoint-ttl", value: durationValue{&c.CheckpointTTL}, help: "how long a checkpoint stays in the Store if its job never releases it (a denoise commit, or the job's end, does)"},
 		{name: "job-retention", value: durationValue{&c.Jobs.Retention}, help: "how long finished job records stay in etcd (0: forever)"},
 		{name: "engine-socket", value: stringValue{&c.External.Socket}, help: "Unix socket `PATH` on which an external engine process registers and then runs this agent's stages (docs/engine-protocol.md); empty: the built-in engine"},
+		{name: "engine-batch-window", value: durationValue{&c.External.BatchWindow}, help: "how long a task of a model whose engine batches its stage waits for more of its kind before its batch goes (a batch goes at once when full, or when no other task of the stage is on its way here)"},
 		{name: "scheduler", value: stringValue{&s.scheduler}, help: "queue order: priority (class with aging, then earliest deadline_ms, then age) or fifo (enqueue time only: a baseline)"},
 		{name: "preempt-after", value: durationValue{&c.Queue.PreemptAfter}, help: "an interactive task waiting this long while denoise slots run batch work requeues one batch task in the stage (0: never)"},
 		{name: "no-backpressure", value: boolValue{&c.Admission.Off}, help: "start tasks whatever the next stage's backlog (a baseline: waiting latents then grow with the run)"},

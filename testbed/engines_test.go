@@ -26,7 +26,7 @@ func engineAgent(t *testing.T, ctx context.Context, c *Cluster, id, dir, script 
 
 // addEngineAgent adds an agent of roles that waits for an external engine
 // on a socket in dir.
-func addEngineAgent(t *testing.T, ctx context.Context, c *Cluster, id, dir string, roles ...jobs.Stage) *agent.Agent {
+func addEngineAgent(t testing.TB, ctx context.Context, c *Cluster, id, dir string, roles ...jobs.Stage) *agent.Agent {
 	t.Helper()
 	ac := c.cfg.Agent
 	ac.NodeID, ac.Roles, ac.Logger = id, roles, c.cfg.Logger
@@ -46,7 +46,7 @@ func startEngine(t *testing.T, ctx context.Context, a *agent.Agent, script strin
 }
 
 // startEngineOut is startEngine with the worker's output going to out.
-func startEngineOut(t *testing.T, ctx context.Context, a *agent.Agent, out io.Writer, script string, args ...string) *Worker {
+func startEngineOut(t testing.TB, ctx context.Context, a *agent.Agent, out io.Writer, script string, args ...string) *Worker {
 	t.Helper()
 	w, err := StartWorker(script, a.EngineSocket(), out, args...)
 	if err != nil {
@@ -62,7 +62,7 @@ func startEngineOut(t *testing.T, ctx context.Context, a *agent.Agent, out io.Wr
 }
 
 // workerLog sends a worker's output to the test log.
-type workerLog struct{ t *testing.T }
+type workerLog struct{ t testing.TB }
 
 func (w workerLog) Write(p []byte) (int, error) {
 	w.t.Logf("worker: %s", bytes.TrimRight(p, "\n"))

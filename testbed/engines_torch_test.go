@@ -29,7 +29,7 @@ const torchModel = "latentmesh-tiny-torch"
 
 // torchWeights writes the tiny pipeline's seeded weights (a safetensors
 // file) and returns its path; it skips the test where torch is missing.
-func torchWeights(t *testing.T) string {
+func torchWeights(t testing.TB) string {
 	t.Helper()
 	if why := PythonWorkerMissing("torch"); why != "" {
 		t.Skip(why)
@@ -44,19 +44,26 @@ func torchWeights(t *testing.T) string {
 
 // torchMesh starts agents whose stages the torch worker serves, one worker
 // process per agent (each serving its agent's roles).
-func torchMesh(t *testing.T, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
+func torchMesh(t testing.TB, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
 	t.Helper()
 	return torchMeshOut(t, ctx, weights, stepMS, ids, func(string) io.Writer { return workerLog{t} })
 }
 
 // torchMeshOut is torchMesh with each worker's output going to out(id).
-func torchMeshOut(t *testing.T, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage, out func(id string) io.Writer) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
+func torchMeshOut(t testing.TB, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage, out func(id string) io.Writer) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
 	t.Helper()
 	return torchMeshArgs(t, ctx, weights, stepMS, ids, out, nil)
 }
 
 // torchMeshArgs is torchMeshOut with more arguments for some workers.
-func torchMeshArgs(t *testing.T, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage, out func(id string) io.Writer, args map[string][]string) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
+func torchMeshArgs(t testing.TB, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage, out func(id string) io.Writer, args map[string][]string) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
+	t.Helper()
+	return torchMeshConfig(t, ctx, weights, stepMS, ids, out, args, func(*agent.Config) {})
+}
+
+// torchMeshConfig is torchMeshArgs with each agent's config changed by
+// tweak.
+func torchMeshConfig(t testing.TB, ctx context.Context, weights string, stepMS int, ids map[string]jobs.Stage, out func(id string) io.Writer, args map[string][]string, tweak func(*agent.Config)) (*Cluster, map[string]*agent.Agent, map[string]*Worker) {
 	t.Helper()
 	cfg := DefaultClusterConfig()
 	cfg.Topology = ""
@@ -73,6 +80,7 @@ func torchMeshArgs(t *testing.T, ctx context.Context, weights string, stepMS int
 		ac := c.cfg.Agent
 		ac.NodeID, ac.Roles, ac.Logger = id, []jobs.Stage{st}, c.cfg.Logger
 		ac.External.Socket = filepath.Join(dir, id+".sock")
+		tweak(&ac)
 		a, err := c.AddAgentConfig(ctx, ac)
 		if err != nil {
 			t.Fatal(err)

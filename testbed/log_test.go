@@ -14,7 +14,7 @@ import (
 // zaptest would panic on those lines, this drops them.
 type testWriter struct {
 	mu   sync.Mutex // guards done, and orders Write against the end of the test
-	t    *testing.T
+	t    testing.TB
 	done bool
 }
 
@@ -31,7 +31,7 @@ func (w *testWriter) Sync() error { return nil }
 
 // testLogger logs at info level to the test. Register it before anything
 // that logs, so its cleanup runs last.
-func testLogger(t *testing.T) *zap.Logger {
+func testLogger(t testing.TB) *zap.Logger {
 	w := &testWriter{t: t}
 	t.Cleanup(func() {
 		w.mu.Lock()

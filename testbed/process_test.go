@@ -48,7 +48,7 @@ func TestMain(m *testing.M) {
 }
 
 // eventually retries cond until it returns nil or timeout passes.
-func eventually(t *testing.T, timeout time.Duration, cond func() error) {
+func eventually(t testing.TB, timeout time.Duration, cond func() error) {
 	t.Helper()
 	deadline := time.Now().Add(timeout)
 	backoff := 20 * time.Millisecond

@@ -3,10 +3,10 @@
 See docs/engines.md and docs/engine-protocol.md in the latentmesh repository.
 """
 from .protocol import PROTOCOL_VERSION, ProtocolError
-from .worker import (BadCheckpoint, BadInput, Cancelled, CheckpointSpec, CondTensor, DecodeStream, ImageSpec,
+from .worker import (Batch, BadCheckpoint, BadInput, Cancelled, CheckpointSpec, CondTensor, DecodeStream, ImageSpec,
                      LatentLayout, Layout, LifecycleRefused, LostState, Model, NoAdapter, Param, ParamValue, Resume, Spec,
                      Stopped, Task, Worker, socket_from_args)
 
-__all__ = ["PROTOCOL_VERSION", "ProtocolError", "BadCheckpoint", "BadInput", "Cancelled", "CheckpointSpec", "CondTensor",
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Batch", "BadCheckpoint", "BadInput", "Cancelled", "CheckpointSpec", "CondTensor",
            "DecodeStream", "ImageSpec", "LatentLayout", "Layout", "LifecycleRefused", "LostState", "Model", "NoAdapter",
            "Param", "ParamValue", "Resume", "Spec", "Stopped", "Task", "Worker", "socket_from_args"]

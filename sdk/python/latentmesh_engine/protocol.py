@@ -39,6 +39,9 @@ FEATURE_DECODE_STATE = "decode_state"
 FEATURE_CHUNK_READY = "chunk_ready"
 FEATURE_MODEL_LIFECYCLE = "model_lifecycle"
 FEATURE_ADAPTERS = "adapters"
+# Batching (issue 20): up to Model.batch[stage] tasks in one engine call.
+FEATURE_BATCH = "batch"
+MAX_BATCH = 64  # as the agent's extengine.MaxBatch
 
 # Bounds the agent enforces (extengine), checked here before sending.
 MAX_STATE = 768 << 10  # a checkpoint's sampler state, inline

@@ -14,7 +14,9 @@ lifecycle: a decode's state kept across a job's chunks (``Model.decode_state``,
 (``Model.chunk_ready``, ``Task.chunk_ready``), models added and removed and
 adapters loaded and unloaded while serving (``Worker.add_model``,
 ``Worker.remove_model``, ``Worker.load_adapter``, ``Worker.unload_adapter``,
-``Task.adapter``). ``Worker.run_forever`` reconnects after the agent restarts.
+``Task.adapter``); and batching: up to ``Model.batch[stage]`` tasks in one
+call of a batch callback (``Worker.denoise_batch`` and its kin, ``Batch``).
+``Worker.run_forever`` reconnects after the agent restarts.
 """
 from __future__ import annotations
 
@@ -251,6 +253,11 @@ class Model:
     decode_state: bool = False
     chunk_ready: bool = False
     adapters: bool = False
+    # Protocol version 2, batching: the most tasks of a stage one call of
+    # its batch callback takes, e.g. {"denoise": 4} (1 or absent: one at a
+    # time). The agent sends a batch only of tasks of one model, size,
+    # frame count, step count and adapter.
+    batch: Optional[Dict[str, int]] = None
 
     def __post_init__(self) -> None:
         if self.latent is None:
@@ -268,6 +275,9 @@ class Model:
         t = self.latent.temporal
         if t > 1 and (self.frame_step, self.frame_offset) != (t, 1):
             raise ValueError(f"model {self.name}: latent temporal {t} needs frame_step {t} and frame_offset 1")
+        for st, n in (self.batch or {}).items():
+            if st not in self.stages or not 1 <= int(n) <= p.MAX_BATCH:
+                raise ValueError(f"model {self.name}: batch of {n} {st} tasks: want a stage it serves and 1-{p.MAX_BATCH}")
 
     def cond_layout(self) -> Tuple[List[int], List[int], int]:
         """Each named tensor's offset and size in the payload, and its size."""
@@ -311,10 +321,12 @@ class Model:
             d["image"] = self.image.wire()
         if self.params:
             d["params"] = [q.wire() for q in self.params]
+        if self.batch:
+            d["batch"] = {st: int(n) for st, n in self.batch.items()}
         return d
 
     # The version 2 keys of wire(), left out of a version 1 register.
-    V2_KEYS = ("checkpoint", "tensor_cache", "conds", "image", "params")
+    V2_KEYS = ("checkpoint", "tensor_cache", "conds", "image", "params", "batch")
 
 
 @dataclasses.dataclass
@@ -770,6 +782,7 @@ def _torch_view(arena: mmap.mmap, region: Any) -> Any:
 EncodeFn = Callable[[Task], None]
 DenoiseFn = Callable[[Task], None]
 DecodeFn = Callable[[Task], None]
+BatchFn = Callable[["Batch"], None]
 
 
 class Worker:
@@ -799,6 +812,10 @@ class Worker:
         self.on_encode: Optional[EncodeFn] = None
         self.on_denoise: Optional[DenoiseFn] = None
         self.on_decode: Optional[DecodeFn] = None
+        # Batch callbacks, by stage: what runs a batch the agent sent
+        # (without one, its members run one after another).
+        self.on_batch: Dict[str, BatchFn] = {}
+        self._forming: Dict[int, List[Task]] = {}  # batches whose members are still coming
         self.arena: Any = None
         self.arena_size = 0
         self.version = p.VERSION_1  # the session's, once welcomed
@@ -833,6 +850,18 @@ class Worker:
         self.on_decode = fn
         return fn
 
+    def encode_batch(self, fn: BatchFn) -> BatchFn:
+        self.on_batch["encode"] = fn
+        return fn
+
+    def denoise_batch(self, fn: BatchFn) -> BatchFn:
+        self.on_batch["denoise"] = fn
+        return fn
+
+    def decode_batch(self, fn: BatchFn) -> BatchFn:
+        self.on_batch["decode"] = fn
+        return fn
+
     def _wanted_features(self) -> List[str]:
         f = []
         if any(m.checkpoint is not None for m in self.models):
@@ -855,6 +884,8 @@ class Worker:
             f.append(p.FEATURE_MODEL_LIFECYCLE)
         if any(m.adapters for m in self.models):
             f.append(p.FEATURE_ADAPTERS)
+        if any(m.batch and max(m.batch.values()) > 1 for m in self.models):
+            f.append(p.FEATURE_BATCH)
         return f
 
     def _model(self, name: str) -> Optional[Model]:
@@ -972,6 +1003,7 @@ class Worker:
         hb.start()
         with self._slock:
             self._streams.clear()  # a new connection: no stream of the last one goes on
+        self._forming.clear()
         if any(self.adapters.values()):
             threading.Thread(target=self._announce_adapters, daemon=True).start()
         pool = ThreadPoolExecutor(max_workers=max([1, *self.slots.values()]) + 1)
@@ -992,6 +1024,14 @@ class Worker:
                     task = Task(self, msg)
                     with self._tlock:
                         self._tasks[task.id] = task
+                    bid, size = int(msg.get("batch") or 0), int(msg.get("batch_size") or 0)
+                    if bid and size > 1:  # the members come back to back: run them once all are here
+                        members = self._forming.setdefault(bid, [])
+                        members.append(task)
+                        if len(members) >= size:
+                            del self._forming[bid]
+                            pool.submit(self._run_batch, members)
+                        continue
                     pool.submit(self._run_task, task)
                     continue
                 task = self._task(msg)
@@ -1159,56 +1199,161 @@ class Worker:
             if self._streams.pop(sid, None) is not None:
                 log.debug("decode stream %d dropped: %s", sid, why)
 
+    def _begin(self, task: Task) -> None:
+        """Readies task for its callback: its shape checked, its payload
+        prepared, its decode stream's state found (raising what fails it)."""
+        why = task._shape_refusal()
+        if why is not None:
+            raise BadInput(why)
+        task._prepare()
+        if task.stream is not None:
+            task.state = self._stream_state(task)
+        log.debug("task %d (%s of %s) started", task.id, task.stage, task.model)
+
+    def _done(self, task: Task) -> None:
+        """Answers task done (its callback wrote its output)."""
+        if task.stream is not None and task.stream.last:
+            self._drop_stream(task.stream.id, "its last chunk is done")
+        done: Dict[str, Any] = {"t": p.TYPE_DONE, "task": task.id}
+        if task._split:
+            if task.stage == "encode":
+                task._finish_payload()
+        elif task._lens:
+            done["lens"] = dict(task._lens)
+        self._send(done)
+
+    def _failed(self, task: Task, e: BaseException) -> None:
+        """Answers task failed, with the code exception e stands for."""
+        code, reason = p.CODE_INTERNAL, repr(e)[:1000]
+        if isinstance(e, Cancelled):
+            log.info("task %d (%s) cancelled after step %d of %d", task.id, task.stage, task.last_step, task.spec.steps)
+            code, reason = p.CODE_CANCELLED, "cancelled"
+        elif isinstance(e, Stopped):
+            log.info("task %d (%s) stopped after step %d of %d, checkpointed after step %d", task.id, task.stage,
+                     task.last_step, task.spec.steps, task.last_checkpoint)
+            code, reason = p.CODE_STOPPED, "stopped at a checkpoint"
+        elif isinstance(e, BadCheckpoint):
+            log.warning("task %d (%s): resume refused: %s", task.id, task.stage, e)
+            code, reason = p.CODE_BAD_CHECKPOINT, str(e)[:1000]
+        elif isinstance(e, BadInput):
+            code, reason = p.CODE_BAD_INPUT, str(e)[:1000]
+        elif isinstance(e, LostState):
+            log.info("task %d (%s): %s", task.id, task.stage, e)
+            code, reason = p.CODE_LOST_STATE, str(e)[:1000]
+        elif isinstance(e, NoAdapter):
+            log.info("task %d (%s): adapter %s not loaded: %s", task.id, task.stage, task.adapter, e)
+            code, reason = p.CODE_NO_ADAPTER, str(e)[:1000]
+        else:  # a bug in a callback fails the task, not the worker
+            log.error("task %d (%s) failed", task.id, task.stage, exc_info=e)
+        self._send({"t": p.TYPE_FAILED, "task": task.id, "code": code, "reason": reason})
+        if task.stream is not None:
+            self._drop_stream(task.stream.id, "a chunk of it failed")
+
+    def _forget(self, task: Task) -> None:
+        with self._tlock:
+            self._tasks.pop(task.id, None)
+
     def _run_task(self, task: Task) -> None:
         fn = {"encode": self.on_encode, "denoise": self.on_denoise, "decode": self.on_decode}.get(task.stage)
-        ok = False
+        if fn is None and task.stage in self.on_batch:
+            self._run_batch([task])  # a batch callback alone serves a lone task too
+            return
         try:
             if fn is None:
                 raise BadInput(f"this worker has no {task.stage} callback")
-            why = task._shape_refusal()
-            if why is not None:
-                raise BadInput(why)
-            task._prepare()
-            if task.stream is not None:
-                task.state = self._stream_state(task)
-            log.debug("task %d (%s of %s) started", task.id, task.stage, task.model)
+            self._begin(task)
             fn(task)
-            if task.stream is not None and task.stream.last:
-                self._drop_stream(task.stream.id, "its last chunk is done")
-            done: Dict[str, Any] = {"t": p.TYPE_DONE, "task": task.id}
-            if task._split:
-                if task.stage == "encode":
-                    task._finish_payload()
-            elif task._lens:
-                done["lens"] = dict(task._lens)
-            self._send(done)
-            ok = True
-        except Cancelled:
-            log.info("task %d (%s) cancelled after step %d of %d", task.id, task.stage, task.last_step, task.spec.steps)
-            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_CANCELLED, "reason": "cancelled"})
-        except Stopped:
-            log.info("task %d (%s) stopped after step %d of %d, checkpointed after step %d", task.id, task.stage,
-                     task.last_step, task.spec.steps, task.last_checkpoint)
-            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_STOPPED, "reason": "stopped at a checkpoint"})
-        except BadCheckpoint as e:
-            log.warning("task %d (%s): resume refused: %s", task.id, task.stage, e)
-            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_BAD_CHECKPOINT, "reason": str(e)[:1000]})
-        except BadInput as e:
-            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_BAD_INPUT, "reason": str(e)[:1000]})
-        except LostState as e:
-            log.info("task %d (%s): %s", task.id, task.stage, e)
-            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_LOST_STATE, "reason": str(e)[:1000]})
-        except NoAdapter as e:
-            log.info("task %d (%s): adapter %s not loaded: %s", task.id, task.stage, task.adapter, e)
-            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_NO_ADAPTER, "reason": str(e)[:1000]})
-        except Exception as e:  # a bug in a callback fails the task, not the worker
-            log.exception("task %d (%s) failed", task.id, task.stage)
-            self._send({"t": p.TYPE_FAILED, "task": task.id, "code": p.CODE_INTERNAL, "reason": repr(e)[:1000]})
+            self._done(task)
+        except Exception as e:
+            self._failed(task, e)
         finally:
-            with self._tlock:
-                self._tasks.pop(task.id, None)
-            if task.stream is not None and not ok:
-                self._drop_stream(task.stream.id, "a chunk of it failed")
+            self._forget(task)
+
+    def _run_batch(self, tasks: List[Task]) -> None:
+        """Runs a batch the agent sent: its stage's batch callback once for
+        the members that could begin, each answered on its own (a member
+        that fails to begin, is cancelled or leaves does not fail the
+        others); without a batch callback, one member after another."""
+        fn = self.on_batch.get(tasks[0].stage)
+        if fn is None:
+            for t in tasks:
+                self._run_task(t)
+            return
+        b = Batch(self, [])
+        for t in tasks:
+            try:
+                self._begin(t)
+                t.check_cancelled()
+                b.tasks.append(t)
+            except Exception as e:
+                self._failed(t, e)
+                self._forget(t)
+        log.debug("batch of %d %s tasks (%d began)", len(tasks), tasks[0].stage, len(b.tasks))
+        try:
+            if b.tasks:
+                fn(b)
+            for t in b.tasks:
+                self._done(t)
+        except Exception as e:  # what fails the call fails the members still in it
+            for t in b.tasks:
+                self._failed(t, e)
+        finally:
+            for t in tasks:
+                self._forget(t)
+
+
+class Batch:
+    """Tasks the agent sent to run in one call (protocol version 2,
+    ``Model.batch``): one stage of one model, with the same size, frame
+    count, step count and adapter (prompts, seeds, guidance and
+    parameters may differ). ``tasks`` are the members still in the call, in
+    order; the callback writes each one's output as a stage callback does
+    a task's. At each step boundary call ``prune``: members cancelled
+    since leave (answered on their own) and the others go on. ``leave``
+    ends one member with a failure of its own, ``stop`` at a checkpoint.
+    Members still in ``tasks`` when the callback returns are answered
+    done; an exception out of it fails them all."""
+
+    def __init__(self, worker: "Worker", tasks: List[Task]) -> None:
+        self._w = worker
+        self.tasks: List[Task] = tasks
+
+    @property
+    def spec(self) -> "Spec":
+        """The first member's spec: size, frames and steps are every member's."""
+        return self.tasks[0].spec
+
+    def leave(self, task: Task, e: BaseException) -> int:
+        """Ends member task with failure e (answered now); returns the
+        position it had in ``tasks``, which the caller drops from its
+        batched tensors."""
+        i = self.tasks.index(task)
+        del self.tasks[i]
+        self._w._failed(task, e)
+        return i
+
+    def prune(self) -> List[int]:
+        """Members cancelled since the last call leave the batch (each
+        answered cancelled); returns the positions they had in ``tasks``,
+        highest first, so that deleting rows in that order is safe."""
+        gone = [i for i, t in enumerate(self.tasks) if t.cancelled]
+        for i in reversed(gone):
+            self.leave(self.tasks[i], Cancelled())
+        return list(reversed(gone))
+
+    def stop(self, task: Task, step: int, state: bytes, latent: Any) -> int:
+        """Ends member task as its stop asked: checkpoints ``step`` (as
+        ``Task.stop``) and leaves, answered stopped; returns its position."""
+        try:
+            task.stop(step, state, latent)
+        except Exception as e:  # Stopped, or the checkpoint failed
+            return self.leave(task, e)
+        raise AssertionError("Task.stop returned")  # pragma: no cover
+
+    def progress(self, step: int, total: int) -> None:
+        """Reports ``step`` of ``total`` for every member."""
+        for t in self.tasks:
+            t.progress(step, total)
 
 
 def socket_from_args(argv: List[str]) -> str:

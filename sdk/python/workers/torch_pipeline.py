@@ -78,7 +78,7 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from latentmesh_engine import (BadCheckpoint, BadInput, CheckpointSpec, CondTensor, ImageSpec,  # noqa: E402
+from latentmesh_engine import (Batch, BadCheckpoint, BadInput, CheckpointSpec, CondTensor, ImageSpec,  # noqa: E402
                                LatentLayout, Layout, Model, NoAdapter, Param, Task, Worker, socket_from_args)
 
 MODEL = "latentmesh-tiny-torch"
@@ -352,6 +352,76 @@ class Pipeline(nn.Module):
             each_step(i, steps, False, x)
         out.copy_(x)
 
+    # --- batches: several requests of one size and step count in one call ---
+
+    @torch.no_grad()
+    def encode_batch(self, texts: List[Tuple[str, str]], outs: List[torch.Tensor]) -> None:
+        """encode of each (prompt, negative prompt), in one text encoder call."""
+        ids = torch.tensor([tokenize(t) for pair in texts for t in pair], dtype=torch.long, device=self.device)
+        e = self.text(ids)
+        for j, out in enumerate(outs):
+            out.copy_(e[2 * j:2 * j + 2])
+
+    @torch.no_grad()
+    def denoise_batch(self, conds: List[torch.Tensor], seeds: List[int], steps: int, guidances: List[float],
+                      outs: List[torch.Tensor], boundary: Callable[[int, List[torch.Tensor]], List[int]],
+                      after: Callable[[int, List[torch.Tensor]], None], uncond_kvs: List[Optional[KV]],
+                      lora: Optional[Lora] = None) -> None:
+        """denoise of several requests of one size and step count, each
+        from its seed's noise, as one batch of UNet calls: member j's rows
+        are its frames. boundary(i, xs) runs before step i with each live
+        member's latent and returns the positions of the members that left,
+        in the order they left, each in the list as it stood then (their rows
+        are dropped in that order); after(i, xs) runs after
+        step i. The math of each row is denoise's."""
+        frames, c, h, w = outs[0].shape
+        xs = []
+        for seed in seeds:
+            g = torch.Generator().manual_seed(seed)  # on the CPU: the same noise on any device
+            xs.append(torch.randn((frames, c, h, w), generator=g, dtype=torch.float32))
+        x = torch.cat(xs).to(self.device)
+        kvs = []
+        for cond, ukv in zip(conds, uncond_kvs):
+            if ukv is not None:
+                ukv = [(k.to(self.device), v.to(self.device)) for k, v in ukv]
+            kvs.append(self.unet.context_kv(cond.to(self.device), frames, ukv))
+        kv = [(torch.cat([m[L][0] for m in kvs]), torch.cat([m[L][1] for m in kvs])) for L in range(len(kvs[0]))]
+        g = torch.tensor(guidances, dtype=torch.float32, device=self.device).repeat_interleave(frames)[:, None, None, None]
+        outs = list(outs)
+        ts = torch.linspace(TRAIN_STEPS - 1, 0, steps, dtype=torch.float64).round().long()
+        for i in range(steps):
+            for j in boundary(i, list(x.split(frames))):
+                keep = torch.ones(x.shape[0], dtype=torch.bool, device=self.device)
+                keep[j * frames:(j + 1) * frames] = False
+                keep2 = keep.repeat_interleave(2)
+                x, g = x[keep], g[keep]
+                kv = [(k[keep2], v[keep2]) for k, v in kv]
+                del outs[j]
+            if not outs:
+                return
+            t = ts[i]
+            xin = x.repeat_interleave(2, dim=0)
+            eps = self.unet(xin, t.repeat(xin.shape[0]).to(self.device), kv, lora)
+            e_c, e_u = eps[0::2], eps[1::2]
+            e = e_u + g * (e_c - e_u)
+            a_t = self.alphas_cumprod[t].float()
+            a_prev = self.alphas_cumprod[ts[i + 1]].float() if i + 1 < steps else torch.tensor(1.0)
+            x0 = (x - (1 - a_t).sqrt() * e) / a_t.sqrt()
+            x0 = x0.clamp(-4, 4)
+            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * e
+            after(i, list(x.split(frames)))
+        for out, xj in zip(outs, x.split(frames)):
+            out.copy_(xj)
+
+    @torch.no_grad()
+    def decode_batch(self, latents: List[torch.Tensor], outs: List[torch.Tensor]) -> None:
+        """decode of each latent, in one VAE call."""
+        frames = [lat.shape[0] for lat in latents]
+        rgb = self.vae(torch.cat(latents).to(self.device))
+        for out, part in zip(outs, rgb.split(frames)):
+            out[:, :, :, :3].copy_(to_pixels(part).permute(0, 2, 3, 1))
+            out[:, :, :, 3] = 255
+
     @torch.no_grad()
     def decode(self, latent: torch.Tensor, out: torch.Tensor) -> None:
         rgb = self.vae(latent.to(self.device))  # [F, 3, H, W] in (-1, 1)
@@ -525,14 +595,15 @@ def write_weights(path: str) -> None:
     save_safetensors(path, p.state_dict())
 
 
-def model_decl(stages, checkpoint_every: int = 0) -> Model:
+def model_decl(stages, checkpoint_every: int = 0, batch: int = 1) -> Model:
     denoises = "denoise" in stages
     return Model(name=MODEL, stages=stages, cond=Layout("float32", [2, TOKENS, DIM]),
                  latent=LatentLayout("float32", CHANNELS, SCALE), default_steps=12, max_side=256, max_frames=4,
                  max_steps=200,
                  # The checkpoint's latent is the sampler's x, float32 like the latent.
                  checkpoint=CheckpointSpec(SAMPLER, "float32", CHANNELS, checkpoint_every) if denoises else None,
-                 tensor_cache=denoises, adapters=denoises)
+                 tensor_cache=denoises, adapters=denoises,
+                 batch={st: batch for st in stages} if batch > 1 else None)
 
 
 def video_decl(stages) -> Model:
@@ -665,8 +736,8 @@ def control(p: Pipeline, w: Worker, adapters: Adapters, lines) -> None:
 
 
 def serve(p: Pipeline, stages, step_ms: int, checkpoint_every: int = 0, controlled: bool = False,
-          reconnect: bool = False) -> None:
-    w = Worker(engine="torch-tiny/1", models=[model_decl(stages, checkpoint_every), video_decl(stages)],
+          reconnect: bool = False, batch: int = 1) -> None:
+    w = Worker(engine="torch-tiny/1", models=[model_decl(stages, checkpoint_every, batch), video_decl(stages)],
                slots={s: 1 for s in stages})
     adapters = Adapters()
     if controlled:
@@ -724,11 +795,83 @@ def serve(p: Pipeline, stages, step_ms: int, checkpoint_every: int = 0, controll
             return
         p.decode(lat, task.torch_output())
 
+    serve_batches(p, w, adapters, step_ms)
     path = socket_from_args(sys.argv[1:])
     if reconnect:
         w.run_forever(path)
     else:
         w.run(path)
+
+
+def serve_batches(p: Pipeline, w: Worker, adapters: "Adapters", step_ms: int) -> None:
+    """The image model's batch callbacks (--batch): each stage's members in
+    one call of the networks, every member's rows computed as alone (the
+    latents are bit-identical to one-at-a-time runs; a decode's pixels may
+    differ by a rounding, as the VAE's batched convolutions sum in another
+    order). The agent batches only tasks of one size, frame count, step
+    count and adapter."""
+    log.info("batching the image model's stages")
+
+    @w.encode_batch
+    def _encode(b: Batch) -> None:
+        p.encode_batch([(t.spec.prompt, t.spec.negative_prompt) for t in b.tasks], [t.torch_output() for t in b.tasks])
+        log.info("batch of %d encode tasks ran", len(b.tasks))  # the batching test counts these lines
+
+    @w.denoise_batch
+    def _denoise(b: Batch) -> None:
+        conds = []
+        for t in list(b.tasks):
+            (cond,) = t.torch_inputs()
+            if not bool(torch.isfinite(cond).all()):
+                b.leave(t, BadInput("conditioning holds NaN or infinite values"))
+            else:
+                conds.append(cond)
+        if not b.tasks:
+            return
+        lora = None
+        if b.tasks[0].adapter:  # one adapter for every member
+            lora = adapters.get(b.tasks[0].model, b.tasks[0].adapter)
+            if lora is None:
+                raise NoAdapter(f"adapter {b.tasks[0].adapter} of {b.tasks[0].model} is not loaded here")
+        n, steps = len(b.tasks), b.spec.steps
+        log.info("batch of %d denoise tasks started", n)  # the batching test counts these lines
+
+        def boundary(i: int, xs: List[torch.Tensor]) -> List[int]:
+            gone = b.prune()  # cancelled members leave, the others go on
+            for j in gone:
+                del xs[j]
+            for j in reversed(range(len(b.tasks))):  # a stop checkpoints its member, which leaves
+                t = b.tasks[j]
+                if t.should_stop():
+                    b.stop(t, i, sampler_state(i, t.spec), xs[j])
+                    gone.append(j)
+                    del xs[j]
+            if step_ms and b.tasks:
+                time.sleep(step_ms / 1000)  # stands in for a larger model's step time, once a batched step
+            return gone
+
+        def after(i: int, xs: List[torch.Tensor]) -> None:
+            b.progress(i + 1, steps)
+            for t, x in zip(b.tasks, xs):
+                if t.wants_checkpoint(i + 1):
+                    t.checkpoint(i + 1, sampler_state(i + 1, t.spec), x)
+
+        p.denoise_batch(conds, [t.spec.seed for t in b.tasks], steps, [t.spec.guidance_scale for t in b.tasks],
+                        [t.torch_output() for t in b.tasks], boundary, after,
+                        [uncond_kv(p, t, c) for t, c in zip(b.tasks, conds)], lora=lora)
+
+    @w.decode_batch
+    def _decode(b: Batch) -> None:
+        lats = []
+        for t in list(b.tasks):
+            (lat,) = t.torch_inputs()
+            if not bool(torch.isfinite(lat).all()):
+                b.leave(t, BadInput("latent holds NaN or infinite values"))
+            else:
+                lats.append(lat)
+        if b.tasks:
+            p.decode_batch(lats, [t.torch_output() for t in b.tasks])
+            log.info("batch of %d decode tasks ran", len(b.tasks))
 
 
 def denoise_video(p: Pipeline, task: Task, step_ms: int) -> None:
@@ -816,6 +959,7 @@ def main() -> None:
     ap.add_argument("--reconnect", action="store_true", help="connect again after the agent closes the socket (else exit)")
     ap.add_argument("--write-adapter", help="write a LoRA-like adapter (safetensors) and exit")
     ap.add_argument("--adapter-seed", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=1, help="the most tasks of a stage of the image model one call takes (1: no batching)")
     a = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
     if a.write_weights:
@@ -828,7 +972,7 @@ def main() -> None:
     if a.reference:
         reference(p, json.loads(a.reference[0]), a.reference[1])
         return
-    serve(p, a.stages.split(","), a.step_ms, a.checkpoint_every, a.control, a.reconnect)
+    serve(p, a.stages.split(","), a.step_ms, a.checkpoint_every, a.control, a.reconnect, a.batch)
 
 
 if __name__ == "__main__":

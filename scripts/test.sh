@@ -52,7 +52,11 @@ step "go test -race (no cached results; testbed beside everything after it)"
 # the rdma-tagged tests and the fuzzing, rather than after them (a cold
 # run took 25m14s with it after the other packages, 24m05s beside them).
 # The timeout leaves it room on a loaded machine.
-go test -race -count=1 -timeout 20m ./testbed &
+# Its output goes to a file and is shown at the end, its failures first:
+# what CI keeps of a run is its beginning and its end, and a testbed
+# failure printed in the middle of the other packages' output was lost.
+testbed_log=$(mktemp -t latentmesh-testbed.XXXXXX)
+go test -race -count=1 -timeout 20m ./testbed >"$testbed_log" 2>&1 &
 testbed=$!
 fail() { kill "$testbed" 2>/dev/null || true; exit 1; }
 go test -race -count=1 -timeout 20m $(go list ./... | grep -v '/testbed$') || fail
@@ -78,6 +82,14 @@ if [ "$FUZZTIME" != "0" ]; then
 fi
 
 step "waiting for testbed's race tests"
-wait "$testbed"
+if ! wait "$testbed"; then
+	echo "testbed failed. Its failures (a panic's first frames included):"
+	grep -n -E -A 25 '^(--- FAIL|panic:|fatal error:|FAIL|.*test timed out)' "$testbed_log" | head -300 || true
+	echo "... and the last lines of its output:"
+	tail -n 80 "$testbed_log"
+	exit 1
+fi
+tail -n 3 "$testbed_log"
+rm -f "$testbed_log"
 
 step "all tests passed"

@@ -33,7 +33,9 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	// Generous: in CI this build runs beside the race builds and tests of
+	// every other package, on two cores.
+	ctx, cancel := context.WithTimeout(context.Background(), 12*time.Minute)
 	binary, err = BuildBinary(ctx, dir)
 	devBinary = DevBinary(binary)
 	cancel()

@@ -144,7 +144,7 @@ func TestTorchBatchMemberCancel(t *testing.T) {
 		}
 		return j.ID
 	}
-	blocker := submit(128, 12, 1) // 1.2 s of denoise, alone: another size
+	blocker := submit(128, 24, 1) // 2.4 s of denoise, alone: another size
 	eventually(t, 30*time.Second, func() error {
 		if j, err := entry.Get(ctx, blocker); err != nil || j.Progress == nil || j.Progress.Stage != jobs.Denoise || j.Progress.Step < 1 {
 			return fmt.Errorf("the blocker's denoise has not begun")

@@ -142,7 +142,9 @@ func TestBatchWaitsForACallSlot(t *testing.T) {
 	first := runAll(s, []context.Context{ctx}, []Request{denoiseRequest(t, ar, 2)})
 	m := e.next(t) // the engine's one call
 	rest := runAll(s, []context.Context{ctx, ctx}, []Request{denoiseRequest(t, ar, 2), denoiseRequest(t, ar, 2)})
-	time.Sleep(50 * time.Millisecond) // far past the window: only the call slot holds them
+	for waitingIn(s) < 2 { // both joined, their window long past: only the call slot holds them
+		time.Sleep(time.Millisecond)
+	}
 	e.send(t, &Msg{T: TypeDone, Task: m.Task})
 	if err := <-first[0]; err != nil {
 		t.Fatal(err)
@@ -198,6 +200,38 @@ func TestBatchFieldsValidated(t *testing.T) {
 		mo.Batch = batch
 		if err := mo.validate(); err == nil {
 			t.Errorf("a model batching %s: accepted", name)
+		}
+	}
+}
+
+// waitingIn is how many tasks wait in s's forming batches.
+func waitingIn(s *Server) int {
+	s.batch.mu.Lock()
+	defer s.batch.mu.Unlock()
+	n := 0
+	for _, f := range s.batch.open {
+		n += len(f.members)
+	}
+	return n
+}
+
+// An engine gone fails the members of its batches, sent or forming, as
+// the engine's loss (the agent runs them elsewhere).
+func TestBatchMembersFailWithTheirEngine(t *testing.T) {
+	s, ar := batchServer(t, time.Millisecond)
+	e := dialEngineWith(t, s, batchRegister(2, 1))
+	ctx := context.Background()
+	sent := runAll(s, []context.Context{ctx, ctx}, []Request{denoiseRequest(t, ar, 2), denoiseRequest(t, ar, 2)})
+	e.next(t)
+	e.next(t)
+	waiting := runAll(s, []context.Context{ctx}, []Request{denoiseRequest(t, ar, 2)}) // no call free: it waits
+	for waitingIn(s) < 1 {
+		time.Sleep(time.Millisecond)
+	}
+	e.c.Close()
+	for _, ch := range append(sent, waiting...) {
+		if err := <-ch; !errors.Is(err, ErrEngineLost) {
+			t.Fatalf("a member after its engine went: %v, want ErrEngineLost", err)
 		}
 	}
 }

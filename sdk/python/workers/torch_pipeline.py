@@ -819,13 +819,7 @@ def serve_batches(p: Pipeline, w: Worker, adapters: "Adapters", step_ms: int) ->
 
     @w.denoise_batch
     def _denoise(b: Batch) -> None:
-        conds = []
-        for t in list(b.tasks):
-            (cond,) = t.torch_inputs()
-            if not bool(torch.isfinite(cond).all()):
-                b.leave(t, BadInput("conditioning holds NaN or infinite values"))
-            else:
-                conds.append(cond)
+        conds = finite_inputs(b, "conditioning")
         if not b.tasks:
             return
         lora = None
@@ -862,16 +856,23 @@ def serve_batches(p: Pipeline, w: Worker, adapters: "Adapters", step_ms: int) ->
 
     @w.decode_batch
     def _decode(b: Batch) -> None:
-        lats = []
-        for t in list(b.tasks):
-            (lat,) = t.torch_inputs()
-            if not bool(torch.isfinite(lat).all()):
-                b.leave(t, BadInput("latent holds NaN or infinite values"))
-            else:
-                lats.append(lat)
+        lats = finite_inputs(b, "latent")
         if b.tasks:
             p.decode_batch(lats, [t.torch_output() for t in b.tasks])
             log.info("batch of %d decode tasks ran", len(b.tasks))
+
+
+def finite_inputs(b: Batch, what: str) -> List[torch.Tensor]:
+    """Each member's one input, the members whose input holds NaN or
+    infinite values failed and gone from the batch."""
+    out = []
+    for t in list(b.tasks):
+        (x,) = t.torch_inputs()
+        if bool(torch.isfinite(x).all()):
+            out.append(x)
+        else:
+            b.leave(t, BadInput(f"{what} holds NaN or infinite values"))
+    return out
 
 
 def denoise_video(p: Pipeline, task: Task, step_ms: int) -> None:

@@ -62,9 +62,10 @@ func batchMesh(t testing.TB, ctx context.Context, weights string, stepMS, batch 
 		for st := range c.Slots {
 			c.Slots[st] = batch
 		}
-		// Sixteen HTTP submissions at once reach the encoder over tens of
-		// milliseconds under the race detector on two cores.
-		c.External.BatchWindow = 100 * time.Millisecond
+		// Sixteen HTTP submissions at once reach the encoder over a few
+		// hundred milliseconds under the race detector on two cores; with
+		// 100 ms, a run gave batches of [4 2 3 2 3 2].
+		c.External.BatchWindow = 250 * time.Millisecond
 	})
 	return agents, tap
 }

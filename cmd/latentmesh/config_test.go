@@ -61,6 +61,7 @@ var everyKey = map[string]string{
 	"cond-cache-bytes":     "16MiB",
 	"job-retention":        "48h",
 	"engine-socket":        "/run/latentmesh/engine.sock",
+	"engine-batch-window":  "40ms",
 	"scheduler":            "fifo",
 	"preempt-after":        "3s",
 	"no-backpressure":      "true",

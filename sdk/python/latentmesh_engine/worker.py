@@ -979,8 +979,13 @@ class Worker:
 
     def _serve(self, sock: socket.socket, reader: p.FrameReader) -> bool:
         """The session after register: the welcome, then tasks until the
-        agent closes the connection."""
-        msg = reader.read()
+        agent closes the connection (False: it closed it before welcoming
+        this worker)."""
+        try:
+            msg = reader.read()
+        except (ConnectionError, OSError) as e:
+            log.info("the agent closed the engine socket before its welcome: %s", e)
+            return False
         if msg.get("t") == p.TYPE_REFUSED:
             raise p.ProtocolError(f"agent refused registration: {msg.get('reason', '')}")
         if msg.get("t") != p.TYPE_WELCOME:

@@ -57,19 +57,7 @@ func (s *Store) repairAll(ctx context.Context, ls []*listed, members []Member, a
 	joined := s.joins.observe(members, now)
 	var todo []*listed
 	for _, l := range ls {
-		if l.Mode == Cache { // losing one costs a recompute, not a job
-			continue
-		}
-		first, nlive := "", 0
-		for i := range l.Holders {
-			if node := l.Holders[i].Node; alive[node] {
-				if nlive == 0 {
-					first = node
-				}
-				nlive++
-			}
-		}
-		if first == s.cfg.Node && (nlive < l.Replicas || nlive < len(l.Holders)) {
+		if s.repairsHere(l, alive) {
 			todo = append(todo, l)
 		}
 	}
@@ -95,14 +83,38 @@ func (s *Store) repairAll(ctx context.Context, ls []*listed, members []Member, a
 		}
 		wg.Go(func() {
 			defer func() { <-sem }()
+			// ls may hold a marker's thin copy, and a record read now may
+			// have changed since (a holder gone, this node unlisted): it
+			// is judged again, and one this node no longer repairs is left
+			// to the pass that reads it next.
 			l, err := s.whole(ctx, l)
-			if err != nil || l != nil && !s.repair(ctx, l, cands, alive) {
+			if err != nil || l != nil && s.repairsHere(l, alive) && !s.repair(ctx, l, cands, alive) {
 				short.Store(true)
 			}
 		})
 	}
 	wg.Wait()
 	return short.Load()
+}
+
+// repairsHere reports whether this node repairs l: l is short of copies
+// (fewer live holders than its replicas, or holders that are not alive)
+// and this node is its first live holder. A Cache entry is never
+// repaired: losing one costs a recompute, not a job.
+func (s *Store) repairsHere(l *listed, alive map[string]bool) bool {
+	if l.Mode == Cache {
+		return false
+	}
+	first, nlive := "", 0
+	for i := range l.Holders {
+		if node := l.Holders[i].Node; alive[node] {
+			if nlive == 0 {
+				first = node
+			}
+			nlive++
+		}
+	}
+	return first == s.cfg.Node && (nlive < l.Replicas || nlive < len(l.Holders))
 }
 
 // repairCandidates orders the members for new copies: settled members
@@ -136,7 +148,8 @@ func (s *Store) repairTimeout(size int64) time.Duration {
 // the record, if no one else changed it meanwhile, naming the new holders
 // in place of holders that are not alive (those not replaced stay named).
 // It reports false when a pass soon should try again: the object is still
-// short of copies and some member might take one.
+// short of copies and some member might take one. The caller checked
+// that this node repairs l (repairsHere).
 func (s *Store) repair(ctx context.Context, l *listed, cands func(string, int64, map[string]bool) []Member, alive map[string]bool) (done bool) {
 	var live []Holder
 	for _, h := range l.Holders {

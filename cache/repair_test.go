@@ -90,3 +90,51 @@ func TestRepairPastAStuckCandidate(t *testing.T) {
 		t.Fatalf("holders %v", holderNodes(now))
 	}
 }
+
+// A pass decides what to repair from the records it follows, which for a
+// result are its markers' thin copies; the record read before the repair
+// may have changed since. One that no longer makes this node its first
+// live holder (here: every holder it names is gone) is left alone, not
+// repaired from a copy it does not name (which panicked: the pass indexed
+// the live holders of the record read, and there were none).
+func TestRepairJudgesTheRecordItReads(t *testing.T) {
+	c := newCluster(t, clusterConfig{nodes: 2, mem: 4 << 20})
+	ctx := testCtx(t)
+	s := c.nodes[0].s
+	rec, err := s.PutBytes(ctx, PutSpec{ID: "judged", Mode: Pinned, Replicas: 2}, pattern(objSize, 7))
+	if err != nil {
+		t.Fatal(err)
+	}
+	// What the pass saw: a thin copy naming this node and a holder gone.
+	thin, err := decodeThin([]byte(encodeThin(rec)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := &listed{Record: thin, thin: true}
+	seen.Holders = []Holder{rec.Holders[0], {Node: "gone", Ref: transfer.Ref{ID: "x"}}}
+	seen.Holders[0].Node = s.cfg.Node
+	// What etcd holds by the time the repair reads it: only holders gone.
+	now := rec
+	now.Holders = []Holder{{Node: "gone", Ref: transfer.Ref{ID: "x"}}, {Node: "gone2", Ref: transfer.Ref{ID: "y"}}}
+	if _, err := c.cli.Put(ctx, ObjectKey(c.prefix, rec.ID), encodeRecord(now)); err != nil {
+		t.Fatal(err)
+	}
+	alive := map[string]bool{}
+	for _, m := range c.members() {
+		alive[m.Node] = true
+	}
+	if !s.repairsHere(seen, alive) {
+		t.Fatal("the record the pass saw is not one this node repairs: the test sets up nothing")
+	}
+	if pending := s.repairAll(ctx, []*listed{seen}, c.members(), alive); pending {
+		t.Errorf("a record this node no longer repairs left the pass pending")
+	}
+	resp, err := c.cli.Get(ctx, ObjectKey(c.prefix, rec.ID))
+	if err != nil || len(resp.Kvs) != 1 {
+		t.Fatalf("record: %v", err)
+	}
+	got, err := decodeRecord(resp.Kvs[0].Value)
+	if err != nil || !slices.Equal(holderNodes(got), []string{"gone", "gone2"}) {
+		t.Fatalf("the record was rewritten to %v (%v); it is not this node's to repair", holderNodes(got), err)
+	}
+}

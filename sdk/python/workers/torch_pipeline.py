@@ -70,7 +70,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -339,18 +339,25 @@ class Pipeline(nn.Module):
         kv = self.unet.context_kv(cond, frames, uncond_kv)
         for i in range(start, steps):
             each_step(i, steps, True, x)
-            t = ts[i]
-            xin = x.repeat_interleave(2, dim=0)
-            eps = self.unet(xin, t.repeat(2 * frames).to(self.device), kv, lora)
-            e_c, e_u = eps[0::2], eps[1::2]
-            e = e_u + guidance * (e_c - e_u)
-            a_t = self.alphas_cumprod[t].float()
-            a_prev = self.alphas_cumprod[ts[i + 1]].float() if i + 1 < steps else torch.tensor(1.0)
-            x0 = (x - (1 - a_t).sqrt() * e) / a_t.sqrt()
-            x0 = x0.clamp(-4, 4)
-            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * e
+            x = self.ddim_step(x, ts, i, kv, guidance, lora)
             each_step(i, steps, False, x)
         out.copy_(x)
+
+    def ddim_step(self, x: torch.Tensor, ts: torch.Tensor, i: int, kv: KV, guidance: Union[float, torch.Tensor],
+                  lora: Optional[Lora]) -> torch.Tensor:
+        """DDIM step i of the schedule ts from latents x (a batch of frames,
+        each with its prompt's and negative prompt's rows in kv), with
+        classifier-free guidance: a number, or one per row of x."""
+        t = ts[i]
+        xin = x.repeat_interleave(2, dim=0)
+        eps = self.unet(xin, t.repeat(xin.shape[0]).to(self.device), kv, lora)
+        e_c, e_u = eps[0::2], eps[1::2]
+        e = e_u + guidance * (e_c - e_u)
+        a_t = self.alphas_cumprod[t].float()
+        a_prev = self.alphas_cumprod[ts[i + 1]].float() if i + 1 < len(ts) else torch.tensor(1.0)
+        x0 = (x - (1 - a_t).sqrt() * e) / a_t.sqrt()
+        x0 = x0.clamp(-4, 4)
+        return a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * e
 
     # --- batches: several requests of one size and step count in one call ---
 
@@ -399,16 +406,7 @@ class Pipeline(nn.Module):
                 del outs[j]
             if not outs:
                 return
-            t = ts[i]
-            xin = x.repeat_interleave(2, dim=0)
-            eps = self.unet(xin, t.repeat(xin.shape[0]).to(self.device), kv, lora)
-            e_c, e_u = eps[0::2], eps[1::2]
-            e = e_u + g * (e_c - e_u)
-            a_t = self.alphas_cumprod[t].float()
-            a_prev = self.alphas_cumprod[ts[i + 1]].float() if i + 1 < steps else torch.tensor(1.0)
-            x0 = (x - (1 - a_t).sqrt() * e) / a_t.sqrt()
-            x0 = x0.clamp(-4, 4)
-            x = a_prev.sqrt() * x0 + (1 - a_prev).sqrt() * e
+            x = self.ddim_step(x, ts, i, kv, g, lora)
             after(i, list(x.split(frames)))
         for out, xj in zip(outs, x.split(frames)):
             out.copy_(xj)

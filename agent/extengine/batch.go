@@ -121,11 +121,17 @@ type batcher struct {
 	ids  atomic.Uint64
 	mu   sync.Mutex
 	open map[batchKey]*forming
-	// calls are each connection's stage call slots (a buffered channel
-	// per stage, as many as the engine's slots), taken by a batch from
-	// when it goes until its last member is answered.
-	calls map[*conn]map[string]chan struct{}
-	made  sync.Map // stage -> *atomic.Int64: engine calls (a batch is one)
+	// made counts engine calls by stage (a batch is one), for Calls.
+	made map[string]*atomic.Int64
+}
+
+// newBatcher is s's batcher.
+func newBatcher(s *Server) batcher {
+	made := map[string]*atomic.Int64{}
+	for _, st := range []string{StageEncode, StageDenoise, StageDecode} {
+		made[st] = new(atomic.Int64)
+	}
+	return batcher{s: s, open: map[batchKey]*forming{}, made: made}
 }
 
 // member is one task waiting in a forming batch: sent gets the write's
@@ -142,32 +148,25 @@ type forming struct {
 	max     int
 	members []*member
 	ready   chan struct{} // closed when it is full
-	closed  bool          // ready is closed
 	flushed bool          // gone: no more members
 	left    atomic.Int32  // members sent and not yet answered
 	slot    chan struct{} // the call slot it holds once sent
 }
 
-func (b *batcher) counter(m *sync.Map, stage string) *atomic.Int64 {
-	v, _ := m.LoadOrStore(stage, new(atomic.Int64))
-	return v.(*atomic.Int64)
-}
-
-// slotsLocked is c's call slots of stage: as many as the engine's slots.
-func (b *batcher) slotsLocked(c *conn, stage string) chan struct{} {
-	byStage := b.calls[c]
-	if byStage == nil {
-		byStage = map[string]chan struct{}{}
-		b.calls[c] = byStage
-	}
-	ch := byStage[stage]
+// callSlots is c's call slots of stage, a buffered channel of the
+// engine's slots (1 unless it said): a batch takes one from when it goes
+// until its last member is answered.
+func (c *conn) callSlots(stage string) chan struct{} {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	ch := c.calls[stage]
 	if ch == nil {
 		n, ok := c.reg.Slots[stage]
 		if !ok || n < 1 {
 			n = 1
 		}
 		ch = make(chan struct{}, n)
-		byStage[stage] = ch
+		c.calls[stage] = ch
 	}
 	return ch
 }
@@ -183,16 +182,13 @@ func (b *batcher) join(ctx context.Context, c *conn, r Request, n int, m *Msg, p
 	b.mu.Lock()
 	f := b.open[key]
 	if f == nil || f.c != c {
-		f = &forming{key: key, c: c, max: n, ready: make(chan struct{}), slot: b.slotsLocked(c, r.Stage)}
+		f = &forming{key: key, c: c, max: n, ready: make(chan struct{}), slot: c.callSlots(r.Stage)}
 		b.open[key] = f
 		go b.launch(f)
 	}
 	f.members = append(f.members, me)
-	if len(f.members) >= f.max {
-		delete(b.open, key) // full: the next task of its kind starts another
-	}
-	if !f.closed && len(f.members) >= f.max {
-		f.closed = true
+	if len(f.members) == f.max {
+		delete(b.open, key) // full: it goes, and the next task of its kind starts another
 		close(f.ready)
 	}
 	b.mu.Unlock()
@@ -267,7 +263,7 @@ func (b *batcher) launch(f *forming) {
 		msgs = append(msgs, me.m)
 	}
 	if err == nil {
-		b.counter(&b.made, f.key.stage).Add(1)
+		b.made[f.key.stage].Add(1)
 		if err = f.c.write(msgs...); err != nil {
 			f.c.fail(fmt.Errorf("send batch: %w", err))
 			err = fmt.Errorf("%w: %v", ErrEngineLost, err)
@@ -278,13 +274,11 @@ func (b *batcher) launch(f *forming) {
 	}
 }
 
-// forget drops a dead connection's call slots.
-func (b *batcher) forget(c *conn) {
-	b.mu.Lock()
-	delete(b.calls, c)
-	b.mu.Unlock()
-}
-
 // Calls is how many engine calls of stage this Server has made: a batch is
 // one, whatever its size.
-func (s *Server) Calls(stage string) int64 { return s.batch.counter(&s.batch.made, stage).Load() }
+func (s *Server) Calls(stage string) int64 {
+	if n := s.batch.made[stage]; n != nil {
+		return n.Load()
+	}
+	return 0
+}

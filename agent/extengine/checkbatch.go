@@ -42,8 +42,9 @@ func (c *checker) batchMember(m Model, st string, steps, i int) (Request, error)
 	return r, err
 }
 
-// runBatch runs rs at once and returns each one's error.
-func (c *checker) runBatch(ctx context.Context, rs []Request, ctxs []context.Context) []error {
+// runBatch runs rs at once, each under its context, and returns each
+// one's error.
+func (c *checker) runBatch(rs []Request, ctxs []context.Context) []error {
 	errs := make([]error, len(rs))
 	var wg sync.WaitGroup
 	for i := range rs {
@@ -66,7 +67,7 @@ func (c *checker) batchCheck(ctx context.Context, m Model, st string, max int) C
 		if err != nil {
 			return CheckResult{Name: name, Detail: err.Error()}
 		}
-		if errs := c.runBatch(ctx, []Request{r}, []context.Context{ctx}); errs[0] != nil {
+		if errs := c.runBatch([]Request{r}, []context.Context{ctx}); errs[0] != nil {
 			return CheckResult{Name: name, Detail: fmt.Sprintf("member %d run alone: %s", i, c.ranOrGone(errs[0]))}
 		}
 		lone[i] = append([]byte(nil), r.Output.Data...)
@@ -82,7 +83,7 @@ func (c *checker) batchCheck(ctx context.Context, m Model, st string, max int) C
 	}
 	calls := c.srv.Calls(st)
 	start := time.Now()
-	for i, err := range c.runBatch(ctx, rs, ctxs) {
+	for i, err := range c.runBatch(rs, ctxs) {
 		if err != nil {
 			return CheckResult{Name: name, Detail: fmt.Sprintf("member %d of a batch of %d: %s", i, n, c.ranOrGone(err))}
 		}
@@ -133,7 +134,7 @@ func (c *checker) batchCancel(ctx context.Context, m Model, n int) (why string, 
 			cancel()
 		}
 	}
-	errs := c.runBatch(ctx, rs, ctxs)
+	errs := c.runBatch(rs, ctxs)
 	for i, err := range errs {
 		switch {
 		case i == 1 && err == nil:

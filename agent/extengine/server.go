@@ -281,7 +281,7 @@ func Listen(cfg Config, a Arena) (*Server, error) {
 		return nil, fmt.Errorf("extengine: %w", err)
 	}
 	s := &Server{cfg: cfg, arena: a, alloc: allocatorOf(a), log: cfg.Logger.Named("engine"), ln: ln, changed: make(chan struct{})}
-	s.batch = batcher{s: s, open: map[batchKey]*forming{}, calls: map[*conn]map[string]chan struct{}{}}
+	s.batch = newBatcher(s)
 	s.ctx, s.cancel = context.WithCancel(context.Background())
 	s.wg.Go(s.accept)
 	return s, nil
@@ -358,7 +358,7 @@ func (s *Server) serve(uc *net.UnixConn) {
 		return
 	}
 	log := s.log.With(zap.Int32("pid", cred.Pid))
-	c := &conn{s: s, uc: uc, pid: cred.Pid, pidfd: -1, version: Version1, tasks: map[uint64]*pending{}, dead: make(chan struct{})}
+	c := &conn{s: s, uc: uc, pid: cred.Pid, pidfd: -1, version: Version1, tasks: map[uint64]*pending{}, calls: map[string]chan struct{}{}, dead: make(chan struct{})}
 	if fd, err := unix.PidfdOpen(int(cred.Pid), 0); err == nil {
 		c.pidfd = fd
 	}
@@ -578,7 +578,7 @@ func (s *Server) send(ctx context.Context, c *conn, live *Registration, r Reques
 		return done, ErrEngineLost
 	}
 	m.Task = id
-	s.batch.counter(&s.batch.made, r.Stage).Add(1)
+	s.batch.made[r.Stage].Add(1)
 	if err := c.write(m); err != nil {
 		c.fail(fmt.Errorf("send task: %w", err))
 		return done, fmt.Errorf("%w: %v", ErrEngineLost, err)
@@ -782,7 +782,8 @@ type conn struct {
 	tasks   map[uint64]*pending
 	dead    chan struct{}
 	deadErr error
-	held    []*pending // unanswered at the failure: retained until the process exits
+	held    []*pending               // unanswered at the failure: retained until the process exits
+	calls   map[string]chan struct{} // each stage's call slots (batch.go)
 }
 
 func (c *conn) add(p *pending) (uint64, bool) {
@@ -1135,7 +1136,6 @@ func (c *conn) fail(err error) {
 
 	c.uc.Close()
 	s := c.s
-	s.batch.forget(c)
 	if s.cfg.OnGone != nil {
 		s.cfg.OnGone(err) // before Changed fires: a watcher of it finds the reason
 	}

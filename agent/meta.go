@@ -104,21 +104,6 @@ func (a *Agent) gossipEngine() {
 	}
 }
 
-// checkBatchSlots warns when the engine batches a stage in calls larger
-// than this agent's --slots lets run at once: the batches never fill.
-func (a *Agent) checkBatchSlots() {
-	reg := a.Engine()
-	if reg == nil {
-		return
-	}
-	for st, c := range a.credits {
-		if n := reg.StageBatch(string(st)); n > c.Total() {
-			a.log.Warn("the engine batches this stage, but --slots lets fewer of its tasks run at once: raise --slots to fill its batches",
-				zap.String("stage", string(st)), zap.Int("batch", n), zap.Int("slots", c.Total()))
-		}
-	}
-}
-
 // resyncHeld releases held payloads that have no record and are not being
 // produced or committed by a running task: their release events were lost
 // to an etcd compaction.

@@ -498,6 +498,21 @@ func (a *Agent) EngineCalls(st jobs.Stage) int64 {
 	return a.ext.Calls(string(st))
 }
 
+// checkBatchSlots warns when the engine batches a stage in calls larger
+// than this agent's --slots lets run at once: the batches never fill.
+func (a *Agent) checkBatchSlots() {
+	reg := a.Engine()
+	if reg == nil {
+		return
+	}
+	for st, c := range a.credits {
+		if n := reg.StageBatch(string(st)); n > c.Total() {
+			a.log.Warn("the engine batches this stage, but --slots lets fewer of its tasks run at once: raise --slots to fill its batches",
+				zap.String("stage", string(st)), zap.Int("batch", n), zap.Int("slots", c.Total()))
+		}
+	}
+}
+
 // EngineChanged returns a channel closed the next time an external engine
 // registers or goes away (nil for the built-in engine, which never does).
 func (a *Agent) EngineChanged() <-chan struct{} { return a.runner.Changed() }

@@ -311,8 +311,7 @@ class Pipeline(nn.Module):
 
     @torch.no_grad()
     def encode(self, prompt: str, negative: str, out: torch.Tensor) -> None:
-        ids = torch.tensor([tokenize(prompt), tokenize(negative)], dtype=torch.long, device=self.device)
-        out.copy_(self.text(ids))
+        self.encode_batch([(prompt, negative)], [out])  # a batch of one is the same call
 
     @torch.no_grad()
     def denoise(self, cond: torch.Tensor, seed: int, steps: int, guidance: float, out: torch.Tensor,
@@ -415,16 +414,14 @@ class Pipeline(nn.Module):
     def decode_batch(self, latents: List[torch.Tensor], outs: List[torch.Tensor]) -> None:
         """decode of each latent, in one VAE call."""
         frames = [lat.shape[0] for lat in latents]
-        rgb = self.vae(torch.cat(latents).to(self.device))
+        rgb = self.vae(torch.cat(latents).to(self.device))  # [frames, 3, H, W] in (-1, 1)
         for out, part in zip(outs, rgb.split(frames)):
             out[:, :, :, :3].copy_(to_pixels(part).permute(0, 2, 3, 1))
             out[:, :, :, 3] = 255
 
     @torch.no_grad()
     def decode(self, latent: torch.Tensor, out: torch.Tensor) -> None:
-        rgb = self.vae(latent.to(self.device))  # [F, 3, H, W] in (-1, 1)
-        out[:, :, :, :3].copy_(to_pixels(rgb).permute(0, 2, 3, 1))
-        out[:, :, :, 3] = 255
+        self.decode_batch([latent], [out])  # a batch of one is the same call
 
     # --- the video model (protocol v2's shapes) ---
 

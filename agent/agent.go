@@ -32,6 +32,7 @@ import (
 	"github.com/latentmesh/latentmesh/agent/grant"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
+	"github.com/latentmesh/latentmesh/agent/offer"
 	"github.com/latentmesh/latentmesh/agent/progress"
 	"github.com/latentmesh/latentmesh/cache"
 	"github.com/latentmesh/latentmesh/gossip"
@@ -80,6 +81,8 @@ type Agent struct {
 	// agent (grants.go); stopGrants stops taking them.
 	grants     *routing.Grants
 	stopGrants func()
+	// stopOffers stops taking offered claims (offers.go).
+	stopOffers func()
 	alarms     *jobs.AlarmWatcher // etcd's NOSPACE alarm
 	// health says whether etcd can serve this agent now; finished keeps
 	// the finished job records it can answer for while etcd cannot.
@@ -234,6 +237,9 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	}
 	jc := cfg.Jobs
 	jc.Logger = a.log
+	if cfg.Queue.Push && cfg.Queue.Offer {
+		jc.Offer = a.sendOffer
+	}
 	if a.store, err = jobs.NewStore(cli, jc); err != nil {
 		return nil, fmt.Errorf("agent: %w", err)
 	}
@@ -424,6 +430,7 @@ func (a *Agent) Start(ctx context.Context) error {
 	a.cstore.Start()
 	a.progSrv = progress.Serve(a.host, a.board, a.admitPeer, a.log)
 	a.stopGrants = grant.Serve(a.host, a.admitPeer, a.takeGrant, a.log)
+	a.stopOffers = offer.Serve(a.host, a.admitPeer, a.takeOffer, a.log)
 	if err := a.member.Start(ctx); err != nil {
 		return fmt.Errorf("agent: join: %w", err)
 	}
@@ -579,6 +586,9 @@ func (a *Agent) Close() error {
 		a.wg.Wait()
 		if a.progSrv != nil {
 			a.progSrv.Close()
+		}
+		if a.stopOffers != nil {
+			a.stopOffers()
 		}
 		if a.stopGrants != nil {
 			a.stopGrants()

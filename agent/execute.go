@@ -38,7 +38,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 	// start in etcd's order: no later than it happened, and not before the
 	// count admission went by (TestBackpressureManyProducers counts the
 	// backlog by it).
-	log.Debug("task started", zap.Int64("claim_rev", c.Rev), zap.Bool("pushed", c.Pushed), zap.Int64("fed_rev", a.fedSeen(st)))
+	log.Debug("task started", zap.Int64("claim_rev", c.Rev), zap.Bool("pushed", c.Pushed), zap.Bool("offered", c.Offered()), zap.Int64("fed_rev", a.fedSeen(st)))
 	a.recent.note(c.Task.JobID)
 	defer a.untrack(c)
 	defer a.inboxes[st].Done(c)
@@ -76,6 +76,21 @@ func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 		}
 		a.abort(staged)
 	}
+	withdrawn := func() bool {
+		if !c.Withdrawn() {
+			return false
+		}
+		// Started from an offer that no write confirmed: etcd holds no
+		// such claim (or another one, which the inbox offers as any), so
+		// there is nothing to record.
+		log.Info("offered claim withdrawn; output discarded")
+		a.metrics.Offered(st, true)
+		release()
+		return true
+	}
+	if withdrawn() {
+		return
+	}
 	if committed {
 		// Early handoff: the commit already happened inside run.
 		switch {
@@ -100,6 +115,9 @@ func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 	var uncertain bool // a commit attempt got no answer: it may have taken effect
 	if err == nil {
 		uncertain, err = a.commit(ctx, c, out, false, uncount, log)
+		if err != nil && withdrawn() {
+			return
+		}
 		lost := errors.Is(err, jobs.ErrFenced) || (ctx.Err() != nil && a.member.Lease() != c.Lease)
 		if err != nil && lost && a.ctx.Err() == nil {
 			// The claim went with the lease while the finished output
@@ -247,6 +265,9 @@ func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 // (nil: none) is called once the commit's output is in the ledger, so the
 // task stops counting as committing (countCommitting).
 func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, waited bool, counted func(), log *zap.Logger) (uncertain bool, err error) {
+	if err := c.Settle(ctx); err != nil {
+		return false, err // an offer no write confirmed (or the task stopped first)
+	}
 	if next, last := c.Task.Stage.Next(); !last && out.Push == nil {
 		// The next stage's worker is chosen now, not when the stage began
 		// (a video's denoise takes minutes): one free now gets the task
@@ -480,11 +501,23 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff *handoffFlag, ran *atomic.B
 		// cancel from then on shows only in the job record.
 		gone, forget := a.inboxes[c.Task.Stage].TaskGone(c.Task.ID)
 		defer forget()
-		select {
-		case <-gone:
-		case <-handedOff.Done():
-		case <-ctx.Done():
-			return
+		settled := c.Settled() // an offered claim's: confirmed, or withdrawn
+		for {
+			select {
+			case <-gone:
+			case <-handedOff.Done():
+			case <-settled:
+				if c.Withdrawn() {
+					a.log.Info("offered claim withdrawn; stopping its task", zap.String("job", c.Task.JobID))
+					cancel()
+					return
+				}
+				settled = nil
+				continue
+			case <-ctx.Done():
+				return
+			}
+			break
 		}
 		if ran.Load() {
 			return
@@ -534,6 +567,13 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff *handoffFlag, ran *atomic.B
 // staged collects the Store objects run staged, for the caller to abort
 // when the stage does not commit.
 func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *handoffFlag, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
+	if c.Offered() && a.needsProof(c) {
+		// The producer checks the claim in etcd before it issues a ticket
+		// for an input that came without one: wait for its write.
+		if err := c.Settle(ctx); err != nil {
+			return out, nil, false, err
+		}
+	}
 	ctx = withClaim(ctx, c) // the claim gets this worker the tickets for its inputs
 	spec := c.Task.Spec
 	switch c.Task.Stage {

@@ -94,6 +94,9 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Inbox, lease clientv3.LeaseI
 	out := make(map[string]*jobs.Claim, len(cs))
 	for _, c := range cs {
 		if !a.runner.Serves(st, c.Task.Spec.ModelName()) {
+			if c.Offered() {
+				continue // given back once its write is in the inbox
+			}
 			a.giveBack(q, c, a.handOverTo(st, c.Task.Spec), "model not served here")
 			continue
 		}
@@ -132,6 +135,9 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 	// They start in the order they came, each as a slot frees.
 	slices.SortFunc(pushed, func(x, y *jobs.Claim) int { return x.StartedAt.Compare(y.StartedAt) })
 	for k, c := range pushed {
+		if c.Offered() {
+			continue // not written yet: nothing to give back
+		}
 		stranded, at := a.cfg.Queue.Stranded(candidate(c.Task), now, canPreempt)
 		if stranded {
 			a.giveBack(q, c, nil, "interactive work this worker cannot make room for") // its dispatcher finds a worker that yields
@@ -228,6 +234,9 @@ func (a *Agent) returnAllPushes() {
 	for _, st := range a.cfg.Roles {
 		q := a.inboxes[st]
 		for _, c := range q.Pushed(a.member.Lease()) {
+			if c.Offered() {
+				continue // not written yet; once it is, its lease's end frees it
+			}
 			a.giveBack(q, c, a.handOverTo(st, c.Task.Spec), "draining")
 		}
 	}

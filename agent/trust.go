@@ -118,6 +118,18 @@ func (a *Agent) releasedSignal() <-chan struct{} {
 	return a.released
 }
 
+// needsProof reports whether pulling c's inputs asks a producer for a
+// ticket with c's claim (authorizePayload): a peer-to-peer input of
+// another node's that came without a ticket.
+func (a *Agent) needsProof(c *jobs.Claim) bool {
+	for _, in := range c.Task.Inputs {
+		if !in.Store && len(in.Ticket) == 0 && in.Node != a.id {
+			return true
+		}
+	}
+	return false
+}
+
 // withClaim marks ctx so that pulls made with it show c's claim to the
 // producer.
 func withClaim(ctx context.Context, c *jobs.Claim) context.Context {

@@ -186,6 +186,9 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			}
 			q.Take(pc)
 			a.metrics.PushedClaim(st, false)
+			if pc.Offered() {
+				a.metrics.Offered(st, false)
+			}
 			a.setBlocked(st, false)
 			return pc, nil
 		}

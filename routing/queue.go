@@ -83,6 +83,12 @@ type QueuePolicy struct {
 	// transaction of its own, and nobody races for it. A pushed task its
 	// worker cannot start is given back (GiveBack).
 	Push bool
+	// Offer: with Push, the claim is also sent to its worker over libp2p
+	// as the write goes, and the worker starts the task before the write
+	// answers; its fenced writes wait for the write (agent/jobs, offer.go).
+	// A handoff then waits for one message, not for a raft write and its
+	// watch event.
+	Offer bool
 }
 
 // DefaultQueuePolicy lifts a task one class per 30 s of waiting (long next to
@@ -100,6 +106,7 @@ func DefaultQueuePolicy() QueuePolicy {
 		PreemptGrace: time.Second, // a claim takes milliseconds; a second is ample on a loaded etcd
 		HoldFor:      time.Second, // a give-back's writes and grant take about as long under load
 		Push:         true,        // a handoff is one etcd write, not two
+		Offer:        true,        // and starts before that write answers
 	}
 }
 

@@ -48,6 +48,19 @@ func TestPushedHandoffs(t *testing.T) {
 	if d.ClaimTxns != 0 {
 		t.Fatalf("%d claim transactions for %d jobs on an idle mesh, want 0: every task was pushed", d.ClaimTxns, n)
 	}
+	// Each task started once, from the claim its writer offered with the
+	// write (the submit's, the encode's and the denoise's commits) or from
+	// the write's watch event, whichever came first (an embedded etcd on
+	// an idle machine often wins by a fraction of a millisecond), and no
+	// offer was withdrawn: every one was written as offered.
+	for i, a := range cl.Agents {
+		st := jobs.Stages()[i]
+		c := a.Claims()[st]
+		if c.PushedStarted != n || c.Withdrawn != 0 {
+			t.Fatalf("%s: %s claims %+v, want all %d started once, no offer withdrawn", a.ID(), st, c, n)
+		}
+		t.Logf("%s: %d of %d tasks started from their offer", st, c.Offered, n)
+	}
 	// Each pushed denoise and decode pulled its input with the ticket its
 	// producer issued with the push, asking for none.
 	for _, a := range cl.Agents[1:] {

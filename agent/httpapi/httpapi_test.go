@@ -593,8 +593,10 @@ func TestClaimCounts(t *testing.T) {
 	m.PushedClaim(jobs.Denoise, false)
 	m.PushedClaim(jobs.Denoise, true)
 	m.HandedOver(jobs.Denoise)
+	m.Offered(jobs.Denoise, false)
+	m.Offered(jobs.Denoise, true)
 	before := m.Claims(jobs.Denoise)
-	if want := (ClaimCounts{Txns: 3, Conflicts: 1, PushedStarted: 2, GivenBack: 1, HandedOver: 1}); before != want {
+	if want := (ClaimCounts{Txns: 3, Conflicts: 1, PushedStarted: 2, GivenBack: 1, HandedOver: 1, Offered: 1, Withdrawn: 1}); before != want {
 		t.Fatalf("denoise claims %+v, want %+v", before, want)
 	}
 	if got := m.Claims(jobs.Decode); got != (ClaimCounts{}) {
@@ -604,7 +606,7 @@ func TestClaimCounts(t *testing.T) {
 	if d := m.Claims(jobs.Denoise).Sub(before); d != (ClaimCounts{Txns: 1}) {
 		t.Fatalf("since the first read %+v, want one txn", d)
 	}
-	if sum := before.Add(before); sum != (ClaimCounts{6, 2, 4, 2, 2}) {
+	if sum := before.Add(before); sum != (ClaimCounts{6, 2, 4, 2, 2, 2, 2}) {
 		t.Fatalf("sum %+v", sum)
 	}
 	text := scrape(t, m.Handler())
@@ -615,6 +617,9 @@ func TestClaimCounts(t *testing.T) {
 		`latentmesh_pushed_claims_total{outcome="given_back",stage="denoise"} 1`,
 		`latentmesh_pushed_claims_total{outcome="handed_over",stage="denoise"} 1`,
 		`latentmesh_pushed_claims_total{outcome="started",stage="decode"} 0`,
+		`latentmesh_offered_claims_total{outcome="started",stage="denoise"} 1`,
+		`latentmesh_offered_claims_total{outcome="withdrawn",stage="denoise"} 1`,
+		`latentmesh_offered_claims_total{outcome="withdrawn",stage="decode"} 0`,
 	} {
 		if !strings.Contains(text, want) {
 			t.Errorf("metrics lack %s", want)

@@ -36,6 +36,7 @@ type Metrics struct {
 	jobsRefused   prometheus.Counter
 	preempted     prometheus.Counter
 	pushedClaims  *prometheus.CounterVec
+	offeredClaims *prometheus.CounterVec
 	claimTxns     *prometheus.CounterVec
 	conflicts     *prometheus.CounterVec
 	requeues      *prometheus.CounterVec
@@ -129,6 +130,10 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 			Name: "latentmesh_pushed_claims_total",
 			Help: "Claims pushed to this agent with their task, by stage and outcome: started, or given back to the queue.",
 		}, []string{"stage", "outcome"}),
+		offeredClaims: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "latentmesh_offered_claims_total",
+			Help: "Pushed claims this agent started from their writer's offer, before the write answered, by stage and outcome: started, or withdrawn (no write confirmed it; the work was dropped).",
+		}, []string{"stage", "outcome"}),
 		claimTxns: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "latentmesh_claim_txns_total",
 			Help: "Hand-ons this agent sent as the dispatcher of waiting tasks (a claim for a worker with a slot, in one transaction), won or lost, by stage; a task pushed as it is created takes none.",
@@ -163,7 +168,7 @@ func NewMetrics(reg *prometheus.Registry) (*Metrics, error) {
 	for _, c := range []prometheus.Collector{
 		m.jobsSubmitted, m.jobsFinished, m.stageSeconds, m.queueWait, m.jobSeconds, m.firstFrame,
 		m.queueDepth, m.freeCredits, m.usedCredits, m.httpRequests, m.jobsRefused, m.preempted,
-		m.pushedClaims, m.claimTxns, m.conflicts, m.requeues, m.rewinds, m.refused, m.etcdSeconds, m.etcdErrors,
+		m.pushedClaims, m.offeredClaims, m.claimTxns, m.conflicts, m.requeues, m.rewinds, m.refused, m.etcdSeconds, m.etcdErrors,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		collectors.NewBuildInfoCollector(),
@@ -189,6 +194,9 @@ func (m *Metrics) InitStage(s jobs.Stage) {
 	m.conflicts.WithLabelValues(string(s))
 	for _, o := range []string{outcomeStarted, outcomeGivenBack, outcomeHandedOver} {
 		m.pushedClaims.WithLabelValues(string(s), o)
+	}
+	for _, o := range []string{outcomeStarted, outcomeWithdrawn} {
+		m.offeredClaims.WithLabelValues(string(s), o)
 	}
 	for _, r := range []string{ReasonPreempted, ReasonDrained, ReasonRetry} {
 		m.requeues.WithLabelValues(string(s), r)
@@ -220,6 +228,16 @@ func (m *Metrics) PushedClaim(s jobs.Stage, given bool) {
 	m.pushedClaims.WithLabelValues(string(s), outcome).Inc()
 }
 
+// Offered counts one pushed claim this agent started from its offer
+// (withdrawn false), or whose offer it started was withdrawn (true).
+func (m *Metrics) Offered(s jobs.Stage, withdrawn bool) {
+	outcome := outcomeStarted
+	if withdrawn {
+		outcome = outcomeWithdrawn
+	}
+	m.offeredClaims.WithLabelValues(string(s), outcome).Inc()
+}
+
 // HandedOver counts one claim pushed to this agent that it handed over to
 // another worker of the stage (jobs.Store.HandOver).
 func (m *Metrics) HandedOver(s jobs.Stage) {
@@ -231,6 +249,7 @@ const (
 	outcomeStarted    = "started"
 	outcomeGivenBack  = "given_back"
 	outcomeHandedOver = "handed_over"
+	outcomeWithdrawn  = "withdrawn" // of latentmesh_offered_claims_total
 )
 
 // JobFinished counts one job reaching state s.
@@ -272,16 +291,20 @@ type ClaimCounts struct {
 	PushedStarted int64 `json:"pushed_started"` // pushed claims started (with the task, or handed on)
 	GivenBack     int64 `json:"given_back"`     // pushed claims given back to the queue
 	HandedOver    int64 `json:"handed_over"`    // pushed claims handed over to another worker
+	Offered       int64 `json:"offered"`        // pushed claims started from their offer, before the write answered
+	Withdrawn     int64 `json:"withdrawn"`      // of those, withdrawn: no write confirmed them
 }
 
 // Add is c plus d, field by field.
 func (c ClaimCounts) Add(d ClaimCounts) ClaimCounts {
-	return ClaimCounts{c.Txns + d.Txns, c.Conflicts + d.Conflicts, c.PushedStarted + d.PushedStarted, c.GivenBack + d.GivenBack, c.HandedOver + d.HandedOver}
+	return ClaimCounts{c.Txns + d.Txns, c.Conflicts + d.Conflicts, c.PushedStarted + d.PushedStarted, c.GivenBack + d.GivenBack, c.HandedOver + d.HandedOver,
+		c.Offered + d.Offered, c.Withdrawn + d.Withdrawn}
 }
 
 // Sub is c less d, field by field: what was counted since d was read.
 func (c ClaimCounts) Sub(d ClaimCounts) ClaimCounts {
-	return ClaimCounts{c.Txns - d.Txns, c.Conflicts - d.Conflicts, c.PushedStarted - d.PushedStarted, c.GivenBack - d.GivenBack, c.HandedOver - d.HandedOver}
+	return ClaimCounts{c.Txns - d.Txns, c.Conflicts - d.Conflicts, c.PushedStarted - d.PushedStarted, c.GivenBack - d.GivenBack, c.HandedOver - d.HandedOver,
+		c.Offered - d.Offered, c.Withdrawn - d.Withdrawn}
 }
 
 // Claims reads stage s's claim counters.
@@ -293,6 +316,8 @@ func (m *Metrics) Claims(s jobs.Stage) ClaimCounts {
 		PushedStarted: counterValue(m.pushedClaims.WithLabelValues(st, outcomeStarted)),
 		GivenBack:     counterValue(m.pushedClaims.WithLabelValues(st, outcomeGivenBack)),
 		HandedOver:    counterValue(m.pushedClaims.WithLabelValues(st, outcomeHandedOver)),
+		Offered:       counterValue(m.offeredClaims.WithLabelValues(st, outcomeStarted)),
+		Withdrawn:     counterValue(m.offeredClaims.WithLabelValues(st, outcomeWithdrawn)),
 	}
 }
 

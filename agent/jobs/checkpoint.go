@@ -96,6 +96,9 @@ func (s *Store) releaseCheckpointsOps(rec *record) []clientv3.Op {
 // the task's next worker finds the newest checkpoint of the current one.
 // ErrFenced means the claim is gone; the caller aborts the staged copies.
 func (s *Store) SaveCheckpoint(ctx context.Context, c *Claim, st StagedRecord, prev string) error {
+	if err := c.Settle(ctx); err != nil {
+		return err
+	}
 	ops := []clientv3.Op{st.Op()}
 	if prev != "" {
 		ops = append(ops, clientv3.OpDelete(cache.ObjectKey(s.cfg.Prefix, prev)))

@@ -47,6 +47,10 @@ type Claim struct {
 	// Pushed: the claim was made for this node when its task was created
 	// (Push), not by the node itself; the node has not started it yet.
 	Pushed bool
+	// offer is set on a claim the worker took from an offer, before the
+	// write confirms it (offer.go): Rev is 0 and the fenced writes wait
+	// for it to settle.
+	offer *offer
 }
 
 // claimRecord is what a claim key holds. A claim made for a worker by
@@ -96,9 +100,13 @@ func (s *Store) claimOps(t *Task, pushed bool, now time.Time, job string) []clie
 	if pushed {
 		cr.Of, cr.TaskKey = t, t.Key
 	}
+	value := mustJSON(cr)
+	if pushed {
+		s.offerOf(t, value)
+	}
 	lease := clientv3.WithLease(clientv3.LeaseID(t.HolderLease))
 	return []clientv3.Op{
-		clientv3.OpPut(s.heldKey(t), mustJSON(cr), lease),
+		clientv3.OpPut(s.heldKey(t), value, lease),
 		// Progress is advisory and lives on the worker's lease.
 		clientv3.OpPut(s.progressKey(t.JobID), mustJSON(Progress{Stage: t.Stage, Node: t.Holder}), lease),
 		clientv3.OpPut(t.Key, mustJSON(t)),
@@ -201,16 +209,18 @@ func (s *Store) claim(ctx context.Context, t Task, to *Push, pushed bool) (*Clai
 // ErrTaken otherwise. A retry after an attempt that got no answer finds
 // that attempt's claim, on lease, and returns it.
 func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (*Claim, error) {
-	t := c.Task
+	was := c.Task
+	was.Rev = c.taskRev() // an offered claim's, as confirmed
+	t := was
 	t.HolderLease = int64(lease)
 	ck := s.ownKey(c)
-	resp, err := s.cli.Txn(ctx).If(s.unheld(&c.Task)...).Then(s.claimOps(&t, false, c.StartedAt, "")...).
+	resp, err := s.cli.Txn(ctx).If(s.unheld(&was)...).Then(s.claimOps(&t, false, c.StartedAt, "")...).
 		Else(clientv3.OpGet(ck), clientv3.OpGet(t.Key, clientv3.WithKeysOnly())).Commit()
 	if err != nil {
 		return nil, fmt.Errorf("jobs: reclaim %s: %w", c.Task.ID, err)
 	}
 	n := *c
-	n.Lease, n.Task = lease, t
+	n.Lease, n.Task, n.offer = lease, t, nil
 	if resp.Succeeded {
 		n.Rev, n.Task.Rev = resp.Header.Revision, resp.Header.Revision
 		return &n, nil
@@ -226,11 +236,12 @@ func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (
 
 // fenced are the conditions every write by a claim holder carries: the
 // claim key is as the claim wrote it (its ModRevision) and on its lease.
-// A claim key is written once, when the claim is made.
+// A claim key is written once, when the claim is made. An offered claim's
+// writer settles it first (Claim.Settle).
 func (s *Store) fenced(c *Claim) []clientv3.Cmp {
 	ck := s.ownKey(c)
 	return []clientv3.Cmp{
-		clientv3.Compare(clientv3.ModRevision(ck), "=", c.Rev),
+		clientv3.Compare(clientv3.ModRevision(ck), "=", c.fence()),
 		clientv3.Compare(clientv3.LeaseValue(ck), "=", int64(c.Lease)),
 	}
 }
@@ -240,6 +251,9 @@ func (s *Store) fenced(c *Claim) []clientv3.Cmp {
 // cancel deleted it). For a worker that stopped because the job was
 // cancelled or its lease changed.
 func (s *Store) Drop(ctx context.Context, c *Claim) error {
+	if err := c.Settle(ctx); err != nil {
+		return err
+	}
 	_, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(
 		clientv3.OpDelete(s.ownKey(c)),
 		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
@@ -292,10 +306,13 @@ func (s *Store) requeue(ctx context.Context, c *Claim, preempted time.Time) erro
 // giveBack writes t back unclaimed in place of c's task: its dispatcher
 // sees it wait again.
 func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
+	if err := c.Settle(ctx); err != nil {
+		return err
+	}
 	t.Holder, t.HolderLease, t.Back = "", 0, c.Node
 	// The task must be the one we claimed: a Cancel that deleted it must not
 	// be undone by writing it back.
-	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.Task.Rev))
+	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.taskRev()))
 	resp, err := s.cli.Txn(ctx).If(cmps...).
 		Then(clientv3.OpPut(t.Key, mustJSON(t)), clientv3.OpDelete(s.ownKey(c)), clientv3.OpDelete(s.progressKey(t.JobID))).
 		Commit()
@@ -319,13 +336,16 @@ func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
 // cancel deleted it); an error for which cache.LeaseGone holds means to's
 // lease ended: requeue instead.
 func (s *Store) HandOver(ctx context.Context, c *Claim, to *Push) error {
+	if err := c.Settle(ctx); err != nil {
+		return err
+	}
 	t := c.Task
 	t.Hint, t.Holder, t.HolderLease = to.Node, to.Node, int64(to.Lease)
 	t.Inputs = slices.Clone(t.Inputs)
 	for i := range t.Inputs {
 		t.Inputs[i].Ticket = nil
 	}
-	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.Task.Rev))
+	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.taskRev()))
 	ops := append([]clientv3.Op{clientv3.OpDelete(s.ownKey(c))}, s.claimOps(&t, true, s.cfg.Now(), "")...)
 	resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
 	if err != nil {

@@ -124,8 +124,11 @@ func (s *Store) finishOps(c *Claim) []clientv3.Op {
 // carry, if not nil, returns more ops of the transaction that carry the
 // record as written (raw): a push's claim (claimRecord.Record).
 func (s *Store) update(ctx context.Context, c *Claim, what string, records []StagedRecord, leaseGone func() bool, mutate func(*record) ([]clientv3.Op, error), carry func(raw string) []clientv3.Op) error {
+	if err := c.Settle(ctx); err != nil {
+		return err
+	}
 	renewals := 0
-	known, knownRev := c.job, c.jobRev // the record as last seen, if any
+	known, knownRev := c.jobRecord() // the record as last seen, if any
 	for {
 		var rec record
 		var rev int64
@@ -185,7 +188,7 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			return nil
 		}
 		kvs := resp.Responses[0].GetResponseRange().Kvs
-		if len(kvs) == 0 || kvs[0].ModRevision != c.Rev || kvs[0].Lease != int64(c.Lease) {
+		if len(kvs) == 0 || kvs[0].ModRevision != c.fence() || kvs[0].Lease != int64(c.Lease) {
 			// A cancel deletes the claim with the task: say so, rather
 			// than that the claim was lost.
 			var now record

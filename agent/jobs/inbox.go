@@ -41,8 +41,24 @@ type Inbox struct {
 	gone map[string][]chan struct{}
 	// taken are the pushed claims the worker has taken (Take), by task id,
 	// with the claim's revision, until it is done with them (Done): a read
-	// of the claims after a compaction must not offer them again.
+	// of the claims after a compaction must not offer them again. An
+	// offered claim's is 0 until the write confirms it.
 	taken map[string]int64
+	// tentative are the offers the worker took (Take) that no write has
+	// settled yet, by task id (offer.go).
+	tentative map[string]*offer
+	// done are the tasks the worker was done with (Done) within the last
+	// OfferTTL, and doneOrder the same in the order they were done: an
+	// offer of one that arrives after its write's event, and after its
+	// run, is not started again.
+	done      map[string]bool
+	doneOrder []doneTask
+}
+
+// doneTask is a task the worker was done with at at.
+type doneTask struct {
+	id string
+	at time.Time
 }
 
 // cancelSuffix marks a cancel marker's key: <inbox>/<task>/cancel.
@@ -53,12 +69,16 @@ type claimInfo struct {
 	rev   int64            // ModRevision: the claim's fencing token
 	lease clientv3.LeaseID // the claim holder's lease
 	rec   claimRecord
+	// offer is set while the claim is only offered (Offered): rev is 0
+	// until the write that confirms it arrives.
+	offer *offer
 }
 
 // NewInbox returns an empty view of node's claims on stage's tasks; Run
 // fills and follows it.
 func (s *Store) NewInbox(stage Stage, node string) *Inbox {
-	return &Inbox{s: s, stage: stage, node: node, claims: map[string]claimInfo{}, gone: map[string][]chan struct{}{}, taken: map[string]int64{}}
+	return &Inbox{s: s, stage: stage, node: node, claims: map[string]claimInfo{}, gone: map[string][]chan struct{}{},
+		taken: map[string]int64{}, tentative: map[string]*offer{}, done: map[string]bool{}}
 }
 
 // Stage is the stage the view follows.
@@ -82,9 +102,9 @@ func (q *Inbox) Synced() bool {
 // Pushed returns the claims pushed to this node on lease (Push) that its
 // worker has not taken yet, each ready to run: the worker starts one by
 // calling Take, and gives one back with Store.Requeue or Store.HandOver
-// (taking it first). Their StartedAt is when they were pushed; ClaimedAt
-// is now. Claims on another lease went with it (a read after a compaction
-// forgets them).
+// (taking it first; not one still Offered, which is not in etcd yet).
+// Their StartedAt is when they were pushed; ClaimedAt is now. Claims on
+// another lease went with it (a read after a compaction forgets them).
 func (q *Inbox) Pushed(lease clientv3.LeaseID) []*Claim {
 	now := q.s.cfg.Now()
 	q.mu.Lock()
@@ -96,7 +116,7 @@ func (q *Inbox) Pushed(lease clientv3.LeaseID) []*Claim {
 		}
 		t := *c.rec.Of
 		t.Key, t.Rev = c.rec.TaskKey, c.rev // written by the claim's transaction
-		cl := &Claim{Task: t, Node: q.node, Lease: lease, Rev: c.rev, StartedAt: c.rec.StartedAt, ClaimedAt: now, Pushed: true}
+		cl := &Claim{Task: t, Node: q.node, Lease: lease, Rev: c.rev, StartedAt: c.rec.StartedAt, ClaimedAt: now, Pushed: true, offer: c.offer}
 		if len(c.rec.Record) > 0 {
 			cl.job, cl.jobRev = c.rec.Record, c.rev // the job record, written with the claim
 		}
@@ -106,14 +126,15 @@ func (q *Inbox) Pushed(lease clientv3.LeaseID) []*Claim {
 }
 
 // Oldest is, over the claims pushed to this node on lease that its worker
-// has not taken, the earliest claim (StartedAt) and the earliest enqueue
-// of their tasks; n counts them. A worker that gives back only claims that
-// waited so long asks no more while none has.
+// has not taken (and that are in etcd: not only offered), the earliest
+// claim (StartedAt) and the earliest enqueue of their tasks; n counts
+// them. A worker that gives back only claims that waited so long asks no
+// more while none has.
 func (q *Inbox) Oldest(lease clientv3.LeaseID) (claimed, enqueued time.Time, n int) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	for _, c := range q.claims {
-		if c.lease != lease || lease == 0 {
+		if c.lease != lease || lease == 0 || c.offer != nil {
 			continue
 		}
 		if n == 0 || c.rec.StartedAt.Before(claimed) {
@@ -184,10 +205,14 @@ func (q *Inbox) goneLocked(id string) {
 func (q *Inbox) Take(c *Claim) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if cur, ok := q.claims[c.Task.ID]; ok && cur.rev <= c.Rev {
+	rev := c.fence() // an offer's, if the write confirmed it already
+	if cur, ok := q.claims[c.Task.ID]; ok && cur.rev <= rev {
 		delete(q.claims, c.Task.ID)
 	}
-	q.taken[c.Task.ID] = c.Rev
+	q.taken[c.Task.ID] = rev
+	if c.offer != nil && c.offer.pending() {
+		q.tentative[c.Task.ID] = c.offer // the write's event settles it
+	}
 }
 
 // Done forgets claim c, which the worker took and is done with (unless
@@ -196,9 +221,19 @@ func (q *Inbox) Take(c *Claim) {
 func (q *Inbox) Done(c *Claim) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if q.taken[c.Task.ID] == c.Rev {
+	if rev, ok := q.taken[c.Task.ID]; ok && rev == c.fence() {
 		delete(q.taken, c.Task.ID)
 	}
+	if q.tentative[c.Task.ID] == c.offer {
+		delete(q.tentative, c.Task.ID)
+	}
+	now := q.s.cfg.Now()
+	for len(q.doneOrder) > 0 && now.Sub(q.doneOrder[0].at) > q.s.cfg.OfferTTL {
+		delete(q.done, q.doneOrder[0].id)
+		q.doneOrder = q.doneOrder[1:]
+	}
+	q.done[c.Task.ID] = true
+	q.doneOrder = append(q.doneOrder, doneTask{c.Task.ID, now})
 }
 
 // Run reads the claims and follows them until ctx is done.
@@ -282,16 +317,20 @@ func (q *Inbox) apply(evs []*clientv3.Event) (markers []string) {
 			markers = append(markers, string(ev.Kv.Key))
 			continue
 		}
-		q.offerLocked(id, ev.Kv)
+		q.putLocked(id, ev.Kv)
 	}
 	q.changed.notify()
 	return markers
 }
 
-// offerLocked takes the claim at kv, on task id, into the view if it is a
-// pushed claim the worker has not taken.
-func (q *Inbox) offerLocked(id string, kv *mvccpb.KeyValue) {
+// putLocked takes the claim at kv, on task id, into the view if it is a
+// pushed claim the worker has not taken; it settles the offer of it the
+// view holds, if any.
+func (q *Inbox) putLocked(id string, kv *mvccpb.KeyValue) {
 	c := q.decodeClaim(kv)
+	if q.confirmLocked(id, c, kv.Value) {
+		return // the offer the worker runs, confirmed
+	}
 	if rev, ok := q.taken[id]; !c.rec.Pushed || c.rec.Of == nil || (ok && rev == c.rev) {
 		return // the worker's own claim, or one it took
 	}
@@ -329,7 +368,13 @@ func (q *Inbox) load(ctx context.Context) (int64, error) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	present := map[string]bool{}
+	offered := q.claims
 	q.claims = map[string]claimInfo{}
+	for id, c := range offered {
+		if c.offer != nil {
+			q.claims[id] = c // not written yet, or written after this read: its event settles it
+		}
+	}
 	for _, kv := range resp.Kvs {
 		id := strings.TrimPrefix(string(kv.Key), prefix)
 		if task, ok := strings.CutSuffix(id, cancelSuffix); ok {
@@ -337,10 +382,10 @@ func (q *Inbox) load(ctx context.Context) (int64, error) {
 			continue
 		}
 		present[id] = true
-		q.offerLocked(id, kv)
+		q.putLocked(id, kv)
 	}
 	for id := range q.gone {
-		if !present[id] {
+		if !present[id] && q.tentative[id] == nil {
 			q.goneLocked(id) // deleted in the history the view missed
 		}
 	}

@@ -27,9 +27,11 @@ type ClaimProof struct {
 	Node    string `json:"node"` // the claim's holder, whose key it is
 }
 
-// Proof is c's claim proof, encoded for transfer.WithTicketProof.
+// Proof is c's claim proof, encoded for transfer.WithTicketProof. An
+// offered claim has none until it is confirmed (Settle): its proof names
+// revision 0, which every producer refuses.
 func (c *Claim) Proof() []byte {
-	b, _ := json.Marshal(ClaimProof{Stage: c.Task.Stage, Task: c.Task.ID, TaskKey: c.Task.Key, Rev: c.Rev, Node: c.Node})
+	b, _ := json.Marshal(ClaimProof{Stage: c.Task.Stage, Task: c.Task.ID, TaskKey: c.Task.Key, Rev: c.fence(), Node: c.Node})
 	return b
 }
 

@@ -56,6 +56,13 @@ type Config struct {
 	QueuePage int64
 	Logger    *zap.Logger
 	Now       func() time.Time
+	// Offer, when set, is given every claim a transaction pushes to a
+	// worker as the transaction goes, for the worker to start it before
+	// the write answers (offer.go). It must not block.
+	Offer func(Offer)
+	// OfferTTL is how long an offered claim may wait for the write that
+	// confirms it before its worker drops it.
+	OfferTTL time.Duration
 }
 
 // DefaultConfig uses the default mesh prefix.
@@ -65,6 +72,7 @@ func DefaultConfig() Config {
 		Retention:  7 * 24 * time.Hour, // a week to fetch a result's record; etcd stays bounded
 		MaxRewinds: 3,                  // a payload lost three times means something is broken
 		QueuePage:  1000,               // ~1 MiB responses; a view loads once, then follows a watch
+		OfferTTL:   DefaultOfferTTL,
 		Logger:     zap.NewNop(),
 		Now:        time.Now,
 	}
@@ -86,8 +94,8 @@ func NewStore(cli *clientv3.Client, cfg Config) (*Store, error) {
 	if !strings.HasPrefix(cfg.Prefix, "/") || strings.HasSuffix(cfg.Prefix, "/") {
 		return nil, fmt.Errorf("jobs: prefix %q must start and not end with /", cfg.Prefix)
 	}
-	if cfg.Retention < 0 || cfg.QueuePage <= 0 || cfg.MaxRewinds < 0 {
-		return nil, errors.New("jobs: QueuePage must be positive and Retention not negative (start from DefaultConfig)")
+	if cfg.Retention < 0 || cfg.QueuePage <= 0 || cfg.MaxRewinds < 0 || cfg.OfferTTL <= 0 {
+		return nil, errors.New("jobs: QueuePage and OfferTTL must be positive and Retention not negative (start from DefaultConfig)")
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()

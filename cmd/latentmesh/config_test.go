@@ -66,6 +66,7 @@ var everyKey = map[string]string{
 	"preempt-after":        "3s",
 	"no-backpressure":      "true",
 	"no-push":              "true",
+	"no-offers":            "true",
 	"backpressure-slack":   "7",
 	"drain-timeout":        "45s",
 	"sim-cost":             "{encode: 5ms, step: 20ms, decode: 50ms}",

@@ -36,6 +36,7 @@ type agentSettings struct {
 	spillCap, transferMode     string
 	scheduler                  string
 	noPush                     bool
+	noOffers                   bool
 	tlsCert, tlsKey            string
 	logFormat                  string
 	verbose                    bool
@@ -67,6 +68,7 @@ func newAgentSettings() *agentSettings {
 		transferMode: string(def.TransferMode),
 		scheduler:    def.Queue.Scheduler.String(),
 		noPush:       !def.Queue.Push,
+		noOffers:     !def.Queue.Offer,
 		logFormat:    "json",
 		slots:        slotsFlag(def.Slots), // a fresh map per DefaultConfig
 	}
@@ -122,6 +124,7 @@ func newAgentSettings() *agentSettings {
 		{name: "preempt-after", value: durationValue{&c.Queue.PreemptAfter}, help: "an interactive task waiting this long while denoise slots run batch work requeues one batch task in the stage (0: never)"},
 		{name: "no-backpressure", value: boolValue{&c.Admission.Off}, help: "start tasks whatever the next stage's backlog (a baseline: waiting latents then grow with the run)"},
 		{name: "no-push", value: boolValue{&s.noPush}, help: "never claim a new task for its hinted worker in the write that creates it; every worker claims its own (a baseline: a handoff then costs two etcd writes)"},
+		{name: "no-offers", value: boolValue{&s.noOffers}, help: "start a pushed task only once the write that pushes it has answered and its watch event arrived, not from the claim its writer sends over libp2p with the write (a baseline: each handoff then waits for a raft write)"},
 		{name: "backpressure-slack", value: intValue{&c.Admission.Slack}, help: "outputs that may wait for the next stage beyond its total credits, for the whole upstream pool"},
 		{name: "drain-timeout", value: durationValue{&c.DrainTimeout}, help: "on SIGTERM or 'latentmesh drain': how long running tasks may finish (and held outputs be consumed) before the rest are requeued"},
 		{name: "sim-cost", value: &s.cost, help: "simulated GPU time of the built-in engine, e.g. `encode=5ms,step=20ms,decode=50ms`"},
@@ -275,6 +278,7 @@ func (s *agentSettings) build(log *zap.Logger) (agent.Config, etcdclient.Config,
 		return fail("--preempt-after, --backpressure-slack and --drain-timeout must not be negative")
 	}
 	cfg.Queue.Push = !s.noPush
+	cfg.Queue.Offer = !s.noOffers
 	if ecc.Password, err = readPassword(ecc.Username, s.etcdPasswordFile); err != nil {
 		return fail("%v", err)
 	}

@@ -38,7 +38,25 @@ func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 	// start in etcd's order: no later than it happened, and not before the
 	// count admission went by (TestBackpressureManyProducers counts the
 	// backlog by it).
-	log.Debug("task started", zap.Int64("claim_rev", c.Rev), zap.Bool("pushed", c.Pushed), zap.Bool("offered", c.Offered()), zap.Int64("fed_rev", a.fedSeen(st)))
+	fedRev := a.fedSeen(st)
+	started := func() {
+		log.Debug("task started", zap.Int64("claim_rev", c.Revision()), zap.Bool("pushed", c.Pushed), zap.Bool("offered", c.Offered()), zap.Int64("fed_rev", fedRev))
+	}
+	if c.Offered() {
+		// Said once the write confirms the offer, with the claim's
+		// revision (at most OfferTTL later); a withdrawn one never started.
+		a.wg.Go(func() {
+			select {
+			case <-c.Settled():
+				if !c.Withdrawn() {
+					started()
+				}
+			case <-a.ctx.Done():
+			}
+		})
+	} else {
+		started()
+	}
 	a.recent.note(c.Task.JobID)
 	defer a.untrack(c)
 	defer a.inboxes[st].Done(c)
@@ -119,7 +137,9 @@ func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 			return
 		}
 		lost := errors.Is(err, jobs.ErrFenced) || (ctx.Err() != nil && a.member.Lease() != c.Lease)
-		if err != nil && lost && a.ctx.Err() == nil {
+		// (An offer no write has confirmed is no claim to take back: its
+		// task may not exist.)
+		if err != nil && lost && a.ctx.Err() == nil && c.Revision() != 0 {
 			// The claim went with the lease while the finished output
 			// waited for etcd (an etcd majority frozen and thawed expires
 			// leases as it resumes; only the claim's lease or its holder
@@ -567,13 +587,6 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff *handoffFlag, ran *atomic.B
 // staged collects the Store objects run staged, for the caller to abort
 // when the stage does not commit.
 func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *handoffFlag, staged *[]*cache.Staged) (out jobs.Output, published []string, committed bool, err error) {
-	if c.Offered() && a.needsProof(c) {
-		// The producer checks the claim in etcd before it issues a ticket
-		// for an input that came without one: wait for its write.
-		if err := c.Settle(ctx); err != nil {
-			return out, nil, false, err
-		}
-	}
 	ctx = withClaim(ctx, c) // the claim gets this worker the tickets for its inputs
 	spec := c.Task.Spec
 	switch c.Task.Stage {

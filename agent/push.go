@@ -163,6 +163,15 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 	return next
 }
 
+// settled waits, within the etcd timeout, for offered claim c's write,
+// and reports whether it confirmed the offer: c is then a claim in etcd
+// like any pushed one.
+func (a *Agent) settled(c *jobs.Claim) bool {
+	ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
+	defer cancel()
+	return c.Settle(ctx) == nil
+}
+
 // handOverTo chooses the worker of stage st a pushed claim of a task for
 // s is handed over to when this agent cannot start it at all (draining,
 // or its engine no longer serves the model; routing.PickHint): another
@@ -234,8 +243,8 @@ func (a *Agent) returnAllPushes() {
 	for _, st := range a.cfg.Roles {
 		q := a.inboxes[st]
 		for _, c := range q.Pushed(a.member.Lease()) {
-			if c.Offered() {
-				continue // not written yet; once it is, its lease's end frees it
+			if c.Offered() && !a.settled(c) {
+				continue // never written (or its lease's end frees it)
 			}
 			a.giveBack(q, c, a.handOverTo(st, c.Task.Spec), "draining")
 		}

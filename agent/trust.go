@@ -118,22 +118,18 @@ func (a *Agent) releasedSignal() <-chan struct{} {
 	return a.released
 }
 
-// needsProof reports whether pulling c's inputs asks a producer for a
-// ticket with c's claim (authorizePayload): a peer-to-peer input of
-// another node's that came without a ticket.
-func (a *Agent) needsProof(c *jobs.Claim) bool {
-	for _, in := range c.Task.Inputs {
-		if !in.Store && len(in.Ticket) == 0 && in.Node != a.id {
-			return true
-		}
-	}
-	return false
-}
-
 // withClaim marks ctx so that pulls made with it show c's claim to the
 // producer.
 func withClaim(ctx context.Context, c *jobs.Claim) context.Context {
-	ctx = transfer.WithTicketProof(ctx, c.Proof())
+	// An offered claim has a proof once its write confirms it: a pull
+	// that must show it (its producer issued no ticket, or one for
+	// another worker) waits for that, and no other does.
+	ctx = transfer.WithTicketProofFunc(ctx, func(ctx context.Context) ([]byte, error) {
+		if err := c.Settle(ctx); err != nil {
+			return nil, err
+		}
+		return c.Proof(), nil
+	})
 	if c.Pushed {
 		// The producer made this claim and issued this worker a ticket with
 		// it: the pull need not ask for one.

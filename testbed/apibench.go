@@ -53,7 +53,10 @@ type APIBenchConfig struct {
 	// NoPush turns pushed claims off (routing.QueuePolicy.Push): every
 	// worker claims its own tasks, a baseline.
 	NoPush bool
-	Logger *zap.Logger
+	// NoOffers turns offered claims off (routing.QueuePolicy.Offer): a
+	// pushed task starts once its write's event arrives, a baseline.
+	NoOffers bool
+	Logger   *zap.Logger
 }
 
 // DefaultAPIBenchConfig is one client, 200 jobs of 64x64 in two steps.
@@ -165,6 +168,7 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 		cc.EtcdInProcess = !cfg.EtcdGRPC
 		cc.Etcd.Fsync = cfg.EtcdFsync
 		cc.Agent.Queue.Push = !cfg.NoPush
+		cc.Agent.Queue.Offer = !cfg.NoOffers
 		if cfg.Slack >= 0 {
 			cc.Agent.Admission.Slack = cfg.Slack
 		}

@@ -40,12 +40,23 @@ type ticketProofKey struct{}
 // Config.AuthorizePayload to judge. proof must be at most MaxProofLen bytes;
 // a longer one is refused by the producer.
 func WithTicketProof(ctx context.Context, proof []byte) context.Context {
+	return WithTicketProofFunc(ctx, func(context.Context) ([]byte, error) { return proof, nil })
+}
+
+// WithTicketProofFunc is WithTicketProof for a proof made when a ticket
+// request needs it (most pulls need none: their producer issued the
+// ticket ahead): proof may wait, within the pull's ctx, and an error from
+// it fails the pull.
+func WithTicketProofFunc(ctx context.Context, proof func(context.Context) ([]byte, error)) context.Context {
 	return context.WithValue(ctx, ticketProofKey{}, proof)
 }
 
-func ticketProof(ctx context.Context) []byte {
-	p, _ := ctx.Value(ticketProofKey{}).([]byte)
-	return p
+// ticketProof is the proof ctx carries (nil for none).
+func ticketProof(ctx context.Context) ([]byte, error) {
+	if f, ok := ctx.Value(ticketProofKey{}).(func(context.Context) ([]byte, error)); ok {
+		return f(ctx)
+	}
+	return nil, nil
 }
 
 // refusalLog logs refused peers at most refusalBurst lines per second, so a

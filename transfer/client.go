@@ -693,6 +693,10 @@ func (c *ctlStream) close() {
 // chunk events after it, which the caller reads from the returned stream and
 // then closes it.
 func (s *Service) requestTicketStream(ctx context.Context, pid peer.ID, ref Ref, watch bool) (*ctlStream, *TicketResponse, error) {
+	proof, err := ticketProof(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("transfer: ticket for %s: proof: %w", ref.ID, err)
+	}
 	if len(ref.Producer.P2PAddrs) > 0 {
 		addrs := make([]ma.Multiaddr, 0, len(ref.Producer.P2PAddrs))
 		for _, a := range ref.Producer.P2PAddrs {
@@ -724,7 +728,7 @@ func (s *Service) requestTicketStream(ctx context.Context, pid peer.ID, ref Ref,
 		}
 	}()
 	str.SetDeadline(time.Now().Add(s.cfg.IOTimeout))
-	if err := WriteFrame(str, &TicketRequest{V: WireVersion, PayloadID: ref.ID, Watch: watch, Proof: ticketProof(ctx)}); err != nil {
+	if err := WriteFrame(str, &TicketRequest{V: WireVersion, PayloadID: ref.ID, Watch: watch, Proof: proof}); err != nil {
 		return nil, nil, unreachable("write ticket request", err)
 	}
 	str.CloseWrite()

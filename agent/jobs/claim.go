@@ -209,6 +209,11 @@ func (s *Store) claim(ctx context.Context, t Task, to *Push, pushed bool) (*Clai
 // ErrTaken otherwise. A retry after an attempt that got no answer finds
 // that attempt's claim, on lease, and returns it.
 func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (*Claim, error) {
+	if c.fence() == 0 {
+		// An offer no write confirmed: its task may not exist, and must
+		// not be made from the offer.
+		return nil, fmt.Errorf("%w: reclaim of an unconfirmed offer of %s", ErrTaken, c.Task.ID)
+	}
 	was := c.Task
 	was.Rev = c.taskRev() // an offered claim's, as confirmed
 	t := was

@@ -136,16 +136,22 @@ func (c *Claim) Settle(ctx context.Context) error {
 	if c.offer == nil {
 		return nil
 	}
-	select {
-	case <-c.offer.settled:
-	case <-ctx.Done():
-		return ctx.Err()
+	if c.offer.pending() {
+		select {
+		case <-c.offer.settled:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
 	}
 	if c.offer.rev == 0 {
 		return fmt.Errorf("%w: the offered claim on %s was not written", ErrFenced, c.Task.ID)
 	}
 	return nil
 }
+
+// Revision is the claim key's revision, the fencing token: an offered
+// claim's once confirmed, 0 before (and if withdrawn).
+func (c *Claim) Revision() int64 { return c.fence() }
 
 // fence is the claim key's revision, the fencing token: an offered
 // claim's once confirmed (0 before: no write is fenced on it, and the

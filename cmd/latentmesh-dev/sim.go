@@ -33,6 +33,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	profile := fs.String("etcd-profile", sim.ProfileLocal, "etcd modelled: local (as measured on this machine) or dedicated (a dedicated cluster: 10x every capacity, the same idle latencies)")
 	gossip := fs.Duration("gossip-delay", def.GossipDelay, "age of gossiped free credits")
 	dispatch := fs.Duration("dispatch-cost", def.DispatchCost, "central dispatcher's time per decision")
+	noOffers := fs.Bool("no-offers", false, "the mesh starts a pushed task once its write and watch event land, not from its writer's offer (the agent's --no-offers: a baseline)")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	if code := cli.Parse(fs, args); code >= 0 {
 		return code
@@ -61,6 +62,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	base := def
 	base.Model, base.Load, base.Seed, base.Duration = *model, *load, *seed, *duration
 	base.GossipDelay, base.DispatchCost = *gossip, *dispatch
+	base.Queue.Offer = !*noOffers
 	if *measure {
 		fmt.Fprintln(stderr, "measuring the embedded etcd...")
 		if base.Etcd, err = sim.MeasureEtcd(ctx, sim.DefaultMeasureConfig()); err != nil {

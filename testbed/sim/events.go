@@ -19,6 +19,7 @@ const (
 	evGiveBack                // mesh: a pushed claim's worker looks whether to give it back
 	evRequeued                // mesh: a pushed claim's give-back landed
 	evGrantEnds               // mesh: a free worker's grant of its slot to a producer runs out
+	evOffered                 // mesh: a pushed claim's offer reached its worker, ahead of its write
 )
 
 // event is one scheduled happening. seq breaks ties in scheduling order, so

@@ -35,6 +35,16 @@ type task struct {
 	pushedAt time.Duration // when the creator wrote it (the claim's StartedAt)
 	pushed   bool          // the pushed claim waits: neither started nor given back
 	fromPush bool          // started from a pushed claim
+	// Offered claims (Queue.Offer): the claim reached its worker by its
+	// writer's message, ahead of the write; confirmAt is when the write's
+	// event reaches the worker's inbox, before which its worker's fenced
+	// writes (its commit) wait. offered: its task is its worker's
+	// already, and the write's landing only counts its events.
+	offered   bool
+	confirmAt time.Duration
+	// next is the next stage's task, made at this one's end when its
+	// commit offers it (the write creates it later).
+	next *task
 	// What this task's worker picks for the next stage's task: the hint
 	// (agent: pickHint in run) and the push target (pushTarget in commit).
 	nextHint, nextPush int32

@@ -346,6 +346,8 @@ func (s *sim) handle(e event) {
 		s.dispatch()
 	case evGiveBack:
 		s.giveBackCheck(e.task)
+	case evOffered:
+		s.offerLanded(e.task)
 	case evRequeued:
 		s.requeued(e.task)
 	case evGrantEnds:
@@ -401,7 +403,41 @@ func (s *sim) arrive() {
 	s.etcd.write(now, 1)
 	s.etcd.watch(now, 1)
 	s.etcd.read(now, 1)
-	s.clk.at(now+s.etcd.writeLat(now), event{kind: evEnqueue, task: t})
+	lands := now + s.etcd.writeLat(now)
+	if t.pushTo >= 0 && s.offers() {
+		s.offer(t, now, lands)
+	}
+	s.clk.at(lands, event{kind: evEnqueue, task: t})
+}
+
+// offers reports whether pushed claims are offered to their workers
+// ahead of their writes (agent/jobs offer.go): the mesh, pushing, with
+// Queue.Offer.
+func (s *sim) offers() bool { return s.cfg.Mode == Mesh && s.cfg.Queue.Push && s.cfg.Queue.Offer }
+
+// offer sends pushed task t's claim to its worker as the write that
+// creates it goes at sent, landing at lands: the worker has it one message
+// later (offerLanded), and the write's event confirms it one watch
+// delivery after it lands.
+func (s *sim) offer(t *task, sent, lands time.Duration) {
+	t.offered = true
+	t.confirmAt = lands + s.etcd.watchLat(sent)
+	s.clk.at(sent+s.cfg.NetDelay, event{kind: evOffered, task: t})
+}
+
+// offerLanded is an offered claim reaching its worker (jobs.Inbox.Offered):
+// the task is its worker's, as a pushed claim whose write landed is, and
+// its worker wakes to it with no etcd event.
+func (s *sim) offerLanded(t *task) {
+	if t.claimed {
+		return // its write landed first (enqueue took it as any push)
+	}
+	st := s.st[t.stage]
+	t.enq = s.clk.now
+	s.pushLanded(st, t)
+	if st.workers[t.pushTo].waitPos >= 0 {
+		s.requestWake(st, s.clk.now)
+	}
 }
 
 // enqueue is a task's creating transaction landing: the task is in its
@@ -409,15 +445,20 @@ func (s *sim) arrive() {
 func (s *sim) enqueue(t *task) {
 	now := s.clk.now
 	st := s.st[t.stage]
-	t.enq = now
 	if s.central() {
+		t.enq = now
 		st.q.push(t)
 		s.requestDispatch()
 		return
 	}
-	if t.pushTo >= 0 {
+	switch {
+	case t.offered && t.claimed:
+		// Its worker has it since its offer landed.
+	case t.pushTo >= 0:
+		t.enq = now
 		s.pushLanded(st, t)
-	} else {
+	default:
+		t.enq = now
 		st.q.push(t)
 	}
 	// The task key reaches its dispatcher's ledger (jobs.Fed watches the
@@ -511,6 +552,11 @@ func (s *sim) giveBackCheck(t *task) {
 		return // started, or given back
 	}
 	now := s.clk.now
+	if t.confirmAt > now {
+		// Offered, its write not in the inbox yet: nothing to give back.
+		s.clk.at(t.confirmAt, event{kind: evGiveBack, stage: int8(t.stage), task: t})
+		return
+	}
 	st := s.st[t.stage]
 	wk := st.workers[t.pushTo]
 	if wk.waitPos >= 0 && !st.blocked {
@@ -834,7 +880,8 @@ func (s *sim) wake(st *stage) {
 		winner := st.waiting[s.rng.IntN(g)]
 		s.removeWaiting(st, winner)
 		k++
-		s.claim(st, winner, s.tasks[i], now+s.cfg.NetDelay+time.Duration(k)*(at-now))
+		sent := now + s.cfg.NetDelay + time.Duration(k-1)*(at-now)
+		s.claim(st, winner, s.tasks[i], sent, sent+(at-now))
 		g--
 	}
 	// Workers that lost every race wait on their views again: no etcd op.
@@ -895,7 +942,7 @@ func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time
 	s.etcd.write(s.clk.now, 1) // its dispatcher's Assign, after h's grant
 	s.claimTxns++
 	s.removeWaiting(st, h)
-	s.claim(st, h, s.tasks[i], at+s.cfg.NetDelay)
+	s.claim(st, h, s.tasks[i], s.clk.now+s.cfg.NetDelay, at+s.cfg.NetDelay)
 }
 
 // pushID names the k-th claim pushed to a worker among its candidates
@@ -910,14 +957,21 @@ func pushIndex(id string) (int, bool) {
 	return k, err == nil
 }
 
-// claim is worker w sending its claim on unclaimed task t (mesh: landing
-// at at), or the dispatcher assigning t to GPU w (central).
-func (s *sim) claim(st *stage, w int32, t *task, at time.Duration) {
+// claim is a dispatcher's hand-on of unclaimed task t to worker w (mesh:
+// its claim txn sent at sent, landing at lands; with offers the worker
+// has it one message after it was sent), or the dispatcher assigning t to
+// GPU w (central: at lands).
+func (s *sim) claim(st *stage, w int32, t *task, sent, lands time.Duration) {
 	t.claimed = true
 	st.q.queued--
 	wk := st.workers[w]
 	s.occupy(wk)
 	s.setFree(st, -1)
+	at := lands
+	if s.offers() {
+		at = sent + s.cfg.NetDelay
+		t.confirmAt = lands + s.etcd.watchLat(sent)
+	}
 	s.clk.at(at, event{kind: evClaimed, stage: int8(st.i), worker: w, task: t})
 }
 
@@ -1006,12 +1060,19 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	// Commit: the fenced txn, on the job record. A claim pushed by the
 	// transaction that wrote the record (a submit, a commit) carries it;
 	// a dispatcher's later hand-on does not, so that commit reads it first.
-	lat := s.etcd.writeLat(now)
+	// An offered claim's commit waits for the write that confirms it.
+	lat := max(t.confirmAt-now, 0) + s.etcd.writeLat(now)
 	if !t.fromPush {
 		s.etcd.read(now, 1)
 		lat += s.etcd.readLat(now)
 	}
 	s.clk.at(now+lat, event{kind: evCommitted, stage: int8(st.i), worker: w, task: t})
+	if t.nextPush >= 0 && s.offers() {
+		// Offered as the commit goes: the next stage's worker starts it
+		// before the commit lands (agent/jobs offer.go).
+		t.next = s.nextTask(t, w)
+		s.offer(t.next, now+lat-s.etcd.writeLat(now), now+lat)
+	}
 	// The credit goes back now, before the commit (agent.execute): the
 	// worker's loop looks for its next task at once. Admission counts this
 	// task until its commit lands, and the views count its claim.
@@ -1069,13 +1130,9 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 	}
 	t.gone = true
 	if st.i < 2 {
-		next := newTask(t.job, st.i+1, t.avail)
-		next.producer = w
-		next.hint = t.nextHint
-		if t.nextPush >= 0 {
-			// Pushed in this commit: the claim was written as the commit
-			// began.
-			next.hint, next.pushTo, next.pushedAt = t.nextPush, t.nextPush, t.doneAt
+		next := t.next // offered as the commit went
+		if next == nil {
+			next = s.nextTask(t, w)
 		}
 		s.enqueue(next)
 	} else {
@@ -1089,6 +1146,20 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		s.requestDispatch()
 	}
 	// Mesh: the worker took up its next task at done.
+}
+
+// nextTask is the next stage's task that t's commit creates (t ran on w),
+// pushed with it when t's worker chose a worker to push to.
+func (s *sim) nextTask(t *task, w int32) *task {
+	next := newTask(t.job, t.stage+1, t.avail)
+	next.producer = w
+	next.hint = t.nextHint
+	if t.nextPush >= 0 {
+		// Pushed in this commit: the claim was written as the commit
+		// began.
+		next.hint, next.pushTo, next.pushedAt = t.nextPush, t.nextPush, t.doneAt
+	}
+	return next
 }
 
 // keepResult is the Store taking a job's result in: its object record,
@@ -1149,7 +1220,7 @@ func (s *sim) dispatch() {
 			at := max(now, s.dispBusyUntil) + s.cfg.DispatchCost
 			s.dispBusy += s.cfg.DispatchCost
 			s.dispBusyUntil = at
-			s.claim(st, g, t, at+s.cfg.NetDelay)
+			s.claim(st, g, t, at, at+s.cfg.NetDelay) // central: no offers
 		}
 		if len(st.waiting) > 0 && st.q.queued > 0 {
 			more = true // the scan's limit left some

@@ -38,17 +38,17 @@ func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 	// start in etcd's order: no later than it happened, and not before the
 	// count admission went by (TestBackpressureManyProducers counts the
 	// backlog by it).
-	fedRev := a.fedSeen(st)
+	fedRev, taken := a.fedSeen(st), c // c is replaced by a reclaim below
 	started := func() {
-		log.Debug("task started", zap.Int64("claim_rev", c.Revision()), zap.Bool("pushed", c.Pushed), zap.Bool("offered", c.Offered()), zap.Int64("fed_rev", fedRev))
+		log.Debug("task started", zap.Int64("claim_rev", taken.Revision()), zap.Bool("pushed", taken.Pushed), zap.Bool("offered", taken.Offered()), zap.Int64("fed_rev", fedRev))
 	}
-	if c.Offered() {
+	if taken.Offered() {
 		// Said once the write confirms the offer, with the claim's
 		// revision (at most OfferTTL later); a withdrawn one never started.
 		a.wg.Go(func() {
 			select {
-			case <-c.Settled():
-				if !c.Withdrawn() {
+			case <-taken.Settled():
+				if !taken.Withdrawn() {
 					started()
 				}
 			case <-a.ctx.Done():

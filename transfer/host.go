@@ -206,3 +206,50 @@ func OpenStream(ctx context.Context, h host.Host, p peer.ID, addrs []string, pro
 	}
 	return str, context.AfterFunc(ctx, func() { str.Reset() }), nil
 }
+
+// ServeOneFrame serves protocol proto on h for the agents' one-way
+// messages (credit grants, offered claims): each stream carries one frame
+// of at most max bytes, read within timeout, from a peer allow admits (a
+// stream from anyone else is reset unread), decoded into an M, checked
+// by its Validate, and handed to take with its sender. stop removes the
+// handler.
+func ServeOneFrame[M any, PM interface {
+	*M
+	Validate() error
+}](h host.Host, proto protocol.ID, max int, timeout time.Duration, allow func(peer.ID) bool, take func(from peer.ID, m M), log *zap.Logger) (stop func()) {
+	h.SetStreamHandler(proto, func(str network.Stream) {
+		defer str.Close()
+		remote := str.Conn().RemotePeer()
+		if !allow(remote) {
+			log.Debug("a frame from a non-member", zap.Stringer("peer", remote))
+			str.Reset()
+			return
+		}
+		str.SetDeadline(time.Now().Add(timeout))
+		var m M
+		if err := ReadFrame(str, max, PM(&m)); err != nil {
+			log.Debug("bad frame", zap.Stringer("peer", remote), zap.Error(err))
+			str.Reset()
+			return
+		}
+		take(remote, m)
+	})
+	return func() { h.RemoveStreamHandler(proto) }
+}
+
+// SendOneFrame sends m to p (at addrs) as one frame of protocol proto,
+// written within timeout; ctx bounds the exchange. what names the
+// message in errors.
+func SendOneFrame(ctx context.Context, h host.Host, p peer.ID, addrs []string, proto protocol.ID, timeout time.Duration, what string, m any) error {
+	str, stop, err := OpenStream(ctx, h, p, addrs, proto)
+	if err != nil {
+		return fmt.Errorf("%w: %s to %s: %v", ErrUnreachable, what, p, err)
+	}
+	defer str.Close()
+	defer stop()
+	str.SetDeadline(time.Now().Add(timeout))
+	if err := WriteFrame(str, m); err != nil {
+		return fmt.Errorf("%w: %s to %s: %v", ErrUnreachable, what, p, err)
+	}
+	return nil
+}

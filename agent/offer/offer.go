@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"github.com/libp2p/go-libp2p/core/host"
-	"github.com/libp2p/go-libp2p/core/network"
 	"github.com/libp2p/go-libp2p/core/peer"
 	"go.uber.org/zap"
 
@@ -63,25 +62,7 @@ func (m *Msg) Validate() error {
 // mesh) and hands each to take, with its sender, until the returned
 // function is called. A frame from anyone else is not read.
 func Serve(h host.Host, allow func(peer.ID) bool, take func(from peer.ID, m Msg), log *zap.Logger) (stop func()) {
-	log = log.Named("offer")
-	h.SetStreamHandler(ProtocolID, func(str network.Stream) {
-		defer str.Close()
-		remote := str.Conn().RemotePeer()
-		if !allow(remote) {
-			log.Debug("offer from a non-member", zap.Stringer("peer", remote))
-			str.Reset()
-			return
-		}
-		str.SetDeadline(time.Now().Add(ioTimeout))
-		var m Msg
-		if err := transfer.ReadFrame(str, maxFrame, &m); err != nil {
-			log.Debug("bad offer", zap.Stringer("peer", remote), zap.Error(err))
-			str.Reset()
-			return
-		}
-		take(remote, m)
-	})
-	return func() { h.RemoveStreamHandler(ProtocolID) }
+	return transfer.ServeOneFrame[Msg](h, ProtocolID, maxFrame, ioTimeout, allow, take, log.Named("offer"))
 }
 
 // Send offers p the claim o. ctx bounds the exchange.
@@ -90,15 +71,5 @@ func Send(ctx context.Context, h host.Host, p peer.ID, addrs []string, o jobs.Of
 	if err := m.Validate(); err != nil {
 		return err
 	}
-	str, stop, err := transfer.OpenStream(ctx, h, p, addrs, ProtocolID)
-	if err != nil {
-		return fmt.Errorf("%w: offer to %s: %v", transfer.ErrUnreachable, p, err)
-	}
-	defer str.Close()
-	defer stop()
-	str.SetDeadline(time.Now().Add(ioTimeout))
-	if err := transfer.WriteFrame(str, &m); err != nil {
-		return fmt.Errorf("%w: offer to %s: %v", transfer.ErrUnreachable, p, err)
-	}
-	return nil
+	return transfer.SendOneFrame(ctx, h, p, addrs, ProtocolID, ioTimeout, "offer", &m)
 }

@@ -39,9 +39,10 @@ type Result struct {
 
 	// DispatchOverhead is the mean per job, summed over its stages, of the
 	// time from a task being runnable with a GPU free for it until that GPU
-	// has it: commit and claim latency, watch delay, scans, lost claim
-	// races, held-back hints, pushes waiting on a busy worker until given
-	// back (mesh); messages and decisions (central).
+	// has it: the offer's message (mesh with Queue.Offer), or commit and
+	// claim latency and watch delay (without), scans, lost claim races,
+	// held-back hints, pushes waiting on a busy worker until given back
+	// (mesh); messages and decisions (central).
 	DispatchOverheadMs float64 `json:"dispatch_overhead_ms"`
 	// DispatchOverheadP50Ms is the median job's dispatch overhead, as
 	// DispatchOverheadMs sums it: most jobs pay the commits' and watches'

@@ -56,6 +56,9 @@ type APIBenchConfig struct {
 	// NoOffers turns offered claims off (routing.QueuePolicy.Offer): a
 	// pushed task starts once its write's event arrives, a baseline.
 	NoOffers bool
+	// EtcdWriteDelay, in-process mesh: every etcd write the agents send
+	// waits this long first (DelayEtcdWrites), as on a loaded etcd.
+	EtcdWriteDelay time.Duration
 	Logger   *zap.Logger
 }
 
@@ -181,6 +184,7 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 			return APIBenchReport{}, err
 		}
 		defer cl.Close()
+		DelayEtcdWrites(cl.Client, cfg.EtcdWriteDelay)
 		ops = CountEtcdOps(cl.Client)
 		for _, st := range jobs.Stages() {
 			if _, err := cl.AddAgent(ctx, string(st)+"-1", st); err != nil {

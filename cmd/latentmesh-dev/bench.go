@@ -240,6 +240,7 @@ func runBenchAPI(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.IntVar(&cfg.DenoiseSlots, "denoise-slots", 0, "denoise slots of the in-process mesh's denoise agent (0: the default, 1)")
 	fs.BoolVar(&cfg.EtcdFsync, "etcd-fsync", false, "in-process mesh: the embedded etcd fsyncs its log, as an etcd whose data must survive a crash (default: not, since its temporary directory is removed on exit)")
 	fs.BoolVar(&cfg.NoPush, "no-push", false, "in-process mesh: workers claim every task themselves instead of taking claims pushed to them (a baseline)")
+	fs.DurationVar(&cfg.EtcdWriteDelay, "etcd-write-delay", 0, "in-process mesh: every etcd write the agents send waits this long first, as on a loaded etcd (0: none)")
 	fs.BoolVar(&cfg.NoOffers, "no-offers", false, "in-process mesh: a pushed task starts once its write's watch event arrives, not from the claim its writer offers over libp2p (a baseline)")
 	fs.IntVar(&cfg.Slack, "backpressure-slack", cfg.Slack, "in-process mesh: the agents' backpressure slack (negative: the agent default, 1)")
 	fs.BoolVar(&cfg.EtcdGRPC, "etcd-grpc", false, "in-process mesh: agents reach the embedded etcd over loopback gRPC, as remote agents do (default: function calls, as 'latentmesh-dev dev')")

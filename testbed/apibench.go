@@ -59,7 +59,7 @@ type APIBenchConfig struct {
 	// EtcdWriteDelay, in-process mesh: every etcd write the agents send
 	// waits this long first (DelayEtcdWrites), as on a loaded etcd.
 	EtcdWriteDelay time.Duration
-	Logger   *zap.Logger
+	Logger         *zap.Logger
 }
 
 // DefaultAPIBenchConfig is one client, 200 jobs of 64x64 in two steps.

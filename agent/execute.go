@@ -38,23 +38,13 @@ func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 	// start in etcd's order: no later than it happened, and not before the
 	// count admission went by (TestBackpressureManyProducers counts the
 	// backlog by it).
+	// An offered claim's start is said once its write confirms it, with
+	// the claim's revision (watchCancel); a withdrawn one never started.
 	fedRev, taken := a.fedSeen(st), c // c is replaced by a reclaim below
 	started := func() {
 		log.Debug("task started", zap.Int64("claim_rev", taken.Revision()), zap.Bool("pushed", taken.Pushed), zap.Bool("offered", taken.Offered()), zap.Int64("fed_rev", fedRev))
 	}
-	if taken.Offered() {
-		// Said once the write confirms the offer, with the claim's
-		// revision (at most OfferTTL later); a withdrawn one never started.
-		a.wg.Go(func() {
-			select {
-			case <-taken.Settled():
-				if !taken.Withdrawn() {
-					started()
-				}
-			case <-a.ctx.Done():
-			}
-		})
-	} else {
+	if !c.Offered() {
 		started()
 	}
 	a.recent.note(c.Task.JobID)
@@ -62,7 +52,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 	defer a.inboxes[st].Done(c)
 	var handedOff handoffFlag // set once an early handoff committed the stage
 	var ran atomic.Bool       // set once run returned: no work is left to stop
-	ctx, stop := a.watchCancel(c, &handedOff, &ran)
+	ctx, stop := a.watchCancel(c, &handedOff, &ran, started)
 	defer stop()
 	// Until it is recorded, preemption and drain may stop it (with a cause
 	// that makes it a requeue).
@@ -146,7 +136,7 @@ func (a *Agent) execute(c *jobs.Claim, workDone func(ok bool)) {
 			// deletes a claim): take the task back if nobody has since,
 			// and commit it.
 			if c2 := a.reclaim(c, log); c2 != nil {
-				ctx2, stop2 := a.watchCancel(c2, &handedOff, &ran)
+				ctx2, stop2 := a.watchCancel(c2, &handedOff, &ran, nil)
 				defer stop2()
 				var u2 bool
 				u2, err = a.commit(ctx2, c2, out, true, uncount, log)
@@ -501,8 +491,10 @@ func (h *handoffFlag) Done() <-chan struct{} { return h.done() }
 // lived on the old one and another worker may already hold the task). It
 // also ends when the agent stops. stop ends the watching. Once ran is set
 // the work is done and a cancel is the commit's to find (it is fenced on
-// the job record), so the task leaving the queue costs no read.
-func (a *Agent) watchCancel(c *jobs.Claim, handedOff *handoffFlag, ran *atomic.Bool) (ctx context.Context, stop func()) {
+// the job record), so the task leaving the queue costs no read. For an
+// offered claim it also ends when the offer is withdrawn, and calls
+// confirmed (if not nil) once the write confirms it.
+func (a *Agent) watchCancel(c *jobs.Claim, handedOff *handoffFlag, ran *atomic.Bool, confirmed func()) (ctx context.Context, stop func()) {
 	ctx, cancelCause := context.WithCancelCause(a.ctx)
 	cancel := func() { cancelCause(nil) }
 	rt := &runningTask{claim: c, stop: cancelCause, handedOff: handedOff, done: ctx.Done()}
@@ -521,23 +513,11 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff *handoffFlag, ran *atomic.B
 		// cancel from then on shows only in the job record.
 		gone, forget := a.inboxes[c.Task.Stage].TaskGone(c.Task.ID)
 		defer forget()
-		settled := c.Settled() // an offered claim's: confirmed, or withdrawn
-		for {
-			select {
-			case <-gone:
-			case <-handedOff.Done():
-			case <-settled:
-				if c.Withdrawn() {
-					a.log.Info("offered claim withdrawn; stopping its task", zap.String("job", c.Task.JobID))
-					cancel()
-					return
-				}
-				settled = nil
-				continue
-			case <-ctx.Done():
-				return
-			}
-			break
+		select {
+		case <-gone:
+		case <-handedOff.Done():
+		case <-ctx.Done():
+			return
 		}
 		if ran.Load() {
 			return
@@ -557,6 +537,27 @@ func (a *Agent) watchCancel(c *jobs.Claim, handedOff *handoffFlag, ran *atomic.B
 			cancel()
 		}
 	})
+	if settled := c.Settled(); settled != nil {
+		// An offered claim: a withdrawn offer stops the task; a confirmed
+		// one is a claim like any (confirmed says so).
+		wg.Go(func() {
+			select {
+			case <-settled:
+			case <-ctx.Done():
+				select {
+				case <-settled: // confirmed before the task ended
+				default:
+					return
+				}
+			}
+			if c.Withdrawn() {
+				a.log.Info("offered claim withdrawn; stopping its task", zap.String("job", c.Task.JobID))
+				cancel()
+			} else if confirmed != nil {
+				confirmed()
+			}
+		})
+	}
 	wg.Go(func() {
 		for {
 			changed := a.member.LeaseChanged()

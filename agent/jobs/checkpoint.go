@@ -96,7 +96,8 @@ func (s *Store) releaseCheckpointsOps(rec *record) []clientv3.Op {
 // the task's next worker finds the newest checkpoint of the current one.
 // ErrFenced means the claim is gone; the caller aborts the staged copies.
 func (s *Store) SaveCheckpoint(ctx context.Context, c *Claim, st StagedRecord, prev string) error {
-	if err := c.Settle(ctx); err != nil {
+	fence, err := s.fenced(ctx, c)
+	if err != nil {
 		return err
 	}
 	ops := []clientv3.Op{st.Op()}
@@ -104,7 +105,7 @@ func (s *Store) SaveCheckpoint(ctx context.Context, c *Claim, st StagedRecord, p
 		ops = append(ops, clientv3.OpDelete(cache.ObjectKey(s.cfg.Prefix, prev)))
 	}
 	for renewals := 0; ; renewals++ {
-		resp, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(ops...).Commit()
+		resp, err := s.cli.Txn(ctx).If(fence...).Then(ops...).Commit()
 		if cache.LeaseGone(err) && renewals < leaseRenewals {
 			if rerr := st.Renew(ctx); rerr != nil {
 				return fmt.Errorf("jobs: checkpoint of %s: %w", c.Task.JobID, rerr)

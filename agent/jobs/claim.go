@@ -209,7 +209,7 @@ func (s *Store) claim(ctx context.Context, t Task, to *Push, pushed bool) (*Clai
 // ErrTaken otherwise. A retry after an attempt that got no answer finds
 // that attempt's claim, on lease, and returns it.
 func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (*Claim, error) {
-	if c.fence() == 0 {
+	if c.Revision() == 0 {
 		// An offer no write confirmed: its task may not exist, and must
 		// not be made from the offer.
 		return nil, fmt.Errorf("%w: reclaim of an unconfirmed offer of %s", ErrTaken, c.Task.ID)
@@ -241,14 +241,18 @@ func (s *Store) Reclaim(ctx context.Context, c *Claim, lease clientv3.LeaseID) (
 
 // fenced are the conditions every write by a claim holder carries: the
 // claim key is as the claim wrote it (its ModRevision) and on its lease.
-// A claim key is written once, when the claim is made. An offered claim's
-// writer settles it first (Claim.Settle).
-func (s *Store) fenced(c *Claim) []clientv3.Cmp {
+// A claim key is written once, when the claim is made. An offered claim
+// has no revision until its write confirms it: fenced waits for that
+// (Claim.Settle), and fails with ErrFenced for an offer withdrawn.
+func (s *Store) fenced(ctx context.Context, c *Claim) ([]clientv3.Cmp, error) {
+	if err := c.Settle(ctx); err != nil {
+		return nil, err
+	}
 	ck := s.ownKey(c)
 	return []clientv3.Cmp{
-		clientv3.Compare(clientv3.ModRevision(ck), "=", c.fence()),
+		clientv3.Compare(clientv3.ModRevision(ck), "=", c.Revision()),
 		clientv3.Compare(clientv3.LeaseValue(ck), "=", int64(c.Lease)),
-	}
+	}, nil
 }
 
 // Drop gives up a claim, if it is still ours, without touching the task or
@@ -256,10 +260,11 @@ func (s *Store) fenced(c *Claim) []clientv3.Cmp {
 // cancel deleted it). For a worker that stopped because the job was
 // cancelled or its lease changed.
 func (s *Store) Drop(ctx context.Context, c *Claim) error {
-	if err := c.Settle(ctx); err != nil {
+	fence, err := s.fenced(ctx, c)
+	if err != nil {
 		return err
 	}
-	_, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(
+	_, err = s.cli.Txn(ctx).If(fence...).Then(
 		clientv3.OpDelete(s.ownKey(c)),
 		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
 		clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()),
@@ -311,13 +316,14 @@ func (s *Store) requeue(ctx context.Context, c *Claim, preempted time.Time) erro
 // giveBack writes t back unclaimed in place of c's task: its dispatcher
 // sees it wait again.
 func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
-	if err := c.Settle(ctx); err != nil {
+	fence, err := s.fenced(ctx, c)
+	if err != nil {
 		return err
 	}
 	t.Holder, t.HolderLease, t.Back = "", 0, c.Node
 	// The task must be the one we claimed: a Cancel that deleted it must not
 	// be undone by writing it back.
-	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.taskRev()))
+	cmps := append(fence, clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.taskRev()))
 	resp, err := s.cli.Txn(ctx).If(cmps...).
 		Then(clientv3.OpPut(t.Key, mustJSON(t)), clientv3.OpDelete(s.ownKey(c)), clientv3.OpDelete(s.progressKey(t.JobID))).
 		Commit()
@@ -341,7 +347,8 @@ func (s *Store) giveBack(ctx context.Context, c *Claim, t Task) error {
 // cancel deleted it); an error for which cache.LeaseGone holds means to's
 // lease ended: requeue instead.
 func (s *Store) HandOver(ctx context.Context, c *Claim, to *Push) error {
-	if err := c.Settle(ctx); err != nil {
+	fence, err := s.fenced(ctx, c)
+	if err != nil {
 		return err
 	}
 	t := c.Task
@@ -350,7 +357,7 @@ func (s *Store) HandOver(ctx context.Context, c *Claim, to *Push) error {
 	for i := range t.Inputs {
 		t.Inputs[i].Ticket = nil
 	}
-	cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.taskRev()))
+	cmps := append(fence, clientv3.Compare(clientv3.ModRevision(t.Key), "=", c.taskRev()))
 	ops := append([]clientv3.Op{clientv3.OpDelete(s.ownKey(c))}, s.claimOps(&t, true, s.cfg.Now(), "")...)
 	resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Commit()
 	if err != nil {

@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -124,7 +125,8 @@ func (s *Store) finishOps(c *Claim) []clientv3.Op {
 // carry, if not nil, returns more ops of the transaction that carry the
 // record as written (raw): a push's claim (claimRecord.Record).
 func (s *Store) update(ctx context.Context, c *Claim, what string, records []StagedRecord, leaseGone func() bool, mutate func(*record) ([]clientv3.Op, error), carry func(raw string) []clientv3.Op) error {
-	if err := c.Settle(ctx); err != nil {
+	fence, err := s.fenced(ctx, c) // first: an offered claim's job record is its write's
+	if err != nil {
 		return err
 	}
 	renewals := 0
@@ -166,7 +168,7 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			ops = append(ops, r.Op())
 		}
 		ops = putsReplaceDeletes(ops)
-		cmps := append(s.fenced(c), clientv3.Compare(clientv3.ModRevision(s.jobKey(rec.ID)), "=", rev))
+		cmps := append(slices.Clip(fence), clientv3.Compare(clientv3.ModRevision(s.jobKey(rec.ID)), "=", rev))
 		resp, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).
 			Else(clientv3.OpGet(s.ownKey(c)), clientv3.OpGet(s.jobKey(rec.ID))).Commit()
 		if cache.LeaseGone(err) && leaseGone != nil && leaseGone() {
@@ -188,7 +190,7 @@ func (s *Store) update(ctx context.Context, c *Claim, what string, records []Sta
 			return nil
 		}
 		kvs := resp.Responses[0].GetResponseRange().Kvs
-		if len(kvs) == 0 || kvs[0].ModRevision != c.fence() || kvs[0].Lease != int64(c.Lease) {
+		if len(kvs) == 0 || kvs[0].ModRevision != c.Revision() || kvs[0].Lease != int64(c.Lease) {
 			// A cancel deletes the claim with the task: say so, rather
 			// than that the claim was lost.
 			var now record
@@ -238,7 +240,11 @@ func putsReplaceDeletes(ops []clientv3.Op) []clientv3.Op {
 // claim and the task itself go, so an orphan task left by a race with
 // Cancel cannot be claimed again. It returns ErrFinished.
 func (s *Store) dropFinished(ctx context.Context, c *Claim) error {
-	if _, err := s.cli.Txn(ctx).If(s.fenced(c)...).Then(s.finishOps(c)...).Commit(); err != nil {
+	fence, err := s.fenced(ctx, c)
+	if err != nil {
+		return err
+	}
+	if _, err := s.cli.Txn(ctx).If(fence...).Then(s.finishOps(c)...).Commit(); err != nil {
 		return fmt.Errorf("jobs: drop claim: %w", err)
 	}
 	return ErrFinished

@@ -40,19 +40,22 @@ type Inbox struct {
 	// gone holds the channels of TaskGone waiters, by task id.
 	gone map[string][]chan struct{}
 	// taken are the pushed claims the worker has taken (Take), by task id,
-	// with the claim's revision, until it is done with them (Done): a read
-	// of the claims after a compaction must not offer them again. An
-	// offered claim's is 0 until the write confirms it.
-	taken map[string]int64
-	// tentative are the offers the worker took (Take) that no write has
-	// settled yet, by task id (offer.go).
-	tentative map[string]*offer
+	// until it is done with them (Done): a read of the claims after a
+	// compaction must not offer them again.
+	taken map[string]takenClaim
 	// done are the tasks the worker was done with (Done) within the last
 	// OfferTTL, and doneOrder the same in the order they were done: an
 	// offer of one that arrives after its write's event, and after its
 	// run, is not started again.
 	done      map[string]bool
 	doneOrder []doneTask
+}
+
+// takenClaim is a claim the worker took: its revision, and the offer it
+// came from while no write has settled it (offer.go; rev is 0 until then).
+type takenClaim struct {
+	rev   int64
+	offer *offer
 }
 
 // doneTask is a task the worker was done with at at.
@@ -78,7 +81,7 @@ type claimInfo struct {
 // fills and follows it.
 func (s *Store) NewInbox(stage Stage, node string) *Inbox {
 	return &Inbox{s: s, stage: stage, node: node, claims: map[string]claimInfo{}, gone: map[string][]chan struct{}{},
-		taken: map[string]int64{}, tentative: map[string]*offer{}, done: map[string]bool{}}
+		taken: map[string]takenClaim{}, done: map[string]bool{}}
 }
 
 // Stage is the stage the view follows.
@@ -205,14 +208,15 @@ func (q *Inbox) goneLocked(id string) {
 func (q *Inbox) Take(c *Claim) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	rev := c.fence() // an offer's, if the write confirmed it already
+	rev := c.Revision() // an offer's, if the write confirmed it already
 	if cur, ok := q.claims[c.Task.ID]; ok && cur.rev <= rev {
 		delete(q.claims, c.Task.ID)
 	}
-	q.taken[c.Task.ID] = rev
+	tc := takenClaim{rev: rev}
 	if c.offer != nil && c.offer.pending() {
-		q.tentative[c.Task.ID] = c.offer // the write's event settles it
+		tc.offer = c.offer // the write's event settles it
 	}
+	q.taken[c.Task.ID] = tc
 }
 
 // Done forgets claim c, which the worker took and is done with (unless
@@ -221,11 +225,8 @@ func (q *Inbox) Take(c *Claim) {
 func (q *Inbox) Done(c *Claim) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if rev, ok := q.taken[c.Task.ID]; ok && rev == c.fence() {
+	if tc, ok := q.taken[c.Task.ID]; ok && tc.rev == c.Revision() {
 		delete(q.taken, c.Task.ID)
-	}
-	if q.tentative[c.Task.ID] == c.offer {
-		delete(q.tentative, c.Task.ID)
 	}
 	now := q.s.cfg.Now()
 	for len(q.doneOrder) > 0 && now.Sub(q.doneOrder[0].at) > q.s.cfg.OfferTTL {
@@ -331,7 +332,7 @@ func (q *Inbox) putLocked(id string, kv *mvccpb.KeyValue) {
 	if q.confirmLocked(id, c, kv.Value) {
 		return // the offer the worker runs, confirmed
 	}
-	if rev, ok := q.taken[id]; !c.rec.Pushed || c.rec.Of == nil || (ok && rev == c.rev) {
+	if tc, ok := q.taken[id]; !c.rec.Pushed || c.rec.Of == nil || (ok && tc.rev == c.rev) {
 		return // the worker's own claim, or one it took
 	}
 	q.claims[id] = c
@@ -385,7 +386,7 @@ func (q *Inbox) load(ctx context.Context) (int64, error) {
 		q.putLocked(id, kv)
 	}
 	for id := range q.gone {
-		if !present[id] && q.tentative[id] == nil {
+		if tc := q.taken[id]; !present[id] && tc.offer == nil {
 			q.goneLocked(id) // deleted in the history the view missed
 		}
 	}

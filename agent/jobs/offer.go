@@ -93,12 +93,10 @@ func (o *offer) pending() bool {
 // revision is the claim's revision once the offer is confirmed: 0 while
 // it is not settled, or refused.
 func (o *offer) revision() int64 {
-	select {
-	case <-o.settled:
-		return o.rev
-	default:
+	if o.pending() {
 		return 0
 	}
+	return o.rev
 }
 
 // Offered reports whether the claim came from an offer (it may be settled
@@ -119,15 +117,7 @@ func (c *Claim) Settled() <-chan struct{} {
 // confirmed it, or the write put other bytes. Its worker drops what it
 // did; the claim, if one was written, is in the inbox as any pushed one.
 func (c *Claim) Withdrawn() bool {
-	if c.offer == nil {
-		return false
-	}
-	select {
-	case <-c.offer.settled:
-		return c.offer.rev == 0
-	default:
-		return false
-	}
+	return c.offer != nil && !c.offer.pending() && c.offer.rev == 0
 }
 
 // Settle waits until an offered claim is confirmed (nil) or refused
@@ -150,13 +140,9 @@ func (c *Claim) Settle(ctx context.Context) error {
 }
 
 // Revision is the claim key's revision, the fencing token: an offered
-// claim's once confirmed, 0 before (and if withdrawn).
-func (c *Claim) Revision() int64 { return c.fence() }
-
-// fence is the claim key's revision, the fencing token: an offered
-// claim's once confirmed (0 before: no write is fenced on it, and the
-// fenced writes wait with Settle first).
-func (c *Claim) fence() int64 {
+// claim's once confirmed, 0 before (and if withdrawn): no write is fenced
+// on it until then (fenced settles it first).
+func (c *Claim) Revision() int64 {
 	if c.offer != nil {
 		return c.offer.revision()
 	}
@@ -238,8 +224,7 @@ func (q *Inbox) Offered(key string, value []byte) error {
 func (q *Inbox) expire(id string, o *offer) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
-	if q.tentative[id] == o {
-		delete(q.tentative, id)
+	if tc, ok := q.taken[id]; ok && tc.offer == o {
 		delete(q.taken, id)
 		o.settle(0)
 	}
@@ -255,14 +240,13 @@ func (q *Inbox) expire(id string, o *offer) {
 // the offered lease. It reports whether kv was the offered claim (then
 // nothing more is to be done with it).
 func (q *Inbox) confirmLocked(id string, c claimInfo, value []byte) bool {
-	if o := q.tentative[id]; o != nil {
-		delete(q.tentative, id)
-		if bytes.Equal(value, o.value) {
-			o.settle(c.rev)
-			q.taken[id] = c.rev
+	if tc, ok := q.taken[id]; ok && tc.offer != nil {
+		if bytes.Equal(value, tc.offer.value) {
+			tc.offer.settle(c.rev)
+			q.taken[id] = takenClaim{rev: c.rev}
 			return true
 		}
-		o.settle(0) // its worker stops it; the claim written is offered below
+		tc.offer.settle(0) // its worker stops it; the claim written is offered below
 		delete(q.taken, id)
 		return false
 	}

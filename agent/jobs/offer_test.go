@@ -68,7 +68,7 @@ func TestOfferedClaimConfirmedByItsWrite(t *testing.T) {
 		t.Fatal(err)
 	}
 	ps := q.Pushed(lease)
-	if len(ps) != 1 || !ps[0].Offered() || ps[0].Task.JobID != job.ID || ps[0].fence() != 0 {
+	if len(ps) != 1 || !ps[0].Offered() || ps[0].Task.JobID != job.ID || ps[0].Revision() != 0 {
 		t.Fatalf("offered claims %+v", ps)
 	}
 	if _, _, n := q.Oldest(lease); n != 0 {
@@ -82,8 +82,8 @@ func TestOfferedClaimConfirmedByItsWrite(t *testing.T) {
 	if _, err := q.load(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if err := c.Settle(ctx); err != nil || c.Withdrawn() || c.fence() == 0 {
-		t.Fatalf("after the write's event: settle %v, withdrawn %v, fence %d", err, c.Withdrawn(), c.fence())
+	if err := c.Settle(ctx); err != nil || c.Withdrawn() || c.Revision() == 0 {
+		t.Fatalf("after the write's event: settle %v, withdrawn %v, fence %d", err, c.Withdrawn(), c.Revision())
 	}
 	if n := len(q.Pushed(lease)); n != 0 {
 		t.Fatalf("a confirmed offer the worker runs is offered again (%d)", n)
@@ -92,8 +92,8 @@ func TestOfferedClaimConfirmedByItsWrite(t *testing.T) {
 		t.Fatalf("commit on a confirmed offer: %v", err)
 	}
 	q.Done(c)
-	if len(q.taken) != 0 || len(q.tentative) != 0 {
-		t.Fatalf("left behind: taken %v, tentative %v", q.taken, q.tentative)
+	if len(q.taken) != 0 {
+		t.Fatalf("left behind: taken %v", q.taken)
 	}
 }
 
@@ -122,8 +122,8 @@ func TestOfferConfirmedBeforeItsTaken(t *testing.T) {
 	// Taken from a read made before the event, the claim is the one
 	// written all the same, and it is not offered again.
 	q.Take(stale)
-	if err := stale.Settle(ctx); err != nil || stale.fence() != ps[0].Rev {
-		t.Fatalf("the offer read before its event: %v, fence %d, want %d", err, stale.fence(), ps[0].Rev)
+	if err := stale.Settle(ctx); err != nil || stale.Revision() != ps[0].Rev {
+		t.Fatalf("the offer read before its event: %v, fence %d, want %d", err, stale.Revision(), ps[0].Rev)
 	}
 	if n := len(q.Pushed(lease)); n != 0 {
 		t.Fatalf("the claim is offered again after its offer was taken (%d)", n)

@@ -31,7 +31,7 @@ type ClaimProof struct {
 // offered claim has none until it is confirmed (Settle): its proof names
 // revision 0, which every producer refuses.
 func (c *Claim) Proof() []byte {
-	b, _ := json.Marshal(ClaimProof{Stage: c.Task.Stage, Task: c.Task.ID, TaskKey: c.Task.Key, Rev: c.fence(), Node: c.Node})
+	b, _ := json.Marshal(ClaimProof{Stage: c.Task.Stage, Task: c.Task.ID, TaskKey: c.Task.Key, Rev: c.Revision(), Node: c.Node})
 	return b
 }
 

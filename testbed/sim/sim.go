@@ -1062,17 +1062,18 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	// transaction that wrote the record (a submit, a commit) carries it;
 	// a dispatcher's later hand-on does not, so that commit reads it first.
 	// An offered claim's commit waits for the write that confirms it.
-	lat := max(t.confirmAt-now, 0) + s.etcd.writeLat(now)
+	sent := max(t.confirmAt, now)
 	if !t.fromPush {
 		s.etcd.read(now, 1)
-		lat += s.etcd.readLat(now)
+		sent += s.etcd.readLat(now)
 	}
-	s.clk.at(now+lat, event{kind: evCommitted, stage: int8(st.i), worker: w, task: t})
+	lands := sent + s.etcd.writeLat(now)
+	s.clk.at(lands, event{kind: evCommitted, stage: int8(st.i), worker: w, task: t})
 	if t.nextPush >= 0 && s.offers() {
 		// Offered as the commit goes: the next stage's worker starts it
 		// before the commit lands (agent/jobs offer.go).
 		t.next = s.nextTask(t, w)
-		s.offer(t.next, now+lat-s.etcd.writeLat(now), now+lat)
+		s.offer(t.next, sent, lands)
 	}
 	// The credit goes back now, before the commit (agent.execute): the
 	// worker's loop looks for its next task at once. Admission counts this

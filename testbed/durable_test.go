@@ -154,11 +154,11 @@ func TestOnlyResultHolderRestarts(t *testing.T) {
 // first decode attempt, long after the holders' stage timeout.
 func TestReclaimedDecodeKeepsResult(t *testing.T) {
 	const stageTimeout = 2 * time.Second
-	etcd, cl, logs := leaseLossCluster(t, func(c *ClusterConfig) {
+	ll := leaseLossCluster(t, func(c *ClusterConfig) {
 		c.Agent.Engine.DecodeCost = 1500 * time.Millisecond
 		c.Agent.Store.StageTimeout = stageTimeout // passes while the commit waits
 	})
-	a := cl.Agents[0]
+	a := ll.cl.Agents[0]
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	// A first job takes the results' retention lease, so the next result
@@ -188,14 +188,14 @@ func TestReclaimedDecodeKeepsResult(t *testing.T) {
 	})
 	// The result's staged copies outlive their holders' stage timeout
 	// while etcd is away.
-	done := loseLeaseInCommit(t, ctx, cl, etcd, logs, a, "decode-1", job.ID, 2*stageTimeout)
+	done := ll.loseLeaseInCommit(t, ctx, a, "decode-1", job.ID, 2*stageTimeout)
 	if done.State != jobs.Succeeded {
 		t.Fatalf("job ended %s: %+v", done.State, done.Error)
 	}
 	if dec := done.Stages[jobs.Decode]; dec == nil || dec.Attempt != 1 || dec.Node != "decode-1" {
 		t.Fatalf("decode %+v: want decode-1's first attempt, reclaimed", dec)
 	}
-	if logs.FilterMessage("claim lost with the output finished; task reclaimed").FilterField(zap.String("job", job.ID)).Len() != 1 {
+	if ll.logs.FilterMessage("claim lost with the output finished; task reclaimed").FilterField(zap.String("job", job.ID)).Len() != 1 {
 		t.Fatal("the decode was not reclaimed")
 	}
 	want := referenceOutput(t, spec)
@@ -209,7 +209,7 @@ func TestReclaimedDecodeKeepsResult(t *testing.T) {
 	if !bytes.Equal(data, want) {
 		t.Fatal("file differs from the engine run in one process")
 	}
-	if n := logs.FilterMessage("dropped a staged copy whose put never committed").Len(); n != 0 {
+	if n := ll.logs.FilterMessage("dropped a staged copy whose put never committed").Len(); n != 0 {
 		t.Fatalf("%d staged copies dropped", n)
 	}
 }

@@ -2,6 +2,7 @@ package testbed
 
 import (
 	"context"
+	"sync"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -15,21 +16,92 @@ import (
 // before anything uses cli.
 func DelayEtcdWrites(cli *clientv3.Client, d time.Duration) {
 	if d > 0 {
-		cli.KV = &slowKV{KV: cli.KV, d: d}
+		writesOf(cli).d = d
 	}
 }
 
-type slowKV struct {
-	clientv3.KV
-	d time.Duration
+// EtcdWriteGate holds back the writes of a client while it is shut: each
+// waits, unsent, until the gate opens or its context ends. A test that
+// freezes etcd shuts it first, so that no write sent into the frozen etcd
+// can take effect once etcd thaws (etcd may apply a request whose client
+// had given up on it), and a write that timed out is known not to have
+// happened.
+type EtcdWriteGate struct {
+	mu   sync.Mutex
+	open chan struct{} // closed while the gate is open
 }
 
-// wait sleeps the delay, or until ctx ends.
-func (k *slowKV) wait(ctx context.Context) error {
-	t := time.NewTimer(k.d)
-	defer t.Stop()
+// GateEtcdWrites puts a gate, open, on cli's writes. Call it before
+// anything uses cli.
+func GateEtcdWrites(cli *clientv3.Client) *EtcdWriteGate {
+	g := &EtcdWriteGate{open: make(chan struct{})}
+	close(g.open)
+	writesOf(cli).gate = g
+	return g
+}
+
+// Shut holds back every write from now on.
+func (g *EtcdWriteGate) Shut() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
 	select {
-	case <-t.C:
+	case <-g.open:
+		g.open = make(chan struct{})
+	default: // shut already
+	}
+}
+
+// Open lets the writes go, the held ones first.
+func (g *EtcdWriteGate) Open() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	select {
+	case <-g.open:
+	default:
+		close(g.open)
+	}
+}
+
+// opened is closed once the gate is open.
+func (g *EtcdWriteGate) opened() <-chan struct{} {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.open
+}
+
+// writesOf returns cli's write-holding KV, putting one in if it has none.
+func writesOf(cli *clientv3.Client) *slowKV {
+	if k, ok := cli.KV.(*slowKV); ok {
+		return k
+	}
+	k := &slowKV{KV: cli.KV}
+	cli.KV = k
+	return k
+}
+
+// slowKV holds back a client's writes: each waits d, then for the gate.
+type slowKV struct {
+	clientv3.KV
+	d    time.Duration
+	gate *EtcdWriteGate // nil: none
+}
+
+// wait holds a write back, or fails with ctx's error once ctx ends.
+func (k *slowKV) wait(ctx context.Context) error {
+	if k.d > 0 {
+		t := time.NewTimer(k.d)
+		defer t.Stop()
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	if k.gate == nil {
+		return nil
+	}
+	select {
+	case <-k.gate.opened():
 		return nil
 	case <-ctx.Done():
 		return ctx.Err()

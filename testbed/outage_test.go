@@ -304,9 +304,17 @@ func TestEarlyHandoffCommitSurvivesEtcdOutage(t *testing.T) {
 	}
 }
 
-// leaseLossCluster starts a disaggregated in-process mesh on an etcd
-// process for loseLeaseInCommit, with its logs observed, tuned by tune.
-func leaseLossCluster(t *testing.T, tune func(*ClusterConfig)) (*EtcdProcess, *Cluster, *observer.ObservedLogs) {
+// leaseLoss is a disaggregated in-process mesh on an etcd process, with
+// its logs observed and a gate on its etcd writes, for loseLeaseInCommit.
+type leaseLoss struct {
+	etcd   *EtcdProcess
+	cl     *Cluster
+	logs   *observer.ObservedLogs
+	writes *EtcdWriteGate
+}
+
+// leaseLossCluster starts a leaseLoss mesh tuned by tune.
+func leaseLossCluster(t *testing.T, tune func(*ClusterConfig)) *leaseLoss {
 	t.Helper()
 	if _, err := EtcdBinaryAvailable(); err != nil {
 		if os.Geteuid() != 0 {
@@ -314,10 +322,11 @@ func leaseLossCluster(t *testing.T, tune func(*ClusterConfig)) (*EtcdProcess, *C
 		}
 		t.Fatal(err)
 	}
-	etcd := startEtcdProcess(t)
+	ll := &leaseLoss{etcd: startEtcdProcess(t)}
 	obs, logs := observer.New(zap.InfoLevel)
-	cl := startCluster(t, Disaggregated, func(c *ClusterConfig) {
-		c.EtcdEndpoints = etcd.Endpoints()
+	ll.logs = logs
+	ll.cl = startCluster(t, "", func(c *ClusterConfig) {
+		c.EtcdEndpoints = ll.etcd.Endpoints()
 		c.Logger = zap.New(zapcore.NewTee(c.Logger.Core(), obs))
 		c.Agent.EtcdTimeout = time.Second
 		// The lease is revoked during the commit's first backoff: long
@@ -325,24 +334,36 @@ func leaseLossCluster(t *testing.T, tune func(*ClusterConfig)) (*EtcdProcess, *C
 		c.Agent.RetryBackoff = 5 * time.Second
 		tune(c)
 	})
-	return etcd, cl, logs
+	ll.writes = GateEtcdWrites(ll.cl.Client) // before the agents use it
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	for _, st := range jobs.Stages() {
+		if _, err := ll.cl.AddAgent(ctx, string(st)+"-1", st); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return ll
 }
 
 // loseLeaseInCommit freezes etcd under a running task of job on node, waits
 // until the task's commit has failed and backed off, keeps etcd frozen for
 // hold more, thaws it and revokes node's lease within that backoff, as an
 // etcd majority frozen past the TTL and thawed would expire it. It returns
-// the job once it has ended.
-func loseLeaseInCommit(t *testing.T, ctx context.Context, cl *Cluster, etcd *EtcdProcess, logs *observer.ObservedLogs, a *agent.Agent, node, job string, hold time.Duration) jobs.Job {
+// the job once it has ended. The agents' writes are held back from the
+// freeze until the lease is gone: a commit sent into the frozen etcd could
+// take effect when it thaws, and the task would then need no reclaim.
+func (ll *leaseLoss) loseLeaseInCommit(t *testing.T, ctx context.Context, a *agent.Agent, node, job string, hold time.Duration) jobs.Job {
 	t.Helper()
-	rec, err := cl.Client.Get(ctx, prefix+"/nodes/"+node)
+	rec, err := ll.cl.Client.Get(ctx, prefix+"/nodes/"+node)
 	if err != nil || len(rec.Kvs) != 1 {
 		t.Fatalf("%s's record: %v %v", node, rec, err)
 	}
 	lease := clientv3.LeaseID(rec.Kvs[0].Lease)
-	resume := pauseEtcd(t, etcd)
+	ll.writes.Shut()
+	defer ll.writes.Open()
+	resume := pauseEtcd(t, ll.etcd)
 	eventually(t, 30*time.Second, func() error {
-		if logs.FilterMessage("commit failed; keeping the output and retrying").FilterField(zap.String("job", job)).Len() == 0 {
+		if ll.logs.FilterMessage("commit failed; keeping the output and retrying").FilterField(zap.String("job", job)).Len() == 0 {
 			return fmt.Errorf("the commit has not failed and backed off yet")
 		}
 		return nil
@@ -351,11 +372,12 @@ func loseLeaseInCommit(t *testing.T, ctx context.Context, cl *Cluster, etcd *Etc
 	resume()
 	// Within the commit's backoff the lease goes (it may already have).
 	rctx, rcancel := context.WithTimeout(ctx, 10*time.Second)
-	_, err = cl.Client.Revoke(rctx, lease)
+	_, err = ll.cl.Client.Revoke(rctx, lease)
 	rcancel()
 	if err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound) {
 		t.Fatal(err)
 	}
+	ll.writes.Open()
 	var done jobs.Job
 	eventually(t, time.Minute, func() error {
 		wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -372,8 +394,8 @@ func loseLeaseInCommit(t *testing.T, ctx context.Context, cl *Cluster, etcd *Etc
 // its new lease, since nobody claimed it meanwhile, and commits it as the
 // same attempt.
 func TestClaimLostWithOutputFinished(t *testing.T) {
-	etcd, cl, logs := leaseLossCluster(t, func(c *ClusterConfig) { c.Agent.Engine.StepCost = 100 * time.Millisecond })
-	a := cl.Agents[0]
+	ll := leaseLossCluster(t, func(c *ClusterConfig) { c.Agent.Engine.StepCost = 100 * time.Millisecond })
+	a := ll.cl.Agents[0]
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	spec := engine.Spec{Prompt: "a claim that outlived its lease", Seed: 5, Width: 64, Height: 64, Steps: 20}.WithDefaults()
@@ -382,14 +404,14 @@ func TestClaimLostWithOutputFinished(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitDenoiseStep(t, ctx, a, job.ID, func(step int) bool { return step >= 3 })
-	done := loseLeaseInCommit(t, ctx, cl, etcd, logs, a, "denoise-1", job.ID, 0)
+	done := ll.loseLeaseInCommit(t, ctx, a, "denoise-1", job.ID, 0)
 	if done.State != jobs.Succeeded {
 		t.Fatalf("job ended %s: %+v", done.State, done.Error)
 	}
 	if den := done.Stages[jobs.Denoise]; den == nil || den.Attempt != 1 || den.Node != "denoise-1" || done.Rewinds != 0 {
 		t.Fatalf("denoise %+v, %d rewinds: want denoise-1's first attempt", den, done.Rewinds)
 	}
-	if logs.FilterMessage("claim lost with the output finished; task reclaimed").FilterField(zap.String("job", job.ID)).Len() != 1 {
+	if ll.logs.FilterMessage("claim lost with the output finished; task reclaimed").FilterField(zap.String("job", job.ID)).Len() != 1 {
 		t.Fatal("the denoise was not reclaimed")
 	}
 	data, _, err := a.Result(ctx, job.ID)

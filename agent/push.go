@@ -84,14 +84,11 @@ func (a *Agent) issueTickets(outs []jobs.Input, node string) []jobs.Input {
 }
 
 // pushedClaims are the claims pushed to this agent for stage st that it
-// may start, by task id. One for a model its engine does not serve (an
-// engine that re-registered without it) is given back at once.
-func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Inbox, lease clientv3.LeaseID) map[string]*jobs.Claim {
+// may start. One for a model its engine does not serve (an engine that
+// re-registered without it) is given back at once.
+func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Inbox, lease clientv3.LeaseID) []*jobs.Claim {
 	cs := q.Pushed(lease)
-	if len(cs) == 0 {
-		return nil
-	}
-	out := make(map[string]*jobs.Claim, len(cs))
+	out := cs[:0]
 	for _, c := range cs {
 		if !a.runner.Serves(st, c.Task.Spec.ModelName()) {
 			if c.Offered() {
@@ -100,18 +97,30 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Inbox, lease clientv3.LeaseI
 			a.giveBack(q, c, a.handOverTo(st, c.Task.Spec), "model not served here")
 			continue
 		}
-		out[c.Task.ID] = c
+		out = append(out, c)
+	}
+	return out
+}
+
+// held is how the queue policy sees pushed claims cs (routing.Held): the
+// worker's turn over them is routing's (QueuePolicy.Pick, Returns), as
+// the simulator's workers take theirs.
+func held(cs []*jobs.Claim) []routing.Held {
+	out := make([]routing.Held, len(cs))
+	for i, c := range cs {
+		out[i] = routing.Held{Candidate: candidate(c.Task), Pushed: c.StartedAt, NotBefore: c.Task.NotBefore, Offered: c.Offered()}
 	}
 	return out
 }
 
 // returnPushes gives back the claims pushed to this agent for stage st
-// that it has had no slot to start for the steal grace while another
-// worker could start them (routing.QueuePolicy.GiveBack), and interactive
-// ones due for preemption that it has no batch task to give way for
-// (routing.QueuePolicy.Stranded): their dispatcher pushes them to a worker
-// that can. Each goes back to its dispatcher. It returns when to look
-// again (zero: nothing is waiting).
+// that it cannot start (routing.QueuePolicy.Returns): those it has had no
+// slot for within the steal grace while another worker could start them,
+// and interactive ones due for preemption that it has no batch task to
+// give way for. Each goes back to its dispatcher, which hands it to a
+// worker that grants it a slot (a hand-over here could only go by
+// gossip's free slots, which lag, and a worker they show free may be as
+// busy). It returns when to look again (zero: nothing is waiting).
 func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 	lease := a.member.Lease()
 	claimed, enqueued, n := q.Oldest(lease)
@@ -130,35 +139,13 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 		return due
 	}
 	pushed := q.Pushed(lease)
-	canPreempt := len(a.batchOnly(st)) > 0
-	others := a.otherWorker(st)
-	// They start in the order they came, each as a slot frees.
-	slices.SortFunc(pushed, func(x, y *jobs.Claim) int { return x.StartedAt.Compare(y.StartedAt) })
-	for k, c := range pushed {
-		if c.Offered() {
-			continue // not written yet: nothing to give back
+	back, next := a.cfg.Queue.Returns(held(pushed), now, a.otherWorker(st), len(a.batchOnly(st)) > 0, a.books[st])
+	for _, r := range back {
+		why := "no free slot"
+		if r.Stranded {
+			why = "interactive work this worker cannot make room for" // its dispatcher finds a worker that yields
 		}
-		stranded, at := a.cfg.Queue.Stranded(candidate(c.Task), now, canPreempt)
-		if stranded {
-			a.giveBack(q, c, nil, "interactive work this worker cannot make room for") // its dispatcher finds a worker that yields
-			continue
-		}
-		next = earliest(next, at)
-		due := c.StartedAt.Add(a.cfg.Queue.StealGrace)
-		if due.After(now) {
-			next = earliest(next, due) // within the grace: nothing to ask yet
-			continue
-		}
-		// Back to its dispatcher, which hands it to a worker that grants
-		// it a slot: a hand-over here could only go by gossip's free
-		// slots, which lag, and a worker they show free may be as busy.
-		if a.cfg.Queue.GiveBack(c.StartedAt, now, others, a.books[st].StartIn(k, now)) {
-			a.giveBack(q, c, nil, "no free slot")
-			continue
-		}
-		// Due, but this is the stage's only worker, or a slot frees soon:
-		// look again within a second (a peer that joins comes by gossip).
-		next = earliest(next, now.Add(time.Second))
+		a.giveBack(q, pushed[r.Index], nil, why)
 	}
 	return next
 }

@@ -10,7 +10,6 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/latentmesh/latentmesh/agent/jobs"
-	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/transfer"
 )
 
@@ -167,23 +166,10 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		}
 		pushed := a.pushedClaims(st, q, lease) // claims made for this agent, to start without a transaction
 		now := time.Now()
-		var wake time.Time
-		cands := make([]routing.Candidate, 0, len(pushed))
-		for _, c := range pushed {
-			if c.Task.NotBefore.After(now) {
-				wake = earliest(wake, c.Task.NotBefore)
-				continue
-			}
-			cands = append(cands, candidate(c.Task))
-		}
-		ordered, retry := a.cfg.Queue.Order(cands, a.id, now)
-		wake = earliest(wake, retry)
 		fits := a.roomForOutputs()
-		for _, c := range ordered {
-			pc := pushed[c.ID]
-			if !fits(pc.Task) {
-				continue // memory backpressure: its output has nowhere to go yet
-			}
+		pick, full, wake := a.cfg.Queue.Pick(held(pushed), a.id, now, func(i int) bool { return fits(pushed[i].Task) })
+		if pick >= 0 {
+			pc := pushed[pick]
 			q.Take(pc)
 			a.metrics.PushedClaim(st, false)
 			if pc.Offered() {
@@ -192,7 +178,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			a.setBlocked(st, false)
 			return pc, nil
 		}
-		if len(ordered) > 0 {
+		if full {
 			// Tasks wait but none fits: say so in gossip (no free credit)
 			// and look again as memory frees, which gossip and releases
 			// tell, not etcd: within a second. They go to a worker with
@@ -202,7 +188,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 			wake = earliest(wake, a.returnPushes(st, q))
 		}
 		var mesh <-chan struct{}
-		if len(ordered) == 0 {
+		if !full {
 			// A free slot and nothing pushed here: tell a dispatcher that
 			// has work waiting (a slot freed while admission held the
 			// stage back was granted to nobody), and look again when

@@ -196,13 +196,9 @@ func (p QueuePolicy) before(a, b Candidate, self string, now time.Time) bool {
 func (p QueuePolicy) Order(cands []Candidate, self string, now time.Time) (ordered []Candidate, retryAt time.Time) {
 	ordered = make([]Candidate, 0, len(cands))
 	for _, c := range cands {
-		if c.Hint != "" && c.Hint != self {
-			if free := c.Enqueued.Add(p.StealGrace); now.Before(free) {
-				if retryAt.IsZero() || free.Before(retryAt) {
-					retryAt = free
-				}
-				continue
-			}
+		if free, back := p.heldBack(c, self, now); back {
+			retryAt = earliest(retryAt, free)
+			continue
 		}
 		ordered = append(ordered, c)
 	}

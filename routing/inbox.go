@@ -78,12 +78,21 @@ type Return struct {
 // besides this one; canPreempt that this worker runs only batch work it
 // could give way with (Stranded).
 func (p QueuePolicy) Returns(held []Held, now time.Time, others, canPreempt bool, book *SlotBook) (back []Return, next time.Time) {
-	order := make([]int, len(held))
-	for i := range order {
-		order[i] = i
+	byPush := func(x, y Held) int { return x.Pushed.Compare(y.Pushed) }
+	var order []int // nil: held is in push order already
+	if !slices.IsSortedFunc(held, byPush) {
+		order = make([]int, len(held))
+		for i := range order {
+			order[i] = i
+		}
+		slices.SortStableFunc(order, func(x, y int) int { return byPush(held[x], held[y]) })
 	}
-	slices.SortStableFunc(order, func(x, y int) int { return held[x].Pushed.Compare(held[y].Pushed) })
-	for k, i := range order {
+	var startIn func(k int) time.Duration // the book read once, when first asked
+	for k := range held {
+		i := k
+		if order != nil {
+			i = order[k]
+		}
 		h := &held[i]
 		if h.Offered {
 			continue // not written yet: its write's event brings the worker back
@@ -98,7 +107,10 @@ func (p QueuePolicy) Returns(held []Held, now time.Time, others, canPreempt bool
 			next = earliest(next, due) // within the grace: nothing to ask yet
 			continue
 		}
-		if p.GiveBack(h.Pushed, now, others, book.StartIn(k, now)) {
+		if startIn == nil {
+			startIn = book.starts(now)
+		}
+		if p.GiveBack(h.Pushed, now, others, startIn(k)) {
 			back = append(back, Return{Index: i})
 			continue
 		}

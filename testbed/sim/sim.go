@@ -2,6 +2,7 @@ package sim
 
 import (
 	"fmt"
+	"math"
 	"math/rand/v2"
 	"strconv"
 	"time"
@@ -61,6 +62,12 @@ type Result struct {
 	PushedShare     float64 `json:"pushed_share"`
 	GiveBacks       uint64  `json:"give_backs"`
 	GiveBacksPerJob float64 `json:"give_backs_per_job"`
+	// GiveBacksByStage splits GiveBacks by stage (encode, denoise,
+	// decode); HeldGiveBacks counts those whose worker admission held
+	// back (its share of the next stage's budget was full), the rest were
+	// busy.
+	GiveBacksByStage [3]uint64 `json:"give_backs_by_stage"`
+	HeldGiveBacks    uint64    `json:"held_give_backs"`
 
 	EtcdWritesPerJob  float64 `json:"etcd_writes_per_job"`
 	EtcdReadsPerJob   float64 `json:"etcd_reads_per_job"`
@@ -128,6 +135,20 @@ type worker struct {
 	// slot it took; nil while it runs nothing.
 	book     *routing.SlotBook
 	slotDone func(end time.Time, learn bool)
+	runClass routing.Class // the class of the task it runs, while busy
+	// Admission (mesh, a stage with one after it; agent.admit): quota is
+	// its share of the next stage's budget (routing.Admission.Quota, over
+	// its stage's workers), against which it counts its task running, its
+	// tasks committing, and fed, the next stage's tasks its commits created
+	// that are not done (its ledger, jobs.Fed). held: idle, admission
+	// holds it back (its stage's heldBack list) until a task it fed is
+	// done.
+	quota, committing, fed int32
+	held                   bool
+	heldPos                int32 // index in its stage's heldBack list, -1 when not there
+	// lookAt is when it looks next over the claims pushed to it
+	// (giveBackCheck), -1 for no look due.
+	lookAt time.Duration
 }
 
 type stage struct {
@@ -136,12 +157,13 @@ type stage struct {
 	inBytes int64 // the input pulled from the previous stage
 	workers []*worker
 	names   []string
-	waiting []int32 // mesh: idle workers asleep on a watch; central: free GPUs
-	ready   []int32 // mesh: waiting workers that hold a pushed claim
-	q       stageQueue
-	wakeAt  time.Duration // mesh: the pending wake, -1 when none
-	blocked bool          // mesh: waiters watch the next stage (admission refused)
-	free    int           // workers with their credit free
+	waiting []int32 // mesh: idle workers asleep on a watch that may start a task; central: free GPUs
+	// heldBack: mesh, idle workers admission holds back (worker.held).
+	heldBack []int32
+	ready    []int32 // mesh: waiting workers that hold a pushed claim
+	q        stageQueue
+	wakeAt   time.Duration // mesh: the pending wake, -1 when none
+	free     int           // workers with their credit free
 	// Mesh: workers holding no claim (the views' free slots), pushed claims
 	// not started, and tasks done whose commit is on its way (admission
 	// counts them as running, agent.committing).
@@ -166,6 +188,8 @@ type sim struct {
 	rate   float64
 	cands  []routing.Candidate
 	small  []routing.Candidate
+	held   []routing.Held
+	back   []*task
 	tasks  []*task
 	taken  []bool
 	ready  []int32
@@ -174,6 +198,8 @@ type sim struct {
 
 	submitted, completed, completedInWindow int
 	conflicts, claimTxns, giveBacks         uint64
+	giveBacksBy                             [3]uint64 // by stage
+	heldGiveBacks                           uint64    // by a worker admission held back
 	pushes                                  uint64    // tasks created with a pushed claim
 	pushedStarts, claimedStarts             [3]uint64 // by stage: tasks started from a pushed claim, and from a claim txn
 	overhead                                time.Duration
@@ -242,15 +268,20 @@ func newSim(cfg Config) (*sim, error) {
 	for i, name := range costmodel.Stages {
 		st := &stage{i: i, compute: m.StageTime(name), inBytes: inBytes[i], wakeAt: -1, free: sizes[i], viewFree: sizes[i]}
 		for w := range sizes[i] {
-			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1, grantTo: -1, book: routing.NewSlotBook()})
+			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1, heldPos: -1, lookAt: -1, grantTo: -1, book: routing.NewSlotBook()})
 			st.names = append(st.names, fmt.Sprintf("%s-%d", name, w))
-		}
-		for w := range st.workers {
-			s.addWaiting(st, int32(w))
 		}
 		s.st[i] = st
 		if i > 0 {
 			st.granted = make([][]int32, sizes[i-1])
+		}
+	}
+	if cfg.Mode != Central {
+		s.setQuotas()
+	}
+	for _, st := range s.st {
+		for w := range st.workers {
+			s.addWaiting(st, int32(w))
 		}
 	}
 	if cfg.Mode == Mesh {
@@ -346,7 +377,10 @@ func (s *sim) handle(e event) {
 	case evDispatch:
 		s.dispatch()
 	case evGiveBack:
-		s.giveBackCheck(e.task)
+		if st, wk := s.st[e.stage], s.st[e.stage].workers[e.worker]; wk.lookAt == now {
+			wk.lookAt = -1
+			s.giveBackCheck(st, wk)
+		}
 	case evOffered:
 		s.offerLanded(e.task)
 	case evRequeued:
@@ -492,7 +526,7 @@ func (s *sim) claimLanded(st *stage, t *task) {
 	wk.pushed = append(wk.pushed, t)
 	s.updateReady(st, wk)
 	st.pushWaiting++
-	s.clk.at(t.pushedAt+s.cfg.Queue.StealGrace, event{kind: evGiveBack, stage: int8(st.i), task: t})
+	s.lookAt(st, wk, t.pushedAt+s.cfg.Queue.StealGrace)
 }
 
 // hold counts a claim that w takes (d = 1) or lets go (-1) in the views.
@@ -543,54 +577,78 @@ func (s *sim) unpush(st *stage, w *worker, t *task) {
 	s.updateReady(st, w)
 }
 
-// giveBackCheck is a pushed claim's worker looking whether to give it back
-// (agent.returnPushes), at the steal grace and then each second: a worker
-// with a slot free and admitted would have started it, so it is busy (or
-// held back by admission); it gives the claim back to its dispatcher when
-// routing.QueuePolicy.GiveBack says so (the stage has another worker).
-func (s *sim) giveBackCheck(t *task) {
-	if !t.pushed {
-		return // started, or given back
+// giveBackCheck is worker wk looking whether to give the claims pushed to
+// it back (agent.returnPushes), at the first one's steal grace and then
+// as routing.QueuePolicy.Returns says: a worker with a slot free and
+// admitted would have started them, so it is busy, or admission holds it
+// back. What it gives back goes to the task's dispatcher. The simulator
+// models no preemption: an interactive claim stranded on a worker that
+// runs other work goes back to the queue, and the next free worker takes
+// it.
+func (s *sim) giveBackCheck(st *stage, wk *worker) {
+	if len(wk.pushed) == 0 {
+		return
 	}
 	now := s.clk.now
-	if t.confirmAt > now {
-		// Offered, its write not in the inbox yet: nothing to give back.
-		s.clk.at(t.confirmAt, event{kind: evGiveBack, stage: int8(t.stage), task: t})
+	if wk.waitPos >= 0 {
+		// Free and admitted: its wake, due within a watch delivery, starts them.
+		s.lookAt(st, wk, now+routing.LookAgain)
 		return
 	}
-	st := s.st[t.stage]
-	wk := st.workers[t.pushTo]
-	if wk.waitPos >= 0 && !st.blocked {
-		// Free and admitted: its wake, due within a watch delivery, starts it.
-		s.clk.at(now+time.Second, event{kind: evGiveBack, stage: int8(st.i), task: t})
-		return
+	s.held = s.heldBy(st, wk, s.held[:0])
+	canPreempt := wk.busy && wk.runClass == routing.Batch
+	back, next := s.cfg.Queue.Returns(s.held, s.epoch.Add(now), len(st.workers) > 1, canPreempt, wk.book)
+	s.back = s.back[:0]
+	for _, r := range back {
+		s.back = append(s.back, wk.pushed[r.Index])
 	}
-	// It starts this claim once its running task and the claims pushed
-	// before this one are done, as its slot clock estimates
-	// (routing.SlotBook.StartIn, the agent's).
-	k := 0
-	for _, u := range wk.pushed {
-		if u == t {
-			break
+	for _, u := range s.back {
+		// jobs.Store.Requeue: the task back to its dispatcher, unclaimed,
+		// the claim deleted; the dispatcher hands it to the next worker to
+		// grant it a slot (no hand-over by gossip's free slots).
+		s.unpush(st, wk, u)
+		s.etcd.write(now, 1)
+		s.giveBacks++
+		s.giveBacksBy[st.i]++
+		if wk.held {
+			s.heldGiveBacks++
 		}
-		k++
+		s.clk.at(now+s.etcd.writeLat(now), event{kind: evRequeued, stage: int8(st.i), task: u})
 	}
-	startIn := wk.book.StartIn(k, s.epoch.Add(now))
-	if !s.cfg.Queue.GiveBack(s.epoch.Add(t.pushedAt), s.epoch.Add(now), len(st.workers) > 1, startIn) {
-		next := now + time.Second // kept: look again within a second
-		if due := t.pushedAt + s.cfg.Queue.StealGrace; due > now {
-			next = due
+	if !next.IsZero() {
+		s.lookAt(st, wk, next.Sub(s.epoch))
+	}
+	// An offer not yet written is nothing to give back; its write's
+	// event brings the worker back.
+	for _, t := range wk.pushed {
+		if t.confirmAt > now {
+			s.lookAt(st, wk, t.confirmAt)
 		}
-		s.clk.at(next, event{kind: evGiveBack, stage: int8(st.i), task: t})
+	}
+}
+
+// lookAt has worker wk look over its pushed claims at t (giveBackCheck),
+// unless a look is due by then.
+func (s *sim) lookAt(st *stage, wk *worker, t time.Duration) {
+	if wk.lookAt >= 0 && wk.lookAt <= t {
 		return
 	}
-	// jobs.Store.Requeue: the task back to its dispatcher, unclaimed, the
-	// claim deleted; the dispatcher hands it to the next worker to grant
-	// it a slot (agent.returnPushes: no hand-over by gossip's free slots).
-	s.unpush(st, wk, t)
-	s.etcd.write(now, 1)
-	s.giveBacks++
-	s.clk.at(now+s.etcd.writeLat(now), event{kind: evRequeued, stage: int8(st.i), task: t})
+	wk.lookAt = t
+	s.clk.at(t, event{kind: evGiveBack, stage: int8(st.i), worker: wk.idx})
+}
+
+// heldBy appends to dst the claims pushed to worker wk, as routing sees
+// them: what the agent passes its queue policy (agent.held).
+func (s *sim) heldBy(st *stage, wk *worker, dst []routing.Held) []routing.Held {
+	now := s.clk.now
+	for k, t := range wk.pushed {
+		dst = append(dst, routing.Held{
+			Candidate: routing.Candidate{ID: pushID(k), Class: t.job.class, Enqueued: s.epoch.Add(t.enq), Hint: st.names[wk.idx]},
+			Pushed:    s.epoch.Add(t.pushedAt),
+			Offered:   t.confirmAt > now,
+		})
+	}
+	return dst
 }
 
 // requeued is a give-back landing: the task is in the queue again, in its
@@ -608,19 +666,13 @@ func (s *sim) requeued(t *task) {
 // by n watches: the task's dispatcher's (jobs.Fed follows the task's one
 // key) and the inboxes of the workers whose claims it writes or deletes
 // (jobs.Inbox follows a node's own claim keys); nobody follows a whole
-// stage. It wakes st's idle workers, and the previous stage's when
-// admission held them back (a model of their inboxes and grants moving;
-// waking costs etcd nothing).
+// stage. It wakes st's idle workers (a model of their inboxes and grants
+// moving; waking costs etcd nothing).
 func (s *sim) stageEvent(st *stage, n int) {
 	now := s.clk.now
 	s.etcd.event(now, n)
 	if len(st.waiting) > 0 {
 		s.requestWake(st, now+s.etcd.watchLat(now))
-	}
-	if st.i > 0 {
-		if up := s.st[st.i-1]; up.blocked && len(up.waiting) > 0 {
-			s.requestWake(up, now+s.etcd.watchLat(now))
-		}
 	}
 }
 
@@ -634,10 +686,37 @@ func (s *sim) requestWake(st *stage, t time.Duration) {
 	s.clk.at(t, event{kind: evWake, stage: int8(st.i)})
 }
 
+// addWaiting is worker w idle: asleep on its views, waiting (it may
+// start a task), or held back by admission (agent.admit: its share of the
+// next stage's budget is full), until a task it fed is done (fedDone).
 func (s *sim) addWaiting(st *stage, w int32) {
-	st.workers[w].waitPos = int32(len(st.waiting))
+	wk := st.workers[w]
+	if s.headroom(st, wk) <= 0 {
+		wk.held = true
+		wk.heldPos = int32(len(st.heldBack))
+		st.heldBack = append(st.heldBack, w)
+		return
+	}
+	wk.waitPos = int32(len(st.waiting))
 	st.waiting = append(st.waiting, w)
-	s.updateReady(st, st.workers[w])
+	s.updateReady(st, wk)
+}
+
+// unhold is held-back worker w let go by admission: it waits to start a
+// task, and, with nothing pushed to it, grants its slot (agent.grantIdle,
+// from its worker's loop).
+func (s *sim) unhold(st *stage, w int32) {
+	wk := st.workers[w]
+	p := wk.heldPos
+	last := st.heldBack[len(st.heldBack)-1]
+	st.heldBack[p] = last
+	st.workers[last].heldPos = p
+	st.heldBack = st.heldBack[:len(st.heldBack)-1]
+	wk.held, wk.heldPos = false, -1
+	s.addWaiting(st, w)
+	if wk.grantUntil <= s.clk.now {
+		s.grantSlot(st, w, -1)
+	}
 }
 
 func (s *sim) removeWaiting(st *stage, w int32) {
@@ -677,6 +756,9 @@ func (s *sim) pickHint(st *stage) int32 {
 	for try := 0; try < 64 && n < len(targets); try++ {
 		w := st.workers[s.rng.IntN(len(st.workers))]
 		switch {
+		case w.held:
+			// Its gossip leaves the stage out of its roles (agent.takesWork);
+			// the simulator shows that at once.
 		case s.freeInGossip(w):
 			if n == 0 || idx[0] != w.idx {
 				targets[n], idx[n] = routing.Target{Node: st.names[w.idx], Free: 1}, w.idx
@@ -705,16 +787,32 @@ func (s *sim) pickHint(st *stage) int32 {
 // roomInGossip is busy worker w's queue credit as gossip shows it, a
 // GossipDelay late (routing.SlotBook.Room): the tasks that would start
 // within the hold after its running one, less the claims pushed to it
-// that gossip has caught up with. Pushes since then are not seen yet,
-// which is how gossip's queue credit overbooks a worker.
+// that gossip has caught up with, and no more than admission would let it
+// start after those (headroom; agent.queueCredit). Pushes since then are
+// not seen yet, which is how gossip's queue credit overbooks a worker.
 func (s *sim) roomInGossip(st *stage, w *worker) int {
-	now := s.clk.now
+	room := s.slotRoom(st, w)
+	if h := s.headroom(st, w); h != math.MaxInt {
+		room = min(room, max(0, h-s.seenPushes(w)))
+	}
+	return room
+}
+
+// seenPushes counts the claims pushed to w that gossip has caught up with.
+func (s *sim) seenPushes(w *worker) int {
 	seen := 0
 	for _, t := range w.pushed {
-		if t.pushedAt <= now-s.cfg.GossipDelay {
+		if t.pushedAt <= s.clk.now-s.cfg.GossipDelay {
 			seen++
 		}
 	}
+	return seen
+}
+
+// slotRoom is w's queue credit by its slot clock alone (roomInGossip).
+func (s *sim) slotRoom(st *stage, w *worker) int {
+	now := s.clk.now
+	seen := s.seenPushes(w)
 	if w.busy {
 		return w.book.Room(seen, s.cfg.Queue.HoldFor, s.epoch.Add(now))
 	}
@@ -747,6 +845,9 @@ func (s *sim) grantSlot(st *stage, w int32, fed int32) {
 	wk := st.workers[w]
 	if st.i == 0 || wk.busy || len(wk.pushed) > 0 || st.q.queued > 0 {
 		return
+	}
+	if wk.held {
+		return // admission holds it back: its stage takes no work (agent.grantable)
 	}
 	p := fed
 	if p < 0 {
@@ -808,28 +909,8 @@ func (s *sim) wake(st *stage) {
 	now := s.clk.now
 	w := len(st.waiting)
 	if w == 0 {
-		return
+		return // none idle, or admission holds every idle one back
 	}
-	if st.i < 2 {
-		down := s.st[st.i+1]
-		// routing's per-producer quotas add up to the downstream budget
-		// (its credits plus slack), or to one per producer where there are
-		// more producers; the pool as a whole admits while its backlog
-		// (running or committing here, waiting downstream: queued, or
-		// pushed and not started) is under their sum.
-		budget := s.cfg.Admission.Budget(len(down.workers))
-		sum := 0
-		if budget > 0 {
-			sum = max(budget, len(st.workers))
-		}
-		if !s.cfg.Admission.Admit(down.q.queued+down.pushWaiting+len(st.workers)-st.free+st.committing, sum) {
-			// Wait for the next stage's view to move, at most a second.
-			st.blocked = true
-			s.requestWake(st, now+time.Second)
-			return
-		}
-	}
-	st.blocked = false
 	// w workers claim at most w tasks, Order's first w choices: among the
 	// oldest w of each class.
 	s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, w), s.epoch, st.names, s.cands, s.tasks)
@@ -900,17 +981,57 @@ func (s *sim) wake(st *stage) {
 	}
 }
 
-// takeOwn is waiting worker h's choice among the claims pushed to it, the
-// tasks hinted to it and the common order's first untaken task: a pushed
-// claim it starts at once (jobs.Queue.Take, no transaction); an unclaimed
-// task it claims with one txn, landing at at, which nobody races (the
-// others leave a hinted task alone and take the common order's next).
+// setQuotas gives each worker of a stage with one after it its share of
+// the next stage's budget (agent.admit: routing.Admission.Budget over the
+// next stage's credits, one a worker, then Quota among the stage's
+// workers; the membership does not change during a run).
+func (s *sim) setQuotas() {
+	for _, st := range s.st[:2] {
+		budget := s.cfg.Admission.Budget(len(s.st[st.i+1].workers))
+		for _, wk := range st.workers {
+			wk.quota = int32(s.cfg.Admission.Quota(budget, st.names, st.names[wk.idx]))
+		}
+	}
+}
+
+// headroom is how many more tasks admission lets worker wk of st start
+// (routing.Admission.Headroom on its own count: its running task, its
+// commits on their way and the next stage's tasks they created;
+// agent.admissionRoom).
+func (s *sim) headroom(st *stage, wk *worker) int {
+	if st.i >= 2 || s.cfg.Mode == Central {
+		return math.MaxInt
+	}
+	mine := int(wk.committing + wk.fed)
+	if wk.busy {
+		mine++
+	}
+	return s.cfg.Admission.Headroom(mine, int(wk.quota))
+}
+
+// takeOwn is waiting worker h's choice: one of the claims pushed to it
+// when it holds any, which it starts at once (jobs.Inbox.Take, no
+// transaction), chosen as the agent's worker chooses
+// (routing.QueuePolicy.Pick); else a task hinted to it or the common
+// order's first untaken task, which its dispatcher claims for it with one
+// txn, landing at at, which nobody races (the others leave a hinted task
+// alone and take the common order's next).
 func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time.Time, at time.Duration) {
 	wk, name := st.workers[h], st.names[h]
-	s.small = s.small[:0]
-	for k, t := range wk.pushed {
-		s.small = append(s.small, routing.Candidate{ID: pushID(k), Class: t.job.class, Enqueued: s.epoch.Add(t.enq), Hint: name})
+	if len(wk.pushed) > 0 {
+		s.held = s.heldBy(st, wk, s.held[:0])
+		if k, _, _ := s.cfg.Queue.Pick(s.held, name, tnow, nil); k >= 0 {
+			t := wk.pushed[k]
+			s.unpush(st, wk, t)
+			t.fromPush = true
+			s.removeWaiting(st, h)
+			s.occupy(wk)
+			s.setFree(st, -1)
+			s.clk.at(s.clk.now, event{kind: evClaimed, stage: int8(st.i), worker: h, task: t})
+			return
+		}
 	}
+	s.small = s.small[:0]
 	for i, u := range s.tasks {
 		if u.hint == h && !s.taken[i] && !u.claimed {
 			s.small = append(s.small, s.cands[i])
@@ -928,16 +1049,6 @@ func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time
 	if len(own) == 0 {
 		return
 	}
-	if k, ok := pushIndex(own[0].ID); ok {
-		t := wk.pushed[k]
-		s.unpush(st, wk, t)
-		t.fromPush = true
-		s.removeWaiting(st, h)
-		s.occupy(wk)
-		s.setFree(st, -1)
-		s.clk.at(s.clk.now, event{kind: evClaimed, stage: int8(st.i), worker: h, task: t})
-		return
-	}
 	i := idIndex(own[0].ID)
 	s.taken[i] = true
 	s.etcd.write(s.clk.now, 1) // its dispatcher's Assign, after h's grant
@@ -948,15 +1059,22 @@ func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time
 
 // pushID names the k-th claim pushed to a worker among its candidates
 // (indexID names the scanned tasks).
-func pushID(k int) string { return "p" + strconv.Itoa(k) }
-
-func pushIndex(id string) (int, bool) {
-	if len(id) == 0 || id[0] != 'p' {
-		return 0, false
+func pushID(k int) string {
+	if k < len(pushIDs) {
+		return pushIDs[k]
 	}
-	k, err := strconv.Atoi(id[1:])
-	return k, err == nil
+	return "p" + strconv.Itoa(k)
 }
+
+// pushIDs are the first pushIDs, made once: a worker's look over its
+// pushed claims names each.
+var pushIDs = func() []string {
+	ids := make([]string, 64)
+	for k := range ids {
+		ids[k] = "p" + strconv.Itoa(k)
+	}
+	return ids
+}()
 
 // claim is a dispatcher's hand-on of unclaimed task t to worker w (mesh:
 // its claim txn sent at sent, landing at lands; with offers the worker
@@ -995,6 +1113,7 @@ func (s *sim) release(wk *worker) {
 func (s *sim) start(st *stage, w int32, t *task) {
 	now := s.clk.now
 	wk := st.workers[w]
+	wk.runClass = t.job.class
 	ready := max(t.avail, wk.freeAt)
 	t.job.queueing += now - t.avail
 	t.job.overhead += now - ready
@@ -1081,6 +1200,7 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	s.release(wk)
 	s.setFree(st, +1)
 	st.committing++
+	wk.committing++
 	s.addWaiting(st, w)
 	s.requestWake(st, now)
 	s.grantSlot(st, w, t.producer)
@@ -1129,12 +1249,17 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		}
 		s.hold(st, st.workers[w], -1)
 		st.committing--
+		st.workers[w].committing--
+		s.fedDone(st, t)
 	}
 	t.gone = true
 	if st.i < 2 {
 		next := t.next // offered as the commit went
 		if next == nil {
 			next = s.nextTask(t, w)
+		}
+		if !s.central() {
+			st.workers[w].fed++ // in its ledger from the commit (agent.committedOutput)
 		}
 		s.enqueue(next)
 	} else {
@@ -1148,6 +1273,22 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		s.requestDispatch()
 	}
 	// Mesh: the worker took up its next task at done.
+}
+
+// fedDone is mesh task t of st done (its key deleted by its commit): its
+// producer's ledger sees it go, and the producer, held back by admission,
+// looks again at once.
+func (s *sim) fedDone(st *stage, t *task) {
+	if st.i == 0 || t.producer < 0 {
+		return // a submit's task: no producer counts it
+	}
+	up := s.st[st.i-1]
+	pw := up.workers[t.producer]
+	pw.fed--
+	if pw.held && s.headroom(up, pw) > 0 {
+		s.unhold(up, t.producer)
+		s.requestWake(up, s.clk.now+s.etcd.watchLat(s.clk.now))
+	}
 }
 
 // nextTask is the next stage's task that t's commit creates (t ran on w),
@@ -1241,6 +1382,7 @@ func (s *sim) result(wall time.Duration) Result {
 		Submitted: s.submitted, Completed: s.completed, Unfinished: s.submitted - s.completed,
 		JobsPerSec: float64(s.completedInWindow) / cfg.Duration.Seconds(),
 		ClaimTxns:  s.claimTxns, Conflicts: s.conflicts, GiveBacks: s.giveBacks,
+		GiveBacksByStage: s.giveBacksBy, HeldGiveBacks: s.heldGiveBacks,
 		SimSeconds: s.clk.now.Seconds(), Events: s.clk.count, WallSeconds: wall.Seconds(),
 		Utilisation: s.busy.Seconds() / (float64(cfg.GPUs) * cfg.Duration.Seconds()),
 		QueueP50Ms:  ms(s.queueing.quantile(0.50)),

@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"context"
 	"math"
 	"testing"
 	"time"
@@ -14,18 +13,7 @@ import (
 // slots and gossips no queue credit, and a stage admission does not bound
 // (the last) is not capped.
 func TestCreditGoesNoFurtherThanAdmission(t *testing.T) {
-	a, _, _ := startAgentWith(t, "adm-1", nil)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := a.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	for a.member.Lease() == 0 {
-		if ctx.Err() != nil {
-			t.Fatal("no lease")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	ctx, a, _, _ := startRunning(t, "adm-1", nil)
 	// The worker's loop computes its quota as it looks for work; until
 	// then nothing caps the credit.
 	for a.quota[jobs.Denoise].Load() < 0 {

@@ -1,7 +1,6 @@
 package agent
 
 import (
-	"context"
 	"sync"
 	"testing"
 	"time"
@@ -19,18 +18,7 @@ import (
 func TestWithdrawnOfferRecordsNothing(t *testing.T) {
 	// The conditioning cache off: its entries are content-addressed, valid
 	// whoever encodes them, and a tentative encode may well leave one.
-	a, cli, cfg := startAgentWith(t, "offer-1", func(c *Config) { c.Jobs.OfferTTL = 300 * time.Millisecond; c.CondCacheBytes = 0 })
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	if err := a.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	for a.member.Lease() == 0 {
-		if ctx.Err() != nil {
-			t.Fatal("no lease")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	ctx, a, cli, cfg := startRunning(t, "offer-1", func(c *Config) { c.Jobs.OfferTTL = 300 * time.Millisecond; c.CondCacheBytes = 0 })
 	// A submit pushed to this agent whose transaction fails: its job id
 	// is taken. The offer went all the same.
 	var mu sync.Mutex

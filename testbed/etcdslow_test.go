@@ -14,12 +14,7 @@ import (
 // A delayed client's writes (puts, writing transactions) wait the delay;
 // its reads, and transactions that only read, do not.
 func TestDelayEtcdWrites(t *testing.T) {
-	srv, err := etcdembed.Start(context.Background(), etcdembed.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	cli := srv.Client(nil)
+	cli := embeddedClient(t)
 	const d = 50 * time.Millisecond
 	DelayEtcdWrites(cli, d)
 	ctx := context.Background()
@@ -53,17 +48,12 @@ func TestDelayEtcdWrites(t *testing.T) {
 // leaves nothing in etcd, one still waiting goes once the gate opens;
 // reads pass a shut gate.
 func TestGateEtcdWrites(t *testing.T) {
-	srv, err := etcdembed.Start(context.Background(), etcdembed.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	cli := srv.Client(nil)
+	cli := embeddedClient(t)
 	gate := GateEtcdWrites(cli)
 	ctx := context.Background()
 	gate.Shut()
 	tctx, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
-	_, err = cli.Txn(tctx).Then(clientv3.OpPut("dropped", "v")).Commit()
+	_, err := cli.Txn(tctx).Then(clientv3.OpPut("dropped", "v")).Commit()
 	cancel()
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("a write through a shut gate: %v, want the deadline", err)
@@ -92,4 +82,15 @@ func TestGateEtcdWrites(t *testing.T) {
 	if _, err := cli.Put(ctx, "after", "v"); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// embeddedClient is a client of an embedded etcd of the test's own.
+func embeddedClient(t *testing.T) *clientv3.Client {
+	t.Helper()
+	srv, err := etcdembed.Start(context.Background(), etcdembed.DefaultConfig())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(srv.Close)
+	return srv.Client(nil)
 }

@@ -102,13 +102,13 @@ func (a *Agent) pushedClaims(st jobs.Stage, q *jobs.Inbox, lease clientv3.LeaseI
 	return out
 }
 
-// held is how the queue policy sees pushed claims cs (routing.Held): the
-// worker's turn over them is routing's (QueuePolicy.Pick, Returns), as
-// the simulator's workers take theirs.
-func held(cs []*jobs.Claim) []routing.Held {
-	out := make([]routing.Held, len(cs))
+// pushedOf is how the queue policy sees pushed claims cs (routing.Pushed):
+// the worker's turn over them is routing's (QueuePolicy.Pick, Returns),
+// as the simulator's workers take theirs.
+func pushedOf(cs []*jobs.Claim) []routing.Pushed {
+	out := make([]routing.Pushed, len(cs))
 	for i, c := range cs {
-		out[i] = routing.Held{Candidate: candidate(c.Task), Pushed: c.StartedAt, NotBefore: c.Task.NotBefore, Offered: c.Offered()}
+		out[i] = routing.Pushed{Candidate: candidate(c.Task), At: c.StartedAt, NotBefore: c.Task.NotBefore, Offered: c.Offered()}
 	}
 	return out
 }
@@ -139,7 +139,7 @@ func (a *Agent) returnPushes(st jobs.Stage, q *jobs.Inbox) (next time.Time) {
 		return due
 	}
 	pushed := q.Pushed(lease)
-	back, next := a.cfg.Queue.Returns(held(pushed), now, a.otherWorker(st), len(a.batchOnly(st)) > 0, a.books[st])
+	back, next := a.cfg.Queue.Returns(pushedOf(pushed), now, a.otherWorker(st), len(a.batchOnly(st)) > 0, a.books[st])
 	for _, r := range back {
 		why := "no free slot"
 		if r.Stranded {

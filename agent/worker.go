@@ -167,7 +167,7 @@ func (a *Agent) claimNext(st jobs.Stage) (*jobs.Claim, error) {
 		pushed := a.pushedClaims(st, q, lease) // claims made for this agent, to start without a transaction
 		now := time.Now()
 		fits := a.roomForOutputs()
-		pick, full, wake := a.cfg.Queue.Pick(held(pushed), a.id, now, func(i int) bool { return fits(pushed[i].Task) })
+		pick, full, wake := a.cfg.Queue.Pick(pushedOf(pushed), a.id, now, func(i int) bool { return fits(pushed[i].Task) })
 		if pick >= 0 {
 			pc := pushed[pick]
 			q.Take(pc)

@@ -12,11 +12,11 @@ import (
 // both take their turns by these two, so the decisions the simulator's
 // figures rest on are the agent's own code, not a model of it.
 
-// Held is a claim pushed to a worker that the worker has not started.
-type Held struct {
+// Pushed is a claim pushed to a worker that the worker has not started.
+type Pushed struct {
 	Candidate
-	// Pushed is when the claim was made for the worker.
-	Pushed time.Time
+	// At is when the claim was made for the worker.
+	At time.Time
 	// NotBefore: the task may not start before then (a retry's backoff).
 	NotBefore time.Time
 	// Offered: the claim came ahead of its write (QueuePolicy.Offer),
@@ -33,18 +33,18 @@ const LookAgain = time.Second
 // Pick chooses the claim that worker self starts with a free slot: the
 // first, in the policy's order (Order), that may start now (NotBefore)
 // and whose output has room (fits; nil: all have). pick is its index in
-// held, -1 for none; full reports that some could start but none has
+// pushed, -1 for none; full reports that some could start but none has
 // room, so the worker says it is blocked rather than free; wake is when a
 // claim held back by the clock becomes eligible (zero: none is).
-func (p QueuePolicy) Pick(held []Held, self string, now time.Time, fits func(i int) bool) (pick int, full bool, wake time.Time) {
+func (p QueuePolicy) Pick(pushed []Pushed, self string, now time.Time, fits func(i int) bool) (pick int, full bool, wake time.Time) {
 	pick = -1
-	for i := range held {
-		h := &held[i]
+	for i := range pushed {
+		h := &pushed[i]
 		if h.NotBefore.After(now) {
 			wake = earliest(wake, h.NotBefore)
 			continue
 		}
-		if at, back := p.heldBack(h.Candidate, self, now); back {
+		if at, back := p.leftToHint(h.Candidate, self, now); back {
 			wake = earliest(wake, at)
 			continue
 		}
@@ -53,7 +53,7 @@ func (p QueuePolicy) Pick(held []Held, self string, now time.Time, fits func(i i
 			continue
 		}
 		// The first of equals wins, as Order's stable sort has it.
-		if pick < 0 || p.before(h.Candidate, held[pick].Candidate, self, now) {
+		if pick < 0 || p.before(h.Candidate, pushed[pick].Candidate, self, now) {
 			pick = i
 		}
 	}
@@ -62,7 +62,7 @@ func (p QueuePolicy) Pick(held []Held, self string, now time.Time, fits func(i i
 
 // Return is a pushed claim a worker gives back (Returns).
 type Return struct {
-	Index int // in the held claims
+	Index int // in the pushed claims
 	// Stranded: interactive work the worker can neither start nor make
 	// room for (Stranded), for its dispatcher to bring to a worker that
 	// gives way. Otherwise the worker has no slot for it soon (GiveBack).
@@ -77,23 +77,23 @@ type Return struct {
 // slot (SlotBook.StartIn). others says the stage has a live worker
 // besides this one; canPreempt that this worker runs only batch work it
 // could give way with (Stranded).
-func (p QueuePolicy) Returns(held []Held, now time.Time, others, canPreempt bool, book *SlotBook) (back []Return, next time.Time) {
-	byPush := func(x, y Held) int { return x.Pushed.Compare(y.Pushed) }
-	var order []int // nil: held is in push order already
-	if !slices.IsSortedFunc(held, byPush) {
-		order = make([]int, len(held))
+func (p QueuePolicy) Returns(pushed []Pushed, now time.Time, others, canPreempt bool, book *SlotBook) (back []Return, next time.Time) {
+	byPush := func(x, y Pushed) int { return x.At.Compare(y.At) }
+	var order []int // nil: pushed is in push order already
+	if !slices.IsSortedFunc(pushed, byPush) {
+		order = make([]int, len(pushed))
 		for i := range order {
 			order[i] = i
 		}
-		slices.SortStableFunc(order, func(x, y int) int { return byPush(held[x], held[y]) })
+		slices.SortStableFunc(order, func(x, y int) int { return byPush(pushed[x], pushed[y]) })
 	}
 	var startIn func(k int) time.Duration // the book read once, when first asked
-	for k := range held {
+	for k := range pushed {
 		i := k
 		if order != nil {
 			i = order[k]
 		}
-		h := &held[i]
+		h := &pushed[i]
 		if h.Offered {
 			continue // not written yet: its write's event brings the worker back
 		}
@@ -103,14 +103,14 @@ func (p QueuePolicy) Returns(held []Held, now time.Time, others, canPreempt bool
 			continue
 		}
 		next = earliest(next, at)
-		if due := h.Pushed.Add(p.StealGrace); due.After(now) {
+		if due := h.At.Add(p.StealGrace); due.After(now) {
 			next = earliest(next, due) // within the grace: nothing to ask yet
 			continue
 		}
 		if startIn == nil {
 			startIn = book.starts(now)
 		}
-		if p.GiveBack(h.Pushed, now, others, startIn(k)) {
+		if p.GiveBack(h.At, now, others, startIn(k)) {
 			back = append(back, Return{Index: i})
 			continue
 		}
@@ -120,10 +120,10 @@ func (p QueuePolicy) Returns(held []Held, now time.Time, others, canPreempt bool
 	return back, next
 }
 
-// heldBack reports whether candidate c is left to the worker it is hinted
+// leftToHint reports whether candidate c is left to the worker it is hinted
 // to, within the steal grace, and when that ends: worker self may not
 // take it before.
-func (p QueuePolicy) heldBack(c Candidate, self string, now time.Time) (time.Time, bool) {
+func (p QueuePolicy) leftToHint(c Candidate, self string, now time.Time) (time.Time, bool) {
 	if c.Hint == "" || c.Hint == self {
 		return time.Time{}, false
 	}

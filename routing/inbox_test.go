@@ -10,13 +10,13 @@ import (
 func TestPick(t *testing.T) {
 	p := DefaultQueuePolicy()
 	now := time.Unix(1000, 0)
-	held := []Held{
+	pushed := []Pushed{
 		{Candidate: Candidate{ID: "std", Class: Standard, Enqueued: now.Add(-time.Second), Hint: "w"}},
 		{Candidate: Candidate{ID: "inter", Class: Interactive, Enqueued: now, Hint: "w"}},
 		{Candidate: Candidate{ID: "later", Class: Interactive, Enqueued: now.Add(-time.Minute), Hint: "w"}, NotBefore: now.Add(3 * time.Second)},
 		{Candidate: Candidate{ID: "theirs", Class: Interactive, Enqueued: now, Hint: "v"}},
 	}
-	pick, full, wake := p.Pick(held, "w", now, nil)
+	pick, full, wake := p.Pick(pushed, "w", now, nil)
 	if pick != 1 || full {
 		t.Fatalf("picked %d (full %v), want the interactive one: a backed-off task and another's within its grace wait", pick, full)
 	}
@@ -24,17 +24,17 @@ func TestPick(t *testing.T) {
 		t.Fatalf("wake %v, want the steal grace's end %v, before the backoff's", wake, want)
 	}
 	// The interactive task's output has no room: the next that has starts.
-	pick, full, _ = p.Pick(held, "w", now, func(i int) bool { return i != 1 })
+	pick, full, _ = p.Pick(pushed, "w", now, func(i int) bool { return i != 1 })
 	if pick != 0 || full {
 		t.Fatalf("picked %d (full %v), want the standard one", pick, full)
 	}
 	// None has room: the worker is blocked, not idle.
-	pick, full, _ = p.Pick(held, "w", now, func(int) bool { return false })
+	pick, full, _ = p.Pick(pushed, "w", now, func(int) bool { return false })
 	if pick != -1 || !full {
 		t.Fatalf("picked %d (full %v), want none, blocked", pick, full)
 	}
 	// Nothing eligible yet: idle, with the time to look again.
-	pick, full, wake = p.Pick(held[2:3], "w", now, func(int) bool { return false })
+	pick, full, wake = p.Pick(pushed[2:3], "w", now, func(int) bool { return false })
 	if pick != -1 || full || !wake.Equal(now.Add(3*time.Second)) {
 		t.Fatalf("picked %d (full %v, wake %v), want none until the backoff ends", pick, full, wake)
 	}
@@ -50,9 +50,9 @@ func TestPickIsOrdersFirst(t *testing.T) {
 	now := time.Unix(1000, 0)
 	for _, p := range []QueuePolicy{DefaultQueuePolicy(), {Scheduler: FIFO}} {
 		for range 500 {
-			held := make([]Held, rng.IntN(6))
-			cands := make([]Candidate, 0, len(held))
-			for i := range held {
+			pushed := make([]Pushed, rng.IntN(6))
+			cands := make([]Candidate, 0, len(pushed))
+			for i := range pushed {
 				c := Candidate{
 					ID:       strconv.Itoa(i),
 					Class:    Class(rng.IntN(3)),
@@ -62,15 +62,15 @@ func TestPickIsOrdersFirst(t *testing.T) {
 				if rng.IntN(4) == 0 {
 					c.Deadline = now.Add(time.Duration(rng.IntN(3)) * time.Minute)
 				}
-				held[i] = Held{Candidate: c}
+				pushed[i] = Pushed{Candidate: c}
 				cands = append(cands, c)
 			}
 			ordered, _ := p.Order(cands, "w", now)
-			pick, _, _ := p.Pick(held, "w", now, nil)
+			pick, _, _ := p.Pick(pushed, "w", now, nil)
 			switch {
 			case len(ordered) == 0 && pick != -1:
 				t.Fatalf("picked %d from %+v; Order takes none", pick, cands)
-			case len(ordered) > 0 && (pick < 0 || held[pick].ID != ordered[0].ID):
+			case len(ordered) > 0 && (pick < 0 || pushed[pick].ID != ordered[0].ID):
 				t.Fatalf("picked %d from %+v; Order's first is %s", pick, cands, ordered[0].ID)
 			}
 		}
@@ -82,33 +82,33 @@ func TestReturns(t *testing.T) {
 	now := time.Unix(1000, 0)
 	old := now.Add(-time.Minute)
 	book := NewSlotBook() // no task ended yet: it cannot tell when a slot frees
-	std := func(id string, pushed time.Time) Held {
-		return Held{Candidate: Candidate{ID: id, Class: Standard, Enqueued: pushed}, Pushed: pushed}
+	std := func(id string, pushed time.Time) Pushed {
+		return Pushed{Candidate: Candidate{ID: id, Class: Standard, Enqueued: pushed}, At: pushed}
 	}
 	young := std("young", now.Add(-p.StealGrace/2))
 	due := std("due", now.Add(-p.StealGrace))
 	offered := std("offered", old)
 	offered.Offered = true
-	back, next := p.Returns([]Held{young, offered, due}, now, true, false, book)
+	back, next := p.Returns([]Pushed{young, offered, due}, now, true, false, book)
 	if len(back) != 1 || back[0] != (Return{Index: 2}) {
 		t.Fatalf("gave back %+v, want the claim past its grace, not the young one nor the offer", back)
 	}
-	if want := young.Pushed.Add(p.StealGrace); !next.Equal(want) {
+	if want := young.At.Add(p.StealGrace); !next.Equal(want) {
 		t.Fatalf("next look %v, want the young claim's grace end %v", next, want)
 	}
 	// The stage's only worker keeps it, and looks again.
-	back, next = p.Returns([]Held{due}, now, false, false, book)
+	back, next = p.Returns([]Pushed{due}, now, false, false, book)
 	if len(back) != 0 || !next.Equal(now.Add(LookAgain)) {
 		t.Fatalf("only worker: gave back %+v, next %v", back, next)
 	}
 	// Interactive work due for preemption on a worker that has no batch
 	// task to give way with goes back, stranded; one that could give way
 	// keeps it (its preemption serves it).
-	inter := Held{Candidate: Candidate{ID: "inter", Class: Interactive, Enqueued: now.Add(-p.PreemptAfter)}, Pushed: now}
-	if back, _ := p.Returns([]Held{inter}, now, false, false, book); len(back) != 1 || !back[0].Stranded {
+	inter := Pushed{Candidate: Candidate{ID: "inter", Class: Interactive, Enqueued: now.Add(-p.PreemptAfter)}, At: now}
+	if back, _ := p.Returns([]Pushed{inter}, now, false, false, book); len(back) != 1 || !back[0].Stranded {
 		t.Fatalf("stranded interactive claim: %+v", back)
 	}
-	if back, _ := p.Returns([]Held{inter}, now, true, true, book); len(back) != 0 {
+	if back, _ := p.Returns([]Pushed{inter}, now, true, true, book); len(back) != 0 {
 		t.Fatalf("a worker that can give way gave back %+v", back)
 	}
 
@@ -120,7 +120,7 @@ func TestReturns(t *testing.T) {
 	done(now.Add(-600*time.Millisecond), true) // learnt: 400 ms
 	busy.Take("", now.Add(-100*time.Millisecond))
 	a, b, c := std("a", old), std("b", old.Add(time.Millisecond)), std("c", old.Add(2*time.Millisecond))
-	back, next = p.Returns([]Held{c, a, b}, now, true, false, busy)
+	back, next = p.Returns([]Pushed{c, a, b}, now, true, false, busy)
 	if len(back) != 1 || back[0].Index != 0 {
 		t.Fatalf("gave back %+v, want the third oldest (index 0)", back)
 	}

@@ -196,7 +196,7 @@ func (p QueuePolicy) before(a, b Candidate, self string, now time.Time) bool {
 func (p QueuePolicy) Order(cands []Candidate, self string, now time.Time) (ordered []Candidate, retryAt time.Time) {
 	ordered = make([]Candidate, 0, len(cands))
 	for _, c := range cands {
-		if free, back := p.heldBack(c, self, now); back {
+		if free, back := p.leftToHint(c, self, now); back {
 			retryAt = earliest(retryAt, free)
 			continue
 		}

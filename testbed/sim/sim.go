@@ -188,7 +188,7 @@ type sim struct {
 	rate   float64
 	cands  []routing.Candidate
 	small  []routing.Candidate
-	held   []routing.Held
+	inbox  []routing.Pushed
 	back   []*task
 	tasks  []*task
 	taken  []bool
@@ -595,9 +595,9 @@ func (s *sim) giveBackCheck(st *stage, wk *worker) {
 		s.lookAt(st, wk, now+routing.LookAgain)
 		return
 	}
-	s.held = s.heldBy(st, wk, s.held[:0])
+	s.inbox = s.inboxOf(st, wk, s.inbox[:0])
 	canPreempt := wk.busy && wk.runClass == routing.Batch
-	back, next := s.cfg.Queue.Returns(s.held, s.epoch.Add(now), len(st.workers) > 1, canPreempt, wk.book)
+	back, next := s.cfg.Queue.Returns(s.inbox, s.epoch.Add(now), len(st.workers) > 1, canPreempt, wk.book)
 	s.back = s.back[:0]
 	for _, r := range back {
 		s.back = append(s.back, wk.pushed[r.Index])
@@ -637,14 +637,14 @@ func (s *sim) lookAt(st *stage, wk *worker, t time.Duration) {
 	s.clk.at(t, event{kind: evGiveBack, stage: int8(st.i), worker: wk.idx})
 }
 
-// heldBy appends to dst the claims pushed to worker wk, as routing sees
-// them: what the agent passes its queue policy (agent.held).
-func (s *sim) heldBy(st *stage, wk *worker, dst []routing.Held) []routing.Held {
+// inboxOf appends to dst the claims pushed to worker wk, as routing sees
+// them: what the agent passes its queue policy (agent.pushedOf).
+func (s *sim) inboxOf(st *stage, wk *worker, dst []routing.Pushed) []routing.Pushed {
 	now := s.clk.now
 	for k, t := range wk.pushed {
-		dst = append(dst, routing.Held{
+		dst = append(dst, routing.Pushed{
 			Candidate: routing.Candidate{ID: pushID(k), Class: t.job.class, Enqueued: s.epoch.Add(t.enq), Hint: st.names[wk.idx]},
-			Pushed:    s.epoch.Add(t.pushedAt),
+			At:        s.epoch.Add(t.pushedAt),
 			Offered:   t.confirmAt > now,
 		})
 	}
@@ -1019,8 +1019,8 @@ func (s *sim) headroom(st *stage, wk *worker) int {
 func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time.Time, at time.Duration) {
 	wk, name := st.workers[h], st.names[h]
 	if len(wk.pushed) > 0 {
-		s.held = s.heldBy(st, wk, s.held[:0])
-		if k, _, _ := s.cfg.Queue.Pick(s.held, name, tnow, nil); k >= 0 {
+		s.inbox = s.inboxOf(st, wk, s.inbox[:0])
+		if k, _, _ := s.cfg.Queue.Pick(s.inbox, name, tnow, nil); k >= 0 {
 			t := wk.pushed[k]
 			s.unpush(st, wk, t)
 			t.fromPush = true

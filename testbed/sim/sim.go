@@ -713,6 +713,7 @@ func (s *sim) unhold(st *stage, w int32) {
 	st.workers[last].heldPos = p
 	st.heldBack = st.heldBack[:len(st.heldBack)-1]
 	wk.held, wk.heldPos = false, -1
+	wk.idleSince = s.clk.now // its gossip shows the stage among its roles again, free, from now
 	s.addWaiting(st, w)
 	if wk.grantUntil <= s.clk.now {
 		s.grantSlot(st, w, -1)

@@ -141,11 +141,15 @@ func (a *Agent) admissionCount(st, down jobs.Stage) (mine int, synced bool) {
 // it would wait for the next stage, not for a slot, and go back.
 // math.MaxInt where admission does not bound the stage: the last stage,
 // admission off, outputs relayed through the Store (its room bounds them),
-// or before admit has computed a quota.
+// or before admit has computed a quota; and where this node is the
+// stage's only worker, which keeps what is pushed to it whatever it waits
+// for (routing.QueuePolicy.GiveBack): a task pushed to it ahead waits in
+// its inbox as it would in its dispatcher's ledger, with no hand-on to
+// write when it starts.
 func (a *Agent) admissionRoom(st jobs.Stage) int {
 	down, last := st.Next()
 	quota := a.quota[st].Load()
-	if last || a.cfg.Admission.Off || a.cfg.TransferMode == jobs.StoreRelay || quota < 0 {
+	if last || a.cfg.Admission.Off || a.cfg.TransferMode == jobs.StoreRelay || quota < 0 || !a.otherWorker(st) {
 		return math.MaxInt
 	}
 	mine, _ := a.admissionCount(st, down)

@@ -10,15 +10,47 @@ import (
 
 // A worker offers producers no credit beyond its admission: once its
 // share of the next stage's budget is full, it grants none of its free
-// slots and gossips no queue credit, and a stage admission does not bound
-// (the last) is not capped.
+// slots and gossips no queue credit. Not where it is the stage's only
+// worker (what is pushed to it waits in its inbox, never given back), nor
+// for a stage admission does not bound (the last).
 func TestCreditGoesNoFurtherThanAdmission(t *testing.T) {
-	ctx, a, _, _ := startRunning(t, "adm-1", nil)
+	ctx, a, cli, _ := startRunning(t, "adm-1", nil)
 	// The worker's loop computes its quota as it looks for work; until
 	// then nothing caps the credit.
 	for a.quota[jobs.Denoise].Load() < 0 {
 		if ctx.Err() != nil {
 			t.Fatal("admission never computed a quota")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if got := a.admissionRoom(jobs.Denoise); got != math.MaxInt {
+		t.Fatalf("the stage's only worker: admission room %d, want no bound", got)
+	}
+	// A second denoise worker joins.
+	cfg := DefaultLocalConfig()
+	cfg.NodeID, cfg.Roles = "adm-2", []jobs.Stage{jobs.Denoise}
+	cfg.HTTPListen, cfg.AdminListen = "", ""
+	b, err := New(cfg, cli)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	if err := b.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for !a.otherWorker(jobs.Denoise) {
+		if ctx.Err() != nil {
+			t.Fatal("the second denoise worker never showed")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// Its quota is a share among two producers now.
+	for n := a.quota[jobs.Denoise].Load(); ; n = a.quota[jobs.Denoise].Load() {
+		if got := a.admissionRoom(jobs.Denoise); got != math.MaxInt && got == int(n) {
+			break
+		}
+		if ctx.Err() != nil {
+			t.Fatalf("admission room %d with a second worker, want the quota %d", a.admissionRoom(jobs.Denoise), n)
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
@@ -29,9 +61,6 @@ func TestCreditGoesNoFurtherThanAdmission(t *testing.T) {
 	_, free := a.slots(jobs.Denoise)
 	if got := a.grantable(jobs.Denoise); free == 0 || got != min(free, quota) {
 		t.Fatalf("idle: %d denoise slots grantable, want %d (free %d, quota %d)", got, min(free, quota), free, quota)
-	}
-	if got := a.admissionRoom(jobs.Denoise); got != quota {
-		t.Fatalf("idle: admission room %d, want the quota %d", got, quota)
 	}
 	// Its outputs' commits fill the share: nothing to grant, no queue
 	// credit, though its slots are free.

@@ -789,11 +789,12 @@ func (s *sim) pickHint(st *stage) int32 {
 // GossipDelay late (routing.SlotBook.Room): the tasks that would start
 // within the hold after its running one, less the claims pushed to it
 // that gossip has caught up with, and no more than admission would let it
-// start after those (headroom; agent.queueCredit). Pushes since then are
+// start after those (headroom, where the stage has another worker;
+// agent.queueCredit). Pushes since then are
 // not seen yet, which is how gossip's queue credit overbooks a worker.
 func (s *sim) roomInGossip(st *stage, w *worker) int {
 	room := s.slotRoom(st, w)
-	if h := s.headroom(st, w); h != math.MaxInt {
+	if h := s.headroom(st, w); h != math.MaxInt && len(st.workers) > 1 {
 		room = min(room, max(0, h-s.seenPushes(w)))
 	}
 	return room
@@ -847,8 +848,11 @@ func (s *sim) grantSlot(st *stage, w int32, fed int32) {
 	if st.i == 0 || wk.busy || len(wk.pushed) > 0 || st.q.queued > 0 {
 		return
 	}
-	if wk.held {
-		return // admission holds it back: its stage takes no work (agent.grantable)
+	if wk.held && len(st.workers) > 1 {
+		// Admission holds it back: no credit beyond its headroom
+		// (agent.grantable). A stage's only worker grants all the same:
+		// what is pushed to it waits in its inbox, not given back.
+		return
 	}
 	p := fed
 	if p < 0 {

@@ -713,7 +713,6 @@ func (s *sim) unhold(st *stage, w int32) {
 	st.workers[last].heldPos = p
 	st.heldBack = st.heldBack[:len(st.heldBack)-1]
 	wk.held, wk.heldPos = false, -1
-	wk.idleSince = s.clk.now // its gossip shows the stage among its roles again, free, from now
 	s.addWaiting(st, w)
 	if wk.grantUntil <= s.clk.now {
 		s.grantSlot(st, w, -1)
@@ -759,7 +758,9 @@ func (s *sim) pickHint(st *stage) int32 {
 		switch {
 		case w.held:
 			// Its gossip leaves the stage out of its roles (agent.takesWork);
-			// the simulator shows that at once.
+			// the simulator shows that at once, and shows it free again at
+			// once when admission lets it go (the agent's gossip lags
+			// both by up to a round).
 		case s.freeInGossip(w):
 			if n == 0 || idx[0] != w.idx {
 				targets[n], idx[n] = routing.Target{Node: st.names[w.idx], Free: 1}, w.idx

@@ -6,7 +6,6 @@ package agent
 // (jobs.Fed), which follows each from before the commit that creates it.
 
 import (
-	"math"
 	"sync"
 
 	"go.uber.org/zap"
@@ -76,7 +75,14 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	if last || a.cfg.Admission.Off {
 		return true, ""
 	}
-	mine, synced := a.admissionCount(st, down)
+	// This agent's tasks of st in flight: running (this claim has no
+	// credit yet), then done with their commit, which creates their
+	// downstream task, on its way (a task is counted committing before its
+	// credit goes back). Counted before the ledger is read: a commit that
+	// ends meanwhile has added its output there (committedOutput) before
+	// it stops counting here.
+	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
+	fed, synced := a.fed[down].Count()
 	credits := 0
 	var producers []string
 	for _, p := range a.member.Peers() {
@@ -96,8 +102,7 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	}
 	adm := a.cfg.Admission
 	quota := adm.Quota(adm.Budget(credits), producers, a.id)
-	a.quota[st].Store(int64(quota))
-	ok = adm.Admit(mine, quota)
+	ok = adm.Admit(fed+inFlight, quota)
 	// An agent that relays every output through the Store (store mode)
 	// parks them there, not in its arena or a consumer's: the Store's room
 	// bounds them (fits checks it per task), so it runs ahead of a slow or
@@ -117,45 +122,4 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	// milliseconds at start) nothing starts, but gossip is not told: a
 	// stage shown held then was still shown held to the first push.
 	return ok && synced, down
-}
-
-// admissionCount is what admission counts against this node's quota for
-// stage st (down the stage after it): its tasks of st in flight, running
-// (a claim being started has no credit yet) and then done with their
-// commit, which creates their downstream task, on its way (a task is
-// counted committing before its credit goes back); and the tasks of down
-// its outputs fed, queued or running, from its ledger (no etcd read).
-// The tasks in flight are counted before the ledger is read: a commit
-// that ends meanwhile has added its output there (committedOutput) before
-// it stops counting as committing. synced is the ledger's.
-func (a *Agent) admissionCount(st, down jobs.Stage) (mine int, synced bool) {
-	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
-	fed, synced := a.fed[down].Count()
-	return inFlight + fed, synced
-}
-
-// admissionRoom is how many more tasks of st admission would let this
-// node start beyond those waiting in its inbox (routing.Admission.Headroom,
-// on the quota admit last computed): the credit it offers producers, its
-// grants and its queue credit, goes no further, since a task pushed beyond
-// it would wait for the next stage, not for a slot, and go back.
-// math.MaxInt where admission does not bound the stage: the last stage,
-// admission off, outputs relayed through the Store (its room bounds them),
-// or before admit has computed a quota; and where this node is the
-// stage's only worker, which keeps what is pushed to it whatever it waits
-// for (routing.QueuePolicy.GiveBack): a task pushed to it ahead waits in
-// its inbox as it would in its dispatcher's ledger, with no hand-on to
-// write when it starts.
-func (a *Agent) admissionRoom(st jobs.Stage) int {
-	down, last := st.Next()
-	quota := a.quota[st].Load()
-	if last || a.cfg.Admission.Off || a.cfg.TransferMode == jobs.StoreRelay || quota < 0 || !a.otherWorker(st) {
-		return math.MaxInt
-	}
-	mine, _ := a.admissionCount(st, down)
-	waiting := 0
-	if q := a.inboxes[st]; q != nil {
-		waiting = q.Waiting(a.member.Lease())
-	}
-	return a.cfg.Admission.Headroom(mine, int(quota)) - waiting
 }

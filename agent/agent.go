@@ -150,10 +150,6 @@ type Agent struct {
 	// credit is back but whose outcome is still being written: admission
 	// counts them as running.
 	committing map[jobs.Stage]*atomic.Int64
-	// quota is, per stage, this node's share of the next stage's budget
-	// as admit last computed it (-1 until then): admissionRoom caps the
-	// credit the node offers producers by it.
-	quota map[jobs.Stage]*atomic.Int64
 	// relayed counts outputs handed on through the Store; heapPulls pulls
 	// that landed on the heap because the arena was full.
 	relayed, heapPulls atomic.Int64
@@ -179,7 +175,7 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 	if cfg, err = cfg.applyStateDir(); err != nil {
 		return nil, err
 	}
-	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, grants: routing.NewGrants(), fed: map[jobs.Stage]*jobs.Fed{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, books: map[jobs.Stage]*routing.SlotBook{}, waiting: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, quota: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
+	a := &Agent{cfg: cfg, cli: cli, credits: map[jobs.Stage]*routing.Credits{}, grants: routing.NewGrants(), fed: map[jobs.Stage]*jobs.Fed{}, inflight: map[string]string{}, blocked: map[jobs.Stage]*atomic.Bool{}, held: map[jobs.Stage]*atomic.Bool{}, books: map[jobs.Stage]*routing.SlotBook{}, waiting: map[jobs.Stage]*atomic.Bool{}, committing: map[jobs.Stage]*atomic.Int64{}, handoffs: map[string]bool{}}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.pullCtx, a.stopPull = context.WithCancel(a.ctx)
 	a.running.init()
@@ -281,8 +277,6 @@ func New(cfg Config, cli *clientv3.Client) (_ *Agent, err error) {
 		a.held[r] = &atomic.Bool{}
 		a.books[r] = routing.NewSlotBook()
 		a.committing[r] = &atomic.Int64{}
-		a.quota[r] = &atomic.Int64{}
-		a.quota[r].Store(-1)
 	}
 	a.alarms = jobs.NewAlarmWatcher(cli, cfg.AlarmEvery, a.log)
 	a.health = jobs.NewHealth(cfg.EtcdHealth, jobs.LeaderProbeKV(etcdguard.Unguarded(cli), cfg.Prefix+"/health"), a.log)

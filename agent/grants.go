@@ -128,8 +128,7 @@ func (a *Agent) grantIdle(st jobs.Stage, fed string) time.Time {
 const grantWaitingTTL = routing.GrantTTL / 4
 
 // queueCredit is how many tasks of st beyond its free slots this node
-// would start soon enough to keep (routing.SlotBook.Room), and admission
-// would let it start (admissionRoom): a dispatcher with work
+// would start soon enough to keep (routing.SlotBook.Room): a dispatcher with work
 // waiting is granted them with the free slots, so that the next task is in
 // this node's inbox when a slot frees, not handed on only then (a 1-slot
 // denoise of 3 ms tasks idled about a millisecond a task for the hand-on).
@@ -138,21 +137,18 @@ func (a *Agent) queueCredit(st jobs.Stage) int {
 	if q == nil {
 		return 0
 	}
-	room := a.books[st].Room(q.Waiting(a.member.Lease()), a.cfg.Queue.HoldFor, time.Now())
-	return max(0, min(room, a.admissionRoom(st)))
+	return a.books[st].Room(q.Waiting(a.member.Lease()), a.cfg.Queue.HoldFor, time.Now())
 }
 
 // grantable is how many slots of st this node may grant now: its free
 // ones (slots leaves out those the claims in its inbox take next), when
-// the stage takes work, as many as admission would let it start
-// (admissionRoom: a slot freed by a task whose output filled this node's
-// share of the next stage is granted to nobody).
+// the stage takes work.
 func (a *Agent) grantable(st jobs.Stage) int {
 	if !a.takingWork(st) {
 		return 0
 	}
 	_, free := a.slots(st)
-	return max(0, min(free, a.admissionRoom(st)))
+	return free
 }
 
 // takingWork reports whether stage st takes work now: not while this

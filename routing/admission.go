@@ -1,9 +1,6 @@
 package routing
 
-import (
-	"math"
-	"math/rand/v2"
-)
+import "math/rand/v2"
 
 // Admission is the backpressure chain: a stage takes new work only while the
 // stage after it can absorb what it will produce, so memory never fills with
@@ -82,19 +79,6 @@ func (a Admission) Quota(budget int, producers []string, self string) int {
 // it) and quota its share (Quota).
 func (a Admission) Admit(mine, quota int) bool {
 	return a.Off || mine < quota
-}
-
-// Headroom is how many more tasks a producer with mine counted may start
-// under quota (Admit says yes that many times), none once it is at its
-// quota; math.MaxInt when admission is off. A worker offers producers no
-// more credit than this, its free slots and queue credit alike: a task
-// pushed beyond it would wait for the next stage, not for a slot, and go
-// back.
-func (a Admission) Headroom(mine, quota int) int {
-	if a.Off {
-		return math.MaxInt
-	}
-	return max(0, quota-mine)
 }
 
 // Target is a possible consumer for a payload.

@@ -2,7 +2,6 @@ package routing
 
 import (
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -158,19 +157,6 @@ func TestAdmit(t *testing.T) {
 	}
 	if a.Admit(q, q) {
 		t.Fatal("admitted at the quota")
-	}
-	// Headroom is how many times Admit says yes from mine on.
-	for mine := 0; mine <= q+1; mine++ {
-		n := 0
-		for m := mine; a.Admit(m, q); m++ {
-			n++
-		}
-		if h := a.Headroom(mine, q); h != n {
-			t.Fatalf("Headroom(%d, %d) = %d, Admit admits %d more", mine, q, h, n)
-		}
-	}
-	if h := (Admission{Off: true}).Headroom(q, q); h != math.MaxInt {
-		t.Fatalf("admission off: headroom %d", h)
 	}
 	// Four producers share the same budget: each stops at its share.
 	producers := []string{"d1", "d2", "d3", "d4"}

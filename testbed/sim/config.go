@@ -1,12 +1,19 @@
 // Package sim is `latentmesh-dev sim`: a discrete-event simulation of the mesh's
 // control plane at cluster sizes the testbed cannot reach (1,000 and 10,000
 // GPUs), against a central-dispatcher baseline. It runs the same routing
-// code as the agent (routing.QueuePolicy.Order, Push and GiveBack,
-// routing.Admission.Admit, routing.PickHint) on modelled etcd latency and
+// code as the agent: the queue order (routing.QueuePolicy.Order), a
+// worker's turn over the claims pushed to it (QueuePolicy.Pick, Returns),
+// admission (routing.Admission.Budget, Admit: for the stage's pool as a
+// whole, where each agent admits on its own share), hints
+// (routing.PickHint) and slot clocks (routing.SlotBook), on modelled etcd
+// latency and
 // capacity, gossip delay and transfer bandwidth, with stage costs from
 // testbed/costmodel, and counts the etcd operations a job costs as
-// agent/worker.go, agent/execute.go, agent/push.go and agent/jobs issue them. MeasureEtcd measures the etcd figures on this machine (embedded
-// etcd), so the model's capacity is not a guess. Only cmd/latentmesh-dev uses it.
+// agent/worker.go, agent/execute.go, agent/push.go and agent/jobs issue
+// them. When each decision is taken (a wake, a grant, a look over the
+// inbox) it models; preemption it leaves out. MeasureEtcd measures the
+// etcd figures on this machine (embedded etcd), so the model's capacity
+// is not a guess. Only cmd/latentmesh-dev uses it.
 package sim
 
 import (

@@ -2,7 +2,6 @@ package sim
 
 import (
 	"fmt"
-	"math"
 	"math/rand/v2"
 	"strconv"
 	"time"
@@ -63,11 +62,8 @@ type Result struct {
 	GiveBacks       uint64  `json:"give_backs"`
 	GiveBacksPerJob float64 `json:"give_backs_per_job"`
 	// GiveBacksByStage splits GiveBacks by stage (encode, denoise,
-	// decode); HeldGiveBacks counts those whose worker admission held
-	// back (its share of the next stage's budget was full), the rest were
-	// busy.
+	// decode).
 	GiveBacksByStage [3]uint64 `json:"give_backs_by_stage"`
-	HeldGiveBacks    uint64    `json:"held_give_backs"`
 
 	EtcdWritesPerJob  float64 `json:"etcd_writes_per_job"`
 	EtcdReadsPerJob   float64 `json:"etcd_reads_per_job"`
@@ -136,16 +132,6 @@ type worker struct {
 	book     *routing.SlotBook
 	slotDone func(end time.Time, learn bool)
 	runClass routing.Class // the class of the task it runs, while busy
-	// Admission (mesh, a stage with one after it; agent.admit): quota is
-	// its share of the next stage's budget (routing.Admission.Quota, over
-	// its stage's workers), against which it counts its task running, its
-	// tasks committing, and fed, the next stage's tasks its commits created
-	// that are not done (its ledger, jobs.Fed). held: idle, admission
-	// holds it back (its stage's heldBack list) until a task it fed is
-	// done.
-	quota, committing, fed int32
-	held                   bool
-	heldPos                int32 // index in its stage's heldBack list, -1 when not there
 	// lookAt is when it looks next over the claims pushed to it
 	// (giveBackCheck), -1 for no look due.
 	lookAt time.Duration
@@ -157,13 +143,12 @@ type stage struct {
 	inBytes int64 // the input pulled from the previous stage
 	workers []*worker
 	names   []string
-	waiting []int32 // mesh: idle workers asleep on a watch that may start a task; central: free GPUs
-	// heldBack: mesh, idle workers admission holds back (worker.held).
-	heldBack []int32
-	ready    []int32 // mesh: waiting workers that hold a pushed claim
-	q        stageQueue
-	wakeAt   time.Duration // mesh: the pending wake, -1 when none
-	free     int           // workers with their credit free
+	waiting []int32 // mesh: idle workers asleep on a watch; central: free GPUs
+	ready   []int32 // mesh: waiting workers that hold a pushed claim
+	q       stageQueue
+	wakeAt  time.Duration // mesh: the pending wake, -1 when none
+	blocked bool          // mesh: waiters watch the next stage (admission refused)
+	free    int           // workers with their credit free
 	// Mesh: workers holding no claim (the views' free slots), pushed claims
 	// not started, and tasks done whose commit is on its way (admission
 	// counts them as running, agent.committing).
@@ -199,7 +184,6 @@ type sim struct {
 	submitted, completed, completedInWindow int
 	conflicts, claimTxns, giveBacks         uint64
 	giveBacksBy                             [3]uint64 // by stage
-	heldGiveBacks                           uint64    // by a worker admission held back
 	pushes                                  uint64    // tasks created with a pushed claim
 	pushedStarts, claimedStarts             [3]uint64 // by stage: tasks started from a pushed claim, and from a claim txn
 	overhead                                time.Duration
@@ -268,16 +252,13 @@ func newSim(cfg Config) (*sim, error) {
 	for i, name := range costmodel.Stages {
 		st := &stage{i: i, compute: m.StageTime(name), inBytes: inBytes[i], wakeAt: -1, free: sizes[i], viewFree: sizes[i]}
 		for w := range sizes[i] {
-			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1, heldPos: -1, lookAt: -1, grantTo: -1, book: routing.NewSlotBook()})
+			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1, lookAt: -1, grantTo: -1, book: routing.NewSlotBook()})
 			st.names = append(st.names, fmt.Sprintf("%s-%d", name, w))
 		}
 		s.st[i] = st
 		if i > 0 {
 			st.granted = make([][]int32, sizes[i-1])
 		}
-	}
-	if cfg.Mode != Central {
-		s.setQuotas()
 	}
 	for _, st := range s.st {
 		for w := range st.workers {
@@ -590,7 +571,7 @@ func (s *sim) giveBackCheck(st *stage, wk *worker) {
 		return
 	}
 	now := s.clk.now
-	if wk.waitPos >= 0 {
+	if wk.waitPos >= 0 && !st.blocked {
 		// Free and admitted: its wake, due within a watch delivery, starts them.
 		s.lookAt(st, wk, now+routing.LookAgain)
 		return
@@ -610,9 +591,6 @@ func (s *sim) giveBackCheck(st *stage, wk *worker) {
 		s.etcd.write(now, 1)
 		s.giveBacks++
 		s.giveBacksBy[st.i]++
-		if wk.held {
-			s.heldGiveBacks++
-		}
 		s.clk.at(now+s.etcd.writeLat(now), event{kind: evRequeued, stage: int8(st.i), task: u})
 	}
 	if !next.IsZero() {
@@ -666,13 +644,19 @@ func (s *sim) requeued(t *task) {
 // by n watches: the task's dispatcher's (jobs.Fed follows the task's one
 // key) and the inboxes of the workers whose claims it writes or deletes
 // (jobs.Inbox follows a node's own claim keys); nobody follows a whole
-// stage. It wakes st's idle workers (a model of their inboxes and grants
-// moving; waking costs etcd nothing).
+// stage. It wakes st's idle workers, and the previous stage's when
+// admission held them back (a model of their inboxes and grants moving;
+// waking costs etcd nothing).
 func (s *sim) stageEvent(st *stage, n int) {
 	now := s.clk.now
 	s.etcd.event(now, n)
 	if len(st.waiting) > 0 {
 		s.requestWake(st, now+s.etcd.watchLat(now))
+	}
+	if st.i > 0 {
+		if up := s.st[st.i-1]; up.blocked && len(up.waiting) > 0 {
+			s.requestWake(up, now+s.etcd.watchLat(now))
+		}
 	}
 }
 
@@ -686,37 +670,10 @@ func (s *sim) requestWake(st *stage, t time.Duration) {
 	s.clk.at(t, event{kind: evWake, stage: int8(st.i)})
 }
 
-// addWaiting is worker w idle: asleep on its views, waiting (it may
-// start a task), or held back by admission (agent.admit: its share of the
-// next stage's budget is full), until a task it fed is done (fedDone).
 func (s *sim) addWaiting(st *stage, w int32) {
-	wk := st.workers[w]
-	if s.headroom(st, wk) <= 0 {
-		wk.held = true
-		wk.heldPos = int32(len(st.heldBack))
-		st.heldBack = append(st.heldBack, w)
-		return
-	}
-	wk.waitPos = int32(len(st.waiting))
+	st.workers[w].waitPos = int32(len(st.waiting))
 	st.waiting = append(st.waiting, w)
-	s.updateReady(st, wk)
-}
-
-// unhold is held-back worker w let go by admission: it waits to start a
-// task, and, with nothing pushed to it, grants its slot (agent.grantIdle,
-// from its worker's loop).
-func (s *sim) unhold(st *stage, w int32) {
-	wk := st.workers[w]
-	p := wk.heldPos
-	last := st.heldBack[len(st.heldBack)-1]
-	st.heldBack[p] = last
-	st.workers[last].heldPos = p
-	st.heldBack = st.heldBack[:len(st.heldBack)-1]
-	wk.held, wk.heldPos = false, -1
-	s.addWaiting(st, w)
-	if wk.grantUntil <= s.clk.now {
-		s.grantSlot(st, w, -1)
-	}
+	s.updateReady(st, st.workers[w])
 }
 
 func (s *sim) removeWaiting(st *stage, w int32) {
@@ -756,11 +713,6 @@ func (s *sim) pickHint(st *stage) int32 {
 	for try := 0; try < 64 && n < len(targets); try++ {
 		w := st.workers[s.rng.IntN(len(st.workers))]
 		switch {
-		case w.held:
-			// Its gossip leaves the stage out of its roles (agent.takesWork);
-			// the simulator shows that at once, and shows it free again at
-			// once when admission lets it go (the agent's gossip lags
-			// both by up to a round).
 		case s.freeInGossip(w):
 			if n == 0 || idx[0] != w.idx {
 				targets[n], idx[n] = routing.Target{Node: st.names[w.idx], Free: 1}, w.idx
@@ -789,33 +741,16 @@ func (s *sim) pickHint(st *stage) int32 {
 // roomInGossip is busy worker w's queue credit as gossip shows it, a
 // GossipDelay late (routing.SlotBook.Room): the tasks that would start
 // within the hold after its running one, less the claims pushed to it
-// that gossip has caught up with, and no more than admission would let it
-// start after those (headroom, where the stage has another worker;
-// agent.queueCredit). Pushes since then are
-// not seen yet, which is how gossip's queue credit overbooks a worker.
+// that gossip has caught up with. Pushes since then are not seen yet,
+// which is how gossip's queue credit overbooks a worker.
 func (s *sim) roomInGossip(st *stage, w *worker) int {
-	room := s.slotRoom(st, w)
-	if h := s.headroom(st, w); h != math.MaxInt && len(st.workers) > 1 {
-		room = min(room, max(0, h-s.seenPushes(w)))
-	}
-	return room
-}
-
-// seenPushes counts the claims pushed to w that gossip has caught up with.
-func (s *sim) seenPushes(w *worker) int {
+	now := s.clk.now
 	seen := 0
 	for _, t := range w.pushed {
-		if t.pushedAt <= s.clk.now-s.cfg.GossipDelay {
+		if t.pushedAt <= now-s.cfg.GossipDelay {
 			seen++
 		}
 	}
-	return seen
-}
-
-// slotRoom is w's queue credit by its slot clock alone (roomInGossip).
-func (s *sim) slotRoom(st *stage, w *worker) int {
-	now := s.clk.now
-	seen := s.seenPushes(w)
 	if w.busy {
 		return w.book.Room(seen, s.cfg.Queue.HoldFor, s.epoch.Add(now))
 	}
@@ -847,12 +782,6 @@ func (s *sim) pushTarget(st *stage, p int32) int32 {
 func (s *sim) grantSlot(st *stage, w int32, fed int32) {
 	wk := st.workers[w]
 	if st.i == 0 || wk.busy || len(wk.pushed) > 0 || st.q.queued > 0 {
-		return
-	}
-	if wk.held && len(st.workers) > 1 {
-		// Admission holds it back: no credit beyond its headroom
-		// (agent.grantable). A stage's only worker grants all the same:
-		// what is pushed to it waits in its inbox, not given back.
 		return
 	}
 	p := fed
@@ -915,8 +844,28 @@ func (s *sim) wake(st *stage) {
 	now := s.clk.now
 	w := len(st.waiting)
 	if w == 0 {
-		return // none idle, or admission holds every idle one back
+		return
 	}
+	if st.i < 2 {
+		down := s.st[st.i+1]
+		// routing's per-producer quotas add up to the downstream budget
+		// (its credits plus slack), or to one per producer where there are
+		// more producers; the pool as a whole admits while its backlog
+		// (running or committing here, waiting downstream: queued, or
+		// pushed and not started) is under their sum.
+		budget := s.cfg.Admission.Budget(len(down.workers))
+		sum := 0
+		if budget > 0 {
+			sum = max(budget, len(st.workers))
+		}
+		if !s.cfg.Admission.Admit(down.q.queued+down.pushWaiting+len(st.workers)-st.free+st.committing, sum) {
+			// Wait for the next stage's view to move, at most a second.
+			st.blocked = true
+			s.requestWake(st, now+time.Second)
+			return
+		}
+	}
+	st.blocked = false
 	// w workers claim at most w tasks, Order's first w choices: among the
 	// oldest w of each class.
 	s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, w), s.epoch, st.names, s.cands, s.tasks)
@@ -985,34 +934,6 @@ func (s *sim) wake(st *stage) {
 			}
 		}
 	}
-}
-
-// setQuotas gives each worker of a stage with one after it its share of
-// the next stage's budget (agent.admit: routing.Admission.Budget over the
-// next stage's credits, one a worker, then Quota among the stage's
-// workers; the membership does not change during a run).
-func (s *sim) setQuotas() {
-	for _, st := range s.st[:2] {
-		budget := s.cfg.Admission.Budget(len(s.st[st.i+1].workers))
-		for _, wk := range st.workers {
-			wk.quota = int32(s.cfg.Admission.Quota(budget, st.names, st.names[wk.idx]))
-		}
-	}
-}
-
-// headroom is how many more tasks admission lets worker wk of st start
-// (routing.Admission.Headroom on its own count: its running task, its
-// commits on their way and the next stage's tasks they created;
-// agent.admissionRoom).
-func (s *sim) headroom(st *stage, wk *worker) int {
-	if st.i >= 2 || s.cfg.Mode == Central {
-		return math.MaxInt
-	}
-	mine := int(wk.committing + wk.fed)
-	if wk.busy {
-		mine++
-	}
-	return s.cfg.Admission.Headroom(mine, int(wk.quota))
 }
 
 // takeOwn is waiting worker h's choice: one of the claims pushed to it
@@ -1206,7 +1127,6 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	s.release(wk)
 	s.setFree(st, +1)
 	st.committing++
-	wk.committing++
 	s.addWaiting(st, w)
 	s.requestWake(st, now)
 	s.grantSlot(st, w, t.producer)
@@ -1255,17 +1175,12 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		}
 		s.hold(st, st.workers[w], -1)
 		st.committing--
-		st.workers[w].committing--
-		s.fedDone(st, t)
 	}
 	t.gone = true
 	if st.i < 2 {
 		next := t.next // offered as the commit went
 		if next == nil {
 			next = s.nextTask(t, w)
-		}
-		if !s.central() {
-			st.workers[w].fed++ // in its ledger from the commit (agent.committedOutput)
 		}
 		s.enqueue(next)
 	} else {
@@ -1279,22 +1194,6 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		s.requestDispatch()
 	}
 	// Mesh: the worker took up its next task at done.
-}
-
-// fedDone is mesh task t of st done (its key deleted by its commit): its
-// producer's ledger sees it go, and the producer, held back by admission,
-// looks again at once.
-func (s *sim) fedDone(st *stage, t *task) {
-	if st.i == 0 || t.producer < 0 {
-		return // a submit's task: no producer counts it
-	}
-	up := s.st[st.i-1]
-	pw := up.workers[t.producer]
-	pw.fed--
-	if pw.held && s.headroom(up, pw) > 0 {
-		s.unhold(up, t.producer)
-		s.requestWake(up, s.clk.now+s.etcd.watchLat(s.clk.now))
-	}
 }
 
 // nextTask is the next stage's task that t's commit creates (t ran on w),
@@ -1388,8 +1287,8 @@ func (s *sim) result(wall time.Duration) Result {
 		Submitted: s.submitted, Completed: s.completed, Unfinished: s.submitted - s.completed,
 		JobsPerSec: float64(s.completedInWindow) / cfg.Duration.Seconds(),
 		ClaimTxns:  s.claimTxns, Conflicts: s.conflicts, GiveBacks: s.giveBacks,
-		GiveBacksByStage: s.giveBacksBy, HeldGiveBacks: s.heldGiveBacks,
-		SimSeconds: s.clk.now.Seconds(), Events: s.clk.count, WallSeconds: wall.Seconds(),
+		GiveBacksByStage: s.giveBacksBy,
+		SimSeconds:       s.clk.now.Seconds(), Events: s.clk.count, WallSeconds: wall.Seconds(),
 		Utilisation: s.busy.Seconds() / (float64(cfg.GPUs) * cfg.Duration.Seconds()),
 		QueueP50Ms:  ms(s.queueing.quantile(0.50)),
 		QueueP99Ms:  ms(s.queueing.quantile(0.99)),

@@ -45,9 +45,6 @@ func TestInvariants(t *testing.T) {
 					if wk.slotDone != nil {
 						t.Fatalf("stage %d: worker %d still holds a slot in its slot clock", st.i, wk.idx)
 					}
-					if wk.fed != 0 || wk.committing != 0 || wk.held {
-						t.Fatalf("stage %d: worker %d's admission still counts %d fed and %d committing (held %v)", st.i, wk.idx, wk.fed, wk.committing, wk.held)
-					}
 				}
 				if m != Central && (st.viewFree != len(st.workers) || st.pushWaiting != 0 || st.committing != 0 || len(st.ready) != 0) {
 					t.Fatalf("stage %d: claims left: %d of %d workers hold none, %d pushed waiting, %d committing, %d ready", st.i, st.viewFree, len(st.workers), st.pushWaiting, st.committing, len(st.ready))
@@ -232,25 +229,19 @@ func TestPushedClaims(t *testing.T) {
 
 // A slot is granted to one producer at a time, and producers push against
 // their grants before gossip's free slots, which every producer sees
-// alike: at 3,000 GPUs (10 encoders feeding 2,985 denoisers) a denoise
-// push hardly ever meets a worker another producer filled. Before, with a
+// alike: at 3,000 GPUs (10 encoders feeding 2,985 denoisers) a push
+// hardly ever meets a worker another producer filled. Before, with a
 // freed slot granted to two producers and gossip's free slots used beside
 // the grants, a third of the denoise pushes did: 0.48 give-backs a job.
-// The encoders' give-backs are admission's: an encoder whose share of the
-// denoise budget is full gives back what was pushed to it.
 func TestGrantedPushesMeetFreeSlots(t *testing.T) {
 	cfg := DefaultConfig()
 	cfg.GPUs, cfg.Duration = 3000, time.Minute
 	s, r := runSim(t, cfg)
 	n := float64(r.Completed)
-	byStage := func(i int) float64 { return float64(r.GiveBacksByStage[i]) / n }
-	t.Logf("%d jobs on %+v: give-backs a job %.3f (encode %.3f, denoise %.3f, decode %.3f; %.3f by workers admission held), %.3f claim txns a job, %.2f of tasks pushed",
-		r.Completed, s.plan.Pools, r.GiveBacksPerJob, byStage(0), byStage(1), byStage(2), float64(r.HeldGiveBacks)/n, r.ClaimTxnsPerJob, r.PushedShare)
-	if byStage(1) > 0.01 || r.PushedShare < 0.95 {
-		t.Fatalf("%.3f denoise give-backs a job, %.2f of tasks pushed; want at most 0.01 and at least 0.95", byStage(1), r.PushedShare)
-	}
-	if busy := r.GiveBacks - r.HeldGiveBacks; float64(busy)/n > 0.05 {
-		t.Fatalf("%.3f give-backs a job by busy workers, want at most 0.05", float64(busy)/n)
+	t.Logf("%d jobs on %+v: %.3f give-backs a job (encode %.3f, denoise %.3f, decode %.3f), %.3f claim txns a job, %.2f of tasks pushed",
+		r.Completed, s.plan.Pools, r.GiveBacksPerJob, float64(r.GiveBacksByStage[0])/n, float64(r.GiveBacksByStage[1])/n, float64(r.GiveBacksByStage[2])/n, r.ClaimTxnsPerJob, r.PushedShare)
+	if r.GiveBacksPerJob > 0.05 || r.ClaimTxnsPerJob > 0.05 || r.PushedShare < 0.98 {
+		t.Fatalf("%.3f give-backs and %.3f claim txns a job, %.2f of tasks pushed; want at most 0.05, 0.05 and at least 0.98", r.GiveBacksPerJob, r.ClaimTxnsPerJob, r.PushedShare)
 	}
 }
 

@@ -79,7 +79,7 @@ type Return struct {
 // could give way with (Stranded).
 func (p QueuePolicy) Returns(pushed []Pushed, now time.Time, others, canPreempt bool, book *SlotBook) (back []Return, next time.Time) {
 	byPush := func(x, y Pushed) int { return x.At.Compare(y.At) }
-	var order []int // nil: pushed is in push order already
+	var order []int // nil: pushed is in push order already (the simulator's)
 	if !slices.IsSortedFunc(pushed, byPush) {
 		order = make([]int, len(pushed))
 		for i := range order {
@@ -87,7 +87,6 @@ func (p QueuePolicy) Returns(pushed []Pushed, now time.Time, others, canPreempt 
 		}
 		slices.SortStableFunc(order, func(x, y int) int { return byPush(pushed[x], pushed[y]) })
 	}
-	var startIn func(k int) time.Duration // the book read once, when first asked
 	for k := range pushed {
 		i := k
 		if order != nil {
@@ -107,10 +106,7 @@ func (p QueuePolicy) Returns(pushed []Pushed, now time.Time, others, canPreempt 
 			next = earliest(next, due) // within the grace: nothing to ask yet
 			continue
 		}
-		if startIn == nil {
-			startIn = book.starts(now)
-		}
-		if p.GiveBack(h.At, now, others, startIn(k)) {
+		if p.GiveBack(h.At, now, others, book.StartIn(k, now)) {
 			back = append(back, Return{Index: i})
 			continue
 		}

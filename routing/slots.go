@@ -105,15 +105,6 @@ func (b *SlotBook) StartIn(k int, now time.Time) time.Duration {
 	return startIn(b.dueLocked(now), k, b.mean)
 }
 
-// starts returns StartIn for every k, from one look at the book at now:
-// for a walk over many waiting tasks (QueuePolicy.Returns).
-func (b *SlotBook) starts(now time.Time) func(k int) time.Duration {
-	b.mu.Lock()
-	due, mean := b.dueLocked(now), b.mean
-	b.mu.Unlock()
-	return func(k int) time.Duration { return startIn(due, k, mean) }
-}
-
 // MaxRoom bounds the queue credit a stage offers beyond its free slots:
 // tasks that start within the hold (room).
 const MaxRoom = 8

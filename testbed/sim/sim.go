@@ -255,14 +255,12 @@ func newSim(cfg Config) (*sim, error) {
 			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1, lookAt: -1, grantTo: -1, book: routing.NewSlotBook()})
 			st.names = append(st.names, fmt.Sprintf("%s-%d", name, w))
 		}
+		for w := range st.workers {
+			s.addWaiting(st, int32(w))
+		}
 		s.st[i] = st
 		if i > 0 {
 			st.granted = make([][]int32, sizes[i-1])
-		}
-	}
-	for _, st := range s.st {
-		for w := range st.workers {
-			s.addWaiting(st, int32(w))
 		}
 	}
 	if cfg.Mode == Mesh {
@@ -986,22 +984,7 @@ func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time
 
 // pushID names the k-th claim pushed to a worker among its candidates
 // (indexID names the scanned tasks).
-func pushID(k int) string {
-	if k < len(pushIDs) {
-		return pushIDs[k]
-	}
-	return "p" + strconv.Itoa(k)
-}
-
-// pushIDs are the first pushIDs, made once: a worker's look over its
-// pushed claims names each.
-var pushIDs = func() []string {
-	ids := make([]string, 64)
-	for k := range ids {
-		ids[k] = "p" + strconv.Itoa(k)
-	}
-	return ids
-}()
+func pushID(k int) string { return "p" + strconv.Itoa(k) }
 
 // claim is a dispatcher's hand-on of unclaimed task t to worker w (mesh:
 // its claim txn sent at sent, landing at lands; with offers the worker

@@ -146,25 +146,6 @@ func startAgentWith(t *testing.T, node string, edit func(*Config)) (*Agent, *cli
 	return a, cli, cfg
 }
 
-// startRunning is startAgentWith, started, once it holds its lease; ctx
-// bounds the test and ends with it.
-func startRunning(t *testing.T, node string, edit func(*Config)) (context.Context, *Agent, *clientv3.Client, Config) {
-	t.Helper()
-	a, cli, cfg := startAgentWith(t, node, edit)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	t.Cleanup(cancel)
-	if err := a.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	for a.member.Lease() == 0 {
-		if ctx.Err() != nil {
-			t.Fatal("no lease")
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return ctx, a, cli, cfg
-}
-
 // resyncHeld releases held payloads that have neither a record nor a running
 // producer task (their release events were compacted away) and keeps the rest.
 func TestResyncHeldReleasesOnlyOrphans(t *testing.T) {

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"sync"
 	"testing"
 	"time"
@@ -18,7 +19,18 @@ import (
 func TestWithdrawnOfferRecordsNothing(t *testing.T) {
 	// The conditioning cache off: its entries are content-addressed, valid
 	// whoever encodes them, and a tentative encode may well leave one.
-	ctx, a, cli, cfg := startRunning(t, "offer-1", func(c *Config) { c.Jobs.OfferTTL = 300 * time.Millisecond; c.CondCacheBytes = 0 })
+	a, cli, cfg := startAgentWith(t, "offer-1", func(c *Config) { c.Jobs.OfferTTL = 300 * time.Millisecond; c.CondCacheBytes = 0 })
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := a.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	for a.member.Lease() == 0 {
+		if ctx.Err() != nil {
+			t.Fatal("no lease")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 	// A submit pushed to this agent whose transaction fails: its job id
 	// is taken. The offer went all the same.
 	var mu sync.Mutex

@@ -230,8 +230,23 @@ func (p QueuePolicy) Order(cands []Candidate, self string, now time.Time) (order
 // zero: never), so the caller sleeps until then rather than polls. FIFO
 // never preempts.
 func (p QueuePolicy) Preempt(queued, running []Candidate, self string, now time.Time) (victim string, wake time.Time) {
+	matched, wake := p.Victims(queued, running, now)
+	for _, v := range matched {
+		if v.Node == self {
+			return v.ID, time.Time{}
+		}
+	}
+	return "", wake
+}
+
+// Victims is Preempt for the whole stage: the running tasks that give way
+// for the due tasks in queued, the k-th for the k-th due task that still
+// needs a slot, as every worker ranks them (a central dispatcher, which
+// sees every worker, stops them itself; a mesh worker stops its own,
+// Preempt), and wake as Preempt's.
+func (p QueuePolicy) Victims(queued, running []Candidate, now time.Time) (matched []Candidate, wake time.Time) {
 	if p.Scheduler == FIFO || p.PreemptAfter <= 0 {
-		return "", time.Time{}
+		return nil, time.Time{}
 	}
 	later := func(t time.Time) {
 		if t.After(now) && (wake.IsZero() || t.Before(wake)) {
@@ -255,7 +270,7 @@ func (p QueuePolicy) Preempt(queued, running []Candidate, self string, now time.
 		due = append(due, q)
 	}
 	if len(due) <= freed {
-		return "", wake
+		return nil, wake
 	}
 	// Every worker must rank alike: no worker's own hints count here.
 	before := func(a, b Candidate) bool { return p.before(a, b, "", now) }
@@ -290,9 +305,7 @@ func (p QueuePolicy) Preempt(queued, running []Candidate, self string, now time.
 		if !before(due[k], victims[k]) {
 			break // served after this victim, so after every later one too
 		}
-		if victims[k].Node == self {
-			return victims[k].ID, time.Time{}
-		}
+		matched = append(matched, victims[k])
 	}
-	return "", wake
+	return matched, wake
 }

@@ -404,6 +404,7 @@ func TestPreempt(t *testing.T) {
 // each worker decides alone, from the same view, and exactly one gives
 // way; two due tasks cost two. A slot freed for a due task counts as its
 // own until the grace ends, so nobody gives way again for it meanwhile.
+// Victims, the choice for the whole stage, names the same tasks.
 func TestPreemptOneVictimPerDueTask(t *testing.T) {
 	now := time.Unix(1000, 0)
 	p := DefaultQueuePolicy()
@@ -417,6 +418,16 @@ func TestPreemptOneVictimPerDueTask(t *testing.T) {
 			if v, _ := p.Preempt(queued, running, fmt.Sprintf("w%02d", i), now); v != "" {
 				out = append(out, v)
 			}
+		}
+		// A central dispatcher's choice over the whole stage is what the
+		// workers choose each for itself.
+		matched, _ := p.Victims(queued, running, now)
+		var all []string
+		for _, v := range matched {
+			all = append(all, v.ID)
+		}
+		if !equal(all, out) {
+			t.Fatalf("Victims %v, the workers' own choices %v", all, out)
 		}
 		return out
 	}

@@ -3,17 +3,17 @@
 // GPUs), against a central-dispatcher baseline. It runs the same routing
 // code as the agent: the queue order (routing.QueuePolicy.Order), a
 // worker's turn over the claims pushed to it (QueuePolicy.Pick, Returns),
-// admission (routing.Admission.Budget, Admit: for the stage's pool as a
-// whole, where each agent admits on its own share), hints
-// (routing.PickHint) and slot clocks (routing.SlotBook), on modelled etcd
-// latency and
-// capacity, gossip delay and transfer bandwidth, with stage costs from
-// testbed/costmodel, and counts the etcd operations a job costs as
-// agent/worker.go, agent/execute.go, agent/push.go and agent/jobs issue
-// them. When each decision is taken (a wake, a grant, a look over the
-// inbox) it models; preemption it leaves out. MeasureEtcd measures the
-// etcd figures on this machine (embedded etcd), so the model's capacity
-// is not a guess. Only cmd/latentmesh-dev uses it.
+// preemption (QueuePolicy.Preempt on a mesh worker, Victims for the
+// central dispatcher), admission (routing.Admission.Budget, Admit: for the
+// stage's pool as a whole, where each agent admits on its own share),
+// hints (routing.PickHint) and slot clocks (routing.SlotBook), on modelled
+// etcd latency and capacity, gossip delay and transfer bandwidth, with
+// stage costs from testbed/costmodel, and counts the etcd operations a job
+// costs as agent/worker.go, agent/execute.go, agent/push.go and agent/jobs
+// issue them. When each decision is taken (a wake, a grant, a look over
+// the inbox) it models. MeasureEtcd measures the etcd figures on this
+// machine (embedded etcd), so the model's capacity is not a guess. Only
+// cmd/latentmesh-dev uses it.
 package sim
 
 import (

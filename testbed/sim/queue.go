@@ -53,6 +53,34 @@ type task struct {
 	// submit): the producer its worker grants its slot to when the task
 	// ends (affinity, agent.grantFreed).
 	producer int32
+	// inFIFO: it is in its stage queue's FIFO (stageQueue), claimed or
+	// not.
+	inFIFO bool
+
+	// Preemption (denoise). run counts its starts, so that the end of a
+	// run that was stopped is told from the end of a later one; runStart
+	// and runEnd bound its compute in the current run; left is the
+	// compute still to do when it starts again (0: the stage's whole),
+	// resumed from the checkpoint it stopped at. preemptedAt is when it
+	// was last stopped (preempted: ever), which routing counts
+	// (Candidate.Preempted). handedOn: its claim was a dispatcher's
+	// hand-on to a worker that gives way, not its creator's push.
+	run              uint32
+	runStart, runEnd time.Duration
+	left             time.Duration
+	preempted        bool
+	preemptedAt      time.Duration
+	handedOn         bool
+}
+
+// candidate is t as routing sees it (scan names the tasks it lists by
+// index, inboxOf the claims by place).
+func (t *task) candidate(id, hint string, epoch time.Time) routing.Candidate {
+	c := routing.Candidate{ID: id, Class: t.job.class, Enqueued: epoch.Add(t.enq), Hint: hint}
+	if t.preempted {
+		c.Preempted = epoch.Add(t.preemptedAt)
+	}
+	return c
 }
 
 // stageQueue is a stage's task keys in etcd's key order: class, then
@@ -72,12 +100,23 @@ type stageQueue struct {
 func (q *stageQueue) push(t *task) {
 	c := t.job.class
 	q.byClass[c] = append(q.byClass[c], t)
+	t.inFIFO = true
 	q.queued++
 }
 
-// insert puts back a task given back to the queue: its key, and so its
-// place in key order (its enqueue time), is kept. It is at least a steal
-// grace old, so it goes near the tail of a long queue.
+// requeue puts back a task given back to the queue (a pushed claim
+// returned, a preempted task): its key, and so its place in key order (its
+// enqueue time), is kept. One claimed from the queue may still be there,
+// behind the head, where it is offered again; else it is inserted (it is
+// at least a steal grace old, so near the tail of a long queue).
+func (q *stageQueue) requeue(t *task) {
+	if !t.inFIFO {
+		q.insert(t)
+		return
+	}
+	q.queued++
+}
+
 func (q *stageQueue) insert(t *task) {
 	c := t.job.class
 	s, h := q.byClass[c], q.head[c]
@@ -86,6 +125,7 @@ func (q *stageQueue) insert(t *task) {
 	copy(s[i+1:], s[i:])
 	s[i] = t
 	q.byClass[c] = s
+	t.inFIFO = true
 	q.queued++
 }
 
@@ -93,6 +133,7 @@ func (q *stageQueue) insert(t *task) {
 func (q *stageQueue) compact(c int) {
 	s, h := q.byClass[c], q.head[c]
 	for h < len(s) && (s[h].gone || s[h].claimed) {
+		s[h].inFIFO = false
 		s[h] = nil
 		h++
 	}
@@ -117,7 +158,7 @@ func (q *stageQueue) scan(perClass int, epoch time.Time, names []string, cands [
 		if t.hint >= 0 {
 			hint = names[t.hint]
 		}
-		cands = append(cands, routing.Candidate{ID: indexID(len(tasks)), Class: t.job.class, Enqueued: epoch.Add(t.enq), Hint: hint})
+		cands = append(cands, t.candidate(indexID(len(tasks)), hint, epoch))
 		tasks = append(tasks, t)
 	}
 	for c := range q.byClass {

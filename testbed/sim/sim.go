@@ -64,6 +64,11 @@ type Result struct {
 	// GiveBacksByStage splits GiveBacks by stage (encode, denoise,
 	// decode).
 	GiveBacksByStage [3]uint64 `json:"give_backs_by_stage"`
+	// Preemptions counts the batch denoise tasks stopped for interactive
+	// work (routing.QueuePolicy.Preempt, Victims), each resumed later
+	// from the checkpoint it stopped at.
+	Preemptions       uint64  `json:"preemptions"`
+	PreemptionsPerJob float64 `json:"preemptions_per_job"`
 
 	EtcdWritesPerJob  float64 `json:"etcd_writes_per_job"`
 	EtcdReadsPerJob   float64 `json:"etcd_reads_per_job"`
@@ -89,6 +94,10 @@ type Result struct {
 	Utilisation float64 `json:"gpu_utilisation"` // compute time / GPU time while jobs arrived
 	QueueP50Ms  float64 `json:"queue_p50_ms"`    // per job, summed over stages
 	QueueP99Ms  float64 `json:"queue_p99_ms"`
+	// By class (interactive, standard, batch): the priority order serves
+	// the classes unalike, and preemption serves interactive work.
+	QueueP50ByClassMs [3]float64 `json:"queue_p50_by_class_ms"`
+	QueueP99ByClassMs [3]float64 `json:"queue_p99_by_class_ms"`
 
 	SimSeconds  float64 `json:"sim_s"` // simulated time including the drain
 	Events      uint64  `json:"events"`
@@ -132,6 +141,10 @@ type worker struct {
 	book     *routing.SlotBook
 	slotDone func(end time.Time, learn bool)
 	runClass routing.Class // the class of the task it runs, while busy
+	// running is the task it computes (nil: none); stopping, that it has
+	// been told to give way and stops at its step's end.
+	running  *task
+	stopping bool
 	// lookAt is when it looks next over the claims pushed to it
 	// (giveBackCheck), -1 for no look due.
 	lookAt time.Duration
@@ -174,6 +187,7 @@ type sim struct {
 	cands  []routing.Candidate
 	small  []routing.Candidate
 	inbox  []routing.Pushed
+	due    []routing.Candidate // preemptCheck's
 	back   []*task
 	tasks  []*task
 	taken  []bool
@@ -183,12 +197,16 @@ type sim struct {
 
 	submitted, completed, completedInWindow int
 	conflicts, claimTxns, giveBacks         uint64
+	preemptions                             uint64
+	handOns, handOnStarts                   uint64    // of due interactive work to a worker that gives way, and its starts from them
+	stoppedClaimed                          uint64    // preempted runs whose commit would have read the job record
 	giveBacksBy                             [3]uint64 // by stage
 	pushes                                  uint64    // tasks created with a pushed claim
 	pushedStarts, claimedStarts             [3]uint64 // by stage: tasks started from a pushed claim, and from a claim txn
 	overhead                                time.Duration
 	overheads                               histogram // per job
 	queueing                                histogram
+	queueingBy                              [3]histogram  // by class
 	busy                                    time.Duration // compute inside [0, Duration]
 
 	snap          etcdModel // the counters when arrivals stop
@@ -350,7 +368,9 @@ func (s *sim) handle(e event) {
 	case evClaimed:
 		s.start(s.st[e.stage], e.worker, e.task)
 	case evDone:
-		s.done(s.st[e.stage], e.worker, e.task)
+		if e.run == e.task.run { // else the run was stopped (preempted)
+			s.done(s.st[e.stage], e.worker, e.task)
+		}
 	case evCommitted:
 		s.committed(s.st[e.stage], e.worker, e.task)
 	case evDispatch:
@@ -362,6 +382,14 @@ func (s *sim) handle(e event) {
 		}
 	case evOffered:
 		s.offerLanded(e.task)
+	case evPreemptDue:
+		s.preemptDue(e.task)
+	case evHandedOn:
+		s.handedOn(e.task)
+	case evStopped:
+		if e.run == e.task.run {
+			s.stopped(s.st[e.stage], e.worker, e.task)
+		}
 	case evRequeued:
 		s.requeued(e.task)
 	case evGrantEnds:
@@ -462,6 +490,7 @@ func (s *sim) enqueue(t *task) {
 	if s.central() {
 		t.enq = now
 		st.q.push(t)
+		s.watchDue(t)
 		s.requestDispatch()
 		return
 	}
@@ -474,6 +503,7 @@ func (s *sim) enqueue(t *task) {
 	default:
 		t.enq = now
 		st.q.push(t)
+		s.watchDue(t)
 	}
 	// The task key reaches its dispatcher's ledger (jobs.Fed watches the
 	// prefix of the tasks its node creates, made once at start: no watch
@@ -556,14 +586,15 @@ func (s *sim) unpush(st *stage, w *worker, t *task) {
 	s.updateReady(st, w)
 }
 
-// giveBackCheck is worker wk looking whether to give the claims pushed to
-// it back (agent.returnPushes), at the first one's steal grace and then
-// as routing.QueuePolicy.Returns says: a worker with a slot free and
-// admitted would have started them, so it is busy, or admission holds it
-// back. What it gives back goes to the task's dispatcher. The simulator
-// models no preemption: an interactive claim stranded on a worker that
-// runs other work goes back to the queue, and the next free worker takes
-// it.
+// giveBackCheck is worker wk looking over the claims pushed to it that it
+// has not started, at the first one's steal grace and then as routing says:
+// a worker with a slot free and admitted would have started them, so it is
+// busy, or admission holds it back. Running batch work, it gives way for
+// interactive work due for preemption (preemptCheck, agent.preemptLoop);
+// else it gives back what routing.QueuePolicy.Returns says
+// (agent.returnPushes) to the task's dispatcher: an interactive claim
+// stranded on a worker that runs other work too, which its dispatcher
+// then hands to a worker that gives way (preemptDue).
 func (s *sim) giveBackCheck(st *stage, wk *worker) {
 	if len(wk.pushed) == 0 {
 		return
@@ -573,6 +604,9 @@ func (s *sim) giveBackCheck(st *stage, wk *worker) {
 		// Free and admitted: its wake, due within a watch delivery, starts them.
 		s.lookAt(st, wk, now+routing.LookAgain)
 		return
+	}
+	if s.preemptCheck(st, wk) {
+		return // its slot frees at its step's end, and it starts one of them
 	}
 	s.inbox = s.inboxOf(st, wk, s.inbox[:0])
 	canPreempt := wk.busy && wk.runClass == routing.Batch
@@ -619,7 +653,7 @@ func (s *sim) inboxOf(st *stage, wk *worker, dst []routing.Pushed) []routing.Pus
 	now := s.clk.now
 	for k, t := range wk.pushed {
 		dst = append(dst, routing.Pushed{
-			Candidate: routing.Candidate{ID: pushID(k), Class: t.job.class, Enqueued: s.epoch.Add(t.enq), Hint: st.names[wk.idx]},
+			Candidate: t.candidate(pushID(k), st.names[wk.idx], s.epoch),
 			At:        s.epoch.Add(t.pushedAt),
 			Offered:   t.confirmAt > now,
 		})
@@ -633,8 +667,9 @@ func (s *sim) inboxOf(st *stage, wk *worker, dst []routing.Pushed) []routing.Pus
 func (s *sim) requeued(t *task) {
 	st := s.st[t.stage]
 	s.hold(st, st.workers[t.pushTo], -1)
-	t.claimed, t.pushTo = false, -1
-	st.q.insert(t)
+	t.claimed, t.pushTo, t.handedOn = false, -1, false
+	st.q.requeue(t)
+	s.watchDue(t)
 	s.stageEvent(st, 1) // the dispatcher's ledger (the claim's deletion: the inbox takes puts only)
 }
 
@@ -1023,7 +1058,7 @@ func (s *sim) release(wk *worker) {
 func (s *sim) start(st *stage, w int32, t *task) {
 	now := s.clk.now
 	wk := st.workers[w]
-	wk.runClass = t.job.class
+	wk.runClass, wk.running = t.job.class, t
 	ready := max(t.avail, wk.freeAt)
 	t.job.queueing += now - t.avail
 	t.job.overhead += now - ready
@@ -1031,12 +1066,23 @@ func (s *sim) start(st *stage, w int32, t *task) {
 	if !s.central() {
 		// A running task learns of a cancel from its view
 		// (jobs.Queue.TaskGone): no watch of its own.
-		if t.fromPush {
+		switch {
+		case t.fromPush && t.handedOn:
+			// Handed on by its dispatcher to a worker that gives way
+			// (preemptDue): its claim is in the inbox, and the producer
+			// checks it before it issues the ticket (one read).
+			s.pushedStarts[st.i]++
+			s.handOnStarts++
+			if st.inBytes > 0 {
+				s.etcd.read(now, 1)
+				setup += s.etcd.readLat(now)
+			}
+		case t.fromPush:
 			// Claimed by its creator, with the ticket for its input issued
 			// to this worker (transfer.Service.Issue): no transaction, no
 			// ticket request.
 			s.pushedStarts[st.i]++
-		} else {
+		default:
 			// The dispatcher's claim txn put the claim key (the worker's
 			// inbox sees it) and rewrote the task key (the dispatcher's
 			// ledger sees it). For a pulled input the producer checks the
@@ -1058,17 +1104,20 @@ func (s *sim) start(st *stage, w int32, t *task) {
 	if st.inBytes > 0 {
 		setup += 2*s.cfg.NetDelay + time.Duration(float64(st.inBytes)/s.cfg.Bandwidth*float64(time.Second))
 	}
-	s.clk.at(now+setup+st.compute, event{kind: evDone, stage: int8(st.i), worker: w, task: t})
+	compute := st.compute
+	if t.left > 0 {
+		compute = t.left // resumed from its checkpoint
+	}
+	t.run++
+	t.runStart, t.runEnd = now+setup, now+setup+compute
+	s.clk.at(t.runEnd, event{kind: evDone, stage: int8(st.i), worker: w, task: t, run: t.run})
 }
 
 func (s *sim) done(st *stage, w int32, t *task) {
 	now := s.clk.now
-	begin := now - st.compute
-	if lo, hi := max(begin, 0), min(now, s.cfg.Duration); hi > lo {
-		s.busy += hi - lo
-	}
+	s.computed(t.runStart, now)
 	wk := st.workers[w]
-	wk.freeAt = now
+	wk.freeAt, wk.running = now, nil
 	t.avail = now // the next stage's task could run from here
 	if s.central() {
 		s.clk.at(now+s.cfg.NetDelay, event{kind: evCommitted, stage: int8(st.i), worker: w, task: t})
@@ -1092,7 +1141,7 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	// a dispatcher's later hand-on does not, so that commit reads it first.
 	// An offered claim's commit waits for the write that confirms it.
 	sent := max(t.confirmAt, now)
-	if !t.fromPush {
+	if !t.fromPush || t.handedOn {
 		s.etcd.read(now, 1)
 		sent += s.etcd.readLat(now)
 	}
@@ -1217,6 +1266,7 @@ func (s *sim) finish(j *job) {
 	s.overhead += j.overhead
 	s.overheads.add(j.overhead)
 	s.queueing.add(j.queueing)
+	s.queueingBy[j.class].add(j.queueing)
 }
 
 func (s *sim) requestDispatch() {
@@ -1270,11 +1320,15 @@ func (s *sim) result(wall time.Duration) Result {
 		Submitted: s.submitted, Completed: s.completed, Unfinished: s.submitted - s.completed,
 		JobsPerSec: float64(s.completedInWindow) / cfg.Duration.Seconds(),
 		ClaimTxns:  s.claimTxns, Conflicts: s.conflicts, GiveBacks: s.giveBacks,
-		GiveBacksByStage: s.giveBacksBy,
-		SimSeconds:       s.clk.now.Seconds(), Events: s.clk.count, WallSeconds: wall.Seconds(),
+		GiveBacksByStage: s.giveBacksBy, Preemptions: s.preemptions,
+		SimSeconds: s.clk.now.Seconds(), Events: s.clk.count, WallSeconds: wall.Seconds(),
 		Utilisation: s.busy.Seconds() / (float64(cfg.GPUs) * cfg.Duration.Seconds()),
 		QueueP50Ms:  ms(s.queueing.quantile(0.50)),
 		QueueP99Ms:  ms(s.queueing.quantile(0.99)),
+	}
+	for c := range s.queueingBy {
+		r.QueueP50ByClassMs[c] = ms(s.queueingBy[c].quantile(0.50))
+		r.QueueP99ByClassMs[c] = ms(s.queueingBy[c].quantile(0.99))
 	}
 	if n := float64(s.completed); n > 0 {
 		r.DispatchOverheadMs = ms(s.overhead) / n
@@ -1282,6 +1336,7 @@ func (s *sim) result(wall time.Duration) Result {
 		r.ClaimTxnsPerJob = float64(s.claimTxns) / n
 		r.ConflictsPerJob = float64(s.conflicts) / n
 		r.GiveBacksPerJob = float64(s.giveBacks) / n
+		r.PreemptionsPerJob = float64(s.preemptions) / n
 		r.EtcdWritesPerJob = float64(s.etcd.writes) / n
 		r.EtcdReadsPerJob = float64(s.etcd.reads) / n
 		r.EtcdWatchesPerJob = float64(s.etcd.watches) / n

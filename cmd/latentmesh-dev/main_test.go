@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -42,6 +44,9 @@ func TestUsageErrors(t *testing.T) {
 		{[]string{"sim", "--gpus", "2"}, 2, "at least one per stage"},
 		{[]string{"sim", "--etcd-profile", "huge"}, 2, "local or dedicated"},
 		{[]string{"sim", "--duration", "0", "--sweep-duration", "0"}, 2, "nor both 0"},
+		{[]string{"sim", "--pools", "1:2"}, 2, "--pools"},
+		{[]string{"sim", "--backpressure-slack", "-1"}, 2, "must not be negative"},
+		{[]string{"sim", "--trace", "/nonexistent/trace.jsonl"}, 2, "--trace"},
 	}
 	for _, tt := range tests {
 		code, _, stderr := runCmd(tt.args...)
@@ -120,5 +125,41 @@ func TestSim(t *testing.T) {
 	if code != 0 || json.Unmarshal([]byte(out), &ded) != nil || len(ded.Runs) != 0 || len(ded.Sweep) != 4 ||
 		ded.Etcd.WriteCap != 10*def.WriteCap || ded.Etcd.KeepAliveCap != 10*def.KeepAliveCap {
 		t.Fatalf("sim --etcd-profile dedicated: %d %q %q", code, out, errOut)
+	}
+}
+
+// sim on one shape (--pools) replays a bench serve trace (--trace): one
+// run per mode, of that shape, with the trace's jobs; a trace of another
+// model than --model is refused.
+func TestSimTrace(t *testing.T) {
+	dir := t.TempDir()
+	trace := filepath.Join(dir, "trace.jsonl")
+	lines := `{"t":0.5,"model":"flux.1-dev","class":"interactive"}
+{"t":1,"model":"flux.1-dev","class":"batch"}
+{"t":3,"model":"flux.1-dev","class":"standard"}
+`
+	if err := os.WriteFile(trace, []byte(lines), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	code, out, errOut := runCmd("sim", "--model", "flux.1-dev", "--pools", "1:3:1", "--trace", trace, "--backpressure-slack", "4", "--json")
+	var rep struct {
+		Runs []struct {
+			GPUs      int    `json:"gpus"`
+			Pools     string `json:"pools"`
+			Submitted int    `json:"submitted"`
+			Completed int    `json:"completed"`
+		} `json:"runs"`
+		Sweep []json.RawMessage `json:"sweep"`
+	}
+	if code != 0 || json.Unmarshal([]byte(out), &rep) != nil || len(rep.Runs) != 4 || len(rep.Sweep) != 0 {
+		t.Fatalf("sim --pools --trace: %d %q %q", code, out, errOut)
+	}
+	for _, r := range rep.Runs {
+		if r.GPUs != 5 || r.Pools != "1:3:1" || r.Submitted != 3 || r.Completed != 3 {
+			t.Fatalf("run %+v: want the 1:3:1 shape and the trace's 3 jobs", r)
+		}
+	}
+	if code, _, errOut := runCmd("sim", "--model", "wan2.1-t2v-1.3b", "--trace", trace); code != 2 || !strings.Contains(errOut, "one model") {
+		t.Fatalf("a trace of another model: %d %q", code, errOut)
 	}
 }

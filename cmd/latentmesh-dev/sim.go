@@ -5,12 +5,15 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"os"
 	"slices"
 	"strings"
 	"time"
 
 	"github.com/latentmesh/latentmesh/cmd/internal/cli"
+	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
+	"github.com/latentmesh/latentmesh/testbed/serve"
 	"github.com/latentmesh/latentmesh/testbed/sim"
 )
 
@@ -21,7 +24,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "latentmesh-dev sim: %v\n", err)
 		return 1
 	}
-	fs := newFlagSet("sim", "[--gpus N] [--duration D] [--model M] [--etcd-profile local|dedicated] [--measure-etcd] [--json]", stderr)
+	fs := newFlagSet("sim", "[--gpus N | --pools E:D:V] [--duration D | --trace FILE] [--model M] [--etcd-profile local|dedicated] [--measure-etcd] [--json]", stderr)
 	gpus := fs.Int("gpus", 10000, "largest cluster size; the table also runs 100 and 1,000 GPUs below it")
 	duration := fs.Duration("duration", time.Hour, "simulated time jobs arrive for, per run of the table (then every job drains; 0: no table)")
 	sweepDur := fs.Duration("sweep-duration", 2*time.Minute, "simulated time per size of the etcd-load sweep (0: no sweep)")
@@ -33,6 +36,9 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	profile := fs.String("etcd-profile", sim.ProfileLocal, "etcd modelled: local (as measured on this machine) or dedicated (a dedicated cluster: 10x every capacity, the same idle latencies)")
 	gossip := fs.Duration("gossip-delay", def.GossipDelay, "age of gossiped free credits")
 	dispatch := fs.Duration("dispatch-cost", def.DispatchCost, "central dispatcher's time per decision")
+	pools := fs.String("pools", "", "run this one shape E:D:V (encode, denoise, decode GPUs) instead of the 100 / 1,000 / --gpus table, and no sweep")
+	trace := fs.String("trace", "", "replay the arrivals of a bench serve trace (--write-trace; every job of --model) instead of Poisson arrivals at --load")
+	slack := fs.Int("backpressure-slack", def.Admission.Slack, "outputs that may wait for the next stage beyond its total credits, for the whole upstream pool (the agents' --backpressure-slack)")
 	noOffers := fs.Bool("no-offers", false, "the mesh starts a pushed task once its write and watch event land, not from its writer's offer (the agent's --no-offers: a baseline)")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	if code := cli.Parse(fs, args); code >= 0 {
@@ -50,6 +56,30 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "latentmesh-dev sim: --model: %v\n", err)
 		return 2
 	}
+	if *slack < 0 {
+		fmt.Fprintln(stderr, "latentmesh-dev sim: --backpressure-slack must not be negative")
+		return 2
+	}
+	var shape costmodel.Pools
+	if *pools != "" {
+		if shape, err = costmodel.ParsePools(*pools); err != nil {
+			fmt.Fprintf(stderr, "latentmesh-dev sim: --pools: %v\n", err)
+			return 2
+		}
+		*gpus, *sweepDur = shape.Encode+shape.Denoise+shape.Decode, 0
+	}
+	var arrivals []sim.Arrival
+	if *trace != "" {
+		if arrivals, err = readSimTrace(*trace, *model); err != nil {
+			fmt.Fprintf(stderr, "latentmesh-dev sim: --trace: %v\n", err)
+			return 2
+		}
+		if len(arrivals) == 0 {
+			fmt.Fprintln(stderr, "latentmesh-dev sim: --trace: no arrivals")
+			return 2
+		}
+		*duration = arrivals[len(arrivals)-1].At + time.Millisecond // the last arrival is inside it
+	}
 	var swept []sim.Mode
 	for _, name := range strings.Split(*sweepModes, ",") {
 		m, err := sim.ParseMode(strings.TrimSpace(name))
@@ -62,6 +92,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	base := def
 	base.Model, base.Load, base.Seed, base.Duration = *model, *load, *seed, *duration
 	base.GossipDelay, base.DispatchCost = *gossip, *dispatch
+	base.Pools, base.Arrivals, base.Admission.Slack = shape, arrivals, *slack
 	base.Queue.Offer = !*noOffers
 	if *measure {
 		fmt.Fprintln(stderr, "measuring the embedded etcd...")
@@ -77,7 +108,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	rep := sim.Report{Etcd: base.Etcd}
 	var sizes []int
 	for _, n := range []int{100, 1000} {
-		if n < *gpus {
+		if n < *gpus && *pools == "" {
 			sizes = append(sizes, n)
 		}
 	}
@@ -129,4 +160,31 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	rep.Text(stdout)
 	return 0
+}
+
+// readSimTrace reads a bench serve trace (serve.ReadTrace) as the
+// simulator's arrivals: every job must be of model, the one the simulator
+// runs.
+func readSimTrace(path, model string) ([]sim.Arrival, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	arr, err := serve.ReadTrace(f)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]sim.Arrival, 0, len(arr))
+	for i, a := range arr {
+		if a.Model != model {
+			return nil, fmt.Errorf("arrival %d is of %s; the simulator runs one model (--model %s)", i+1, a.Model, model)
+		}
+		c, err := routing.ParseClass(a.Class)
+		if err != nil {
+			return nil, err
+		}
+		out = append(out, sim.Arrival{At: a.At, Class: c})
+	}
+	return out, nil
 }

@@ -4,9 +4,9 @@
 // code as the agent: the queue order (routing.QueuePolicy.Order), a
 // worker's turn over the claims pushed to it (QueuePolicy.Pick, Returns),
 // preemption (QueuePolicy.Preempt on a mesh worker, Victims for the
-// central dispatcher), admission (routing.Admission.Budget, Admit: for the
-// stage's pool as a whole, where each agent admits on its own share),
-// hints (routing.PickHint) and slot clocks (routing.SlotBook), on modelled
+// central dispatcher), admission (routing.Admission.Budget, Quota, Admit:
+// each worker on its own share and its own count, as agent.admit), hints
+// (routing.PickHint) and slot clocks (routing.SlotBook), on modelled
 // etcd latency and capacity, gossip delay and transfer bandwidth, with
 // stage costs from testbed/costmodel, and counts the etcd operations a job
 // costs as agent/worker.go, agent/execute.go, agent/push.go and agent/jobs
@@ -24,6 +24,12 @@ import (
 	"github.com/latentmesh/latentmesh/routing"
 	"github.com/latentmesh/latentmesh/testbed/costmodel"
 )
+
+// Arrival is one job of a replayed trace (Config.Arrivals).
+type Arrival struct {
+	At    time.Duration // from the run's start
+	Class routing.Class
+}
 
 // Mode is the control plane being simulated.
 type Mode int
@@ -194,6 +200,10 @@ type Config struct {
 	Seed uint64
 	// ClassMix is the share of interactive, standard and batch jobs.
 	ClassMix [3]float64
+	// Arrivals, when set, are the jobs instead of Poisson arrivals at
+	// Load with ClassMix: a replayed trace (bench serve's, `sim --trace`),
+	// sorted by time, all within Duration.
+	Arrivals []Arrival
 
 	// Queue is the agents' queue policy. Its Push applies in Mesh mode
 	// only: the other modes never push.
@@ -260,6 +270,11 @@ func (c Config) check() error {
 	}
 	if c.Bandwidth <= 0 || c.ScanPerClass <= 0 || c.DispatchCost <= 0 || c.GossipDelay < 0 || c.NetDelay < 0 {
 		return errors.New("sim: bandwidth, scan bound and dispatch cost must be positive")
+	}
+	for i, a := range c.Arrivals {
+		if a.At < 0 || a.At >= c.Duration || i > 0 && a.At < c.Arrivals[i-1].At || !a.Class.Valid() {
+			return fmt.Errorf("sim: arrival %d at %v (%v): want them sorted, within the duration %v", i, a.At, a.Class, c.Duration)
+		}
 	}
 	sum := 0.0
 	for _, f := range c.ClassMix {

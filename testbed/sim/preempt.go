@@ -48,7 +48,7 @@ func (s *sim) preemptDue(t *task) {
 	}
 	now := s.clk.now
 	again := func() { s.clk.at(now+preemptRecheck, event{kind: evPreemptDue, task: t}) }
-	if len(st.waiting) > 0 && !st.blocked {
+	if len(st.waiting) > 0 {
 		again() // the wake hands it on; looked at again should it not
 		return
 	}
@@ -100,13 +100,19 @@ func (s *sim) handedOn(t *task) {
 	s.lookAt(st, wk, now)
 }
 
+// canPreempt reports whether worker wk could give way for interactive
+// work (agent.batchOnly): it runs batch work and is not stopping already.
+func (s *sim) canPreempt(st *stage, wk *worker) bool {
+	return s.preempts(st) && wk.running != nil && !wk.stopping && wk.running.job.class == routing.Batch
+}
+
 // preemptCheck is busy worker wk, running batch work, asking routing
 // whether to give way for the claims pushed to it
 // (QueuePolicy.Preempt, agent.preemptLoop), and stopping its task if so.
 // It reports whether it did; otherwise it looks again when the answer
 // may change by the clock.
 func (s *sim) preemptCheck(st *stage, wk *worker) bool {
-	if !s.preempts(st) || wk.running == nil || wk.stopping || wk.running.job.class != routing.Batch {
+	if !s.canPreempt(st, wk) {
 		return false
 	}
 	now := s.epoch.Add(s.clk.now)

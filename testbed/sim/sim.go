@@ -62,8 +62,11 @@ type Result struct {
 	GiveBacks       uint64  `json:"give_backs"`
 	GiveBacksPerJob float64 `json:"give_backs_per_job"`
 	// GiveBacksByStage splits GiveBacks by stage (encode, denoise,
-	// decode).
+	// decode); HeldGiveBacks counts those whose worker admission held
+	// back (its share of the next stage's budget was full), the rest were
+	// busy.
 	GiveBacksByStage [3]uint64 `json:"give_backs_by_stage"`
+	HeldGiveBacks    uint64    `json:"held_give_backs"`
 	// Preemptions counts the batch denoise tasks stopped for interactive
 	// work (routing.QueuePolicy.Preempt, Victims), each resumed later
 	// from the checkpoint it stopped at.
@@ -141,6 +144,18 @@ type worker struct {
 	book     *routing.SlotBook
 	slotDone func(end time.Time, learn bool)
 	runClass routing.Class // the class of the task it runs, while busy
+	// Admission (mesh, a stage with one after it; agent.admit): quota is
+	// its share of the next stage's budget (routing.Admission.Quota, over
+	// its stage's workers), against which it counts its task running, its
+	// tasks committing, and fed, the next stage's tasks its commits
+	// created that are not done (its ledger, jobs.Fed). held: idle, and
+	// admission holds it back (its stage's heldBack list) until a task it
+	// fed is done; heldFrom and heldTo bound its last hold, which gossip
+	// shows a GossipDelay late.
+	quota, committing, fed int32
+	held                   bool
+	heldPos                int32 // index in its stage's heldBack list, -1 when not there
+	heldFrom, heldTo       time.Duration
 	// running is the task it computes (nil: none); stopping, that it has
 	// been told to give way and stops at its step's end.
 	running  *task
@@ -156,12 +171,13 @@ type stage struct {
 	inBytes int64 // the input pulled from the previous stage
 	workers []*worker
 	names   []string
-	waiting []int32 // mesh: idle workers asleep on a watch; central: free GPUs
-	ready   []int32 // mesh: waiting workers that hold a pushed claim
-	q       stageQueue
-	wakeAt  time.Duration // mesh: the pending wake, -1 when none
-	blocked bool          // mesh: waiters watch the next stage (admission refused)
-	free    int           // workers with their credit free
+	waiting []int32 // mesh: idle workers asleep on a watch that may start a task; central: free GPUs
+	// heldBack: mesh, idle workers admission holds back (worker.held).
+	heldBack []int32
+	ready    []int32 // mesh: waiting workers that hold a pushed claim
+	q        stageQueue
+	wakeAt   time.Duration // mesh: the pending wake, -1 when none
+	free     int           // workers with their credit free
 	// Mesh: workers holding no claim (the views' free slots), pushed claims
 	// not started, and tasks done whose commit is on its way (admission
 	// counts them as running, agent.committing).
@@ -200,7 +216,9 @@ type sim struct {
 	preemptions                             uint64
 	handOns, handOnStarts                   uint64    // of due interactive work to a worker that gives way, and its starts from them
 	stoppedClaimed                          uint64    // preempted runs whose commit would have read the job record
+	overQuota                               uint64    // tasks started past their worker's admission share
 	giveBacksBy                             [3]uint64 // by stage
+	heldGiveBacks                           uint64    // by a worker admission held back
 	pushes                                  uint64    // tasks created with a pushed claim
 	pushedStarts, claimedStarts             [3]uint64 // by stage: tasks started from a pushed claim, and from a claim txn
 	overhead                                time.Duration
@@ -270,8 +288,11 @@ func newSim(cfg Config) (*sim, error) {
 	for i, name := range costmodel.Stages {
 		st := &stage{i: i, compute: m.StageTime(name), inBytes: inBytes[i], wakeAt: -1, free: sizes[i], viewFree: sizes[i]}
 		for w := range sizes[i] {
-			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1, lookAt: -1, grantTo: -1, book: routing.NewSlotBook()})
+			st.workers = append(st.workers, &worker{idx: int32(w), waitPos: -1, readyPos: -1, heldPos: -1, lookAt: -1, grantTo: -1, book: routing.NewSlotBook()})
 			st.names = append(st.names, fmt.Sprintf("%s-%d", name, w))
+		}
+		if i < 2 && cfg.Mode != Central {
+			s.setQuotas(st, sizes[i+1])
 		}
 		for w := range st.workers {
 			s.addWaiting(st, int32(w))
@@ -291,14 +312,20 @@ func newSim(cfg Config) (*sim, error) {
 	for k := time.Duration(0); k < cfg.Duration; k += time.Second {
 		s.clk.at(k, event{kind: evTick})
 	}
-	s.clk.at(s.interarrival(), event{kind: evArrive})
+	first := s.interarrival()
+	if len(cfg.Arrivals) > 0 {
+		first = cfg.Arrivals[0].At
+	}
+	s.clk.at(first, event{kind: evArrive})
 	return s, nil
 }
 
 func (s *sim) run() Result {
 	start := time.Now()
 	cfg := s.cfg
-	drainEnd := 2 * cfg.Duration
+	// Jobs drain for as long again as they arrived, and at least ten jobs'
+	// GPU time (a short replayed trace).
+	drainEnd := cfg.Duration + max(cfg.Duration, 10*s.model.Total())
 	for {
 		e, ok := s.clk.next()
 		if !ok || e.at > drainEnd {
@@ -406,12 +433,20 @@ func (s *sim) handle(e event) {
 
 func (s *sim) arrive() {
 	now := s.clk.now
-	if now < s.cfg.Duration {
-		s.clk.at(now+s.interarrival(), event{kind: evArrive})
-	} else {
+	if now >= s.cfg.Duration {
 		return
 	}
-	j := &job{id: s.nextID, class: s.class(), arrive: now}
+	var class routing.Class
+	if arr := s.cfg.Arrivals; len(arr) > 0 {
+		class = arr[s.nextID].Class
+		if k := s.nextID + 1; k < len(arr) {
+			s.clk.at(arr[k].At, event{kind: evArrive})
+		}
+	} else {
+		s.clk.at(now+s.interarrival(), event{kind: evArrive})
+		class = s.class()
+	}
+	j := &job{id: s.nextID, class: class, arrive: now}
 	s.nextID++
 	s.submitted++
 	first := 0
@@ -600,7 +635,7 @@ func (s *sim) giveBackCheck(st *stage, wk *worker) {
 		return
 	}
 	now := s.clk.now
-	if wk.waitPos >= 0 && !st.blocked {
+	if wk.waitPos >= 0 {
 		// Free and admitted: its wake, due within a watch delivery, starts them.
 		s.lookAt(st, wk, now+routing.LookAgain)
 		return
@@ -609,7 +644,7 @@ func (s *sim) giveBackCheck(st *stage, wk *worker) {
 		return // its slot frees at its step's end, and it starts one of them
 	}
 	s.inbox = s.inboxOf(st, wk, s.inbox[:0])
-	canPreempt := wk.busy && wk.runClass == routing.Batch
+	canPreempt := wk.busy && wk.runClass == routing.Batch // agent.returnPushes: batchOnly, whatever the stage
 	back, next := s.cfg.Queue.Returns(s.inbox, s.epoch.Add(now), len(st.workers) > 1, canPreempt, wk.book)
 	s.back = s.back[:0]
 	for _, r := range back {
@@ -623,6 +658,9 @@ func (s *sim) giveBackCheck(st *stage, wk *worker) {
 		s.etcd.write(now, 1)
 		s.giveBacks++
 		s.giveBacksBy[st.i]++
+		if wk.held {
+			s.heldGiveBacks++
+		}
 		s.clk.at(now+s.etcd.writeLat(now), event{kind: evRequeued, stage: int8(st.i), task: u})
 	}
 	if !next.IsZero() {
@@ -677,19 +715,13 @@ func (s *sim) requeued(t *task) {
 // by n watches: the task's dispatcher's (jobs.Fed follows the task's one
 // key) and the inboxes of the workers whose claims it writes or deletes
 // (jobs.Inbox follows a node's own claim keys); nobody follows a whole
-// stage. It wakes st's idle workers, and the previous stage's when
-// admission held them back (a model of their inboxes and grants moving;
-// waking costs etcd nothing).
+// stage. It wakes st's idle workers (a model of their inboxes and grants
+// moving; waking costs etcd nothing).
 func (s *sim) stageEvent(st *stage, n int) {
 	now := s.clk.now
 	s.etcd.event(now, n)
 	if len(st.waiting) > 0 {
 		s.requestWake(st, now+s.etcd.watchLat(now))
-	}
-	if st.i > 0 {
-		if up := s.st[st.i-1]; up.blocked && len(up.waiting) > 0 {
-			s.requestWake(up, now+s.etcd.watchLat(now))
-		}
 	}
 }
 
@@ -703,10 +735,18 @@ func (s *sim) requestWake(st *stage, t time.Duration) {
 	s.clk.at(t, event{kind: evWake, stage: int8(st.i)})
 }
 
+// addWaiting is worker w idle: asleep on its views, waiting (it may
+// start a task), or held back by admission until a task it fed is done
+// (holdBack, fedDone).
 func (s *sim) addWaiting(st *stage, w int32) {
-	st.workers[w].waitPos = int32(len(st.waiting))
+	wk := st.workers[w]
+	if !s.admitted(st, wk) {
+		s.holdBack(st, w)
+		return
+	}
+	wk.waitPos = int32(len(st.waiting))
 	st.waiting = append(st.waiting, w)
-	s.updateReady(st, st.workers[w])
+	s.updateReady(st, wk)
 }
 
 func (s *sim) removeWaiting(st *stage, w int32) {
@@ -746,6 +786,8 @@ func (s *sim) pickHint(st *stage) int32 {
 	for try := 0; try < 64 && n < len(targets); try++ {
 		w := st.workers[s.rng.IntN(len(st.workers))]
 		switch {
+		case s.heldInGossip(w):
+			// Its gossip leaves the stage out of its roles (agent.takesWork).
 		case s.freeInGossip(w):
 			if n == 0 || idx[0] != w.idx {
 				targets[n], idx[n] = routing.Target{Node: st.names[w.idx], Free: 1}, w.idx
@@ -814,8 +856,8 @@ func (s *sim) pushTarget(st *stage, p int32) int32 {
 // holds a pushed claim has its slot spoken for.
 func (s *sim) grantSlot(st *stage, w int32, fed int32) {
 	wk := st.workers[w]
-	if st.i == 0 || wk.busy || len(wk.pushed) > 0 || st.q.queued > 0 {
-		return
+	if st.i == 0 || wk.busy || wk.held || len(wk.pushed) > 0 || st.q.queued > 0 {
+		return // held back by admission, it grants nothing (agent.grantable)
 	}
 	p := fed
 	if p < 0 {
@@ -860,8 +902,8 @@ func (s *sim) takeGrant(st *stage, p int32) int32 {
 	return -1
 }
 
-// wake is a stage's waiting workers waking at once: each checks admission
-// on the next stage's backlog, orders the claims pushed to it with the
+// wake is a stage's waiting workers (admitted: held-back ones are not
+// waiting, holdBack) waking at once: each orders the claims pushed to it with the
 // waiting tasks (routing.QueuePolicy.Order), and starts a pushed one with
 // no transaction when it comes first; else it grants its slot to the
 // dispatchers holding waiting tasks (agent/grants.go), and one hands it its
@@ -877,28 +919,8 @@ func (s *sim) wake(st *stage) {
 	now := s.clk.now
 	w := len(st.waiting)
 	if w == 0 {
-		return
+		return // none idle, or admission holds every idle one back
 	}
-	if st.i < 2 {
-		down := s.st[st.i+1]
-		// routing's per-producer quotas add up to the downstream budget
-		// (its credits plus slack), or to one per producer where there are
-		// more producers; the pool as a whole admits while its backlog
-		// (running or committing here, waiting downstream: queued, or
-		// pushed and not started) is under their sum.
-		budget := s.cfg.Admission.Budget(len(down.workers))
-		sum := 0
-		if budget > 0 {
-			sum = max(budget, len(st.workers))
-		}
-		if !s.cfg.Admission.Admit(down.q.queued+down.pushWaiting+len(st.workers)-st.free+st.committing, sum) {
-			// Wait for the next stage's view to move, at most a second.
-			st.blocked = true
-			s.requestWake(st, now+time.Second)
-			return
-		}
-	}
-	st.blocked = false
 	// w workers claim at most w tasks, Order's first w choices: among the
 	// oldest w of each class.
 	s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, w), s.epoch, st.names, s.cands, s.tasks)
@@ -1059,6 +1081,9 @@ func (s *sim) start(st *stage, w int32, t *task) {
 	now := s.clk.now
 	wk := st.workers[w]
 	wk.runClass, wk.running = t.job.class, t
+	if st.i < 2 && !s.central() && wk.committing+wk.fed+1 > wk.quota && !s.cfg.Admission.Off {
+		s.overQuota++ // started past its share (TestAdmissionPerWorker: never)
+	}
 	ready := max(t.avail, wk.freeAt)
 	t.job.queueing += now - t.avail
 	t.job.overhead += now - ready
@@ -1159,6 +1184,7 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	s.release(wk)
 	s.setFree(st, +1)
 	st.committing++
+	wk.committing++
 	s.addWaiting(st, w)
 	s.requestWake(st, now)
 	s.grantSlot(st, w, t.producer)
@@ -1207,12 +1233,17 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		}
 		s.hold(st, st.workers[w], -1)
 		st.committing--
+		st.workers[w].committing--
+		s.fedDone(st, t)
 	}
 	t.gone = true
 	if st.i < 2 {
 		next := t.next // offered as the commit went
 		if next == nil {
 			next = s.nextTask(t, w)
+		}
+		if !s.central() {
+			st.workers[w].fed++ // in its ledger from the commit (agent.committedOutput)
 		}
 		s.enqueue(next)
 	} else {
@@ -1320,7 +1351,7 @@ func (s *sim) result(wall time.Duration) Result {
 		Submitted: s.submitted, Completed: s.completed, Unfinished: s.submitted - s.completed,
 		JobsPerSec: float64(s.completedInWindow) / cfg.Duration.Seconds(),
 		ClaimTxns:  s.claimTxns, Conflicts: s.conflicts, GiveBacks: s.giveBacks,
-		GiveBacksByStage: s.giveBacksBy, Preemptions: s.preemptions,
+		GiveBacksByStage: s.giveBacksBy, HeldGiveBacks: s.heldGiveBacks, Preemptions: s.preemptions,
 		SimSeconds: s.clk.now.Seconds(), Events: s.clk.count, WallSeconds: wall.Seconds(),
 		Utilisation: s.busy.Seconds() / (float64(cfg.GPUs) * cfg.Duration.Seconds()),
 		QueueP50Ms:  ms(s.queueing.quantile(0.50)),

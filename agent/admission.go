@@ -6,6 +6,7 @@ package agent
 // (jobs.Fed), which follows each from before the commit that creates it.
 
 import (
+	"slices"
 	"sync"
 
 	"go.uber.org/zap"
@@ -101,7 +102,11 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 		}
 	}
 	adm := a.cfg.Admission
-	quota := adm.Quota(adm.Budget(credits), producers, a.id)
+	n := len(producers)
+	if !slices.Contains(producers, a.id) {
+		n++ // as Quota counts a producer not seen yet
+	}
+	quota := adm.Quota(adm.Budget(credits, n), producers, a.id)
 	ok = adm.Admit(fed+inFlight, quota)
 	// An agent that relays every output through the Store (store mode)
 	// parks them there, not in its arena or a consumer's: the Store's room

@@ -237,8 +237,8 @@ func (c Config) validate() (Config, error) {
 	if c.CheckpointEvery < 0 || c.KVCacheBytes < 0 || c.CondCacheBytes < 0 {
 		return c, errors.New("agent: CheckpointEvery, KVCacheBytes and CondCacheBytes must not be negative")
 	}
-	if c.DrainTimeout < 0 || c.Queue.PreemptAfter < 0 || c.Admission.Slack < 0 {
-		return c, errors.New("agent: DrainTimeout, Queue.PreemptAfter and Admission.Slack must not be negative")
+	if c.DrainTimeout < 0 || c.Queue.PreemptAfter < 0 || c.Admission.Slack < 0 || c.Admission.PerProducer < 0 {
+		return c, errors.New("agent: DrainTimeout, Queue.PreemptAfter, Admission.Slack and Admission.PerProducer must not be negative")
 	}
 	switch {
 	case c.StoreMemory == StoreMemoryAuto:

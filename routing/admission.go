@@ -7,8 +7,9 @@ import "math/rand/v2"
 // payloads waiting for a slow stage.
 //
 // The bound holds for the whole upstream pool, not per agent: the
-// downstream budget (the downstream stage's total credits plus Slack) is
-// split into per-producer quotas (Quota), and each upstream agent counts
+// downstream budget (the downstream stage's total credits, plus Slack,
+// plus PerProducer for each producer) is split into per-producer quotas
+// (Quota), and each upstream agent counts
 // only what it put there itself (its tasks running plus the downstream
 // tasks, queued or running, whose input it produced). The quotas add up to
 // the budget (or one per producer, where there are more producers than
@@ -17,21 +18,34 @@ import "math/rand/v2"
 // credits each saw the same room and together overshot it.
 type Admission struct {
 	// Slack is how many outputs may wait downstream beyond the downstream
-	// stage's total credits (keeps a pipeline bubble from idling it).
+	// stage's total credits, for the whole upstream pool (keeps a pipeline
+	// bubble from idling it).
 	Slack int
+	// PerProducer adds this many outputs to the budget for each producer
+	// (live upstream agent), so that each has room for its running task
+	// and an output on its way downstream however many producers share
+	// the next stage's credits. With none, 13 denoise agents before one
+	// decode slot had a quota of one each: each idled while its last
+	// latent waited or decoded, and the encoders while the denoise tasks
+	// they fed ran, and pushes to them went back (docs/benchmarks.md,
+	// "Admission per worker, checked against a real mesh").
+	PerProducer int
 	// Off admits everything: no backpressure (a baseline to measure it
 	// against; the downstream backlog then grows with the run).
 	Off bool
 }
 
-// DefaultAdmission allows one waiting output beyond downstream credits.
-func DefaultAdmission() Admission { return Admission{Slack: 1} }
+// DefaultAdmission allows one waiting output beyond downstream credits for
+// the pool, and two for each producer (its running task and one output on
+// its way).
+func DefaultAdmission() Admission { return Admission{Slack: 1, PerProducer: 2} }
 
 // Budget is the most outputs of a stage that may be in flight upstream or
 // waiting or running downstream, with downstreamCredits the total credits
-// (slots) of the live downstream agents.
-func (a Admission) Budget(downstreamCredits int) int {
-	return max(0, downstreamCredits) + max(0, a.Slack)
+// (slots) of the live downstream agents and producers the live upstream
+// agents.
+func (a Admission) Budget(downstreamCredits, producers int) int {
+	return max(0, downstreamCredits) + max(0, a.Slack) + max(0, a.PerProducer)*max(0, producers)
 }
 
 // Quota is producer self's share of budget among producers (the live

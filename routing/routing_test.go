@@ -123,7 +123,7 @@ func TestAdmissionQuotasSumToBudget(t *testing.T) {
 			for i := range n {
 				producers = append(producers, fmt.Sprintf("den-%d", i))
 			}
-			budget := a.Budget(credits)
+			budget := a.Budget(credits, n)
 			sum := 0
 			for _, p := range producers {
 				q := a.Quota(budget, producers, p)
@@ -146,7 +146,7 @@ func TestAdmissionQuotasSumToBudget(t *testing.T) {
 func TestAdmit(t *testing.T) {
 	a := Admission{Slack: 1}
 	// One producer, two downstream credits: the old chain's bound.
-	q := a.Quota(a.Budget(2), []string{"me"}, "me")
+	q := a.Quota(a.Budget(2, 1), []string{"me"}, "me")
 	if q != 3 {
 		t.Fatalf("quota = %d, want credits+slack = 3", q)
 	}
@@ -162,7 +162,7 @@ func TestAdmit(t *testing.T) {
 	producers := []string{"d1", "d2", "d3", "d4"}
 	total := 0
 	for _, p := range producers {
-		qp := a.Quota(a.Budget(2), producers, p)
+		qp := a.Quota(a.Budget(2, len(producers)), producers, p)
 		mine := 0
 		for a.Admit(mine, qp) {
 			mine++
@@ -178,7 +178,7 @@ func TestAdmit(t *testing.T) {
 		pool = append(pool, fmt.Sprintf("den-%02d", i))
 	}
 	for _, p := range pool {
-		if q := a.Quota(a.Budget(2), pool, p); q != 1 {
+		if q := a.Quota(a.Budget(2, len(pool)), pool, p); q != 1 {
 			t.Fatalf("%s: quota %d in a pool of 13 before a budget of 3, want 1", p, q)
 		}
 	}
@@ -187,6 +187,31 @@ func TestAdmit(t *testing.T) {
 	}
 	if !(Admission{Off: true}).Admit(100, 0) {
 		t.Fatal("Off refused")
+	}
+}
+
+// PerProducer (the default's two) gives every producer room for its
+// running task and an output on its way, however few credits the next
+// stage has: 13 denoise agents before one decode slot each get a quota of
+// two, where a pool-wide slack gave them one (held back while their last
+// latent waits).
+func TestAdmissionPerProducer(t *testing.T) {
+	a := DefaultAdmission()
+	var pool []string
+	for i := range 13 {
+		pool = append(pool, fmt.Sprintf("den-%02d", i))
+	}
+	budget := a.Budget(1, len(pool))
+	if want := 1 + a.Slack + 2*13; budget != want {
+		t.Fatalf("budget %d, want credits 1 + slack %d + 2 a producer = %d", budget, a.Slack, want)
+	}
+	for _, p := range pool {
+		if q := a.Quota(budget, pool, p); q < 2 {
+			t.Fatalf("%s: quota %d, want at least 2", p, q)
+		}
+	}
+	if got := (Admission{Slack: 1}).Budget(1, 13); got != 2 {
+		t.Fatalf("no per-producer share: budget %d, want credits + slack = 2", got)
 	}
 }
 

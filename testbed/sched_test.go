@@ -245,8 +245,9 @@ func runBackpressure(t *testing.T, jobsN int, off bool) (peak int64, credits, sl
 		c.Agent.Admission.Off = off
 		// Budget = decode credits 2 + slack 2 = 4, one per denoise agent:
 		// every producer has a share (with fewer, the bound is one per
-		// producer, routing.Admission.Quota).
-		c.Agent.Admission.Slack = 2
+		// producer, routing.Admission.Quota). No share a producer: the
+		// budget stays tight, so that the bound shows.
+		c.Agent.Admission.Slack, c.Agent.Admission.PerProducer = 2, 0
 		c.Agent.Engine.StepCost = 20 * time.Millisecond // 4 steps: 80 ms a denoise
 	})
 	const steps, decodeSlots = 4, 2

@@ -39,6 +39,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	pools := fs.String("pools", "", "run this one shape E:D:V (encode, denoise, decode GPUs) instead of the 100 / 1,000 / --gpus table, and no sweep")
 	trace := fs.String("trace", "", "replay the arrivals of a bench serve trace (--write-trace; every job of --model) instead of Poisson arrivals at --load")
 	slack := fs.Int("backpressure-slack", def.Admission.Slack, "outputs that may wait for the next stage beyond its total credits, for the whole upstream pool (the agents' --backpressure-slack)")
+	perProducer := fs.Int("backpressure-per-producer", def.Admission.PerProducer, "outputs that may wait for the next stage beyond its total credits, for each worker of the stage before it (the agents' --backpressure-per-producer)")
 	noOffers := fs.Bool("no-offers", false, "the mesh starts a pushed task once its write and watch event land, not from its writer's offer (the agent's --no-offers: a baseline)")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	if code := cli.Parse(fs, args); code >= 0 {
@@ -56,8 +57,8 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "latentmesh-dev sim: --model: %v\n", err)
 		return 2
 	}
-	if *slack < 0 {
-		fmt.Fprintln(stderr, "latentmesh-dev sim: --backpressure-slack must not be negative")
+	if *slack < 0 || *perProducer < 0 {
+		fmt.Fprintln(stderr, "latentmesh-dev sim: --backpressure-slack and --backpressure-per-producer must not be negative")
 		return 2
 	}
 	var shape costmodel.Pools
@@ -92,7 +93,8 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	base := def
 	base.Model, base.Load, base.Seed, base.Duration = *model, *load, *seed, *duration
 	base.GossipDelay, base.DispatchCost = *gossip, *dispatch
-	base.Pools, base.Arrivals, base.Admission.Slack = shape, arrivals, *slack
+	base.Pools, base.Arrivals = shape, arrivals
+	base.Admission.Slack, base.Admission.PerProducer = *slack, *perProducer
 	base.Queue.Offer = !*noOffers
 	if *measure {
 		fmt.Fprintln(stderr, "measuring the embedded etcd...")

@@ -126,6 +126,7 @@ func newAgentSettings() *agentSettings {
 		{name: "no-push", value: boolValue{&s.noPush}, help: "never claim a new task for its hinted worker in the write that creates it; every worker claims its own (a baseline: a handoff then costs two etcd writes)"},
 		{name: "no-offers", value: boolValue{&s.noOffers}, help: "start a pushed task only once the write that pushes it has answered and its watch event arrived, not from the claim its writer sends over libp2p with the write (a baseline: each handoff then waits for a raft write)"},
 		{name: "backpressure-slack", value: intValue{&c.Admission.Slack}, help: "outputs that may wait for the next stage beyond its total credits, for the whole upstream pool"},
+		{name: "backpressure-per-producer", value: intValue{&c.Admission.PerProducer}, help: "outputs that may wait for the next stage beyond its total credits, for each agent of the stage before it (its running task and one on its way: without it, many producers before few consumer slots each wait for their last output)"},
 		{name: "drain-timeout", value: durationValue{&c.DrainTimeout}, help: "on SIGTERM or 'latentmesh drain': how long running tasks may finish (and held outputs be consumed) before the rest are requeued"},
 		{name: "sim-cost", value: &s.cost, help: "simulated GPU time of the built-in engine, e.g. `encode=5ms,step=20ms,decode=50ms`"},
 		{name: "log-format", value: stringValue{&s.logFormat}, help: "json or console"},
@@ -274,8 +275,8 @@ func (s *agentSettings) build(log *zap.Logger) (agent.Config, etcdclient.Config,
 	if cfg.Queue.Scheduler, err = routing.ParseScheduler(s.scheduler); err != nil {
 		return fail("--scheduler: %v", err)
 	}
-	if cfg.Queue.PreemptAfter < 0 || cfg.Admission.Slack < 0 || cfg.DrainTimeout < 0 {
-		return fail("--preempt-after, --backpressure-slack and --drain-timeout must not be negative")
+	if cfg.Queue.PreemptAfter < 0 || cfg.Admission.Slack < 0 || cfg.Admission.PerProducer < 0 || cfg.DrainTimeout < 0 {
+		return fail("--preempt-after, --backpressure-slack, --backpressure-per-producer and --drain-timeout must not be negative")
 	}
 	cfg.Queue.Push = !s.noPush
 	cfg.Queue.Offer = !s.noOffers

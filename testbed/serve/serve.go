@@ -99,7 +99,7 @@ func DefaultConfig() Config {
 		Drain:       5 * time.Minute,
 		Slots:       agent.DefaultConfig().Slots,
 		Queue:       routing.DefaultQueuePolicy(),
-		Admission:   routing.Admission{Slack: -1}, // AutoSlack
+		Admission:   routing.Admission{Slack: -1, PerProducer: routing.DefaultAdmission().PerProducer}, // AutoSlack, and the agents' share a producer
 		Logger:      zap.NewNop(),
 	}
 }

@@ -15,7 +15,7 @@ package sim
 // whose workers have one credit each (Admission.Budget over them, then
 // Quota among st's workers; the membership does not change during a run).
 func (s *sim) setQuotas(st *stage, downstream int) {
-	budget := s.cfg.Admission.Budget(downstream)
+	budget := s.cfg.Admission.Budget(downstream, len(st.workers))
 	for _, wk := range st.workers {
 		wk.quota = int32(s.cfg.Admission.Quota(budget, st.names, st.names[wk.idx]))
 	}

@@ -242,7 +242,7 @@ func runBenchAPI(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.BoolVar(&cfg.NoPush, "no-push", false, "in-process mesh: workers claim every task themselves instead of taking claims pushed to them (a baseline)")
 	fs.DurationVar(&cfg.EtcdWriteDelay, "etcd-write-delay", 0, "in-process mesh: every etcd write the agents send waits this long first, as on a loaded etcd (0: none)")
 	fs.BoolVar(&cfg.NoOffers, "no-offers", false, "in-process mesh: a pushed task starts once its write's watch event arrives, not from the claim its writer offers over libp2p (a baseline)")
-	fs.IntVar(&cfg.Slack, "backpressure-slack", cfg.Slack, "in-process mesh: the agents' backpressure slack (negative: the agent default, 1)")
+	fs.IntVar(&cfg.Slack, "backpressure-slack", cfg.Slack, "in-process mesh: the agents' backpressure slack for the whole upstream pool (negative: the agent default, 1; each producer adds its own --backpressure-per-producer share, 2)")
 	fs.BoolVar(&cfg.EtcdGRPC, "etcd-grpc", false, "in-process mesh: agents reach the embedded etcd over loopback gRPC, as remote agents do (default: function calls, as 'latentmesh-dev dev')")
 	size := frameSize{cfg.Width, cfg.Height}
 	fs.Var(&size, "size", "image size `WxH` in pixels (multiples of 8)")

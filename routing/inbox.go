@@ -116,6 +116,30 @@ func (p QueuePolicy) Returns(pushed []Pushed, now time.Time, others, canPreempt 
 	return back, next
 }
 
+// Spare chooses the claim pushed to worker self that it hands to an idle
+// peer of its stage asking for work (a steal: a proposal the agent does
+// not make yet; `latentmesh-dev sim --steal` measures it): the one it
+// would start last in the policy's order, among those written (an offered
+// claim is nothing etcd says is its to hand over). A worker that is not
+// busy keeps the claim it would start now. -1: none to spare.
+func (p QueuePolicy) Spare(pushed []Pushed, self string, now time.Time, busy bool) int {
+	spare, n := -1, 0
+	for i := range pushed {
+		h := &pushed[i]
+		if h.Offered {
+			continue
+		}
+		n++
+		if spare < 0 || !p.before(h.Candidate, pushed[spare].Candidate, self, now) {
+			spare = i // the later of equals: the first of them starts first
+		}
+	}
+	if !busy && n < 2 {
+		return -1
+	}
+	return spare
+}
+
 // leftToHint reports whether candidate c is left to the worker it is hinted
 // to, within the steal grace, and when that ends: worker self may not
 // take it before.

@@ -128,3 +128,31 @@ func TestReturns(t *testing.T) {
 		t.Fatalf("next look %v, want within a second for the kept ones", next)
 	}
 }
+
+// Spare hands an idle peer the claim its worker would start last, never an
+// offered one, and an idle worker keeps the one it starts now.
+func TestSpare(t *testing.T) {
+	p := DefaultQueuePolicy()
+	now := time.Unix(1000, 0)
+	at := func(id string, c Class, age time.Duration) Pushed {
+		return Pushed{Candidate: Candidate{ID: id, Class: c, Enqueued: now.Add(-age), Hint: "w"}, At: now.Add(-age)}
+	}
+	inter, batch, std := at("i", Interactive, time.Second), at("b", Batch, 3*time.Second), at("s", Standard, 2*time.Second)
+	if got := p.Spare([]Pushed{inter, batch, std}, "w", now, true); got != 1 {
+		t.Fatalf("spared %d, want the batch claim (1), started last", got)
+	}
+	offered := batch
+	offered.Offered = true
+	if got := p.Spare([]Pushed{inter, offered, std}, "w", now, true); got != 2 {
+		t.Fatalf("spared %d, want the standard claim (2): the offered batch one is not its to hand over", got)
+	}
+	if got := p.Spare([]Pushed{inter}, "w", now, false); got != -1 {
+		t.Fatalf("an idle worker spared %d of its one claim", got)
+	}
+	if got := p.Spare([]Pushed{inter}, "w", now, true); got != 0 {
+		t.Fatalf("a busy worker spared %d, want its one claim", got)
+	}
+	if got := p.Spare(nil, "w", now, true); got != -1 {
+		t.Fatalf("spared %d of nothing", got)
+	}
+}

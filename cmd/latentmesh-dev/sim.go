@@ -40,6 +40,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	trace := fs.String("trace", "", "replay the arrivals of a bench serve trace (--write-trace; every job of --model) instead of Poisson arrivals at --load")
 	slack := fs.Int("backpressure-slack", def.Admission.Slack, "outputs that may wait for the next stage beyond its total credits, for the whole upstream pool (the agents' --backpressure-slack)")
 	perProducer := fs.Int("backpressure-per-producer", def.Admission.PerProducer, "outputs that may wait for the next stage beyond its total credits, for each worker of the stage before it (the agents' --backpressure-per-producer)")
+	steal := fs.Bool("steal", false, "a proposal the agents do not make yet: idle mesh workers take the claims pushed to busy peers that those would start last (one hand-over write each), against the mesh's queueing tail")
 	noOffers := fs.Bool("no-offers", false, "the mesh starts a pushed task once its write and watch event land, not from its writer's offer (the agent's --no-offers: a baseline)")
 	asJSON := fs.Bool("json", false, "print the report as JSON")
 	if code := cli.Parse(fs, args); code >= 0 {
@@ -96,6 +97,7 @@ func runSim(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	base.Pools, base.Arrivals = shape, arrivals
 	base.Admission.Slack, base.Admission.PerProducer = *slack, *perProducer
 	base.Queue.Offer = !*noOffers
+	base.Steal = *steal
 	if *measure {
 		fmt.Fprintln(stderr, "measuring the embedded etcd...")
 		if base.Etcd, err = sim.MeasureEtcd(ctx, sim.DefaultMeasureConfig()); err != nil {

@@ -232,6 +232,9 @@ type Config struct {
 	// CheckJobs keeps a per-job record to check that every job completes
 	// exactly once (tests; costs memory at 10,000 GPUs).
 	CheckJobs bool
+	// Steal (mesh): idle workers take claims pushed to busy peers
+	// (steal.go). A proposal the agent does not make yet, to measure.
+	Steal bool
 }
 
 // DefaultConfig is FLUX.1-dev (the shortest stages of the shipped models,

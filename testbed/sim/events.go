@@ -23,6 +23,8 @@ const (
 	evPreemptDue               // a queued interactive denoise task has waited PreemptAfter
 	evHandedOn                 // mesh: a dispatcher's hand-on of a due task to a worker that gives way landed
 	evStopped                  // a preempted task stopped at its step's end, checkpointed
+	evStealAsked               // Config.Steal: an idle worker's request for a claim reached its peer
+	evStolen                   // Config.Steal: the peer's hand-over of a claim to it landed
 )
 
 // event is one scheduled happening. seq breaks ties in scheduling order, so
@@ -35,6 +37,7 @@ type event struct {
 	worker int32
 	task   *task
 	run    uint32 // evDone, evStopped: the task's run they end (task.run)
+	thief  int32  // evStealAsked, evStolen: the idle worker asking
 }
 
 // eventQueue is a min-heap on (at, seq).

@@ -72,6 +72,9 @@ type Result struct {
 	// from the checkpoint it stopped at.
 	Preemptions       uint64  `json:"preemptions"`
 	PreemptionsPerJob float64 `json:"preemptions_per_job"`
+	// Steals counts the claims idle workers took from busy ones
+	// (Config.Steal, a proposal; 0 otherwise).
+	Steals uint64 `json:"steals,omitempty"`
 
 	EtcdWritesPerJob  float64 `json:"etcd_writes_per_job"`
 	EtcdReadsPerJob   float64 `json:"etcd_reads_per_job"`
@@ -160,6 +163,7 @@ type worker struct {
 	// been told to give way and stops at its step's end.
 	running  *task
 	stopping bool
+	stealing bool // Config.Steal: its request for a claim is on its way
 	// lookAt is when it looks next over the claims pushed to it
 	// (giveBackCheck), -1 for no look due.
 	lookAt time.Duration
@@ -213,7 +217,7 @@ type sim struct {
 
 	submitted, completed, completedInWindow int
 	conflicts, claimTxns, giveBacks         uint64
-	preemptions                             uint64
+	preemptions, steals                     uint64
 	handOns, handOnStarts                   uint64    // of due interactive work to a worker that gives way, and its starts from them
 	stoppedClaimed                          uint64    // preempted runs whose commit would have read the job record
 	overQuota                               uint64    // tasks started past their worker's admission share
@@ -409,6 +413,12 @@ func (s *sim) handle(e event) {
 		}
 	case evOffered:
 		s.offerLanded(e.task)
+	case evStealAsked:
+		st := s.st[e.stage]
+		s.stealAsked(st, st.workers[e.worker], st.workers[e.thief])
+	case evStolen:
+		st := s.st[e.stage]
+		s.stolen(st, st.workers[e.worker], st.workers[e.thief], e.task)
 	case evPreemptDue:
 		s.preemptDue(e.task)
 	case evHandedOn:
@@ -989,6 +999,13 @@ func (s *sim) wake(st *stage) {
 			}
 		}
 	}
+	if s.cfg.Steal && st.q.queued == 0 {
+		for _, w := range st.waiting {
+			if wk := st.workers[w]; len(wk.pushed) == 0 && !wk.stealing {
+				s.stealFor(st, wk)
+			}
+		}
+	}
 }
 
 // takeOwn is waiting worker h's choice: one of the claims pushed to it
@@ -1351,7 +1368,7 @@ func (s *sim) result(wall time.Duration) Result {
 		Submitted: s.submitted, Completed: s.completed, Unfinished: s.submitted - s.completed,
 		JobsPerSec: float64(s.completedInWindow) / cfg.Duration.Seconds(),
 		ClaimTxns:  s.claimTxns, Conflicts: s.conflicts, GiveBacks: s.giveBacks,
-		GiveBacksByStage: s.giveBacksBy, HeldGiveBacks: s.heldGiveBacks, Preemptions: s.preemptions,
+		GiveBacksByStage: s.giveBacksBy, HeldGiveBacks: s.heldGiveBacks, Preemptions: s.preemptions, Steals: s.steals,
 		SimSeconds: s.clk.now.Seconds(), Events: s.clk.count, WallSeconds: wall.Seconds(),
 		Utilisation: s.busy.Seconds() / (float64(cfg.GPUs) * cfg.Duration.Seconds()),
 		QueueP50Ms:  ms(s.queueing.quantile(0.50)),

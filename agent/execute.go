@@ -309,6 +309,9 @@ func (a *Agent) commit(ctx context.Context, c *jobs.Claim, out jobs.Output, wait
 		cancel()
 		a.commitRejected(c.Task.Stage, err)
 
+		if err == nil {
+			a.dropPreviewsLater(c)
+		}
 		if err == nil || a.ctx.Err() != nil {
 			return uncertain, err
 		}
@@ -634,4 +637,32 @@ func (a *Agent) run(ctx context.Context, c *jobs.Claim, handedOff *handoffFlag, 
 		return out, nil, false, nil
 	}
 	return out, nil, false, fmt.Errorf("agent: unknown stage %q", c.Task.Stage)
+}
+
+// previewLinger is how long a committed video's frame previews outlive the
+// commit that ended its job: a client streaming them (StreamFrames) reads
+// the last one after that commit, which deleted it at once before (a
+// 4-frame test stream missed its last frame two runs in ten).
+const previewLinger = 5 * time.Second
+
+// dropPreviewsLater deletes the frame previews of c's job previewLinger
+// after c's decode committed, if c made any (a video). An agent that
+// closes first leaves them to their TTL.
+func (a *Agent) dropPreviewsLater(c *jobs.Claim) {
+	if _, last := c.Task.Stage.Next(); !last || c.Task.Spec.Frames <= 1 {
+		return
+	}
+	id := c.Task.JobID
+	a.wg.Go(func() {
+		select {
+		case <-time.After(previewLinger):
+		case <-a.ctx.Done():
+			return
+		}
+		ctx, cancel := context.WithTimeout(a.ctx, a.cfg.EtcdTimeout)
+		defer cancel()
+		if err := a.store.DropPreviews(ctx, id); err != nil {
+			a.log.Debug("frame previews left to their TTL", zap.String("job", id), zap.Error(err))
+		}
+	})
 }

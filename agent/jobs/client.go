@@ -455,7 +455,7 @@ func (s *Store) StreamFrames(ctx context.Context, id string, fetch func(context.
 					return Job{}, err
 				}
 			}
-		case _, ok := <-jobs:
+		case wr, ok := <-jobs:
 			if !ok {
 				return Job{}, fmt.Errorf("jobs: job watch of %s ended", id)
 			}
@@ -464,11 +464,48 @@ func (s *Store) StreamFrames(ctx context.Context, id string, fetch func(context.
 				return Job{}, err
 			}
 			if job.State.Terminal() {
-				return job, nil
+				// The two watches deliver apart: a preview put before the
+				// write that ended the job may not have reached the frame
+				// watch yet. Send what it has up to that write first.
+				return job, s.framesUpTo(wctx, frames, wr.Header.Revision, send)
 			}
 		}
 	}
 }
+
+// framesUpTo sends, from frames (a watch of a job's previews), every event
+// up to revision rev: it asks etcd for the watches' progress, which it
+// sends after every event below the revision it names, and waits for it
+// at most framesDrain.
+func (s *Store) framesUpTo(ctx context.Context, frames clientv3.WatchChan, rev int64, send func([]byte) error) error {
+	ctx, cancel := context.WithTimeout(ctx, framesDrain)
+	defer cancel()
+	if err := s.cli.RequestProgress(ctx); err != nil {
+		return nil // no progress to wait for: what was sent stands
+	}
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case wr, ok := <-frames:
+			if !ok {
+				return nil
+			}
+			for _, ev := range wr.Events {
+				if err := send(ev.Kv.Value); err != nil {
+					return err
+				}
+			}
+			if wr.Header.Revision >= rev {
+				return nil
+			}
+		}
+	}
+}
+
+// framesDrain bounds how long a finished job's frame stream waits for the
+// previews put before its end (a watch's progress comes in milliseconds).
+const framesDrain = 2 * time.Second
 
 // States reads the states of jobs ids, a hundred per transaction; a job
 // that does not exist (deleted, or its record expired) is absent from the

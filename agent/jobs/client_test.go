@@ -102,9 +102,18 @@ func TestStreamFrames(t *testing.T) {
 	if len(got) != 0 {
 		t.Fatalf("%d extra frames sent", len(got))
 	}
+	// The commit leaves the previews for streams still reading the last
+	// one; its worker drops them a moment later (DropPreviews).
 	left, _ := cli.Get(ctx, s.previewPrefix(job.ID), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if left.Count != 2 {
+		t.Fatalf("%d frame preview records left after commit, want both", left.Count)
+	}
+	if err := s.DropPreviews(ctx, job.ID); err != nil {
+		t.Fatal(err)
+	}
+	left, _ = cli.Get(ctx, s.previewPrefix(job.ID), clientv3.WithPrefix(), clientv3.WithCountOnly())
 	if left.Count != 0 {
-		t.Fatalf("%d frame preview records left after commit", left.Count)
+		t.Fatalf("%d frame preview records left after DropPreviews", left.Count)
 	}
 }
 

@@ -99,18 +99,25 @@ func (s *Store) renewLeases(ctx context.Context, leases []clientv3.LeaseID, reco
 	return nil
 }
 
-// finishOps delete the task, its claim, its progress and, after the
-// decode stage (which makes them), its frame previews.
+// finishOps delete the task, its claim and its progress. A committed
+// decode's frame previews outlive it a moment (DropPreviews): a client
+// streaming them reads the last one after the commit that ends the job.
 func (s *Store) finishOps(c *Claim) []clientv3.Op {
-	ops := []clientv3.Op{
+	return []clientv3.Op{
 		clientv3.OpDelete(c.Task.Key),
 		clientv3.OpDelete(s.ownKey(c)),
 		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
 	}
-	if _, last := c.Task.Stage.Next(); last {
-		ops = append(ops, clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()))
+}
+
+// DropPreviews deletes job id's frame previews (their records; each
+// holder frees its copy), which its decode's commit left for the streams
+// still reading them; their TTL deletes them if this never runs.
+func (s *Store) DropPreviews(ctx context.Context, id string) error {
+	if _, err := s.cli.Delete(ctx, s.previewPrefix(id), clientv3.WithPrefix()); err != nil {
+		return fmt.Errorf("jobs: drop previews of %s: %w", id, err)
 	}
-	return ops
+	return nil
 }
 
 // update runs a fenced read-modify-write of the claim's job record: mutate
@@ -244,7 +251,8 @@ func (s *Store) dropFinished(ctx context.Context, c *Claim) error {
 	if err != nil {
 		return err
 	}
-	if _, err := s.cli.Txn(ctx).If(fence...).Then(s.finishOps(c)...).Commit(); err != nil {
+	ops := append(s.finishOps(c), clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()))
+	if _, err := s.cli.Txn(ctx).If(fence...).Then(ops...).Commit(); err != nil {
 		return fmt.Errorf("jobs: drop claim: %w", err)
 	}
 	return ErrFinished

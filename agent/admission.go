@@ -6,7 +6,6 @@ package agent
 // (jobs.Fed), which follows each from before the commit that creates it.
 
 import (
-	"slices"
 	"sync"
 
 	"go.uber.org/zap"
@@ -102,12 +101,7 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 		}
 	}
 	adm := a.cfg.Admission
-	n := len(producers)
-	if !slices.Contains(producers, a.id) {
-		n++ // as Quota counts a producer not seen yet
-	}
-	quota := adm.Quota(adm.Budget(credits, n), producers, a.id)
-	ok = adm.Admit(fed+inFlight, quota)
+	ok = adm.Admit(fed+inFlight, adm.Share(credits, producers, a.id))
 	// An agent that relays every output through the Store (store mode)
 	// parks them there, not in its arena or a consumer's: the Store's room
 	// bounds them (fits checks it per task), so it runs ahead of a slow or

@@ -56,13 +56,42 @@ func (a Admission) Budget(downstreamCredits, producers int) int {
 // last one.
 //
 // Every producer gets at least one while the budget is not 0: a pool of
-// more producers than the budget (13 denoise GPUs before one decode GPU
-// with 2 slots) would otherwise leave most of them idle for good. The
-// backlog bound is then one per producer, max(budget, producers); size
-// Slack to the pool where that matters.
+// more producers than the budget would otherwise leave most of them idle
+// for good. The backlog bound is then one per producer, max(budget,
+// producers); PerProducer keeps the budget above that.
 func (a Admission) Quota(budget int, producers []string, self string) int {
-	n := len(producers)
-	rank := 0
+	n, rank := standing(producers, self)
+	return split(budget, n, rank)
+}
+
+// Share is producer self's quota (Quota) of the budget (Budget) over
+// downstreamCredits, the budget's per-producer part counting the
+// producers Quota splits it among.
+func (a Admission) Share(downstreamCredits int, producers []string, self string) int {
+	n, rank := standing(producers, self)
+	return split(a.Budget(downstreamCredits, n), n, rank)
+}
+
+// split is the share of budget of the producer at rank among n.
+func split(budget, n, rank int) int {
+	if n == 0 {
+		return budget
+	}
+	q := budget / n
+	if rank < budget%n {
+		q++
+	}
+	if budget > 0 {
+		q = max(q, 1)
+	}
+	return q
+}
+
+// standing is how many producers share a budget (self counted when the
+// list does not hold it yet) and how many of the others come before self
+// by id.
+func standing(producers []string, self string) (n, rank int) {
+	n = len(producers)
 	found := false
 	for _, p := range producers {
 		switch {
@@ -75,17 +104,7 @@ func (a Admission) Quota(budget int, producers []string, self string) int {
 	if !found {
 		n++
 	}
-	if n == 0 {
-		return budget
-	}
-	q := budget / n
-	if rank < budget%n {
-		q++
-	}
-	if budget > 0 {
-		q = max(q, 1)
-	}
-	return q
+	return n, rank
 }
 
 // Admit reports whether a producer may start one more task, with mine its

@@ -267,7 +267,7 @@ func (s *Store) Drop(ctx context.Context, c *Claim) error {
 	_, err = s.cli.Txn(ctx).If(fence...).Then(
 		clientv3.OpDelete(s.ownKey(c)),
 		clientv3.OpDelete(s.progressKey(c.Task.JobID)),
-		clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()),
+		s.dropPreviews(c.Task.JobID),
 	).Commit()
 	if err != nil {
 		return fmt.Errorf("jobs: drop claim: %w", err)

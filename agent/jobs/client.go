@@ -264,7 +264,7 @@ func (s *Store) Cancel(ctx context.Context, id string) (Job, error) {
 		}
 		ops := []clientv3.Op{
 			clientv3.OpDelete(s.progressKey(id)),
-			clientv3.OpDelete(s.previewPrefix(id), clientv3.WithPrefix()),
+			s.dropPreviews(id),
 		}
 		if rec.TaskKey != "" {
 			ops = append(ops, clientv3.OpDelete(rec.TaskKey))
@@ -474,9 +474,9 @@ func (s *Store) StreamFrames(ctx context.Context, id string, fetch func(context.
 }
 
 // framesUpTo sends, from frames (a watch of a job's previews), every event
-// up to revision rev: it asks etcd for the watches' progress, which it
-// sends after every event below the revision it names, and waits for it
-// at most framesDrain.
+// up to revision rev: it asks etcd for the watches' progress, which etcd
+// reports after every event below the revision it names, and waits for
+// it at most framesDrain.
 func (s *Store) framesUpTo(ctx context.Context, frames clientv3.WatchChan, rev int64, send func([]byte) error) error {
 	ctx, cancel := context.WithTimeout(ctx, framesDrain)
 	defer cancel()
@@ -496,7 +496,9 @@ func (s *Store) framesUpTo(ctx context.Context, frames clientv3.WatchChan, rev i
 					return err
 				}
 			}
-			if wr.Header.Revision >= rev {
+			// Only a progress report vouches for every event below its
+			// revision: an events response's may run ahead of them.
+			if wr.IsProgressNotify() && wr.Header.Revision >= rev {
 				return nil
 			}
 		}

@@ -110,11 +110,17 @@ func (s *Store) finishOps(c *Claim) []clientv3.Op {
 	}
 }
 
-// DropPreviews deletes job id's frame previews (their records; each
-// holder frees its copy), which its decode's commit left for the streams
-// still reading them; their TTL deletes them if this never runs.
+// dropPreviews is the op deleting job id's frame previews (their records;
+// each holder frees its copy).
+func (s *Store) dropPreviews(id string) clientv3.Op {
+	return clientv3.OpDelete(s.previewPrefix(id), clientv3.WithPrefix())
+}
+
+// DropPreviews deletes job id's frame previews, which its decode's commit
+// left for the streams still reading them; their TTL deletes them if this
+// never runs.
 func (s *Store) DropPreviews(ctx context.Context, id string) error {
-	if _, err := s.cli.Delete(ctx, s.previewPrefix(id), clientv3.WithPrefix()); err != nil {
+	if _, err := s.cli.Txn(ctx).Then(s.dropPreviews(id)).Commit(); err != nil {
 		return fmt.Errorf("jobs: drop previews of %s: %w", id, err)
 	}
 	return nil
@@ -251,7 +257,7 @@ func (s *Store) dropFinished(ctx context.Context, c *Claim) error {
 	if err != nil {
 		return err
 	}
-	ops := append(s.finishOps(c), clientv3.OpDelete(s.previewPrefix(c.Task.JobID), clientv3.WithPrefix()))
+	ops := append(s.finishOps(c), s.dropPreviews(c.Task.JobID))
 	if _, err := s.cli.Txn(ctx).If(fence...).Then(ops...).Commit(); err != nil {
 		return fmt.Errorf("jobs: drop claim: %w", err)
 	}

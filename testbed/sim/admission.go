@@ -12,26 +12,33 @@ package sim
 // holds every task in its own queue.
 
 // setQuotas gives each worker of st its share of the next stage's budget,
-// whose workers have one credit each (Admission.Budget over them, then
-// Quota among st's workers; the membership does not change during a run).
+// whose workers have one credit each (Admission.Share; the membership does
+// not change during a run).
 func (s *sim) setQuotas(st *stage, downstream int) {
-	budget := s.cfg.Admission.Budget(downstream, len(st.workers))
 	for _, wk := range st.workers {
-		wk.quota = int32(s.cfg.Admission.Quota(budget, st.names, st.names[wk.idx]))
+		wk.quota = int32(s.cfg.Admission.Share(downstream, st.names, st.names[wk.idx]))
 	}
 }
 
 // admitted reports whether admission lets worker wk of st start a task
 // (routing.Admission.Admit on its own count).
 func (s *sim) admitted(st *stage, wk *worker) bool {
-	if st.i >= 2 || s.central() {
-		return true
-	}
-	mine := wk.committing + wk.fed
+	return !s.admits(st) || s.cfg.Admission.Admit(s.mine(wk), int(wk.quota))
+}
+
+// admits reports whether admission bounds st: a stage with one after it,
+// on the mesh (the central dispatcher holds every task in its queue).
+func (s *sim) admits(st *stage) bool { return st.i < 2 && !s.central() }
+
+// mine is what worker wk counts against its quota: its task running, its
+// commits on their way and the tasks of the next stage they created that
+// are not done.
+func (s *sim) mine(wk *worker) int {
+	n := int(wk.committing + wk.fed)
 	if wk.busy {
-		mine++
+		n++
 	}
-	return s.cfg.Admission.Admit(int(mine), int(wk.quota))
+	return n
 }
 
 // holdBack puts idle worker w, which admission holds back, on st's

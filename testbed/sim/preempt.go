@@ -77,7 +77,7 @@ func (s *sim) preemptDue(t *task) {
 func (s *sim) yielding(st *stage) int32 {
 	for try := 0; try < 64; try++ {
 		w := st.workers[s.rng.IntN(len(st.workers))]
-		if w.busy && w.running != nil && w.running.job.class == routing.Batch && !w.stopping && w.busySince <= s.clk.now-s.cfg.GossipDelay {
+		if s.canPreempt(st, w) && w.busySince <= s.clk.now-s.cfg.GossipDelay {
 			return w.idx
 		}
 	}
@@ -89,15 +89,10 @@ func (s *sim) yielding(st *stage) int32 {
 // rewrite reaches the dispatcher's ledger), and the worker looks at once
 // whether to give way.
 func (s *sim) handedOn(t *task) {
-	st, now := s.st[t.stage], s.clk.now
-	wk := st.workers[t.pushTo]
+	st := s.st[t.stage]
 	t.handedOn = true
-	s.claimLanded(st, t)
-	s.stageEvent(st, 2)
-	if wk.waitPos >= 0 {
-		s.requestWake(st, now) // freed meanwhile: it starts it
-	}
-	s.lookAt(st, wk, now)
+	s.handOverLanded(st, t)
+	s.lookAt(st, st.workers[t.pushTo], s.clk.now)
 }
 
 // canPreempt reports whether worker wk could give way for interactive
@@ -148,8 +143,7 @@ func (s *sim) centralPreempt(st *stage, t *task) bool {
 		}
 	}
 	victims, _ := s.cfg.Queue.Victims([]routing.Candidate{t.candidate("due", "", s.epoch)}, s.due, now)
-	s.dispBusy += s.cfg.DispatchCost
-	s.dispBusyUntil = max(s.clk.now, s.dispBusyUntil) + s.cfg.DispatchCost
+	s.decide()
 	if len(victims) == 0 {
 		return false
 	}
@@ -191,9 +185,7 @@ func (s *sim) stopped(st *stage, w int32, t *task) {
 	t.preempted, t.preemptedAt = true, now
 	t.fromPush, t.pushed, t.handedOn = false, false, false
 	wk.freeAt, wk.running, wk.stopping = now, nil, false
-	wk.busy, wk.idleSince = false, now
-	wk.slotDone(s.epoch.Add(now), false) // a stopped run says nothing of the stage's length
-	wk.slotDone = nil
+	s.release(wk, false)
 	s.preemptions++
 	s.etcd.write(now, 2)
 	s.setFree(st, +1)

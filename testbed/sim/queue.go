@@ -117,6 +117,8 @@ func (q *stageQueue) requeue(t *task) {
 	q.queued++
 }
 
+// insert puts t in its place in key order (its enqueue time), behind the
+// head.
 func (q *stageQueue) insert(t *task) {
 	c := t.job.class
 	s, h := q.byClass[c], q.head[c]

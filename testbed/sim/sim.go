@@ -48,7 +48,6 @@ type worker struct {
 	// slot it took; nil while it runs nothing.
 	book     *routing.SlotBook
 	slotDone func(end time.Time, learn bool)
-	runClass routing.Class // the class of the task it runs, while busy
 	// Admission (mesh, a stage with one after it; agent.admit): quota is
 	// its share of the next stage's budget (routing.Admission.Quota, over
 	// its stage's workers), against which it counts its task running, its
@@ -485,6 +484,18 @@ func (s *sim) claimLanded(st *stage, t *task) {
 	s.lookAt(st, wk, t.pushedAt+s.cfg.Queue.StealGrace)
 }
 
+// handOverLanded is a claim for t's pushTo written by someone other than
+// t's creator (a dispatcher's hand-on, a peer's hand-over) landing: the
+// claim key reaches the worker's inbox and the task key's rewrite its
+// dispatcher's ledger, and a worker free meanwhile starts it.
+func (s *sim) handOverLanded(st *stage, t *task) {
+	s.claimLanded(st, t)
+	s.stageEvent(st, 2)
+	if st.workers[t.pushTo].waitPos >= 0 {
+		s.requestWake(st, s.clk.now)
+	}
+}
+
 // hold counts a claim that w takes (d = 1) or lets go (-1) in the views.
 func (s *sim) hold(st *stage, w *worker, d int32) {
 	was := w.holds == 0
@@ -556,7 +567,7 @@ func (s *sim) giveBackCheck(st *stage, wk *worker) {
 		return // its slot frees at its step's end, and it starts one of them
 	}
 	s.inbox = s.inboxOf(st, wk, s.inbox[:0])
-	canPreempt := wk.busy && wk.runClass == routing.Batch // agent.returnPushes: batchOnly, whatever the stage
+	canPreempt := wk.running != nil && wk.running.job.class == routing.Batch // agent.returnPushes: batchOnly, whatever the stage
 	back, next := s.cfg.Queue.Returns(s.inbox, s.epoch.Add(now), len(st.workers) > 1, canPreempt, wk.book)
 	s.back = s.back[:0]
 	for _, r := range back {
@@ -732,12 +743,7 @@ func (s *sim) pickHint(st *stage) int32 {
 // which is how gossip's queue credit overbooks a worker.
 func (s *sim) roomInGossip(st *stage, w *worker) int {
 	now := s.clk.now
-	seen := 0
-	for _, t := range w.pushed {
-		if t.pushedAt <= now-s.cfg.GossipDelay {
-			seen++
-		}
-	}
+	seen := s.pushesInGossip(w)
 	if w.busy {
 		return w.book.Room(seen, s.cfg.Queue.HoldFor, s.epoch.Add(now))
 	}
@@ -746,6 +752,18 @@ func (s *sim) roomInGossip(st *stage, w *worker) int {
 	n := 0
 	for k := seen; n < routing.MaxRoom && time.Duration(k+1)*st.compute <= s.cfg.Queue.HoldFor; k++ {
 		n++
+	}
+	return n
+}
+
+// pushesInGossip counts the claims pushed to w that gossip has caught up
+// with.
+func (s *sim) pushesInGossip(w *worker) int {
+	n := 0
+	for _, t := range w.pushed {
+		if t.pushedAt <= s.clk.now-s.cfg.GossipDelay {
+			n++
+		}
 	}
 	return n
 }
@@ -987,10 +1005,12 @@ func (s *sim) occupy(wk *worker) {
 	_, wk.slotDone = wk.book.Take("", s.epoch.Add(s.clk.now))
 }
 
-// release is worker wk's slot freed by a task that ran to its end, now.
-func (s *sim) release(wk *worker) {
+// release is worker wk's slot freed by its task, now: learn, when the
+// task ran to its end, so that its slot clock learns how long the stage
+// takes (a stopped run says nothing of that).
+func (s *sim) release(wk *worker, learn bool) {
 	wk.busy, wk.idleSince = false, s.clk.now
-	wk.slotDone(s.epoch.Add(s.clk.now), true)
+	wk.slotDone(s.epoch.Add(s.clk.now), learn)
 	wk.slotDone = nil
 }
 
@@ -999,8 +1019,8 @@ func (s *sim) release(wk *worker) {
 func (s *sim) start(st *stage, w int32, t *task) {
 	now := s.clk.now
 	wk := st.workers[w]
-	wk.runClass, wk.running = t.job.class, t
-	if st.i < 2 && !s.central() && wk.committing+wk.fed+1 > wk.quota && !s.cfg.Admission.Off {
+	wk.running = t
+	if s.admits(st) && !s.cfg.Admission.Off && s.mine(wk) > int(wk.quota) {
 		s.overQuota++ // started past its share (TestAdmissionPerWorker: never)
 	}
 	ready := max(t.avail, wk.freeAt)
@@ -1100,7 +1120,7 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	// The credit goes back now, before the commit (agent.execute): the
 	// worker's loop looks for its next task at once. Admission counts this
 	// task until its commit lands, and the views count its claim.
-	s.release(wk)
+	s.release(wk, true)
 	s.setFree(st, +1)
 	st.committing++
 	wk.committing++
@@ -1115,9 +1135,7 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		// The dispatcher handles the report in turn.
 		if !t.reported {
 			t.reported = true
-			at := max(now, s.dispBusyUntil) + s.cfg.DispatchCost
-			s.dispBusy += s.cfg.DispatchCost
-			s.dispBusyUntil = at
+			at := s.decide()
 			s.clk.at(at, event{kind: evCommitted, stage: int8(st.i), worker: w, task: t})
 			return
 		}
@@ -1170,7 +1188,7 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 	}
 	if s.central() {
 		wk := st.workers[w]
-		s.release(wk)
+		s.release(wk, true)
 		s.setFree(st, +1)
 		s.addWaiting(st, w)
 		s.requestDispatch()
@@ -1219,6 +1237,14 @@ func (s *sim) finish(j *job) {
 	s.queueingBy[j.class].add(j.queueing)
 }
 
+// decide is one decision of the central dispatcher, which takes them one
+// at a time: it returns when the decision is made.
+func (s *sim) decide() time.Duration {
+	s.dispBusy += s.cfg.DispatchCost
+	s.dispBusyUntil = max(s.clk.now, s.dispBusyUntil) + s.cfg.DispatchCost
+	return s.dispBusyUntil
+}
+
 func (s *sim) requestDispatch() {
 	if s.dispPending {
 		return
@@ -1248,9 +1274,7 @@ func (s *sim) dispatch() {
 			t := s.tasks[idIndex(c.ID)]
 			g := st.waiting[len(st.waiting)-1]
 			s.removeWaiting(st, g)
-			at := max(now, s.dispBusyUntil) + s.cfg.DispatchCost
-			s.dispBusy += s.cfg.DispatchCost
-			s.dispBusyUntil = at
+			at := s.decide()
 			s.claim(st, g, t, at, at+s.cfg.NetDelay) // central: no offers
 		}
 		if len(st.waiting) > 0 && st.q.queued > 0 {

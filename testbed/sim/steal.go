@@ -65,21 +65,5 @@ func (s *sim) stolen(st *stage, from, thief *worker, t *task) {
 	thief.stealing = false
 	s.hold(st, from, -1)
 	t.pushTo, t.pushedAt = thief.idx, s.clk.now
-	s.claimLanded(st, t)
-	s.stageEvent(st, 2)
-	if thief.waitPos >= 0 {
-		s.requestWake(st, s.clk.now)
-	}
-}
-
-// pushesInGossip counts the claims pushed to w that gossip has caught up
-// with.
-func (s *sim) pushesInGossip(w *worker) int {
-	n := 0
-	for _, t := range w.pushed {
-		if t.pushedAt <= s.clk.now-s.cfg.GossipDelay {
-			n++
-		}
-	}
-	return n
+	s.handOverLanded(st, t)
 }

@@ -4,7 +4,7 @@
 // code as the agent: the queue order (routing.QueuePolicy.Order), a
 // worker's turn over the claims pushed to it (QueuePolicy.Pick, Returns),
 // preemption (QueuePolicy.Preempt on a mesh worker, Victims for the
-// central dispatcher), admission (routing.Admission.Budget, Quota, Admit:
+// central dispatcher), admission (routing.Admission.Share, Admit:
 // each worker on its own share and its own count, as agent.admit), hints
 // (routing.PickHint) and slot clocks (routing.SlotBook), on modelled
 // etcd latency and capacity, gossip delay and transfer bandwidth, with

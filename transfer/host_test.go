@@ -145,7 +145,13 @@ func TestHalfWrittenTicketStreamsBounded(t *testing.T) {
 	if testing.Short() {
 		t.Skip("opens 3,000 streams")
 	}
-	prod := startService(t, testConfig(t))
+	// The producer's handlers hold their streams until the test has
+	// counted them: with the tests' 2 s I/O timeout, the first ones timed
+	// out while 3,000 streams were still being opened under the race
+	// detector, and the count never reached the limit.
+	cfg := testConfig(t)
+	cfg.IOTimeout = time.Minute
+	prod := startService(t, cfg)
 	cli := newHost(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()

@@ -75,33 +75,8 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	if last || a.cfg.Admission.Off {
 		return true, ""
 	}
-	// This agent's tasks of st in flight: running (this claim has no
-	// credit yet), then done with their commit, which creates their
-	// downstream task, on its way (a task is counted committing before its
-	// credit goes back). Counted before the ledger is read: a commit that
-	// ends meanwhile has added its output there (committedOutput) before
-	// it stops counting here.
-	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
-	fed, synced := a.fed[down].Count()
-	credits := 0
-	var producers []string
-	for _, p := range a.member.Peers() {
-		if !p.Alive {
-			continue
-		}
-		if p.Record.HasRole(string(down)) {
-			n, ok := p.Record.Slots[string(down)]
-			if !ok { // an agent that predates Slots: its free credits
-				n = int(p.Meta.Free.For(string(down)))
-			}
-			credits += n
-		}
-		if p.Record.HasRole(string(st)) {
-			producers = append(producers, p.Record.ID)
-		}
-	}
-	adm := a.cfg.Admission
-	ok = adm.Admit(fed+inFlight, adm.Share(credits, producers, a.id))
+	mine, quota, synced := a.admission(st, down)
+	ok = a.cfg.Admission.Admit(mine, quota)
 	// An agent that relays every output through the Store (store mode)
 	// parks them there, not in its arena or a consumer's: the Store's room
 	// bounds them (fits checks it per task), so it runs ahead of a slow or
@@ -121,4 +96,48 @@ func (a *Agent) admit(st jobs.Stage) (ok bool, down jobs.Stage) {
 	// milliseconds at start) nothing starts, but gossip is not told: a
 	// stage shown held then was still shown held to the first push.
 	return ok && synced, down
+}
+
+// admission is what this node counts against its quota of st's share of
+// the budget of down, the stage after st, and that quota
+// (routing.Admission.Share): its tasks of st in flight (running, then
+// committing) and down's tasks its outputs created that are not done,
+// from its ledger (synced: the ledger has read what an earlier
+// incarnation fed). Counted before the ledger is read: a commit that ends
+// meanwhile has added its output there (committedOutput) before it stops
+// counting here.
+func (a *Agent) admission(st, down jobs.Stage) (mine, quota int, synced bool) {
+	inFlight := a.credits[st].InUse() + int(a.committing[st].Load())
+	fed, synced := a.fed[down].Count()
+	credits := 0
+	var producers []string
+	for _, p := range a.member.Peers() {
+		if !p.Alive {
+			continue
+		}
+		if p.Record.HasRole(string(down)) {
+			n, ok := p.Record.Slots[string(down)]
+			if !ok { // an agent that predates Slots: its free credits
+				n = int(p.Meta.Free.For(string(down)))
+			}
+			credits += n
+		}
+		if p.Record.HasRole(string(st)) {
+			producers = append(producers, p.Record.ID)
+		}
+	}
+	return fed + inFlight, a.cfg.Admission.Share(credits, producers, a.id), synced
+}
+
+// admitRoom is how many more tasks of st admission would let this node
+// start beyond those it counts now, and those in its inbox (-1: no bound,
+// as for the last stage, admission off, or outputs relayed through the
+// Store): the bound on the queue credit it grants (routing.SlotView.Admit).
+func (a *Agent) admitRoom(st jobs.Stage, inbox int) int {
+	down, last := st.Next()
+	if last || a.cfg.Admission.Off || a.cfg.TransferMode == jobs.StoreRelay {
+		return -1
+	}
+	mine, quota, _ := a.admission(st, down)
+	return max(0, quota-mine-inbox)
 }

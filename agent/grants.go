@@ -47,97 +47,94 @@ func (a *Agent) creditReturned(st jobs.Stage, worker string) {
 }
 
 // grantFreed gives this node's free slots of st an owner when task c of
-// it ends (its work done), when the stage takes work (not while draining,
-// held back by admission, or blocked): one party at a time holds a free
-// slot (routing.SlotBook), so that no two pushes meet on it. A task that reached
-// this node through its inbox (every task now: pushed or handed on) gives
-// its dispatcher the credit back from its own ledger once the commit
-// lands (Grants.Return), so the slot is that dispatcher's, for
-// routing.ReturnTTL, and nobody else is granted it meanwhile: granted to
-// another dispatcher too, it was handed two tasks (a 16-GPU bench serve
-// run gave back 0.9 denoise tasks a job). Otherwise grantIdle finds it an
-// owner (the worker's loop calls it when it has nothing to start).
+// it ends (its work done), by routing.GrantFreed: the task's dispatcher,
+// whose ledger gives itself the credit back once it sees the task gone,
+// when the claim reached this node through its inbox (every task now:
+// pushed or handed on); else grantIdle's choice.
 func (a *Agent) grantFreed(st jobs.Stage, c *jobs.Claim) {
-	if a.grantable(st) <= 0 {
-		return
+	d := c.Task.Dispatcher
+	if !c.Pushed || d == a.id || !a.alive(d) {
+		d = ""
 	}
-	if d := c.Task.Dispatcher; c.Pushed && d != "" && d != a.id && a.alive(d) {
-		a.books[st].Promise(d, time.Now(), routing.ReturnTTL)
-		return
-	}
-	a.grantIdle(st, c.Task.Producer())
+	v, records := a.slotView(st, c.Task.Producer())
+	a.grant(st, routing.GrantFreed(v, d, nil), records)
 }
 
-// grantQueue grants this node's queue credit for st (queueCredit: the
-// tasks it would start within the hold after those it has) to one
-// dispatcher gossip shows with tasks of st waiting, fed first, when a task
-// of st starts here: so that while a backlog waits, the next task is in
-// this node's inbox when a slot frees, instead of being handed on only
-// after the slot's grant (a 1-slot denoise of 3 ms tasks idled about a
-// millisecond a task for that round trip). The grant says how things
-// stand, so a dispatcher granted again holds the new figure, not the sum.
+// grantQueue grants this node's queue credit for st when a task of it
+// starts (routing.GrantQueue) to a dispatcher gossip shows with tasks of
+// st waiting, fed first.
 func (a *Agent) grantQueue(st jobs.Stage, fed string) {
-	if !a.takingWork(st) {
-		return
-	}
-	room := a.queueCredit(st)
-	if room <= 0 {
-		return
-	}
-	waiting, _, records := a.grantees(st)
-	if to := routing.GrantTo(waiting, fed, nil); to != "" {
-		a.sendGrant(records[to], st, room, grantWaitingTTL)
+	v, records := a.slotView(st, fed)
+	if g := routing.GrantQueue(v, nil); g.To != "" {
+		a.sendGrant(records[g.To], st, g.Free, g.TTL)
 	}
 }
 
 // grantIdle gives this node's free slots of st an owner unless they have
-// one (a promise that holds), and returns when that owner's hold lapses
-// (zero: none made): to one dispatcher gossip shows with tasks of st
-// waiting (fed, the producer of the task that just ended, first), which
-// hands it a task at once, else, ahead of work, to one producer of the
-// stage before for its next push (routing.GrantTo: fed, else one at
-// random). A dispatcher hands waiting work on only against such a grant.
-// A worker whose loop finds nothing to start calls it, so an owner that
-// let its hold lapse unspent is replaced then.
+// one (routing.GrantIdle: fed, the producer of the task that just ended,
+// first), and returns when the owner's hold lapses (zero: none). A
+// dispatcher hands waiting work on only against such a grant. A worker
+// whose loop finds nothing to start calls it, and again at every change
+// of gossip, so an owner that let its hold lapse unspent is replaced.
 func (a *Agent) grantIdle(st jobs.Stage, fed string) time.Time {
-	free := a.grantable(st)
-	if free <= 0 {
+	if _, until := a.books[st].Promised(time.Now()); !until.IsZero() {
+		return until // kept until it lapses; no need to look at gossip
+	}
+	v, records := a.slotView(st, fed)
+	return a.grant(st, routing.GrantIdle(v, nil), records)
+}
+
+// grant promises this node's free slots of st by g (none for a zero g),
+// sends g unless its holder's ledger returns it, and returns when the
+// promise lapses.
+func (a *Agent) grant(st jobs.Stage, g routing.SlotGrant, records map[string]gossip.NodeRecord) time.Time {
+	if g.To == "" {
 		return time.Time{}
 	}
-	now := time.Now()
-	if to, until := a.books[st].Promised(now); to != "" {
-		return until
+	until := a.books[st].Promise(g, time.Now())
+	if !g.Returned {
+		a.sendGrant(records[g.To], st, g.Free, g.TTL)
 	}
-	waiting, producers, records := a.grantees(st)
-	to, ttl := routing.GrantTo(producers, fed, nil), routing.GrantTTL
-	if len(waiting) > 0 {
-		to, ttl = routing.GrantTo(waiting, fed, nil), grantWaitingTTL
-		free += a.queueCredit(st)
-	}
-	if to == "" {
-		return time.Time{}
-	}
-	until := a.books[st].Promise(to, now, ttl)
-	a.sendGrant(records[to], st, free, ttl)
 	return until
 }
 
-// grantWaitingTTL is how long a slot granted to a dispatcher with work
-// waiting is its: it hands a task on at once, or the slot goes to another
-// soon.
-const grantWaitingTTL = routing.GrantTTL / 4
+// slotView is what this node knows when it grants its slots of st
+// (routing.SlotView), fed being the producer of the task that just ended
+// (or ""), and the grantees' node records.
+func (a *Agent) slotView(st jobs.Stage, fed string) (routing.SlotView, map[string]gossip.NodeRecord) {
+	v := routing.SlotView{Free: a.grantable(st), Admit: -1}
+	if a.takingWork(st) {
+		v.Queue = a.queueCredit(st)
+		v.Admit = a.admitRoom(st, a.inboxWaiting(st))
+	}
+	v.Owner, _ = a.books[st].Promised(time.Now())
+	var records map[string]gossip.NodeRecord
+	v.Waiting, v.Producers, records = a.grantees(st)
+	if _, ok := records[fed]; ok {
+		v.Fed = fed
+	}
+	return v, records
+}
 
-// queueCredit is how many tasks of st beyond its free slots this node
-// would start soon enough to keep (routing.SlotBook.Room): a dispatcher with work
-// waiting is granted them with the free slots, so that the next task is in
-// this node's inbox when a slot frees, not handed on only then (a 1-slot
-// denoise of 3 ms tasks idled about a millisecond a task for the hand-on).
+// queueCredit is how many tasks of st beyond its free slots and the
+// claims in its inbox this node would start soon enough to keep
+// (routing.SlotBook.Room): a dispatcher with work waiting is granted them
+// with the free slots, so that the next task is in this node's inbox when
+// a slot frees, not handed on only then (a 1-slot denoise of 3 ms tasks
+// idled about a millisecond a task for the hand-on).
 func (a *Agent) queueCredit(st jobs.Stage) int {
-	q := a.inboxes[st]
-	if q == nil {
+	if a.inboxes[st] == nil {
 		return 0
 	}
-	return a.books[st].Room(q.Waiting(a.member.Lease()), a.cfg.Queue.HoldFor, time.Now())
+	return a.books[st].Room(a.inboxWaiting(st), a.cfg.Queue.HoldFor, time.Now())
+}
+
+// inboxWaiting is how many claims of st wait in this node's inbox.
+func (a *Agent) inboxWaiting(st jobs.Stage) int {
+	if q := a.inboxes[st]; q != nil {
+		return q.Waiting(a.member.Lease())
+	}
+	return 0
 }
 
 // grantable is how many slots of st this node may grant now: its free

@@ -26,6 +26,124 @@ const GrantTTL = 2 * time.Second
 // that long.
 const ReturnTTL = 500 * time.Millisecond
 
+// WaitingTTL is how long a slot granted to a dispatcher with work waiting
+// is its: it hands a task on at once, or the slot goes to another soon.
+const WaitingTTL = GrantTTL / 4
+
+// SlotGrant is a worker's grant of its slots of one stage: To holds Free
+// credits of them for TTL. Returned: To is the dispatcher whose task just
+// freed the slot, whose own ledger gives the credit back when it sees the
+// task gone (Grants.Return), so no message is sent. The zero SlotGrant is
+// none.
+type SlotGrant struct {
+	To       string
+	Free     int
+	TTL      time.Duration
+	Returned bool
+}
+
+// SlotView is what a worker knows when it decides who owns its slots of
+// one stage (GrantFreed, GrantIdle, GrantQueue): the agent builds it from
+// its credits, its SlotBook and gossip, the simulator from its model.
+type SlotView struct {
+	// Free is how many slots it may grant: its free ones, while the stage
+	// takes work (not draining, held back by admission or blocked).
+	Free int
+	// Queue is its queue credit: the tasks beyond its free slots and the
+	// claims in its inbox that it would start within the hold
+	// (SlotBook.Room); 0 while the stage takes no work.
+	Queue int
+	// Admit is how many more tasks admission would let it start beyond
+	// those it counts now (its quota less what it counts,
+	// Admission.Admit); -1 for no bound (the last stage, admission off).
+	Admit int
+	// Owner is the grant its free slots are promised by now
+	// (SlotBook.Promised); the zero SlotGrant for none.
+	Owner SlotGrant
+	// Waiting are the dispatchers gossip shows with tasks of the stage
+	// waiting, Producers the workers of the stage before: live members
+	// other than itself.
+	Waiting, Producers []string
+	// Fed is the producer of the task that just ended, when it is one of
+	// Waiting or Producers (the caller checks; Producers may be long);
+	// "" otherwise.
+	Fed string
+}
+
+// GrantFreed decides who owns the slot a task just freed. dispatcher is
+// the task's dispatcher when its claim reached this worker through its
+// inbox (pushed, or handed on), and it is another live member; "" else.
+// The slot is that dispatcher's for ReturnTTL: its ledger gives it the
+// credit back once it sees the task gone, with no message, and nobody
+// else is granted the slot meanwhile (granted to another dispatcher too, a
+// slot was handed two tasks: a 16-GPU bench serve run gave back 0.9
+// denoise tasks a job). Otherwise GrantIdle decides.
+func GrantFreed(v SlotView, dispatcher string, rng *rand.Rand) SlotGrant {
+	if v.Free <= 0 {
+		return SlotGrant{}
+	}
+	if dispatcher != "" {
+		return SlotGrant{To: dispatcher, Free: v.Free, TTL: ReturnTTL, Returned: true}
+	}
+	return GrantIdle(v, rng)
+}
+
+// GrantIdle decides who owns a worker's free slots that have no owner: a
+// dispatcher gossip shows with work waiting (Fed first, else one at
+// random: GrantTo) is granted the free slots and the queue credit, for
+// WaitingTTL, and hands tasks on at once; else one producer of the stage
+// before (Fed first, else one at random) is granted them ahead of work,
+// for GrantTTL, for its next push. An owner keeps the slots until its
+// promise lapses, even while a dispatcher's work waits: taking slots
+// granted ahead of work back for it made every idle worker of the stage
+// send a grant and a revoke when one task started to wait, for 5% off the
+// queueing of a simulated 1,000-GPU mesh (docs/benchmarks.md). The zero
+// SlotGrant: the slots keep their owner, or there is nobody to grant them
+// to.
+func GrantIdle(v SlotView, rng *rand.Rand) SlotGrant {
+	if v.Free <= 0 || v.Owner.To != "" {
+		return SlotGrant{}
+	}
+	if len(v.Waiting) > 0 {
+		return SlotGrant{To: GrantTo(v.Waiting, v.Fed, rng), Free: v.Free + v.queue(v.Free), TTL: WaitingTTL}
+	}
+	to := v.Fed
+	if to == "" {
+		to = GrantTo(v.Producers, "", rng)
+	}
+	if to == "" {
+		return SlotGrant{}
+	}
+	return SlotGrant{To: to, Free: v.Free, TTL: GrantTTL}
+}
+
+// GrantQueue decides who is granted a worker's queue credit when a task
+// starts there: one dispatcher gossip shows with work waiting (Fed first),
+// so that while a backlog waits, the next task is in the worker's inbox
+// when a slot frees, instead of being handed on only after the slot's
+// grant (a 1-slot denoise of 3 ms tasks idled about a millisecond a task
+// for that round trip). It promises no free slot. The grant says how
+// things stand, so a dispatcher granted again holds the new figure, not
+// the sum.
+func GrantQueue(v SlotView, rng *rand.Rand) SlotGrant {
+	q := v.queue(0)
+	if q <= 0 || len(v.Waiting) == 0 {
+		return SlotGrant{}
+	}
+	return SlotGrant{To: GrantTo(v.Waiting, v.Fed, rng), Free: q, TTL: WaitingTTL}
+}
+
+// queue is the queue credit a worker grants beside free slots: no more
+// than admission would let it start after them (a claim handed on beyond
+// that waits for the tasks this worker fed, and is given back: a
+// simulated 16-GPU Wan mesh at a slack of 1 gave back a third of them).
+func (v SlotView) queue(free int) int {
+	if v.Admit < 0 {
+		return v.Queue
+	}
+	return max(0, min(v.Queue, v.Admit-free))
+}
+
 // GrantTo chooses the one producer a worker's free slots are granted to
 // ahead of work, among producers: fed (the producer of the task that just
 // ended, if it is among them: affinity, it most likely has the next),

@@ -84,3 +84,86 @@ func TestGrantsReturn(t *testing.T) {
 		t.Fatalf("a return still holds %d after ReturnTTL", n)
 	}
 }
+
+// Who owns a worker's free slots: the dispatcher whose task freed it, by
+// its own ledger; else a dispatcher with work waiting, with the queue
+// credit, briefly; else one producer ahead of work. An owner keeps them
+// until its promise lapses.
+func TestGrantDecisions(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 4))
+	idle := SlotView{Free: 1, Queue: 2, Admit: -1, Producers: []string{"enc-0", "enc-1"}, Fed: "enc-1"}
+
+	if g, want := GrantFreed(idle, "enc-0", rng), (SlotGrant{To: "enc-0", Free: 1, TTL: ReturnTTL, Returned: true}); g != want {
+		t.Fatalf("a pushed task's end: %+v; want %+v", g, want)
+	}
+	if g, want := GrantFreed(idle, "", rng), (SlotGrant{To: "enc-1", Free: 1, TTL: GrantTTL}); g != want {
+		t.Fatalf("a claimed task's end, nobody waiting: %+v; want %+v (its producer, ahead of work)", g, want)
+	}
+	if g := GrantFreed(SlotView{Producers: idle.Producers}, "enc-0", rng); g.To != "" {
+		t.Fatalf("no slot to grant (held back by admission), yet granted %+v", g)
+	}
+	seen := map[string]int{}
+	anyone := idle
+	anyone.Fed = ""
+	for range 200 {
+		seen[GrantIdle(anyone, rng).To]++
+	}
+	if seen["enc-0"] < 60 || seen["enc-1"] < 60 {
+		t.Fatalf("no feeder: producers granted %v times of 200, want each about half", seen)
+	}
+
+	waiting := idle
+	waiting.Waiting = []string{"enc-0", "api-3"}
+	waiting.Fed = "" // the producer is not waiting
+	if g := GrantIdle(waiting, rng); g.To == "" || g.Free != 3 || g.TTL != WaitingTTL || g.Returned {
+		t.Fatalf("work waiting: %+v; want a waiting dispatcher granted the slot and the queue credit for WaitingTTL", g)
+	}
+	waiting.Fed = "api-3"
+	if g := GrantIdle(waiting, rng); g.To != "api-3" {
+		t.Fatalf("work waiting at the fed dispatcher: granted %q", g.To)
+	}
+	for _, owner := range []SlotGrant{
+		{To: "enc-1", Free: 1, TTL: GrantTTL},                  // a producer's, ahead of work
+		{To: "enc-0", Free: 1, TTL: WaitingTTL},                // a waiting dispatcher's
+		{To: "enc-0", Free: 1, TTL: ReturnTTL, Returned: true}, // its ledger returns it
+	} {
+		held := waiting
+		held.Owner = owner
+		if g := GrantIdle(held, rng); g.To != "" {
+			t.Fatalf("owner %+v: granted %+v; want it kept", owner, g)
+		}
+	}
+
+	// Queue credit goes to a dispatcher with work waiting, and only then.
+	if g := GrantQueue(idle, rng); g.To != "" {
+		t.Fatalf("nobody waiting: queue credit granted to %q", g.To)
+	}
+	if g := GrantQueue(waiting, rng); g.To != "api-3" || g.Free != 2 || g.TTL != WaitingTTL {
+		t.Fatalf("queue credit: %+v; want 2 to api-3 for WaitingTTL", g)
+	}
+	if g := GrantQueue(SlotView{Waiting: waiting.Waiting}, rng); g.To != "" {
+		t.Fatalf("no queue credit, yet granted %+v", g)
+	}
+}
+
+// Queue credit goes no further than admission would let the worker start:
+// a claim handed on beyond that waits for the tasks the worker fed.
+func TestQueueCreditWithinAdmission(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	v := SlotView{Queue: 3, Admit: 1, Waiting: []string{"d"}}
+	if g := GrantQueue(v, rng); g.Free != 1 {
+		t.Fatalf("queue credit 3, admission room 1: granted %d", g.Free)
+	}
+	v.Admit = 0
+	if g := GrantQueue(v, rng); g.To != "" {
+		t.Fatalf("no admission room, yet granted %+v", g)
+	}
+	v.Admit = -1
+	if g := GrantQueue(v, rng); g.Free != 3 {
+		t.Fatalf("admission unbounded: granted %d of queue credit 3", g.Free)
+	}
+	idle := SlotView{Free: 1, Queue: 3, Admit: 2, Waiting: []string{"d"}}
+	if g := GrantIdle(idle, rng); g.Free != 2 {
+		t.Fatalf("a free slot, admission room 2: granted %d, want the slot and one more", g.Free)
+	}
+}

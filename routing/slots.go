@@ -10,12 +10,12 @@ import (
 // (Credits) do not: to whom its free slots are promised, and when its busy
 // slots should free. It is safe for concurrent use.
 //
-// A free slot has one owner at a time (the agent's grants.go decides
+// A free slot has one owner at a time (GrantFreed and GrantIdle decide
 // who: the dispatcher of the task that just ended, a dispatcher with work
-// waiting, or a producer ahead of work, GrantTo), for a while (Promise):
-// one party per slot is what keeps two tasks off one slot. A slot taken by
-// a task from anyone but its owner ends the promise, and the owner is to
-// be told (Take).
+// waiting, or a producer ahead of work), for a while (Promise): one party
+// per slot is what keeps two tasks off one slot. A slot taken by a task
+// from anyone but its owner ends the promise, and the owner is to be told
+// (Take).
 //
 // When a busy slot frees is estimated from how long the worker's tasks of
 // the stage have held a slot, so that a claim pushed to a busy worker is
@@ -23,7 +23,7 @@ import (
 // offers queue credit (Room).
 type SlotBook struct {
 	mu    sync.Mutex
-	to    string    // the owner the free slots are promised to; "" for none
+	owner SlotGrant // whom the free slots are promised to; To "" for none
 	until time.Time // when the promise lapses
 	mean  time.Duration
 	busy  map[uint64]time.Time // slots taken, by token: when each was taken
@@ -38,24 +38,24 @@ const slotMeanWeight = 8
 // NewSlotBook returns a book with no promise and no history.
 func NewSlotBook() *SlotBook { return &SlotBook{busy: map[uint64]time.Time{}} }
 
-// Promise promises the free slots to to from now for ttl, and returns
-// when that lapses.
-func (b *SlotBook) Promise(to string, now time.Time, ttl time.Duration) time.Time {
+// Promise promises the free slots to g.To from now for g.TTL, and
+// returns when that lapses.
+func (b *SlotBook) Promise(g SlotGrant, now time.Time) time.Time {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.to, b.until = to, now.Add(ttl)
+	b.owner, b.until = g, now.Add(g.TTL)
 	return b.until
 }
 
-// Promised is the owner the free slots are promised to at now, and
-// when that lapses; "" when they are not.
-func (b *SlotBook) Promised(now time.Time) (string, time.Time) {
+// Promised is the grant the free slots are promised by at now, and when
+// it lapses; the zero SlotGrant when they are not promised.
+func (b *SlotBook) Promised(now time.Time) (SlotGrant, time.Time) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.to == "" || !now.Before(b.until) {
-		return "", time.Time{}
+	if b.owner.To == "" || !now.Before(b.until) {
+		return SlotGrant{}, time.Time{}
 	}
-	return b.to, b.until
+	return b.owner, b.until
 }
 
 // Take records a slot taken at now by a task that from pushed or handed
@@ -67,10 +67,10 @@ func (b *SlotBook) Promised(now time.Time) (string, time.Time) {
 func (b *SlotBook) Take(from string, now time.Time) (revoke string, done func(end time.Time, learn bool)) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.to != "" && now.Before(b.until) && b.to != from {
-		revoke = b.to
+	if to := b.owner.To; to != "" && now.Before(b.until) && to != from {
+		revoke = to
 	}
-	b.to = ""
+	b.owner = SlotGrant{}
 	tok := b.next
 	b.next++
 	b.busy[tok] = now

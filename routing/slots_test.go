@@ -10,32 +10,33 @@ import (
 func TestSlotBookPromise(t *testing.T) {
 	b := NewSlotBook()
 	now := time.Unix(1000, 0)
-	if to, _ := b.Promised(now); to != "" {
-		t.Fatalf("a new book promised its slots to %q", to)
+	ahead := SlotGrant{To: "enc-1", Free: 1, TTL: GrantTTL}
+	if g, _ := b.Promised(now); g.To != "" {
+		t.Fatalf("a new book promised its slots to %q", g.To)
 	}
-	b.Promise("enc-1", now, GrantTTL)
-	if to, until := b.Promised(now.Add(time.Second)); to != "enc-1" || !until.Equal(now.Add(GrantTTL)) {
-		t.Fatalf("promised to %q until %v, want enc-1 until %v", to, until, now.Add(GrantTTL))
+	b.Promise(ahead, now)
+	if g, until := b.Promised(now.Add(time.Second)); g != ahead || !until.Equal(now.Add(GrantTTL)) {
+		t.Fatalf("promised by %+v until %v, want %+v until %v", g, until, ahead, now.Add(GrantTTL))
 	}
-	if to, _ := b.Promised(now.Add(GrantTTL)); to != "" {
-		t.Fatalf("a lapsed promise still held, to %q", to)
+	if g, _ := b.Promised(now.Add(GrantTTL)); g.To != "" {
+		t.Fatalf("a lapsed promise still held, to %q", g.To)
 	}
 
-	b.Promise("enc-1", now, GrantTTL)
+	b.Promise(ahead, now)
 	revoke, done := b.Take("enc-1", now.Add(time.Millisecond))
 	if revoke != "" {
 		t.Fatalf("the holder's own push spent the promise, yet %q is to be told", revoke)
 	}
-	if to, _ := b.Promised(now.Add(time.Millisecond)); to != "" {
-		t.Fatalf("a spent promise still held, to %q", to)
+	if g, _ := b.Promised(now.Add(time.Millisecond)); g.To != "" {
+		t.Fatalf("a spent promise still held, to %q", g.To)
 	}
 	done(now.Add(time.Second), true)
 
-	b.Promise("enc-1", now.Add(2*time.Second), GrantTTL)
+	b.Promise(ahead, now.Add(2*time.Second))
 	if revoke, _ := b.Take("enc-2", now.Add(2*time.Second)); revoke != "enc-1" {
 		t.Fatalf("a slot taken by another's task: revoke %q, want enc-1", revoke)
 	}
-	b.Promise("enc-1", now, GrantTTL)
+	b.Promise(ahead, now)
 	if revoke, _ := b.Take("enc-2", now.Add(GrantTTL)); revoke != "" {
 		t.Fatalf("a lapsed promise needs no revoke, got %q", revoke)
 	}

@@ -62,9 +62,7 @@ func (s *sim) unhold(st *stage, w int32) {
 	st.heldBack = st.heldBack[:len(st.heldBack)-1]
 	wk.held, wk.heldPos, wk.heldTo = false, -1, s.clk.now
 	s.addWaiting(st, w)
-	if wk.grantUntil <= s.clk.now {
-		s.grantSlot(st, w, -1)
-	}
+	s.grantSlot(st, w, -1)
 }
 
 // fedDone is mesh task t of st done (its key deleted by its commit): its

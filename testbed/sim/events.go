@@ -8,23 +8,25 @@ import (
 type evKind uint8
 
 const (
-	evArrive     evKind = iota // a job arrives at an agent's API (or the dispatcher)
-	evEnqueue                  // its first task is in the queue (mesh: the submit txn landed)
-	evWake                     // mesh: a stage's waiting workers wake from their watch
-	evClaimed                  // mesh: a worker's claim landed, or it took a pushed one / central: a GPU got its assignment
-	evDone                     // a stage's compute finished; the commit (or report) starts
-	evCommitted                // mesh: the commit landed / central: the dispatcher took the report
-	evDispatch                 // central: the dispatcher assigns queued tasks to free GPUs
-	evTick                     // each simulated second: per-agent background etcd traffic
-	evGiveBack                 // mesh: a pushed claim's worker looks whether to give it back
-	evRequeued                 // mesh: a pushed claim's give-back landed
-	evGrantEnds                // mesh: a free worker's grant of its slot to a producer runs out
-	evOffered                  // mesh: a pushed claim's offer reached its worker, ahead of its write
-	evPreemptDue               // a queued interactive denoise task has waited PreemptAfter
-	evHandedOn                 // mesh: a dispatcher's hand-on of a due task to a worker that gives way landed
-	evStopped                  // a preempted task stopped at its step's end, checkpointed
-	evStealAsked               // Config.Steal: an idle worker's request for a claim reached its peer
-	evStolen                   // Config.Steal: the peer's hand-over of a claim to it landed
+	evArrive      evKind = iota // a job arrives at an agent's API (or the dispatcher)
+	evEnqueue                   // its first task is in the queue (mesh: the submit txn landed)
+	evWake                      // mesh: a stage's waiting workers wake from their watch
+	evClaimed                   // mesh: a worker's claim landed, or it took a pushed one / central: a GPU got its assignment
+	evDone                      // a stage's compute finished; the commit (or report) starts
+	evCommitted                 // mesh: the commit landed / central: the dispatcher took the report
+	evDispatch                  // central: the dispatcher assigns queued tasks to free GPUs
+	evTick                      // each simulated second: per-agent background etcd traffic
+	evGiveBack                  // mesh: a pushed claim's worker looks whether to give it back
+	evRequeued                  // mesh: a pushed claim's give-back landed
+	evGrantEnds                 // mesh: a free worker's promise of its slot runs out
+	evWaitingSeen               // mesh: gossip shows a stage's dispatchers with work waiting
+	evAssigned                  // mesh: a dispatcher's hand-on against queue credit landed in a busy worker's inbox
+	evOffered                   // mesh: a pushed claim's offer reached its worker, ahead of its write
+	evPreemptDue                // a queued interactive denoise task has waited PreemptAfter
+	evHandedOn                  // mesh: a dispatcher's hand-on of a due task to a worker that gives way landed
+	evStopped                   // a preempted task stopped at its step's end, checkpointed
+	evStealAsked                // Config.Steal: an idle worker's request for a claim reached its peer
+	evStolen                    // Config.Steal: the peer's hand-over of a claim to it landed
 )
 
 // event is one scheduled happening. seq breaks ties in scheduling order, so

@@ -65,6 +65,7 @@ func (s *sim) preemptDue(t *task) {
 	}
 	t.claimed, t.pushTo, t.pushedAt, t.hint = true, w, now, w
 	st.q.queued--
+	s.queueChanged(st)
 	s.etcd.write(now, 1) // jobs.Store.Assign: the claim for w
 	s.claimTxns++
 	s.handOns++
@@ -176,14 +177,14 @@ func (s *sim) stopped(st *stage, w int32, t *task) {
 	now := s.clk.now
 	wk := st.workers[w]
 	s.computed(t.runStart, now)
-	if !t.fromPush || t.handedOn {
+	if !t.fromPush || t.byDispatcher() {
 		s.stoppedClaimed++
 	}
 	t.left = t.runEnd - now
 	t.run++ // its end is not coming
 	t.avail = now
 	t.preempted, t.preemptedAt = true, now
-	t.fromPush, t.pushed, t.handedOn = false, false, false
+	t.fromPush, t.pushed, t.handedOn, t.assigned = false, false, false, false
 	wk.freeAt, wk.running, wk.stopping = now, nil, false
 	s.release(wk, false)
 	s.preemptions++

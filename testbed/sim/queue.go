@@ -64,14 +64,22 @@ type task struct {
 	// resumed from the checkpoint it stopped at. preemptedAt is when it
 	// was last stopped (preempted: ever), which routing counts
 	// (Candidate.Preempted). handedOn: its claim was a dispatcher's
-	// hand-on to a worker that gives way, not its creator's push.
+	// hand-on to a worker that gives way, not its creator's push;
+	// assigned: a dispatcher's hand-on against queue credit (assignQueued).
 	run              uint32
 	runStart, runEnd time.Duration
 	left             time.Duration
 	preempted        bool
 	preemptedAt      time.Duration
 	handedOn         bool
+	assigned         bool
 }
+
+// byDispatcher reports whether t's claim in its worker's inbox was a
+// dispatcher's hand-on, not written with the record by its creator: its
+// producer checks the claim before it issues a ticket, and its commit
+// reads the job record first.
+func (t *task) byDispatcher() bool { return t.handedOn || t.assigned }
 
 // candidate is t as routing sees it (scan names the tasks it lists by
 // index, inboxOf the claims by place).
@@ -147,35 +155,22 @@ func (q *stageQueue) compact(c int) {
 	q.byClass[c], q.head[c] = s, h
 }
 
-// scan is what a worker's queue view (jobs.Queue.Pending) offers: the
-// unclaimed tasks, here the oldest perClass of each class
-// (Config.ScanPerClass) and the newest tailPerClass, where a task hinted
-// to a worker now waking sits (its producer enqueued it just now), so the
-// hinted worker still finds it first (routing: own hinted work first
-// among equals).
-func (q *stageQueue) scan(perClass int, epoch time.Time, names []string, cands []routing.Candidate, tasks []*task) ([]routing.Candidate, []*task) {
+// scan is what the dispatchers' ledgers offer: the unclaimed tasks, here
+// the oldest perClass of each class (Config.ScanPerClass), in key order
+// (a task given back or stopped keeps its place). A dispatcher leaves
+// hints out of its order (the worker one names matters only among that
+// worker's own claims), so none is given.
+func (q *stageQueue) scan(perClass int, epoch time.Time, cands []routing.Candidate, tasks []*task) ([]routing.Candidate, []*task) {
 	cands, tasks = cands[:0], tasks[:0]
 	add := func(t *task) {
-		hint := ""
-		if t.hint >= 0 {
-			hint = names[t.hint]
-		}
-		cands = append(cands, t.candidate(indexID(len(tasks)), hint, epoch))
+		cands = append(cands, t.candidate(indexID(len(tasks)), "", epoch))
 		tasks = append(tasks, t)
 	}
 	for c := range q.byClass {
 		q.compact(c)
 		s := q.byClass[c]
-		i, n := q.head[c], 0
-		for ; i < len(s) && n < perClass; i++ {
+		for i, n := q.head[c], 0; i < len(s) && n < perClass; i++ {
 			if t := s[i]; !t.gone && !t.claimed {
-				add(t)
-				n++
-			}
-		}
-		n = 0
-		for j := len(s) - 1; j >= i && n < tailPerClass; j-- {
-			if t := s[j]; !t.gone && !t.claimed {
 				add(t)
 				n++
 			}
@@ -183,9 +178,6 @@ func (q *stageQueue) scan(perClass int, epoch time.Time, names []string, cands [
 	}
 	return cands, tasks
 }
-
-// tailPerClass is how many of each class's newest tasks a scan adds.
-const tailPerClass = 8
 
 var indexIDs = func() []string {
 	s := make([]string, 4096)

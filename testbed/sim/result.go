@@ -59,6 +59,13 @@ type Result struct {
 	// Steals counts the claims idle workers took from busy ones
 	// (Config.Steal, a proposal; 0 otherwise).
 	Steals uint64 `json:"steals,omitempty"`
+	// QueueCreditHandOns counts the waiting tasks dispatchers handed to
+	// busy workers against their queue credit (routing.GrantQueue), each
+	// one claim txn.
+	QueueCreditHandOns uint64 `json:"queue_credit_hand_ons"`
+	// GrantMessagesPerJob is the credit grants workers sent
+	// (libp2p messages, no etcd op), per job.
+	GrantMessagesPerJob float64 `json:"grant_messages_per_job"`
 
 	EtcdWritesPerJob  float64 `json:"etcd_writes_per_job"`
 	EtcdReadsPerJob   float64 `json:"etcd_reads_per_job"`
@@ -112,7 +119,7 @@ func (s *sim) result(wall time.Duration) Result {
 		Submitted: s.submitted, Completed: s.completed, Unfinished: s.submitted - s.completed,
 		JobsPerSec: float64(s.completedInWindow) / cfg.Duration.Seconds(),
 		ClaimTxns:  s.claimTxns, Conflicts: s.conflicts, GiveBacks: s.giveBacks,
-		GiveBacksByStage: s.giveBacksBy, HeldGiveBacks: s.heldGiveBacks, Preemptions: s.preemptions, Steals: s.steals,
+		GiveBacksByStage: s.giveBacksBy, HeldGiveBacks: s.heldGiveBacks, Preemptions: s.preemptions, Steals: s.steals, QueueCreditHandOns: s.assigns,
 		SimSeconds: s.clk.now.Seconds(), Events: s.clk.count, WallSeconds: wall.Seconds(),
 		Utilisation: s.busy.Seconds() / (float64(cfg.GPUs) * cfg.Duration.Seconds()),
 		QueueP50Ms:  ms(s.queueing.quantile(0.50)),
@@ -129,6 +136,7 @@ func (s *sim) result(wall time.Duration) Result {
 		r.ConflictsPerJob = float64(s.conflicts) / n
 		r.GiveBacksPerJob = float64(s.giveBacks) / n
 		r.PreemptionsPerJob = float64(s.preemptions) / n
+		r.GrantMessagesPerJob = float64(s.grantMsgs) / n
 		r.EtcdWritesPerJob = float64(s.etcd.writes) / n
 		r.EtcdReadsPerJob = float64(s.etcd.reads) / n
 		r.EtcdWatchesPerJob = float64(s.etcd.watches) / n

@@ -38,14 +38,16 @@ type worker struct {
 	// a pushed claim), -1 when not there.
 	pushed   []*task
 	readyPos int32
-	// grantTo is the producer (the previous stage's worker) its free slot
-	// is granted to until grantUntil (agent/grants.go): only that producer
-	// pushes to it against the grant. -1: none.
+	// grantTo is the producer (the previous stage's worker) whose ledger
+	// holds a credit of its free slot until grantUntil (a grant, or a
+	// credit returned, grants.go): only that producer pushes to it against
+	// it. -1: none.
 	grantTo    int32
 	grantUntil time.Duration
-	// book is its slot clock, the agent's (routing.SlotBook): when its
-	// busy slot should free, learnt from its tasks. slotDone frees the
-	// slot it took; nil while it runs nothing.
+	// book is its slot book, the agent's (routing.SlotBook): to whom its
+	// free slot is promised, and when its busy slot should free, learnt
+	// from its tasks. slotDone frees the slot it took; nil while it runs
+	// nothing.
 	book     *routing.SlotBook
 	slotDone func(end time.Time, learn bool)
 	// Admission (mesh, a stage with one after it; agent.admit): quota is
@@ -65,6 +67,8 @@ type worker struct {
 	running  *task
 	stopping bool
 	stealing bool // Config.Steal: its request for a claim is on its way
+	toDisp   bool // in its stage's toDisp list
+	unowned  bool // in its stage's unowned list
 	// lookAt is when it looks next over the claims pushed to it
 	// (giveBackCheck), -1 for no look due.
 	lookAt time.Duration
@@ -80,6 +84,16 @@ type stage struct {
 	// heldBack: mesh, idle workers admission holds back (worker.held).
 	heldBack []int32
 	ready    []int32 // mesh: waiting workers that hold a pushed claim
+	// toDisp: mesh, workers that granted their slot to the dispatchers
+	// (worker.toDisp), some of which may since have started work or let
+	// the promise lapse (grantedTo drops them).
+	toDisp []int32
+	// unowned: mesh, waiting workers that found nobody to grant their
+	// slot to (grantSlot), some of which may since have one.
+	unowned []int32
+	// settleAt: mesh, when the next waiting worker gossip shows free
+	// settles (handOn), -1 when not known.
+	settleAt time.Duration
 	q        stageQueue
 	wakeAt   time.Duration // mesh: the pending wake, -1 when none
 	free     int           // workers with their credit free
@@ -88,33 +102,38 @@ type stage struct {
 	// counts them as running, agent.committing).
 	viewFree, pushWaiting, committing int
 	// granted lists, by producer (the previous stage's worker), the
-	// workers that granted it their free slot, newest last; an entry whose
+	// workers whose credit its ledger holds, newest last; an entry whose
 	// worker has since started work or granted its slot elsewhere is
 	// dropped when found (takeGrant).
 	granted [][]int32
+	// Mesh: whether tasks wait in the queue (its dispatchers' ledgers),
+	// since when (qOnAt) or until when (qOffAt), which gossip shows a
+	// GossipDelay late (NodeMeta.Waiting); progressAt is when a waiting
+	// task was last handed on, or tasks started to wait (agent.dispatchLoop).
+	qOn                       bool
+	qOnAt, qOffAt, progressAt time.Duration
 }
 
 type sim struct {
-	cfg    Config
-	model  costmodel.Model
-	plan   costmodel.Plan
-	rng    *rand.Rand // the agents' random choices
-	jobRng *rand.Rand // arrivals and classes: the same jobs in every mode
-	clk    clock
-	etcd   *etcdModel
-	st     [3]*stage
-	epoch  time.Time
-	rate   float64
-	cands  []routing.Candidate
-	small  []routing.Candidate
-	inbox  []routing.Pushed
-	due    []routing.Candidate // preemptCheck's
-	back   []*task
-	tasks  []*task
-	taken  []bool
-	ready  []int32
-	nextID int
-	seen   map[int]int // job id -> completions (CheckJobs)
+	cfg                Config
+	model              costmodel.Model
+	plan               costmodel.Plan
+	rng                *rand.Rand // the agents' random choices
+	jobRng             *rand.Rand // arrivals and classes: the same jobs in every mode
+	clk                clock
+	etcd               *etcdModel
+	st                 [3]*stage
+	epoch              time.Time
+	rate               float64
+	cands              []routing.Candidate
+	inbox              []routing.Pushed
+	due                []routing.Candidate // preemptCheck's
+	back               []*task
+	tasks              []*task
+	ready              []int32
+	grantedW, settledW []int32 // handOn's: waiting workers the dispatchers may hand a task to
+	nextID             int
+	seen               map[int]int // job id -> completions (CheckJobs)
 
 	submitted, completed, completedInWindow int
 	conflicts, claimTxns, giveBacks         uint64
@@ -125,6 +144,8 @@ type sim struct {
 	giveBacksBy                             [3]uint64 // by stage
 	heldGiveBacks                           uint64    // by a worker admission held back
 	pushes                                  uint64    // tasks created with a pushed claim
+	assigns, assignsBack                    uint64    // waiting tasks handed on against queue credit, and of them given back
+	grantMsgs                               uint64    // credit grants sent (libp2p messages)
 	pushedStarts, claimedStarts             [3]uint64 // by stage: tasks started from a pushed claim, and from a claim txn
 	overhead                                time.Duration
 	overheads                               histogram // per job
@@ -180,7 +201,6 @@ func newSim(cfg Config) (*sim, error) {
 		etcd:   newEtcdModel(cfg.Etcd),
 		epoch:  time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC),
 		rate:   cfg.Load * plan.Capacity,
-		taken:  make([]bool, 0, 3*cfg.ScanPerClass),
 	}
 	if cfg.Mode != Mesh {
 		s.cfg.Queue.Push = false // only the mesh mode pushes claims
@@ -207,10 +227,10 @@ func newSim(cfg Config) (*sim, error) {
 			st.granted = make([][]int32, sizes[i-1])
 		}
 	}
-	if cfg.Mode == Mesh {
-		for _, st := range s.st[1:] {
+	if !s.central() {
+		for _, st := range s.st {
 			for w := range st.workers {
-				s.grantSlot(st, int32(w), -1)
+				s.grantSlot(st, int32(w), -1) // a free slot's first owner
 			}
 		}
 	}
@@ -331,14 +351,11 @@ func (s *sim) handle(e event) {
 	case evRequeued:
 		s.requeued(e.task)
 	case evGrantEnds:
-		if st, wk := s.st[e.stage], s.st[e.stage].workers[e.worker]; wk.grantUntil == now {
-			wk.grantTo = -1
-			if st.q.queued > 0 {
-				s.requestWake(st, now) // its dispatchers hand it a waiting task
-			} else {
-				s.grantSlot(st, e.worker, -1)
-			}
-		}
+		s.grantEnds(s.st[e.stage], e.worker)
+	case evWaitingSeen:
+		s.waitingSeen(s.st[e.stage])
+	case evAssigned:
+		s.assigned(e.task)
 	}
 }
 
@@ -449,6 +466,7 @@ func (s *sim) enqueue(t *task) {
 	default:
 		t.enq = now
 		st.q.push(t)
+		s.queueChanged(st)
 		s.watchDue(t)
 	}
 	// The task key reaches its dispatcher's ledger (jobs.Fed watches the
@@ -580,6 +598,9 @@ func (s *sim) giveBackCheck(st *stage, wk *worker) {
 		s.unpush(st, wk, u)
 		s.etcd.write(now, 1)
 		s.giveBacks++
+		if u.assigned {
+			s.assignsBack++ // its claim txn started nothing
+		}
 		s.giveBacksBy[st.i]++
 		if wk.held {
 			s.heldGiveBacks++
@@ -628,8 +649,9 @@ func (s *sim) inboxOf(st *stage, wk *worker, dst []routing.Pushed) []routing.Pus
 func (s *sim) requeued(t *task) {
 	st := s.st[t.stage]
 	s.hold(st, st.workers[t.pushTo], -1)
-	t.claimed, t.pushTo, t.handedOn = false, -1, false
+	t.claimed, t.pushTo, t.handedOn, t.assigned = false, -1, false, false
 	st.q.requeue(t)
+	s.queueChanged(st)
 	s.watchDue(t)
 	s.stageEvent(st, 1) // the dispatcher's ledger (the claim's deletion: the inbox takes puts only)
 }
@@ -768,156 +790,31 @@ func (s *sim) pushesInGossip(w *worker) int {
 	return n
 }
 
-// pushTarget is the worker of st that producer p (a worker of the stage
-// before) pushes its new task to (agent.pushTarget): one that granted p
-// its slot, else pickHint's.
-func (s *sim) pushTarget(st *stage, p int32) int32 {
-	if w := s.takeGrant(st, p); w >= 0 {
-		return w
-	}
-	return s.pickHint(st)
-}
-
-// grantSlot is free worker w of st granting its slot to one producer
-// (agent.grantFreed, grantIdle; routing.GrantTo): fed, the producer of
-// the task that just ended, else one at random, for routing.GrantTTL;
-// granted again when that runs out while w is still free. A worker with
-// tasks of st waiting in etcd is handed one instead (wake), and one that
-// holds a pushed claim has its slot spoken for.
-func (s *sim) grantSlot(st *stage, w int32, fed int32) {
-	wk := st.workers[w]
-	if st.i == 0 || wk.busy || wk.held || len(wk.pushed) > 0 || st.q.queued > 0 {
-		return // held back by admission, it grants nothing (agent.grantable)
-	}
-	p := fed
-	if p < 0 {
-		p = int32(s.rng.IntN(len(st.granted)))
-	}
-	wk.grantTo, wk.grantUntil = p, s.clk.now+routing.GrantTTL
-	if l := st.granted[p]; len(l) == cap(l) && len(l) >= 16 {
-		st.granted[p] = s.validGrants(st, p, l[:0], l) // drop the stale before the list grows
-	}
-	st.granted[p] = append(st.granted[p], w)
-	s.clk.at(wk.grantUntil, event{kind: evGrantEnds, stage: int8(st.i), worker: w})
-}
-
-// validGrants appends to dst the workers of list whose grant to p holds.
-func (s *sim) validGrants(st *stage, p int32, dst, list []int32) []int32 {
-	for _, w := range list {
-		if wk := st.workers[w]; wk.grantTo == p && wk.grantUntil > s.clk.now {
-			dst = append(dst, w)
-		}
-	}
-	return dst
-}
-
-// takeGrant spends producer p's newest grant from a worker of st, which
-// it holds whether or not that worker has since taken other work (a push
-// to it then waits or is given back); -1 for none.
-func (s *sim) takeGrant(st *stage, p int32) int32 {
-	if p < 0 || st.granted == nil {
-		return -1
-	}
-	l := st.granted[p]
-	for len(l) > 0 {
-		w := l[len(l)-1]
-		l = l[:len(l)-1]
-		if wk := st.workers[w]; wk.grantTo == p && wk.grantUntil > s.clk.now {
-			wk.grantTo = -1 // spent
-			st.granted[p] = l
-			return w
-		}
-	}
-	st.granted[p] = l
-	return -1
-}
-
 // wake is a stage's waiting workers (admitted: held-back ones are not
-// waiting, holdBack) waking at once: each orders the claims pushed to it with the
-// waiting tasks (routing.QueuePolicy.Order), and starts a pushed one with
-// no transaction when it comes first; else it grants its slot to the
-// dispatchers holding waiting tasks (agent/grants.go), and one hands it its
-// first choice (one claim txn, after one message; nobody races for it:
-// only a task's dispatcher hands it on, agent/dispatch.go). The waiting
-// tasks of all dispatchers are one ordered queue here: each dispatcher
-// orders its own the same way, and grants go to those that have work. None
-// of it reads etcd. Every worker with neither a hinted task nor a pushed
-// claim is handed from the same order, so Order is called once for them
-// and once per waiting worker that a task is hinted or pushed to.
+// waiting, holdBack) waking at once. Each with claims in its inbox (pushed
+// to it, or handed on) starts its first choice of them
+// (routing.QueuePolicy.Pick) with no transaction. The rest are handed
+// waiting tasks by their dispatchers (agent.dispatch), in order
+// (routing.QueuePolicy.Order; one claim txn each after the grant's
+// message, which nobody races: only a task's dispatcher hands it on): a
+// worker that granted them its slot (grants.go), and, once tasks went
+// nowhere for grantWait, one that gossip shows free and settled, whoever
+// its slot is promised to. None of it reads etcd.
 func (s *sim) wake(st *stage) {
 	st.wakeAt = -1
 	now := s.clk.now
-	w := len(st.waiting)
-	if w == 0 {
+	if len(st.waiting) == 0 {
 		return // none idle, or admission holds every idle one back
 	}
-	// w workers claim at most w tasks, Order's first w choices: among the
-	// oldest w of each class.
-	s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, w), s.epoch, st.names, s.cands, s.tasks)
-	if len(s.cands) == 0 && len(st.ready) == 0 {
-		return
-	}
 	tnow := s.epoch.Add(now)
-	ordered, retry := s.cfg.Queue.Order(s.cands, "", tnow)
-	s.taken = s.taken[:0]
-	for range s.tasks {
-		s.taken = append(s.taken, false)
-	}
-	at := now + s.etcd.writeLat(now)
-	// Workers holding pushed claims and workers a task is hinted to take
-	// their own first choice. Their order differs from the common one only
-	// by their own pushed and hinted tasks, so Order is given those and
-	// the common order's first untaken task: the same first choice as from
-	// the whole queue, at a fraction of the cost.
 	s.ready = append(s.ready[:0], st.ready...)
 	for _, h := range s.ready {
 		if st.workers[h].waitPos >= 0 {
-			s.takeOwn(st, h, ordered, tnow, at)
+			s.takeOwn(st, h, tnow)
 		}
 	}
-	for _, t := range s.tasks {
-		if t.hint < 0 || st.workers[t.hint].waitPos < 0 || t.claimed {
-			continue
-		}
-		s.takeOwn(st, t.hint, ordered, tnow, at)
-	}
-	// The rest are handed the common order's next tasks, one each, by their
-	// dispatchers. A worker whose slot was promised to a producer ahead of
-	// work (grantSlot) takes it back: waiting work comes first.
-	g, k := len(st.waiting), 0
-	for _, c := range ordered {
-		if g == 0 {
-			break
-		}
-		i := idIndex(c.ID)
-		if s.taken[i] {
-			continue
-		}
-		s.taken[i] = true
-		// A free worker grants its slot to a dispatcher with work waiting
-		// (one libp2p message), which hands it its best task: one claim
-		// txn, which nobody races (agent.dispatch, jobs.Store.Assign).
-		s.etcd.write(now, 1)
-		s.claimTxns++
-		winner := st.waiting[s.rng.IntN(g)]
-		s.removeWaiting(st, winner)
-		k++
-		sent := now + s.cfg.NetDelay + time.Duration(k-1)*(at-now)
-		s.claim(st, winner, s.tasks[i], sent, sent+(at-now))
-		g--
-	}
-	// Workers that lost every race wait on their views again: no etcd op.
-	if !retry.IsZero() {
-		s.requestWake(st, retry.Sub(s.epoch))
-	}
-	// The waiting tasks are all handed on: a worker left idle grants its
-	// slot to a producer (agent.grantIdle), as its slot's end did not.
-	if st.q.queued == 0 && len(s.cands) > 0 {
-		for _, w := range st.waiting {
-			if wk := st.workers[w]; wk.grantUntil <= now {
-				s.grantSlot(st, w, -1)
-			}
-		}
+	if st.q.queued > 0 {
+		s.handOn(st, tnow)
 	}
 	if s.cfg.Steal && st.q.queued == 0 {
 		for _, w := range st.waiting {
@@ -928,52 +825,84 @@ func (s *sim) wake(st *stage) {
 	}
 }
 
-// takeOwn is waiting worker h's choice: one of the claims pushed to it
-// when it holds any, which it starts at once (jobs.Inbox.Take, no
-// transaction), chosen as the agent's worker chooses
-// (routing.QueuePolicy.Pick); else a task hinted to it or the common
-// order's first untaken task, which its dispatcher claims for it with one
-// txn, landing at at, which nobody races (the others leave a hinted task
-// alone and take the common order's next).
-func (s *sim) takeOwn(st *stage, h int32, ordered []routing.Candidate, tnow time.Time, at time.Duration) {
-	wk, name := st.workers[h], st.names[h]
-	if len(wk.pushed) > 0 {
-		s.inbox = s.inboxOf(st, wk, s.inbox[:0])
-		if k, _, _ := s.cfg.Queue.Pick(s.inbox, name, tnow, nil); k >= 0 {
-			t := wk.pushed[k]
-			s.unpush(st, wk, t)
-			t.fromPush = true
-			s.removeWaiting(st, h)
-			s.occupy(wk)
-			s.setFree(st, -1)
-			s.clk.at(s.clk.now, event{kind: evClaimed, stage: int8(st.i), worker: h, task: t})
-			return
-		}
-	}
-	s.small = s.small[:0]
-	for i, u := range s.tasks {
-		if u.hint == h && !s.taken[i] && !u.claimed {
-			s.small = append(s.small, s.cands[i])
-		}
-	}
-	for _, c := range ordered {
-		if i := idIndex(c.ID); !s.taken[i] {
-			if s.tasks[i].hint != h {
-				s.small = append(s.small, c)
+// handOn is the dispatchers handing their waiting tasks, in order, to the
+// waiting workers that granted them a slot, and past grantWait with none
+// handed on, to those gossip shows free and settled. It wakes the stage
+// again when the latter may apply.
+func (s *sim) handOn(st *stage, tnow time.Time) {
+	now := s.clk.now
+	granted := s.grantedTo(st, tnow)
+	settled := s.settledW[:0]
+	fallback := st.progressAt + grantWait // when the gossip hand-on may apply
+	if now >= fallback && now >= st.settleAt {
+		// Past grantWait: look for workers gossip shows free and settled,
+		// unless none settles before a time already found (workers that
+		// went idle since settle later).
+		fallback = -1
+		for _, w := range st.waiting {
+			wk := st.workers[w]
+			if len(wk.pushed) > 0 || wk.toDisp {
+				continue // its inbox's claims take its slot, or it is granted
 			}
-			break
+			if at := wk.idleSince + s.cfg.GossipDelay + gossipSettled; at <= now {
+				settled = append(settled, w)
+			} else if fallback < 0 || at < fallback {
+				fallback = at
+			}
+		}
+		st.settleAt = fallback
+	} else if now >= fallback {
+		fallback = st.settleAt
+	}
+	n := len(granted) + len(settled)
+	if n > 0 {
+		s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, n), s.epoch, s.cands, s.tasks)
+		ordered, retry := s.cfg.Queue.Order(s.cands, "", tnow)
+		at := now + s.etcd.writeLat(now)
+		for k, c := range ordered[:min(n, len(ordered))] {
+			// A granted worker first, at random; then a settled one.
+			var w int32
+			if len(granted) > 0 {
+				i := s.rng.IntN(len(granted))
+				w, granted[i] = granted[i], granted[len(granted)-1]
+				granted = granted[:len(granted)-1]
+			} else {
+				w, settled = settled[len(settled)-1], settled[:len(settled)-1]
+			}
+			s.etcd.write(now, 1) // jobs.Store.Assign
+			s.claimTxns++
+			s.removeWaiting(st, w)
+			sent := now + s.cfg.NetDelay + time.Duration(k)*(at-now)
+			s.claim(st, w, s.tasks[idIndex(c.ID)], sent, sent+(at-now))
+			st.progressAt = now
+		}
+		if !retry.IsZero() {
+			s.requestWake(st, retry.Sub(s.epoch))
 		}
 	}
-	own, _ := s.cfg.Queue.Order(s.small, name, tnow)
-	if len(own) == 0 {
+	s.settledW = settled
+	if st.q.queued > 0 && fallback >= 0 {
+		s.requestWake(st, fallback)
+	}
+}
+
+// takeOwn is waiting worker h starting one of the claims in its inbox
+// (jobs.Inbox.Take, no transaction), chosen as the agent's worker chooses
+// (routing.QueuePolicy.Pick).
+func (s *sim) takeOwn(st *stage, h int32, tnow time.Time) {
+	wk := st.workers[h]
+	s.inbox = s.inboxOf(st, wk, s.inbox[:0])
+	k, _, _ := s.cfg.Queue.Pick(s.inbox, st.names[h], tnow, nil)
+	if k < 0 {
 		return
 	}
-	i := idIndex(own[0].ID)
-	s.taken[i] = true
-	s.etcd.write(s.clk.now, 1) // its dispatcher's Assign, after h's grant
-	s.claimTxns++
+	t := wk.pushed[k]
+	s.unpush(st, wk, t)
+	t.fromPush = true
 	s.removeWaiting(st, h)
-	s.claim(st, h, s.tasks[i], s.clk.now+s.cfg.NetDelay, at+s.cfg.NetDelay)
+	s.occupy(wk)
+	s.setFree(st, -1)
+	s.clk.at(s.clk.now, event{kind: evClaimed, stage: int8(st.i), worker: h, task: t})
 }
 
 // pushID names the k-th claim pushed to a worker among its candidates
@@ -987,6 +916,7 @@ func pushID(k int) string { return "p" + strconv.Itoa(k) }
 func (s *sim) claim(st *stage, w int32, t *task, sent, lands time.Duration) {
 	t.claimed = true
 	st.q.queued--
+	s.queueChanged(st)
 	wk := st.workers[w]
 	s.occupy(wk)
 	s.setFree(st, -1)
@@ -1031,12 +961,18 @@ func (s *sim) start(st *stage, w int32, t *task) {
 		// A running task learns of a cancel from its view
 		// (jobs.Queue.TaskGone): no watch of its own.
 		switch {
-		case t.fromPush && t.handedOn:
-			// Handed on by its dispatcher to a worker that gives way
-			// (preemptDue): its claim is in the inbox, and the producer
-			// checks it before it issues the ticket (one read).
-			s.pushedStarts[st.i]++
-			s.handOnStarts++
+		case t.fromPush && t.byDispatcher():
+			// Handed on by its dispatcher: to a worker that gives way
+			// (preemptDue), or against queue credit (assignQueued, a
+			// claim txn as any other hand-on). Its claim is in the inbox,
+			// and the producer checks it before it issues the ticket (one
+			// read).
+			if t.handedOn {
+				s.pushedStarts[st.i]++
+				s.handOnStarts++
+			} else {
+				s.claimedStarts[st.i]++
+			}
 			if st.inBytes > 0 {
 				s.etcd.read(now, 1)
 				setup += s.etcd.readLat(now)
@@ -1064,6 +1000,7 @@ func (s *sim) start(st *stage, w int32, t *task) {
 			// (agent.denoise); a push picks again at the commit.
 			t.nextHint = s.pickHint(s.st[2])
 		}
+		s.grantQueue(st, wk, t) // agent.grantQueue, as its claim is taken
 	}
 	if st.inBytes > 0 {
 		setup += 2*s.cfg.NetDelay + time.Duration(float64(st.inBytes)/s.cfg.Bandwidth*float64(time.Second))
@@ -1105,7 +1042,7 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	// a dispatcher's later hand-on does not, so that commit reads it first.
 	// An offered claim's commit waits for the write that confirms it.
 	sent := max(t.confirmAt, now)
-	if !t.fromPush || t.handedOn {
+	if !t.fromPush || t.byDispatcher() {
 		s.etcd.read(now, 1)
 		sent += s.etcd.readLat(now)
 	}
@@ -1126,7 +1063,7 @@ func (s *sim) done(st *stage, w int32, t *task) {
 	wk.committing++
 	s.addWaiting(st, w)
 	s.requestWake(st, now)
-	s.grantSlot(st, w, t.producer)
+	s.grantFreed(st, w, t)
 }
 
 func (s *sim) committed(st *stage, w int32, t *task) {
@@ -1172,6 +1109,7 @@ func (s *sim) committed(st *stage, w int32, t *task) {
 		st.committing--
 		st.workers[w].committing--
 		s.fedDone(st, t)
+		s.creditReturned(st, w, t)
 	}
 	t.gone = true
 	if st.i < 2 {
@@ -1265,7 +1203,7 @@ func (s *sim) dispatch() {
 		}
 		// g free GPUs take Order's first g choices: among the oldest g
 		// of each class.
-		s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, len(st.waiting)), s.epoch, st.names, s.cands, s.tasks)
+		s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, len(st.waiting)), s.epoch, s.cands, s.tasks)
 		ordered, _ := s.cfg.Queue.Order(s.cands, "", s.epoch.Add(now))
 		for _, c := range ordered {
 			if len(st.waiting) == 0 {

@@ -258,8 +258,8 @@ func checkMeshOps(t *testing.T, s *sim, r Result) {
 	if pushed+claimed != 3*jobs+r.Preemptions {
 		t.Fatalf("%d tasks started from a push and %d from a claim, for %d jobs and %d preemptions", pushed, claimed, jobs, r.Preemptions)
 	}
-	if r.ClaimTxns != claimed+r.Conflicts+s.handOns {
-		t.Fatalf("%d claim txns, want %d won + %d conflicts + %d hand-ons to a worker that gives way", r.ClaimTxns, claimed, r.Conflicts, s.handOns)
+	if r.ClaimTxns != claimed+r.Conflicts+s.handOns+s.assignsBack {
+		t.Fatalf("%d claim txns, want %d won + %d conflicts + %d hand-ons to a worker that gives way + %d against queue credit given back", r.ClaimTxns, claimed, r.Conflicts, s.handOns, s.assignsBack)
 	}
 	want := jobs*(1+3) + r.ClaimTxns + r.GiveBacks + 2*r.Preemptions + r.Steals
 	if s.etcd.writes != want {

@@ -26,14 +26,31 @@ import (
 // next stages, and lost that race to the next job's push on a loaded
 // machine.
 
-// takeGrant records a grant from a member: a stage of the pipeline, and
-// a peer whose node record this agent has.
+// takeGrant takes a grant from a member: a stage of the pipeline, and a
+// peer whose node record this agent has. A grant made for work waiting
+// here when none is (routing.Declines) is declined; a decline of this
+// node's grant has its worker loop grant the slots anew.
 func (a *Agent) takeGrant(from peer.ID, m grant.Msg) {
-	if !slices.Contains(jobs.Stages(), jobs.Stage(m.Stage)) {
+	st := jobs.Stage(m.Stage)
+	if !slices.Contains(jobs.Stages(), st) {
 		return // a name that is no stage is not kept
 	}
-	if rec, ok := a.member.ByPeerID(from.String()); ok && rec.ID != a.id {
-		a.grants.Grant(rec.ID, m.Stage, m.Free, time.Now().Add(m.TTL()))
+	rec, ok := a.member.ByPeerID(from.String())
+	if !ok || rec.ID == a.id {
+		return
+	}
+	now := time.Now()
+	switch {
+	case m.Decline:
+		if b := a.books[st]; b != nil && b.Decline(rec.ID, now) {
+			a.meshChanged.Fire() // the worker loop grants the slots anew
+		}
+	case routing.Declines(m.Waiting, a.waiting[st].Load()):
+		d := grant.New(m.Stage, 0, routing.WaitingTTL)
+		d.Decline = true
+		a.sendGrant(rec, d)
+	default:
+		a.grants.Grant(rec.ID, m.Stage, m.Free, now.Add(m.TTL()))
 		a.meshChanged.Fire() // a dispatcher with tasks waiting hands one on
 	}
 }
@@ -66,7 +83,7 @@ func (a *Agent) grantFreed(st jobs.Stage, c *jobs.Claim) {
 func (a *Agent) grantQueue(st jobs.Stage, fed string) {
 	v, records := a.slotView(st, fed)
 	if g := routing.GrantQueue(v, nil); g.To != "" {
-		a.sendGrant(records[g.To], st, g.Free, g.TTL)
+		a.sendGrant(records[g.To], grantMsg(st, g))
 	}
 }
 
@@ -93,9 +110,16 @@ func (a *Agent) grant(st jobs.Stage, g routing.SlotGrant, records map[string]gos
 	}
 	until := a.books[st].Promise(g, time.Now())
 	if !g.Returned {
-		a.sendGrant(records[g.To], st, g.Free, g.TTL)
+		a.sendGrant(records[g.To], grantMsg(st, g))
 	}
 	return until
+}
+
+// grantMsg is grant g of st's slots as sent.
+func grantMsg(st jobs.Stage, g routing.SlotGrant) grant.Msg {
+	m := grant.New(string(st), g.Free, g.TTL)
+	m.Waiting = g.Waiting
+	return m
 }
 
 // slotView is what this node knows when it grants its slots of st
@@ -166,6 +190,9 @@ func (a *Agent) grantees(st jobs.Stage) (waiting, producers []string, records ma
 		}
 		switch {
 		case p.Meta.Waiting&gossip.StageBit(string(st)) != 0:
+			if a.books[st].Declined(p.Record.ID, p.MetaAt) {
+				continue // it declined since gossip last showed it
+			}
 			waiting = append(waiting, p.Record.ID)
 		case hasUp && p.Record.HasRole(string(up)):
 			producers = append(producers, p.Record.ID)
@@ -181,13 +208,12 @@ func (a *Agent) grantees(st jobs.Stage) (waiting, producers []string, records ma
 // slot went to another task.
 func (a *Agent) revokeGrant(st jobs.Stage, producer string) {
 	if p, ok := a.member.Peer(producer); ok {
-		a.sendGrant(p.Record, st, 0, routing.GrantTTL)
+		a.sendGrant(p.Record, grant.New(string(st), 0, routing.GrantTTL))
 	}
 }
 
-// sendGrant sends rec's node a grant of free slots of st for ttl, in the
-// background.
-func (a *Agent) sendGrant(rec gossip.NodeRecord, st jobs.Stage, free int, ttl time.Duration) {
+// sendGrant sends rec's node grant m, in the background.
+func (a *Agent) sendGrant(rec gossip.NodeRecord, m grant.Msg) {
 	pid, err := peer.Decode(rec.PeerID)
 	if err != nil {
 		return
@@ -195,7 +221,7 @@ func (a *Agent) sendGrant(rec gossip.NodeRecord, st jobs.Stage, free int, ttl ti
 	a.wg.Go(func() {
 		ctx, cancel := context.WithTimeout(a.ctx, time.Second)
 		defer cancel()
-		if err := grant.Send(ctx, a.host, pid, rec.P2PAddrs, string(st), free, ttl); err != nil {
+		if err := grant.Send(ctx, a.host, pid, rec.P2PAddrs, m); err != nil {
 			a.log.Debug("credit grant not sent", zap.String("to", rec.ID), zap.Error(err))
 		}
 	})

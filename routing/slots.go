@@ -28,6 +28,9 @@ type SlotBook struct {
 	mean  time.Duration
 	busy  map[uint64]time.Time // slots taken, by token: when each was taken
 	next  uint64
+	// declined: the dispatchers that declined a grant of these slots made
+	// for work waiting (Declines), and when.
+	declined map[string]time.Time
 }
 
 // slotMeanWeight is the weight of the newest task in mean: an eighth, so
@@ -36,7 +39,9 @@ type SlotBook struct {
 const slotMeanWeight = 8
 
 // NewSlotBook returns a book with no promise and no history.
-func NewSlotBook() *SlotBook { return &SlotBook{busy: map[uint64]time.Time{}} }
+func NewSlotBook() *SlotBook {
+	return &SlotBook{busy: map[uint64]time.Time{}, declined: map[string]time.Time{}}
+}
 
 // Promise promises the free slots to g.To from now for g.TTL, and
 // returns when that lapses.
@@ -56,6 +61,35 @@ func (b *SlotBook) Promised(now time.Time) (SlotGrant, time.Time) {
 		return SlotGrant{}, time.Time{}
 	}
 	return b.owner, b.until
+}
+
+// Decline records that from declined a grant of these slots made for work
+// waiting there (Declines) at now, and ends the promise of the free slots
+// to it, if they were so promised; it reports whether they were.
+func (b *SlotBook) Decline(from string, now time.Time) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for d, at := range b.declined {
+		if now.Sub(at) > time.Minute {
+			delete(b.declined, d) // gossip has long shown it anew, or it left
+		}
+	}
+	b.declined[from] = now
+	if b.owner.To != from || !b.owner.Waiting || !now.Before(b.until) {
+		return false
+	}
+	b.owner = SlotGrant{}
+	return true
+}
+
+// Declined reports whether dispatcher d declined a grant of these slots
+// after since, when gossip last showed d anew: it is left out of the
+// dispatchers with work waiting until gossip shows it again.
+func (b *SlotBook) Declined(d string, since time.Time) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	at, ok := b.declined[d]
+	return ok && at.After(since)
 }
 
 // Take records a slot taken at now by a task that from pushed or handed

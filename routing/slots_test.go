@@ -86,3 +86,34 @@ func TestSlotBookStartIn(t *testing.T) {
 		t.Errorf("a task stopped after 1 ms: mean %v (was %v), %d slots busy", b.mean, was, len(b.busy))
 	}
 }
+
+// A dispatcher that declines a grant made for work waiting ends the
+// promise of it (and only of such a grant), and is left out until gossip
+// shows it anew.
+func TestSlotBookDecline(t *testing.T) {
+	b := NewSlotBook()
+	now := time.Unix(1000, 0)
+	b.Promise(SlotGrant{To: "enc-1", Free: 1, TTL: GrantTTL}, now)
+	if b.Decline("enc-1", now) {
+		t.Fatal("a grant ahead of work was ended by a decline")
+	}
+	b.Promise(SlotGrant{To: "enc-2", Free: 1, TTL: WaitingTTL, Waiting: true}, now)
+	if b.Decline("enc-1", now.Add(time.Millisecond)) {
+		t.Fatal("another's decline ended the promise")
+	}
+	if !b.Decline("enc-2", now.Add(time.Millisecond)) {
+		t.Fatal("the declined promise held")
+	}
+	if g, _ := b.Promised(now.Add(time.Millisecond)); g.To != "" {
+		t.Fatalf("promised to %q after the decline", g.To)
+	}
+	if !b.Declined("enc-2", now) {
+		t.Fatal("a dispatcher that declined after gossip last showed it is not left out")
+	}
+	if b.Declined("enc-2", now.Add(time.Second)) {
+		t.Fatal("gossip showed it anew since, yet it is left out")
+	}
+	if !Declines(true, false) || Declines(true, true) || Declines(false, false) {
+		t.Fatal("Declines: only a grant for work waiting, with none waiting, is declined")
+	}
+}

@@ -29,7 +29,7 @@ func TestGrantDeliveredFromMembersOnly(t *testing.T) {
 	defer stop()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if err := Send(ctx, worker, producer.ID(), p2ptest.Addrs(producer), "decode", 2, 1500*time.Millisecond); err != nil {
+	if err := Send(ctx, worker, producer.ID(), p2ptest.Addrs(producer), New("decode", 2, 1500*time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
 	select {
@@ -40,13 +40,26 @@ func TestGrantDeliveredFromMembersOnly(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("the grant never arrived")
 	}
-	Send(ctx, stranger, producer.ID(), p2ptest.Addrs(producer), "decode", 1, time.Second) // refused by a reset, or written and dropped
+	Send(ctx, stranger, producer.ID(), p2ptest.Addrs(producer), New("decode", 1, time.Second)) // refused by a reset, or written and dropped
 	select {
 	case g := <-ch:
 		t.Fatalf("a non-member's grant was taken: %+v", g)
 	case <-time.After(300 * time.Millisecond):
 	}
-	if err := Send(ctx, worker, producer.ID(), p2ptest.Addrs(producer), "decode", MaxFree+1, time.Second); err == nil {
+	decline := New("decode", 0, time.Second)
+	decline.Decline = true
+	if err := Send(ctx, worker, producer.ID(), p2ptest.Addrs(producer), decline); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case g := <-ch:
+		if !g.m.Decline || g.m.Free != 0 || g.m.Stage != "decode" {
+			t.Fatalf("took %+v, want a decline of decode", g.m)
+		}
+	case <-ctx.Done():
+		t.Fatal("the decline never arrived")
+	}
+	if err := Send(ctx, worker, producer.ID(), p2ptest.Addrs(producer), New("decode", MaxFree+1, time.Second)); err == nil {
 		t.Fatal("an out-of-bounds grant was sent")
 	}
 }
@@ -60,6 +73,8 @@ func TestMsgBounds(t *testing.T) {
 		{V: wireVersion, Stage: "decode", Free: MaxFree + 1, TTLMs: 100},
 		{V: wireVersion, Stage: "decode", Free: 1},
 		{V: wireVersion, Stage: "decode", Free: 1, TTLMs: int(MaxTTL/time.Millisecond) + 1},
+		{V: wireVersion, Stage: "decode", Free: 1, TTLMs: 100, Decline: true},
+		{V: wireVersion, Stage: "decode", TTLMs: 100, Decline: true, Waiting: true},
 	} {
 		if err := m.Validate(); err == nil {
 			t.Errorf("grant %+v passed Validate", m)
@@ -79,6 +94,8 @@ func TestMsgBounds(t *testing.T) {
 // decodes is within the bounds, and that it survives a round trip.
 func FuzzGrantFrame(f *testing.F) {
 	f.Add(p2ptest.Frame(f, &Msg{V: wireVersion, Stage: "decode", Free: 2, TTLMs: 2000}))
+	f.Add(p2ptest.Frame(f, &Msg{V: wireVersion, Stage: "decode", Free: 3, TTLMs: 500, Waiting: true}))
+	f.Add(p2ptest.Frame(f, &Msg{V: wireVersion, Stage: "decode", TTLMs: 500, Decline: true}))
 	raw, _ := msgpack.Marshal(map[string]any{"v": 1, "stage": "decode", "free": -5, "ttl_ms": 1})
 	f.Add(append([]byte{0, 0, 0, byte(len(raw))}, raw...))
 	f.Add([]byte{0, 0, 0, 5, 0xdd, 0xff, 0xff, 0xff, 0xff}) // a huge array header
@@ -88,7 +105,7 @@ func FuzzGrantFrame(f *testing.F) {
 		if err := transfer.ReadFrame(bytes.NewReader(b), maxFrame, &m); err != nil {
 			return
 		}
-		if m.V != wireVersion || m.Stage == "" || len(m.Stage) > maxStageLen || m.Free < 0 || m.Free > MaxFree || m.TTLMs <= 0 || m.TTL() > MaxTTL {
+		if m.V != wireVersion || m.Stage == "" || len(m.Stage) > maxStageLen || m.Free < 0 || m.Free > MaxFree || m.TTLMs <= 0 || m.TTL() > MaxTTL || m.Decline && m.Free != 0 {
 			t.Fatalf("accepted an out-of-bounds grant %+v", m)
 		}
 		var again Msg

@@ -21,6 +21,7 @@ const (
 	evGrantEnds                 // mesh: a free worker's promise of its slot runs out
 	evWaitingSeen               // mesh: gossip shows a stage's dispatchers with work waiting
 	evAssigned                  // mesh: a dispatcher's hand-on against queue credit landed in a busy worker's inbox
+	evDeclined                  // mesh: a dispatcher's decline of a grant for work waiting reached its worker
 	evOffered                   // mesh: a pushed claim's offer reached its worker, ahead of its write
 	evPreemptDue                // a queued interactive denoise task has waited PreemptAfter
 	evHandedOn                  // mesh: a dispatcher's hand-on of a due task to a worker that gives way landed
@@ -40,6 +41,7 @@ type event struct {
 	task   *task
 	run    uint32 // evDone, evStopped: the task's run they end (task.run)
 	thief  int32  // evStealAsked, evStolen: the idle worker asking
+	disp   int32  // evDeclined: the declining dispatcher's ledger
 }
 
 // eventQueue is a min-heap on (at, seq).

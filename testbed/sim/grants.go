@@ -10,23 +10,16 @@ import (
 
 // Credit grants, as the agent makes them (agent/grants.go): who owns a
 // worker's free slot is routing's decision (GrantFreed when a task ends,
-// GrantIdle when the slot has no owner or a dispatcher's work starts to
-// wait, GrantQueue when a task starts), made here on what the worker
-// would know: its slot (free, promised, its queue credit), the producers of
-// the stage before, and the dispatchers gossip shows with work waiting, a
-// GossipDelay late. The waiting tasks of all dispatchers are one ordered
-// queue here, so they are one grantee, dispatchers: a slot granted to them
-// is handed the queue's first choice (wake), and queue credit granted to
-// them the next ones (assignQueued). A producer's ledger (granted) holds
-// the credits granted to it ahead of work and those its pushed tasks gave
-// back (GrantFreed's Returned: its ledger sees the task gone at the
-// commit, creditReturned), and it pushes against them (pushTarget).
-
-// dispatchers is the one grantee that stands for every dispatcher with
-// work waiting.
-const dispatchers = "dispatchers"
-
-var waitingDispatchers = []string{dispatchers}
+// GrantIdle when the slot has no owner, GrantQueue when a task starts),
+// made here on what the worker would know: its slot (free, promised, its
+// queue credit, its admission), the producers of the stage before, and
+// the dispatchers gossip shows with work waiting, a GossipDelay late
+// (ledger.go). A grant puts a credit in its holder's ledger (granted): a
+// dispatcher with tasks waiting hands its first choice on against it
+// (handOn, assignQueued), a producer pushes its next task against it
+// (pushTarget). A pushed or handed-on task's slot goes back to its
+// dispatcher by that dispatcher's own ledger once it sees the commit
+// (GrantFreed's Returned, creditReturned).
 
 // grantWait and gossipSettled are the agent's (agent/dispatch.go): a
 // dispatcher whose waiting tasks went nowhere for grantWait hands them to
@@ -47,8 +40,7 @@ func (s *sim) slotView(st *stage, wk *worker, fed int32) routing.SlotView {
 		v.Free = 1 // a claim in its inbox takes the slot next (agent.slots)
 	}
 	v.Owner, _ = wk.book.Promised(tnow)
-	if s.waitingInGossip(st) {
-		v.Waiting = waitingDispatchers
+	if v.Waiting = s.visibleWaiting(st, wk); len(v.Waiting) > 0 {
 		if !wk.held {
 			v.Queue = wk.book.Room(len(wk.pushed), s.cfg.Queue.HoldFor, tnow)
 		}
@@ -95,73 +87,69 @@ func (s *sim) grantFreed(st *stage, w int32, t *task) {
 }
 
 // grantQueue is busy worker wk, starting task t, granting its queue
-// credit to the dispatchers with work waiting (routing.GrantQueue), which
-// hand it their next tasks.
+// credit to a dispatcher with work waiting (routing.GrantQueue), which
+// hands it its next tasks.
 func (s *sim) grantQueue(st *stage, wk *worker, t *task) {
-	if !s.waitingInGossip(st) {
+	g := routing.GrantQueue(s.slotView(st, wk, t.producer), s.rng)
+	if g.To == "" {
 		return
 	}
-	if g := routing.GrantQueue(s.slotView(st, wk, t.producer), s.rng); g.To == dispatchers {
-		s.grantMsgs++
-		s.assignQueued(st, wk, g.Free)
+	s.grantMsgs++
+	l := s.ledgerNamed(st, g.To)
+	if routing.Declines(g.Waiting, l.on) {
+		s.grantMsgs++ // its decline; wk has no free slot promised
+		wk.book.Decline(l.name, s.epoch.Add(s.clk.now+2*s.cfg.NetDelay))
+		return
 	}
+	s.assignQueued(st, wk, l, g.Free)
 }
 
 // applyGrant makes worker wk's grant g of its slot (none for a zero g):
-// the promise in wk's book, and the grantee's part, until the promise
-// lapses, when wk looks again (evGrantEnds).
+// the promise in wk's book, and the credit in the grantee's ledger, until
+// the promise lapses, when wk looks again (evGrantEnds).
 func (s *sim) applyGrant(st *stage, wk *worker, g routing.SlotGrant) {
 	if g.To == "" {
 		return
 	}
-	if !g.Returned {
-		s.grantMsgs++
-	}
 	until := wk.book.Promise(g, s.epoch.Add(s.clk.now)).Sub(s.epoch)
-	switch {
-	case g.To == dispatchers:
-		if !wk.toDisp {
-			wk.toDisp = true
-			st.toDisp = append(st.toDisp, wk.idx)
-		}
-		s.requestWake(st, s.clk.now+s.cfg.NetDelay) // the grant's message; they hand it a task
-	case g.Returned:
-		// The producer's ledger gives itself the credit once it sees the
-		// task gone (creditReturned).
-	default:
-		s.credit(st, wk, nameIndex(g.To), until)
-	}
 	s.clk.at(until, event{kind: evGrantEnds, stage: int8(st.i), worker: wk.idx})
-}
-
-// grantedTo is the waiting workers of st whose free slot is promised to
-// the dispatchers at tnow, in s.grantedW; it drops the rest from st.toDisp.
-func (s *sim) grantedTo(st *stage, tnow time.Time) []int32 {
-	granted, keep := s.grantedW[:0], st.toDisp[:0]
-	for _, w := range st.toDisp {
-		wk := st.workers[w]
-		if g, _ := wk.book.Promised(tnow); g.To != dispatchers {
-			wk.toDisp = false
-			continue
-		}
-		keep = append(keep, w)
-		if wk.waitPos >= 0 && len(wk.pushed) == 0 {
-			granted = append(granted, w)
-		}
+	if g.Returned {
+		return // the dispatcher's own ledger's, once it sees the task gone (creditReturned)
 	}
-	st.toDisp = keep
-	s.grantedW = granted
-	return granted
+	s.grantMsgs++
+	l := s.ledgerNamed(st, g.To)
+	if routing.Declines(g.Waiting, l.on) {
+		// Its work went meanwhile: it declines, and wk grants anew.
+		s.grantMsgs++
+		s.clk.at(s.clk.now+2*s.cfg.NetDelay, event{kind: evDeclined, stage: int8(st.i), worker: wk.idx, disp: l.idx})
+		return
+	}
+	s.credit(st, wk, l, until)
 }
 
-// credit puts a credit of worker wk's slot in producer p's ledger until
-// until.
-func (s *sim) credit(st *stage, wk *worker, p int32, until time.Duration) {
+// declined is dispatcher d's decline of worker w's grant reaching w
+// (SlotBook.Decline): free and admitted, it grants its slot anew, leaving
+// d out until gossip shows it anew.
+func (s *sim) declined(st *stage, w, d int32) {
+	wk := st.workers[w]
+	if wk.book.Decline(st.ledgers[d].name, s.epoch.Add(s.clk.now)) && wk.waitPos >= 0 {
+		s.grantSlot(st, w, -1)
+	}
+}
+
+// credit puts a credit of worker wk's slot in ledger l's holder's table
+// until until; a dispatcher with tasks waiting hands one on against it
+// once the grant's message arrives.
+func (s *sim) credit(st *stage, wk *worker, l *ledger, until time.Duration) {
+	p := l.idx
 	wk.grantTo, wk.grantUntil = p, until
-	if l := st.granted[p]; len(l) == cap(l) && len(l) >= 16 {
-		st.granted[p] = s.validGrants(st, p, l[:0], l) // drop the stale before the list grows
+	if list := st.granted[p]; len(list) == cap(list) && len(list) >= 16 {
+		st.granted[p] = s.validGrants(st, p, list[:0], list) // drop the stale before the list grows
 	}
 	st.granted[p] = append(st.granted[p], wk.idx)
+	if l.on {
+		s.requestWake(st, s.clk.now+s.cfg.NetDelay)
+	}
 }
 
 // creditReturned is the commit of task t, run on w from its inbox, seen
@@ -174,7 +162,7 @@ func (s *sim) creditReturned(st *stage, w int32, t *task) {
 	}
 	wk := st.workers[w]
 	if g, _ := wk.book.Promised(s.epoch.Add(s.clk.now)); g.Returned && g.To == s.st[st.i-1].names[t.producer] {
-		s.credit(st, wk, t.producer, s.clk.now+routing.ReturnTTL)
+		s.credit(st, wk, st.ledgers[t.producer], s.clk.now+routing.ReturnTTL)
 	}
 }
 
@@ -224,41 +212,16 @@ func (s *sim) takeGrant(st *stage, p int32) int32 {
 
 // pushTarget is the worker of st that producer p (a worker of the stage
 // before) pushes its new task to (agent.pushTarget): one whose credit its
-// ledger holds, else pickHint's.
+// ledger holds, else pickHint's; none while tasks of st wait in its
+// ledger.
 func (s *sim) pushTarget(st *stage, p int32) int32 {
+	if st.ledgers[p].on {
+		return -1 // its tasks of st wait: the new one takes its place among them
+	}
 	if w := s.takeGrant(st, p); w >= 0 {
 		return w
 	}
 	return s.pickHint(st)
-}
-
-// queueChanged follows whether tasks of st wait (mesh): when they start
-// to, gossip shows their dispatchers waiting a GossipDelay later
-// (waitingSeen).
-func (s *sim) queueChanged(st *stage) {
-	on := st.q.queued > 0
-	if s.central() || on == st.qOn {
-		return
-	}
-	now := s.clk.now
-	st.qOn = on
-	if !on {
-		st.qOffAt = now
-		return
-	}
-	st.qOnAt, st.progressAt = now, now
-	s.clk.at(now+s.cfg.GossipDelay, event{kind: evWaitingSeen, stage: int8(st.i)})
-}
-
-// waitingInGossip reports whether gossip shows st's dispatchers with
-// work waiting: whether tasks waited a GossipDelay ago (the queue's last
-// change of state told when).
-func (s *sim) waitingInGossip(st *stage) bool {
-	t := s.clk.now - s.cfg.GossipDelay
-	if st.qOn {
-		return st.qOnAt <= t
-	}
-	return st.qOnAt <= t && st.qOffAt > t
 }
 
 // waitingSeen is gossip showing st's dispatchers with work waiting: the
@@ -266,7 +229,7 @@ func (s *sim) waitingInGossip(st *stage) bool {
 // worker loop wakes on gossip and calls grantIdle; a slot with an owner
 // keeps it until the promise lapses).
 func (s *sim) waitingSeen(st *stage) {
-	if !s.waitingInGossip(st) {
+	if len(s.visibleWaiting(st, nil)) == 0 {
 		return
 	}
 	s.ready = append(s.ready[:0], st.unowned...)
@@ -280,24 +243,28 @@ func (s *sim) waitingSeen(st *stage) {
 	}
 }
 
-// assignQueued is the dispatchers handing busy worker wk, against its
-// queue credit, their next n waiting tasks (agent.dispatch): each one
-// claim txn, after the grant's message, landing in wk's inbox.
-func (s *sim) assignQueued(st *stage, wk *worker, n int) {
+// assignQueued is the dispatcher of ledger l handing busy worker wk,
+// against its queue credit, its next n waiting tasks (agent.dispatch):
+// each one claim txn, after the grant's message, landing in wk's inbox.
+// With none waiting, the credit is its next push's.
+func (s *sim) assignQueued(st *stage, wk *worker, l *ledger, n int) {
 	now := s.clk.now
-	s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, n), s.epoch, s.cands, s.tasks)
-	ordered, _ := s.cfg.Queue.Order(s.cands, "", s.epoch.Add(now))
+	if l.q.queued == 0 {
+		s.credit(st, wk, l, now+routing.WaitingTTL)
+		return
+	}
+	s.cands, s.tasks = l.q.scan(min(s.cfg.ScanPerClass, n), s.epoch, s.cands, s.tasks)
+	ordered, _ := s.cfg.Queue.Order(s.cands, l.name, s.epoch.Add(now))
 	for _, c := range ordered[:min(n, len(ordered))] {
 		t := s.tasks[idIndex(c.ID)]
 		t.claimed, t.pushTo = true, wk.idx
-		st.q.queued--
+		s.unqueue(st, t)
 		s.etcd.write(now, 1) // jobs.Store.Assign: the claim for wk
 		s.claimTxns++
 		s.assigns++
 		s.clk.at(now+s.cfg.NetDelay+s.etcd.writeLat(now), event{kind: evAssigned, task: t})
 	}
-	st.progressAt = now
-	s.queueChanged(st)
+	l.progressAt = now
 }
 
 // assigned is a dispatcher's hand-on of t against queue credit landing:

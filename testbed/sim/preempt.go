@@ -64,8 +64,7 @@ func (s *sim) preemptDue(t *task) {
 		return
 	}
 	t.claimed, t.pushTo, t.pushedAt, t.hint = true, w, now, w
-	st.q.queued--
-	s.queueChanged(st)
+	s.unqueue(st, t)
 	s.etcd.write(now, 1) // jobs.Store.Assign: the claim for w
 	s.claimTxns++
 	s.handOns++
@@ -193,7 +192,7 @@ func (s *sim) stopped(st *stage, w int32, t *task) {
 	s.addWaiting(st, w)
 	if s.central() {
 		t.claimed = false
-		st.q.requeue(t)
+		s.requeueTask(st, t)
 		s.requestDispatch()
 		return
 	}

@@ -67,7 +67,6 @@ type worker struct {
 	running  *task
 	stopping bool
 	stealing bool // Config.Steal: its request for a claim is on its way
-	toDisp   bool // in its stage's toDisp list
 	unowned  bool // in its stage's unowned list
 	// lookAt is when it looks next over the claims pushed to it
 	// (giveBackCheck), -1 for no look due.
@@ -84,34 +83,29 @@ type stage struct {
 	// heldBack: mesh, idle workers admission holds back (worker.held).
 	heldBack []int32
 	ready    []int32 // mesh: waiting workers that hold a pushed claim
-	// toDisp: mesh, workers that granted their slot to the dispatchers
-	// (worker.toDisp), some of which may since have started work or let
-	// the promise lapse (grantedTo drops them).
-	toDisp []int32
 	// unowned: mesh, waiting workers that found nobody to grant their
 	// slot to (grantSlot), some of which may since have one.
 	unowned []int32
 	// settleAt: mesh, when the next waiting worker gossip shows free
-	// settles (handOn), -1 when not known.
+	// settles (settledWorkers), 0 when not known.
 	settleAt time.Duration
-	q        stageQueue
+	// ledgers are the dispatchers' (ledger.go), queued the tasks waiting
+	// in them; waitingD lists the ledgers with tasks waiting, or that
+	// gossip still shows so.
+	ledgers  []*ledger
+	queued   int
+	waitingD []int32
 	wakeAt   time.Duration // mesh: the pending wake, -1 when none
 	free     int           // workers with their credit free
 	// Mesh: workers holding no claim (the views' free slots), pushed claims
 	// not started, and tasks done whose commit is on its way (admission
 	// counts them as running, agent.committing).
 	viewFree, pushWaiting, committing int
-	// granted lists, by producer (the previous stage's worker), the
-	// workers whose credit its ledger holds, newest last; an entry whose
-	// worker has since started work or granted its slot elsewhere is
-	// dropped when found (takeGrant).
+	// granted lists, by dispatcher (its ledger's index), the workers
+	// whose credit its table holds, newest last; an entry whose worker has
+	// since started work or granted its slot elsewhere is dropped when
+	// found (takeGrant, handOn).
 	granted [][]int32
-	// Mesh: whether tasks wait in the queue (its dispatchers' ledgers),
-	// since when (qOnAt) or until when (qOffAt), which gossip shows a
-	// GossipDelay late (NodeMeta.Waiting); progressAt is when a waiting
-	// task was last handed on, or tasks started to wait (agent.dispatchLoop).
-	qOn                       bool
-	qOnAt, qOffAt, progressAt time.Duration
 }
 
 type sim struct {
@@ -131,7 +125,9 @@ type sim struct {
 	back               []*task
 	tasks              []*task
 	ready              []int32
-	grantedW, settledW []int32 // handOn's: waiting workers the dispatchers may hand a task to
+	grantedW, settledW []int32  // handOn's: waiting workers a dispatcher may hand a task to
+	dispW              []int32  // handOn's: the dispatchers it looks at
+	waitNames          []string // visibleWaiting's
 	nextID             int
 	seen               map[int]int // job id -> completions (CheckJobs)
 
@@ -223,9 +219,12 @@ func newSim(cfg Config) (*sim, error) {
 			s.addWaiting(st, int32(w))
 		}
 		s.st[i] = st
+		var producers []string
 		if i > 0 {
-			st.granted = make([][]int32, sizes[i-1])
+			producers = s.st[i-1].names
 		}
+		st.ledgers = newLedgers(producers, s.central())
+		st.granted = make([][]int32, len(st.ledgers))
 	}
 	if !s.central() {
 		for _, st := range s.st {
@@ -356,6 +355,8 @@ func (s *sim) handle(e event) {
 		s.waitingSeen(s.st[e.stage])
 	case evAssigned:
 		s.assigned(e.task)
+	case evDeclined:
+		s.declined(s.st[e.stage], e.worker, e.disp)
 	}
 }
 
@@ -452,7 +453,7 @@ func (s *sim) enqueue(t *task) {
 	st := s.st[t.stage]
 	if s.central() {
 		t.enq = now
-		st.q.push(t)
+		s.enqueueTask(st, t)
 		s.watchDue(t)
 		s.requestDispatch()
 		return
@@ -465,8 +466,7 @@ func (s *sim) enqueue(t *task) {
 		s.pushLanded(st, t)
 	default:
 		t.enq = now
-		st.q.push(t)
-		s.queueChanged(st)
+		s.enqueueTask(st, t)
 		s.watchDue(t)
 	}
 	// The task key reaches its dispatcher's ledger (jobs.Fed watches the
@@ -650,8 +650,7 @@ func (s *sim) requeued(t *task) {
 	st := s.st[t.stage]
 	s.hold(st, st.workers[t.pushTo], -1)
 	t.claimed, t.pushTo, t.handedOn, t.assigned = false, -1, false, false
-	st.q.requeue(t)
-	s.queueChanged(st)
+	s.requeueTask(st, t)
 	s.watchDue(t)
 	s.stageEvent(st, 1) // the dispatcher's ledger (the claim's deletion: the inbox takes puts only)
 }
@@ -813,10 +812,10 @@ func (s *sim) wake(st *stage) {
 			s.takeOwn(st, h, tnow)
 		}
 	}
-	if st.q.queued > 0 {
+	if st.queued > 0 {
 		s.handOn(st, tnow)
 	}
-	if s.cfg.Steal && st.q.queued == 0 {
+	if s.cfg.Steal && st.queued == 0 {
 		for _, w := range st.waiting {
 			if wk := st.workers[w]; len(wk.pushed) == 0 && !wk.stealing {
 				s.stealFor(st, wk)
@@ -825,65 +824,116 @@ func (s *sim) wake(st *stage) {
 	}
 }
 
-// handOn is the dispatchers handing their waiting tasks, in order, to the
-// waiting workers that granted them a slot, and past grantWait with none
-// handed on, to those gossip shows free and settled. It wakes the stage
-// again when the latter may apply.
+// handOn is each dispatcher with tasks of st waiting handing them on in
+// its own order (routing.QueuePolicy.Order over its ledger): to the
+// waiting workers whose credit its ledger holds, and, once it handed
+// nothing on for grantWait, to workers gossip shows free and settled
+// (agent.dispatch, byGossip). It wakes the stage again when the latter
+// may apply.
 func (s *sim) handOn(st *stage, tnow time.Time) {
 	now := s.clk.now
-	granted := s.grantedTo(st, tnow)
-	settled := s.settledW[:0]
-	fallback := st.progressAt + grantWait // when the gossip hand-on may apply
-	if now >= fallback && now >= st.settleAt {
-		// Past grantWait: look for workers gossip shows free and settled,
-		// unless none settles before a time already found (workers that
-		// went idle since settle later).
-		fallback = -1
-		for _, w := range st.waiting {
-			wk := st.workers[w]
-			if len(wk.pushed) > 0 || wk.toDisp {
-				continue // its inbox's claims take its slot, or it is granted
-			}
-			if at := wk.idleSince + s.cfg.GossipDelay + gossipSettled; at <= now {
-				settled = append(settled, w)
-			} else if fallback < 0 || at < fallback {
-				fallback = at
+	var fallback time.Duration = -1 // when a gossip hand-on may next apply
+	soonest := func(t time.Duration) {
+		if fallback < 0 || t < fallback {
+			fallback = t
+		}
+	}
+	settled, looked := s.settledW[:0], false
+	s.dispW = append(s.dispW[:0], st.waitingD...)
+	for _, d := range s.dispW {
+		l := st.ledgers[d]
+		if l.q.queued == 0 {
+			continue
+		}
+		granted := s.grantedW[:0]
+		for _, w := range st.granted[d] {
+			if wk := st.workers[w]; wk.grantTo == d && wk.grantUntil > now && wk.waitPos >= 0 && len(wk.pushed) == 0 {
+				granted = append(granted, w)
 			}
 		}
-		st.settleAt = fallback
-	} else if now >= fallback {
-		fallback = st.settleAt
-	}
-	n := len(granted) + len(settled)
-	if n > 0 {
-		s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, n), s.epoch, s.cands, s.tasks)
-		ordered, retry := s.cfg.Queue.Order(s.cands, "", tnow)
+		s.grantedW = granted
+		n := len(granted)
+		if byGossip := now-l.progressAt >= grantWait; !byGossip {
+			soonest(l.progressAt + grantWait)
+		} else {
+			if !looked {
+				settled, looked = s.settledWorkers(st, settled, soonest), true
+			}
+			n += len(settled)
+		}
+		if n == 0 {
+			continue
+		}
+		s.cands, s.tasks = l.q.scan(min(s.cfg.ScanPerClass, n), s.epoch, s.cands, s.tasks)
+		ordered, retry := s.cfg.Queue.Order(s.cands, l.name, tnow)
 		at := now + s.etcd.writeLat(now)
-		for k, c := range ordered[:min(n, len(ordered))] {
-			// A granted worker first, at random; then a settled one.
-			var w int32
-			if len(granted) > 0 {
+		sent := now + s.cfg.NetDelay
+		for _, c := range ordered[:min(n, len(ordered))] {
+			// A worker whose credit it holds first, at random; then a
+			// settled one. Either may have been handed a task meanwhile.
+			w := int32(-1)
+			for w < 0 && len(granted) > 0 {
 				i := s.rng.IntN(len(granted))
 				w, granted[i] = granted[i], granted[len(granted)-1]
 				granted = granted[:len(granted)-1]
-			} else {
+				if st.workers[w].waitPos < 0 {
+					w = -1
+				} else {
+					st.workers[w].grantTo = -1 // spent
+				}
+			}
+			for w < 0 && len(settled) > 0 {
 				w, settled = settled[len(settled)-1], settled[:len(settled)-1]
+				if st.workers[w].waitPos < 0 {
+					w = -1
+				}
+			}
+			if w < 0 {
+				break
 			}
 			s.etcd.write(now, 1) // jobs.Store.Assign
 			s.claimTxns++
 			s.removeWaiting(st, w)
-			sent := now + s.cfg.NetDelay + time.Duration(k)*(at-now)
 			s.claim(st, w, s.tasks[idIndex(c.ID)], sent, sent+(at-now))
-			st.progressAt = now
+			sent += at - now // its Assigns go one after another
+			l.progressAt = now
 		}
 		if !retry.IsZero() {
 			s.requestWake(st, retry.Sub(s.epoch))
 		}
 	}
 	s.settledW = settled
-	if st.q.queued > 0 && fallback >= 0 {
+	if st.queued > 0 && fallback >= 0 {
 		s.requestWake(st, fallback)
 	}
+}
+
+// settledWorkers appends to dst the waiting workers of st, with nothing
+// in their inbox, that gossip has shown free for gossipSettled, and tells
+// soonest when the next of the rest settles; it looks again only from
+// then (a worker that goes idle meanwhile settles later still).
+func (s *sim) settledWorkers(st *stage, dst []int32, soonest func(time.Duration)) []int32 {
+	now := s.clk.now
+	if now < st.settleAt {
+		soonest(st.settleAt)
+		return dst
+	}
+	st.settleAt = 0
+	for _, w := range st.waiting {
+		wk := st.workers[w]
+		if len(wk.pushed) > 0 {
+			continue // its inbox's claims take its slot
+		}
+		if at := wk.idleSince + s.cfg.GossipDelay + gossipSettled; at <= now {
+			dst = append(dst, w)
+		} else if st.settleAt == 0 || at < st.settleAt {
+			st.settleAt = at
+		}
+	}
+	if st.settleAt > 0 {
+		soonest(st.settleAt)
+	}
+	return dst
 }
 
 // takeOwn is waiting worker h starting one of the claims in its inbox
@@ -915,8 +965,7 @@ func pushID(k int) string { return "p" + strconv.Itoa(k) }
 // GPU w (central: at lands).
 func (s *sim) claim(st *stage, w int32, t *task, sent, lands time.Duration) {
 	t.claimed = true
-	st.q.queued--
-	s.queueChanged(st)
+	s.unqueue(st, t)
 	wk := st.workers[w]
 	s.occupy(wk)
 	s.setFree(st, -1)
@@ -1198,12 +1247,12 @@ func (s *sim) dispatch() {
 	now := s.clk.now
 	more := false
 	for _, st := range s.st {
-		if len(st.waiting) == 0 || st.q.queued == 0 {
+		if len(st.waiting) == 0 || st.queued == 0 {
 			continue
 		}
 		// g free GPUs take Order's first g choices: among the oldest g
 		// of each class.
-		s.cands, s.tasks = st.q.scan(min(s.cfg.ScanPerClass, len(st.waiting)), s.epoch, s.cands, s.tasks)
+		s.cands, s.tasks = st.ledgers[0].q.scan(min(s.cfg.ScanPerClass, len(st.waiting)), s.epoch, s.cands, s.tasks)
 		ordered, _ := s.cfg.Queue.Order(s.cands, "", s.epoch.Add(now))
 		for _, c := range ordered {
 			if len(st.waiting) == 0 {
@@ -1215,7 +1264,7 @@ func (s *sim) dispatch() {
 			at := s.decide()
 			s.claim(st, g, t, at, at+s.cfg.NetDelay) // central: no offers
 		}
-		if len(st.waiting) > 0 && st.q.queued > 0 {
+		if len(st.waiting) > 0 && st.queued > 0 {
 			more = true // the scan's limit left some
 		}
 	}

@@ -71,8 +71,13 @@ func checkDrained(t *testing.T, s *sim, r Result) {
 		}
 	}
 	for _, st := range s.st {
-		if st.free != len(st.workers) || len(st.waiting) != len(st.workers) || st.q.queued != 0 {
-			t.Fatalf("stage %d not drained: free %d waiting %d queued %d of %d", st.i, st.free, len(st.waiting), st.q.queued, len(st.workers))
+		if st.free != len(st.workers) || len(st.waiting) != len(st.workers) || st.queued != 0 {
+			t.Fatalf("stage %d not drained: free %d waiting %d queued %d of %d", st.i, st.free, len(st.waiting), st.queued, len(st.workers))
+		}
+		for _, l := range st.ledgers {
+			if l.q.queued != 0 {
+				t.Fatalf("stage %d: %d tasks still wait in %s's ledger", st.i, l.q.queued, l.name)
+			}
 		}
 		for _, wk := range st.workers {
 			if wk.slotDone != nil || wk.running != nil || wk.stopping {
@@ -166,8 +171,9 @@ func TestAdmissionPerWorker(t *testing.T) {
 
 // Stealing (Config.Steal, a proposal the agent does not make yet): idle
 // Wan workers at 300 GPUs take the claims busy encode and decode workers
-// would start last, and the queueing P99 falls to less than half, every
-// job once, each steal one hand-over write.
+// would start last, and the queueing P99 falls by more than 30% (39%
+// with the dispatchers' own ledgers; more than half with one pooled
+// queue), every job once, each steal one hand-over write.
 func TestStealProposal(t *testing.T) {
 	cfg := smallConfig(Mesh)
 	cfg.Etcd = DefaultEtcdCosts()
@@ -178,7 +184,7 @@ func TestStealProposal(t *testing.T) {
 	s, r := runSim(t, cfg)
 	checkDrained(t, s, r)
 	checkMeshOps(t, s, r)
-	if r0.Steals != 0 || r.Steals == 0 || r.QueueP99Ms > 0.5*r0.QueueP99Ms {
+	if r0.Steals != 0 || r.Steals == 0 || r.QueueP99Ms > 0.7*r0.QueueP99Ms {
 		t.Fatalf("%d steals, queueing P99 %.0f ms; without stealing %d, %.0f ms", r.Steals, r.QueueP99Ms, r0.Steals, r0.QueueP99Ms)
 	}
 	t.Logf("stealing: %.2f steals a job, queueing P50 / P99 %.0f / %.0f ms against %.0f / %.0f, %.2f writes a job against %.2f",

@@ -120,8 +120,9 @@ func startAgent(t *testing.T, node string) (*Agent, *clientv3.Client, Config) {
 	return startAgentWith(t, node, nil)
 }
 
-// startAgentWith is startAgent with edit applied to the local config.
-func startAgentWith(t *testing.T, node string, edit func(*Config)) (*Agent, *clientv3.Client, Config) {
+// embeddedEtcd starts an embedded etcd for the test and returns a client
+// of it.
+func embeddedEtcd(t *testing.T) *clientv3.Client {
 	t.Helper()
 	srv, err := etcdembed.Start(context.Background(), etcdembed.DefaultConfig())
 	if err != nil {
@@ -133,6 +134,27 @@ func startAgentWith(t *testing.T, node string, edit func(*Config)) (*Agent, *cli
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { cli.Close() })
+	return cli
+}
+
+// runAgent makes and starts an agent of cfg on cli, closed with the test.
+func runAgent(t *testing.T, ctx context.Context, cli *clientv3.Client, cfg Config) *Agent {
+	t.Helper()
+	a, err := New(cfg, cli)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	if err := a.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	return a
+}
+
+// startAgentWith is startAgent with edit applied to the local config.
+func startAgentWith(t *testing.T, node string, edit func(*Config)) (*Agent, *clientv3.Client, Config) {
+	t.Helper()
+	cli := embeddedEtcd(t)
 	cfg := DefaultLocalConfig()
 	cfg.NodeID = node
 	if edit != nil {

@@ -5,9 +5,6 @@ import (
 	"testing"
 	"time"
 
-	clientv3 "go.etcd.io/etcd/client/v3"
-
-	"github.com/latentmesh/latentmesh/agent/etcdembed"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/routing"
 )
@@ -17,30 +14,13 @@ import (
 // the decline, so that it leaves the dispatcher out of those it grants to
 // until gossip shows it anew, and grants the slot anew.
 func TestGrantForWaitingWorkDeclined(t *testing.T) {
-	srv, err := etcdembed.Start(context.Background(), etcdembed.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(srv.Close)
-	cli, err := clientv3.New(clientv3.Config{Endpoints: srv.Endpoints(), DialTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := embeddedEtcd(t)
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
 	start := func(node string, role jobs.Stage) *Agent {
 		cfg := DefaultLocalConfig()
 		cfg.NodeID, cfg.Roles = node, []jobs.Stage{role}
-		a, err := New(cfg, cli)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { a.Close() })
-		if err := a.Start(ctx); err != nil {
-			t.Fatal(err)
-		}
-		return a
+		return runAgent(t, ctx, cli, cfg)
 	}
 	worker, disp := start("decode-w", jobs.Decode), start("denoise-d", jobs.Denoise)
 	for {

@@ -14,7 +14,6 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/latentmesh/latentmesh/agent/engine"
-	"github.com/latentmesh/latentmesh/agent/etcdembed"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 	"github.com/latentmesh/latentmesh/transfer"
 )
@@ -32,16 +31,7 @@ type trustMesh struct {
 func startTrustMesh(t *testing.T) *trustMesh {
 	t.Helper()
 	ctx := context.Background()
-	srv, err := etcdembed.Start(ctx, etcdembed.DefaultConfig())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
-	cli, err := clientv3.New(clientv3.Config{Endpoints: srv.Endpoints(), DialTimeout: 5 * time.Second})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := embeddedEtcd(t)
 	core, logs := observer.New(zapcore.WarnLevel)
 	m := &trustMesh{cli: cli, logs: logs}
 	for i := range 3 {
@@ -50,18 +40,11 @@ func startTrustMesh(t *testing.T) *trustMesh {
 		cfg.Roles = []jobs.Stage{jobs.Decode}
 		cfg.Logger = zap.New(core)
 		cfg.HTTPListen, cfg.AdminListen = "", ""
-		a, err := New(cfg, cli)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { a.Close() })
-		if err := a.Start(ctx); err != nil {
-			t.Fatal(err)
-		}
-		m.agents = append(m.agents, a)
+		m.agents = append(m.agents, runAgent(t, ctx, cli, cfg))
 	}
 	jc := jobs.DefaultConfig()
 	jc.Prefix = m.agents[0].cfg.Prefix
+	var err error
 	if m.jobs, err = jobs.NewStore(cli, jc); err != nil {
 		t.Fatal(err)
 	}

@@ -29,8 +29,10 @@ type SlotBook struct {
 	busy  map[uint64]time.Time // slots taken, by token: when each was taken
 	next  uint64
 	// declined: the dispatchers that declined a grant of these slots made
-	// for work waiting (Declines), and when.
+	// for work waiting (Declines), and when; pruned of those a minute old
+	// at most once a minute (after prunedAt).
 	declined map[string]time.Time
+	prunedAt time.Time
 }
 
 // slotMeanWeight is the weight of the newest task in mean: an eighth, so
@@ -69,9 +71,12 @@ func (b *SlotBook) Promised(now time.Time) (SlotGrant, time.Time) {
 func (b *SlotBook) Decline(from string, now time.Time) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	for d, at := range b.declined {
-		if now.Sub(at) > time.Minute {
-			delete(b.declined, d) // gossip has long shown it anew, or it left
+	if now.Sub(b.prunedAt) > time.Minute {
+		b.prunedAt = now
+		for d, at := range b.declined {
+			if now.Sub(at) > time.Minute {
+				delete(b.declined, d) // gossip has long shown it anew, or it left
+			}
 		}
 	}
 	b.declined[from] = now

@@ -239,7 +239,7 @@ func runBenchAPI(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.IntVar(&cfg.Steps, "steps", cfg.Steps, "denoise steps per job")
 	fs.IntVar(&cfg.DenoiseSlots, "denoise-slots", 0, "denoise slots of the in-process mesh's denoise agent (0: the default, 1)")
 	fs.BoolVar(&cfg.EtcdFsync, "etcd-fsync", false, "in-process mesh: the embedded etcd fsyncs its log, as an etcd whose data must survive a crash (default: not, since its temporary directory is removed on exit)")
-	fs.BoolVar(&cfg.NoPush, "no-push", false, "in-process mesh: workers claim every task themselves instead of taking claims pushed to them (a baseline)")
+	fs.BoolVar(&cfg.NoPush, "no-push", false, "in-process mesh: no claim is pushed with its task; dispatchers hand every task on against workers' grants (a baseline)")
 	fs.DurationVar(&cfg.EtcdWriteDelay, "etcd-write-delay", 0, "in-process mesh: every etcd write the agents send waits this long first, as on a loaded etcd (0: none)")
 	fs.BoolVar(&cfg.NoOffers, "no-offers", false, "in-process mesh: a pushed task starts once its write's watch event arrives, not from the claim its writer offers over libp2p (a baseline)")
 	fs.IntVar(&cfg.Slack, "backpressure-slack", cfg.Slack, "in-process mesh: the agents' backpressure slack for the whole upstream pool (negative: the agent default, 1; each producer adds its own --backpressure-per-producer share, 2)")

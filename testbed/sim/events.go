@@ -19,7 +19,8 @@ const (
 	evGiveBack                  // mesh: a pushed claim's worker looks whether to give it back
 	evRequeued                  // mesh: a pushed claim's give-back landed
 	evGrantEnds                 // mesh: a free worker's promise of its slot runs out
-	evWaitingSeen               // mesh: gossip shows a stage's dispatchers with work waiting
+	evWaitingSeen               // mesh: gossip shows a dispatcher with work waiting
+	evWaitingGone               // mesh: gossip shows a dispatcher with none waiting
 	evAssigned                  // mesh: a dispatcher's hand-on against queue credit landed in a busy worker's inbox
 	evDeclined                  // mesh: a dispatcher's decline of a grant for work waiting reached its worker
 	evOffered                   // mesh: a pushed claim's offer reached its worker, ahead of its write

@@ -40,7 +40,7 @@ func (s *sim) slotView(st *stage, wk *worker, fed int32) routing.SlotView {
 		v.Free = 1 // a claim in its inbox takes the slot next (agent.slots)
 	}
 	v.Owner, _ = wk.book.Promised(tnow)
-	if v.Waiting = s.visibleWaiting(st, wk); len(v.Waiting) > 0 {
+	if v.Waiting = s.visibleWaiting(st, wk, fed); len(v.Waiting) > 0 {
 		if !wk.held {
 			v.Queue = wk.book.Room(len(wk.pushed), s.cfg.Queue.HoldFor, tnow)
 		}
@@ -99,6 +99,7 @@ func (s *sim) grantQueue(st *stage, wk *worker, t *task) {
 	if routing.Declines(g.Waiting, l.on) {
 		s.grantMsgs++ // its decline; wk has no free slot promised
 		wk.book.Decline(l.name, s.epoch.Add(s.clk.now+2*s.cfg.NetDelay))
+		wk.declines = true
 		return
 	}
 	s.assignQueued(st, wk, l, g.Free)
@@ -132,6 +133,7 @@ func (s *sim) applyGrant(st *stage, wk *worker, g routing.SlotGrant) {
 // d out until gossip shows it anew.
 func (s *sim) declined(st *stage, w, d int32) {
 	wk := st.workers[w]
+	wk.declines = true
 	if wk.book.Decline(st.ledgers[d].name, s.epoch.Add(s.clk.now)) && wk.waitPos >= 0 {
 		s.grantSlot(st, w, -1)
 	}
@@ -148,7 +150,7 @@ func (s *sim) credit(st *stage, wk *worker, l *ledger, until time.Duration) {
 	}
 	st.granted[p] = append(st.granted[p], wk.idx)
 	if l.on {
-		s.requestWake(st, s.clk.now+s.cfg.NetDelay)
+		s.creditedLedger(st, l)
 	}
 }
 
@@ -222,25 +224,6 @@ func (s *sim) pushTarget(st *stage, p int32) int32 {
 		return w
 	}
 	return s.pickHint(st)
-}
-
-// waitingSeen is gossip showing st's dispatchers with work waiting: the
-// free workers whose slot has no owner grant it to them (the agent's
-// worker loop wakes on gossip and calls grantIdle; a slot with an owner
-// keeps it until the promise lapses).
-func (s *sim) waitingSeen(st *stage) {
-	if len(s.visibleWaiting(st, nil)) == 0 {
-		return
-	}
-	s.ready = append(s.ready[:0], st.unowned...)
-	st.unowned = st.unowned[:0]
-	for _, w := range s.ready {
-		wk := st.workers[w]
-		wk.unowned = false
-		if wk.waitPos >= 0 {
-			s.grantSlot(st, w, -1)
-		}
-	}
 }
 
 // assignQueued is the dispatcher of ledger l handing busy worker wk,

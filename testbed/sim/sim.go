@@ -68,6 +68,7 @@ type worker struct {
 	stopping bool
 	stealing bool // Config.Steal: its request for a claim is on its way
 	unowned  bool // in its stage's unowned list
+	declines bool // a dispatcher declined a grant of its (its book says which, and when)
 	// lookAt is when it looks next over the claims pushed to it
 	// (giveBackCheck), -1 for no look due.
 	lookAt time.Duration
@@ -90,13 +91,19 @@ type stage struct {
 	// settles (settledWorkers), 0 when not known.
 	settleAt time.Duration
 	// ledgers are the dispatchers' (ledger.go), queued the tasks waiting
-	// in them; waitingD lists the ledgers with tasks waiting, or that
-	// gossip still shows so.
+	// in them; waitingD lists the ledgers with tasks waiting (and some
+	// that no longer have, dropped by handOn).
 	ledgers  []*ledger
 	queued   int
 	waitingD []int32
-	wakeAt   time.Duration // mesh: the pending wake, -1 when none
-	free     int           // workers with their credit free
+	// credited: ledgers a grant reached while they had work waiting
+	// (handOn hands on against it); visible, visibleIdx: the dispatchers
+	// gossip shows waiting, and their ledgers (waitingSeen, waitingGone).
+	credited   []int32
+	visible    []string
+	visibleIdx []int32
+	wakeAt     time.Duration // mesh: the pending wake, -1 when none
+	free       int           // workers with their credit free
 	// Mesh: workers holding no claim (the views' free slots), pushed claims
 	// not started, and tasks done whose commit is on its way (admission
 	// counts them as running, agent.committing).
@@ -352,7 +359,9 @@ func (s *sim) handle(e event) {
 	case evGrantEnds:
 		s.grantEnds(s.st[e.stage], e.worker)
 	case evWaitingSeen:
-		s.waitingSeen(s.st[e.stage])
+		s.waitingSeen(s.st[e.stage], e.disp)
+	case evWaitingGone:
+		s.waitingGone(s.st[e.stage], e.disp)
 	case evAssigned:
 		s.assigned(e.task)
 	case evDeclined:
@@ -832,19 +841,12 @@ func (s *sim) wake(st *stage) {
 // may apply.
 func (s *sim) handOn(st *stage, tnow time.Time) {
 	now := s.clk.now
-	var fallback time.Duration = -1 // when a gossip hand-on may next apply
-	soonest := func(t time.Duration) {
-		if fallback < 0 || t < fallback {
-			fallback = t
-		}
-	}
-	settled, looked := s.settledW[:0], false
-	s.dispW = append(s.dispW[:0], st.waitingD...)
+	// Against credit: the ledgers a grant reached while they had work.
+	s.dispW = append(s.dispW[:0], st.credited...)
+	st.credited = st.credited[:0]
 	for _, d := range s.dispW {
 		l := st.ledgers[d]
-		if l.q.queued == 0 {
-			continue
-		}
+		l.credited = false
 		granted := s.grantedW[:0]
 		for _, w := range st.granted[d] {
 			if wk := st.workers[w]; wk.grantTo == d && wk.grantUntil > now && wk.waitPos >= 0 && len(wk.pushed) == 0 {
@@ -852,54 +854,42 @@ func (s *sim) handOn(st *stage, tnow time.Time) {
 			}
 		}
 		s.grantedW = granted
-		n := len(granted)
-		if byGossip := now-l.progressAt >= grantWait; !byGossip {
-			soonest(l.progressAt + grantWait)
-		} else {
-			if !looked {
-				settled, looked = s.settledWorkers(st, settled, soonest), true
-			}
-			n += len(settled)
+		if l.q.queued > 0 && len(granted) > 0 {
+			s.handFrom(st, l, tnow, granted, nil)
 		}
-		if n == 0 {
-			continue
+	}
+	// By gossip, to workers shown free and settled: only while some are,
+	// from the ledgers that handed nothing on for grantWait.
+	settled := s.settledWorkers(st, s.settledW[:0])
+	var fallback time.Duration = -1 // when a gossip hand-on may next apply
+	if st.settleAt > 0 {
+		fallback = st.settleAt
+	}
+	if len(settled) > 0 {
+		keep := st.waitingD[:0]
+		for _, d := range st.waitingD {
+			if l := st.ledgers[d]; l.on {
+				keep = append(keep, d)
+			} else {
+				l.listed = false
+			}
 		}
-		s.cands, s.tasks = l.q.scan(min(s.cfg.ScanPerClass, n), s.epoch, s.cands, s.tasks)
-		ordered, retry := s.cfg.Queue.Order(s.cands, l.name, tnow)
-		at := now + s.etcd.writeLat(now)
-		sent := now + s.cfg.NetDelay
-		for _, c := range ordered[:min(n, len(ordered))] {
-			// A worker whose credit it holds first, at random; then a
-			// settled one. Either may have been handed a task meanwhile.
-			w := int32(-1)
-			for w < 0 && len(granted) > 0 {
-				i := s.rng.IntN(len(granted))
-				w, granted[i] = granted[i], granted[len(granted)-1]
-				granted = granted[:len(granted)-1]
-				if st.workers[w].waitPos < 0 {
-					w = -1
-				} else {
-					st.workers[w].grantTo = -1 // spent
+		st.waitingD = keep
+		s.dispW = append(s.dispW[:0], st.waitingD...)
+		for _, d := range s.dispW {
+			l := st.ledgers[d]
+			switch {
+			case l.q.queued == 0:
+			case now-l.progressAt < grantWait:
+				if at := l.progressAt + grantWait; fallback < 0 || at < fallback {
+					fallback = at
 				}
+			default:
+				settled = s.handFrom(st, l, tnow, nil, settled)
 			}
-			for w < 0 && len(settled) > 0 {
-				w, settled = settled[len(settled)-1], settled[:len(settled)-1]
-				if st.workers[w].waitPos < 0 {
-					w = -1
-				}
-			}
-			if w < 0 {
+			if len(settled) == 0 {
 				break
 			}
-			s.etcd.write(now, 1) // jobs.Store.Assign
-			s.claimTxns++
-			s.removeWaiting(st, w)
-			s.claim(st, w, s.tasks[idIndex(c.ID)], sent, sent+(at-now))
-			sent += at - now // its Assigns go one after another
-			l.progressAt = now
-		}
-		if !retry.IsZero() {
-			s.requestWake(st, retry.Sub(s.epoch))
 		}
 	}
 	s.settledW = settled
@@ -908,14 +898,60 @@ func (s *sim) handOn(st *stage, tnow time.Time) {
 	}
 }
 
+// handFrom is ledger l's dispatcher handing its first choices on, one to
+// each worker of granted (whose credit it spends, at random), then of
+// settled, while it has tasks (one claim txn each, one after another); it
+// returns what is left of settled. A worker handed a task meanwhile is
+// passed over.
+func (s *sim) handFrom(st *stage, l *ledger, tnow time.Time, granted, settled []int32) []int32 {
+	now := s.clk.now
+	n := len(granted) + len(settled)
+	s.cands, s.tasks = l.q.scan(min(s.cfg.ScanPerClass, n), s.epoch, s.cands, s.tasks)
+	ordered, retry := s.cfg.Queue.Order(s.cands, l.name, tnow)
+	at := now + s.etcd.writeLat(now)
+	sent := now + s.cfg.NetDelay
+	for _, c := range ordered[:min(n, len(ordered))] {
+		w := int32(-1)
+		for w < 0 && len(granted) > 0 {
+			i := s.rng.IntN(len(granted))
+			w, granted[i] = granted[i], granted[len(granted)-1]
+			granted = granted[:len(granted)-1]
+			if st.workers[w].waitPos < 0 {
+				w = -1
+			} else {
+				st.workers[w].grantTo = -1 // spent
+			}
+		}
+		for w < 0 && len(settled) > 0 {
+			w, settled = settled[len(settled)-1], settled[:len(settled)-1]
+			if st.workers[w].waitPos < 0 {
+				w = -1
+			}
+		}
+		if w < 0 {
+			break
+		}
+		s.etcd.write(now, 1) // jobs.Store.Assign
+		s.claimTxns++
+		s.removeWaiting(st, w)
+		s.claim(st, w, s.tasks[idIndex(c.ID)], sent, sent+(at-now))
+		sent += at - now // its Assigns go one after another
+		l.progressAt = now
+	}
+	if !retry.IsZero() {
+		s.requestWake(st, retry.Sub(s.epoch))
+	}
+	return settled
+}
+
 // settledWorkers appends to dst the waiting workers of st, with nothing
-// in their inbox, that gossip has shown free for gossipSettled, and tells
-// soonest when the next of the rest settles; it looks again only from
-// then (a worker that goes idle meanwhile settles later still).
-func (s *sim) settledWorkers(st *stage, dst []int32, soonest func(time.Duration)) []int32 {
+// in their inbox, that gossip has shown free for gossipSettled, and sets
+// st.settleAt to when the next of the rest settles (0: none); it looks
+// again only from then (a worker that goes idle meanwhile settles later
+// still).
+func (s *sim) settledWorkers(st *stage, dst []int32) []int32 {
 	now := s.clk.now
 	if now < st.settleAt {
-		soonest(st.settleAt)
 		return dst
 	}
 	st.settleAt = 0
@@ -929,9 +965,6 @@ func (s *sim) settledWorkers(st *stage, dst []int32, soonest func(time.Duration)
 		} else if st.settleAt == 0 || at < st.settleAt {
 			st.settleAt = at
 		}
-	}
-	if st.settleAt > 0 {
-		soonest(st.settleAt)
 	}
 	return dst
 }

@@ -73,7 +73,12 @@ func (a *Agent) grantFreed(st jobs.Stage, c *jobs.Claim) {
 	if !c.Pushed || d == a.id || !a.alive(d) {
 		d = ""
 	}
-	v, records := a.slotView(st, c.Task.Producer())
+	v := a.ownView(st)
+	if d != "" || v.Free <= 0 {
+		a.grant(st, routing.GrantFreed(v, d, nil), nil) // it reads no gossip then
+		return
+	}
+	v, records := a.gossipView(st, v, c.Task.Producer())
 	a.grant(st, routing.GrantFreed(v, d, nil), records)
 }
 
@@ -81,7 +86,11 @@ func (a *Agent) grantFreed(st jobs.Stage, c *jobs.Claim) {
 // starts (routing.GrantQueue) to a dispatcher gossip shows with tasks of
 // st waiting, fed first.
 func (a *Agent) grantQueue(st jobs.Stage, fed string) {
-	v, records := a.slotView(st, fed)
+	v := a.ownView(st)
+	if v.Queue <= 0 {
+		return // no queue credit: routing.GrantQueue grants nothing, and gossip need not be read
+	}
+	v, records := a.gossipView(st, v, fed)
 	if g := routing.GrantQueue(v, nil); g.To != "" {
 		a.sendGrant(records[g.To], grantMsg(st, g))
 	}
@@ -97,7 +106,7 @@ func (a *Agent) grantIdle(st jobs.Stage, fed string) time.Time {
 	if _, until := a.books[st].Promised(time.Now()); !until.IsZero() {
 		return until // kept until it lapses; no need to look at gossip
 	}
-	v, records := a.slotView(st, fed)
+	v, records := a.gossipView(st, a.ownView(st), fed)
 	return a.grant(st, routing.GrantIdle(v, nil), records)
 }
 
@@ -122,16 +131,26 @@ func grantMsg(st jobs.Stage, g routing.SlotGrant) grant.Msg {
 	return m
 }
 
-// slotView is what this node knows when it grants its slots of st
-// (routing.SlotView), fed being the producer of the task that just ended
-// (or ""), and the grantees' node records.
-func (a *Agent) slotView(st jobs.Stage, fed string) (routing.SlotView, map[string]gossip.NodeRecord) {
+// ownView is what this node knows of its own slots of st when it grants
+// them (routing.SlotView): free ones, queue credit and the admission room
+// it is bounded by, and the current promise. gossipView adds the
+// grantees; a task's end with a dispatcher to return the slot to, and a
+// start with no queue credit, need none (a task's each: reading gossip
+// there cost bench api an eighth of its jobs a second).
+func (a *Agent) ownView(st jobs.Stage) routing.SlotView {
 	v := routing.SlotView{Free: a.grantable(st), Admit: -1}
 	if a.takingWork(st) {
-		v.Queue = a.queueCredit(st)
-		v.Admit = a.admitRoom(st, a.inboxWaiting(st))
+		if v.Queue = a.queueCredit(st); v.Queue > 0 {
+			v.Admit = a.admitRoom(st, a.inboxWaiting(st))
+		}
 	}
 	v.Owner, _ = a.books[st].Promised(time.Now())
+	return v
+}
+
+// gossipView is v with the grantees gossip shows for st, fed being the
+// producer of the task that just ended (or ""), and their node records.
+func (a *Agent) gossipView(st jobs.Stage, v routing.SlotView, fed string) (routing.SlotView, map[string]gossip.NodeRecord) {
 	var records map[string]gossip.NodeRecord
 	v.Waiting, v.Producers, records = a.grantees(st)
 	if _, ok := records[fed]; ok {

@@ -74,7 +74,8 @@ type SlotView struct {
 	Fed string
 }
 
-// GrantFreed decides who owns the slot a task just freed. dispatcher is
+// GrantFreed decides who owns the slot a task just freed (reading the
+// view's Waiting, Producers and Fed only when dispatcher is ""). dispatcher is
 // the task's dispatcher when its claim reached this worker through its
 // inbox (pushed, or handed on), and it is another live member; "" else.
 // The slot is that dispatcher's for ReturnTTL: its ledger gives it the
@@ -122,7 +123,8 @@ func GrantIdle(v SlotView, rng *rand.Rand) SlotGrant {
 }
 
 // GrantQueue decides who is granted a worker's queue credit when a task
-// starts there: one dispatcher gossip shows with work waiting (Fed first),
+// starts there (none without queue credit, whatever the rest of the
+// view): one dispatcher gossip shows with work waiting (Fed first),
 // so that while a backlog waits, the next task is in the worker's inbox
 // when a slot frees, instead of being handed on only after the slot's
 // grant (a 1-slot denoise of 3 ms tasks idled about a millisecond a task

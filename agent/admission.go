@@ -128,16 +128,3 @@ func (a *Agent) admission(st, down jobs.Stage) (mine, quota int, synced bool) {
 	}
 	return fed + inFlight, a.cfg.Admission.Share(credits, producers, a.id), synced
 }
-
-// admitRoom is how many more tasks of st admission would let this node
-// start beyond those it counts now, and those in its inbox (-1: no bound,
-// as for the last stage, admission off, or outputs relayed through the
-// Store): the bound on the queue credit it grants (routing.SlotView.Admit).
-func (a *Agent) admitRoom(st jobs.Stage, inbox int) int {
-	down, last := st.Next()
-	if last || a.cfg.Admission.Off || a.cfg.TransferMode == jobs.StoreRelay {
-		return -1
-	}
-	mine, quota, _ := a.admission(st, down)
-	return max(0, quota-mine-inbox)
-}

@@ -132,17 +132,15 @@ func grantMsg(st jobs.Stage, g routing.SlotGrant) grant.Msg {
 }
 
 // ownView is what this node knows of its own slots of st when it grants
-// them (routing.SlotView): free ones, queue credit and the admission room
-// it is bounded by, and the current promise. gossipView adds the
+// them (routing.SlotView): free ones, queue credit, and the current
+// promise. gossipView adds the
 // grantees; a task's end with a dispatcher to return the slot to, and a
 // start with no queue credit, need none (a task's each: reading gossip
 // there cost bench api an eighth of its jobs a second).
 func (a *Agent) ownView(st jobs.Stage) routing.SlotView {
-	v := routing.SlotView{Free: a.grantable(st), Admit: -1}
+	v := routing.SlotView{Free: a.grantable(st)}
 	if a.takingWork(st) {
-		if v.Queue = a.queueCredit(st); v.Queue > 0 {
-			v.Admit = a.admitRoom(st, a.inboxWaiting(st))
-		}
+		v.Queue = a.queueCredit(st)
 	}
 	v.Owner, _ = a.books[st].Promised(time.Now())
 	return v

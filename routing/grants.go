@@ -57,10 +57,6 @@ type SlotView struct {
 	// claims in its inbox that it would start within the hold
 	// (SlotBook.Room); 0 while the stage takes no work.
 	Queue int
-	// Admit is how many more tasks admission would let it start beyond
-	// those it counts now (its quota less what it counts,
-	// Admission.Admit); -1 for no bound (the last stage, admission off).
-	Admit int
 	// Owner is the grant its free slots are promised by now
 	// (SlotBook.Promised); the zero SlotGrant for none.
 	Owner SlotGrant
@@ -110,7 +106,7 @@ func GrantIdle(v SlotView, rng *rand.Rand) SlotGrant {
 		return SlotGrant{}
 	}
 	if len(v.Waiting) > 0 {
-		return SlotGrant{To: GrantTo(v.Waiting, v.Fed, rng), Free: v.Free + v.queue(v.Free), TTL: WaitingTTL, Waiting: true}
+		return SlotGrant{To: GrantTo(v.Waiting, v.Fed, rng), Free: v.Free + v.Queue, TTL: WaitingTTL, Waiting: true}
 	}
 	to := v.Fed
 	if to == "" {
@@ -132,11 +128,10 @@ func GrantIdle(v SlotView, rng *rand.Rand) SlotGrant {
 // things stand, so a dispatcher granted again holds the new figure, not
 // the sum.
 func GrantQueue(v SlotView, rng *rand.Rand) SlotGrant {
-	q := v.queue(0)
-	if q <= 0 || len(v.Waiting) == 0 {
+	if v.Queue <= 0 || len(v.Waiting) == 0 {
 		return SlotGrant{}
 	}
-	return SlotGrant{To: GrantTo(v.Waiting, v.Fed, rng), Free: q, TTL: WaitingTTL, Waiting: true}
+	return SlotGrant{To: GrantTo(v.Waiting, v.Fed, rng), Free: v.Queue, TTL: WaitingTTL, Waiting: true}
 }
 
 // Declines reports whether a dispatcher declines a grant it receives:
@@ -149,17 +144,6 @@ func GrantQueue(v SlotView, rng *rand.Rand) SlotGrant {
 // (SlotBook.Decline), leaving out the dispatcher until gossip shows it
 // again.
 func Declines(forWaiting, waiting bool) bool { return forWaiting && !waiting }
-
-// queue is the queue credit a worker grants beside free slots: no more
-// than admission would let it start after them (a claim handed on beyond
-// that waits for the tasks this worker fed, and is given back: a
-// simulated 16-GPU Wan mesh at a slack of 1 gave back a third of them).
-func (v SlotView) queue(free int) int {
-	if v.Admit < 0 {
-		return v.Queue
-	}
-	return max(0, min(v.Queue, v.Admit-free))
-}
 
 // GrantTo chooses the one producer a worker's free slots are granted to
 // ahead of work, among producers: fed (the producer of the task that just

@@ -91,7 +91,7 @@ func TestGrantsReturn(t *testing.T) {
 // until its promise lapses.
 func TestGrantDecisions(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
-	idle := SlotView{Free: 1, Queue: 2, Admit: -1, Producers: []string{"enc-0", "enc-1"}, Fed: "enc-1"}
+	idle := SlotView{Free: 1, Queue: 2, Producers: []string{"enc-0", "enc-1"}, Fed: "enc-1"}
 
 	if g, want := GrantFreed(idle, "enc-0", rng), (SlotGrant{To: "enc-0", Free: 1, TTL: ReturnTTL, Returned: true}); g != want {
 		t.Fatalf("a pushed task's end: %+v; want %+v", g, want)
@@ -143,27 +143,5 @@ func TestGrantDecisions(t *testing.T) {
 	}
 	if g := GrantQueue(SlotView{Waiting: waiting.Waiting}, rng); g.To != "" {
 		t.Fatalf("no queue credit, yet granted %+v", g)
-	}
-}
-
-// Queue credit goes no further than admission would let the worker start:
-// a claim handed on beyond that waits for the tasks the worker fed.
-func TestQueueCreditWithinAdmission(t *testing.T) {
-	rng := rand.New(rand.NewPCG(5, 6))
-	v := SlotView{Queue: 3, Admit: 1, Waiting: []string{"d"}}
-	if g := GrantQueue(v, rng); g.Free != 1 {
-		t.Fatalf("queue credit 3, admission room 1: granted %d", g.Free)
-	}
-	v.Admit = 0
-	if g := GrantQueue(v, rng); g.To != "" {
-		t.Fatalf("no admission room, yet granted %+v", g)
-	}
-	v.Admit = -1
-	if g := GrantQueue(v, rng); g.Free != 3 {
-		t.Fatalf("admission unbounded: granted %d of queue credit 3", g.Free)
-	}
-	idle := SlotView{Free: 1, Queue: 3, Admit: 2, Waiting: []string{"d"}}
-	if g := GrantIdle(idle, rng); g.Free != 2 {
-		t.Fatalf("a free slot, admission room 2: granted %d, want the slot and one more", g.Free)
 	}
 }

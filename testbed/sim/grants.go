@@ -12,7 +12,7 @@ import (
 // worker's free slot is routing's decision (GrantFreed when a task ends,
 // GrantIdle when the slot has no owner, GrantQueue when a task starts),
 // made here on what the worker would know: its slot (free, promised, its
-// queue credit, its admission), the producers of the stage before, and
+// queue credit), the producers of the stage before, and
 // the dispatchers gossip shows with work waiting, a GossipDelay late
 // (ledger.go). A grant puts a credit in its holder's ledger (granted): a
 // dispatcher with tasks waiting hands its first choice on against it
@@ -44,10 +44,6 @@ func (s *sim) slotView(st *stage, wk *worker, fed int32) routing.SlotView {
 		if !wk.held {
 			v.Queue = wk.book.Room(len(wk.pushed), s.cfg.Queue.HoldFor, tnow)
 		}
-	}
-	v.Admit = -1
-	if s.admits(st) && !s.cfg.Admission.Off {
-		v.Admit = max(0, int(wk.quota)-s.mine(wk)-len(wk.pushed))
 	}
 	if st.i > 0 {
 		v.Producers = s.st[st.i-1].names

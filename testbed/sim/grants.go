@@ -90,15 +90,9 @@ func (s *sim) grantQueue(st *stage, wk *worker, t *task) {
 	if g.To == "" {
 		return
 	}
-	s.grantMsgs++
-	l := s.ledgerNamed(st, g.To)
-	if routing.Declines(g.Waiting, l.on) {
-		s.grantMsgs++ // its decline; wk has no free slot promised
-		wk.book.Decline(l.name, s.epoch.Add(s.clk.now+2*s.cfg.NetDelay))
-		wk.declines = true
-		return
+	if l := s.deliver(st, wk, g); l != nil {
+		s.assignQueued(st, wk, l, g.Free)
 	}
-	s.assignQueued(st, wk, l, g.Free)
 }
 
 // applyGrant makes worker wk's grant g of its slot (none for a zero g):
@@ -113,20 +107,29 @@ func (s *sim) applyGrant(st *stage, wk *worker, g routing.SlotGrant) {
 	if g.Returned {
 		return // the dispatcher's own ledger's, once it sees the task gone (creditReturned)
 	}
+	if l := s.deliver(st, wk, g); l != nil {
+		s.credit(st, wk, l, until)
+	}
+}
+
+// deliver is worker wk's grant g sent to its grantee (one message): the
+// grantee's ledger, or nil when it declines the grant (routing.Declines:
+// made for work waiting, its work went meanwhile), whose decline reaches
+// wk a round trip later (declined).
+func (s *sim) deliver(st *stage, wk *worker, g routing.SlotGrant) *ledger {
 	s.grantMsgs++
 	l := s.ledgerNamed(st, g.To)
-	if routing.Declines(g.Waiting, l.on) {
-		// Its work went meanwhile: it declines, and wk grants anew.
-		s.grantMsgs++
-		s.clk.at(s.clk.now+2*s.cfg.NetDelay, event{kind: evDeclined, stage: int8(st.i), worker: wk.idx, disp: l.idx})
-		return
+	if !routing.Declines(g.Waiting, l.on) {
+		return l
 	}
-	s.credit(st, wk, l, until)
+	s.grantMsgs++
+	s.clk.at(s.clk.now+2*s.cfg.NetDelay, event{kind: evDeclined, stage: int8(st.i), worker: wk.idx, disp: l.idx})
+	return nil
 }
 
 // declined is dispatcher d's decline of worker w's grant reaching w
-// (SlotBook.Decline): free and admitted, it grants its slot anew, leaving
-// d out until gossip shows it anew.
+// (SlotBook.Decline): d is left out until gossip shows it anew, and a free
+// slot promised to it, w admitted, goes to another.
 func (s *sim) declined(st *stage, w, d int32) {
 	wk := st.workers[w]
 	wk.declines = true

@@ -50,7 +50,7 @@ func newLedgers(producers []string, central bool) []*ledger {
 
 // ledgerOf is the ledger task t of st waits in.
 func (s *sim) ledgerOf(st *stage, t *task) *ledger {
-	if s.central() || t.producer < 0 || st.i == 0 {
+	if s.central() || t.producer < 0 {
 		return st.ledgers[len(st.ledgers)-1]
 	}
 	return st.ledgers[t.producer]

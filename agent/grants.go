@@ -133,10 +133,10 @@ func grantMsg(st jobs.Stage, g routing.SlotGrant) grant.Msg {
 
 // ownView is what this node knows of its own slots of st when it grants
 // them (routing.SlotView): free ones, queue credit, and the current
-// promise. gossipView adds the
-// grantees; a task's end with a dispatcher to return the slot to, and a
-// start with no queue credit, need none (a task's each: reading gossip
-// there cost bench api an eighth of its jobs a second).
+// promise. gossipView adds the grantees, which a task's end with a
+// dispatcher to return the slot to, and a start with no queue credit, do
+// not need: they come at every task's start and end, and the list of
+// members is copied to read them.
 func (a *Agent) ownView(st jobs.Stage) routing.SlotView {
 	v := routing.SlotView{Free: a.grantable(st)}
 	if a.takingWork(st) {

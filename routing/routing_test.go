@@ -212,7 +212,8 @@ func TestAdmissionPerProducer(t *testing.T) {
 	}
 	if got := (Admission{Slack: 1}).Budget(1, 13); got != 2 {
 		t.Fatalf("no per-producer share: budget %d, want credits + slack = 2", got)
-	} // Share is that quota, the budget counting the producers it is split
+	}
+	// Share is that quota, the budget counting the producers it is split
 	// among: self too when the list does not hold it yet.
 	for _, self := range []string{pool[0], pool[12], "den-99"} {
 		n := len(pool)

@@ -110,12 +110,10 @@ type APIBenchEtcd struct {
 }
 
 // raftProposals reads the embedded etcd's count of committed raft
-// proposals from this process's Prometheus registry (0 without one).
+// proposals from this process's Prometheus registry (0 without one). The
+// gauge can lag a write that clients already see by a moment: a test
+// that counts a few proposals reads raftCount (raftcount_test.go).
 func raftProposals() float64 { return etcdMetric("etcd_server_proposals_committed_total") }
-
-// leaseGrants reads the embedded etcd's count of leases granted: each is
-// a raft proposal, made once per retention bucket, not per job.
-func leaseGrants() float64 { return etcdMetric("etcd_debugging_lease_granted_total") }
 
 // etcdMetric reads one of the embedded etcd's counters or gauges from
 // this process's Prometheus registry (0 without one).

@@ -2,9 +2,13 @@ package testbed
 
 import (
 	"context"
+	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/latentmesh/latentmesh/agent"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
@@ -16,7 +20,8 @@ import (
 const stepLag = 250 * time.Millisecond
 
 // Denoise progress costs etcd nothing: a 50-step job makes as many raft
-// proposals as a 2-step one (lease grants, one per bucket of jobs, aside), and a client still sees every step within
+// proposals as a 2-step one (lease grants, one per bucket of jobs,
+// aside), and a client still sees every step within
 // 250 ms, in the event stream and in GET /v1/jobs/{id}, asked of an agent
 // that does not run the denoise (so the step comes over libp2p); ?wait=
 // still answers at the terminal state.
@@ -31,13 +36,25 @@ func TestProgressOffRaft(t *testing.T) {
 	defer cancel()
 	api := &httpapi.Client{BaseURL: "http://" + entry.HTTPAddr()}
 
-	run := func(steps int, follow func(id string)) (proposals float64, job jobs.Job) {
+	// window is what one job cost etcd: its raft entries (raftCount,
+	// so that a write a client has seen is counted) and the revisions
+	// they made.
+	type window struct {
+		raft     raftTally
+		from, to int64
+	}
+	mark := func() (raftTally, int64) {
 		t.Helper()
-		// Lease grants are left out: a finished job's record and its
-		// ended key go on leases shared by a bucket of jobs (a grant per
-		// bucket), and two jobs a few seconds apart may fall on either
-		// side of a bucket's end.
-		before := raftProposals() - leaseGrants()
+		tally := settled(t, cl.Etcd)
+		resp, err := cl.Client.Get(ctx, "\x00")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tally, resp.Header.Revision
+	}
+	run := func(steps int, follow func(id string)) (w window, job jobs.Job) {
+		t.Helper()
+		before, from := mark()
 		j, err := api.Submit(ctx, httpapi.JobRequest{Prompt: "a lantern", Steps: &steps})
 		if err != nil {
 			t.Fatal(err)
@@ -51,8 +68,14 @@ func TestProgressOffRaft(t *testing.T) {
 			t.Fatalf("%d-step job: %+v %v", steps, done, err)
 		}
 		wg.Wait()
-		return raftProposals() - leaseGrants() - before, done
+		after, to := mark()
+		return window{after.Minus(before), from, to}, done
 	}
+	// Lease grants are left out: a finished job's record and its ended
+	// key go on leases shared by a bucket of jobs (a grant per bucket),
+	// and two jobs a few seconds apart may fall on either side of a
+	// bucket's end.
+	proposals := func(w window) float64 { return w.raft.proposals - w.raft.grants }
 	run(2, nil) // the first job's one-off costs (the Store's first copies) out of the way
 	short, _ := run(2, nil)
 
@@ -107,9 +130,10 @@ func TestProgressOffRaft(t *testing.T) {
 		wg.Wait()
 	}
 	long, done := run(50, follow)
-	t.Logf("raft proposals, lease grants aside: %.0f for a 2-step job, %.0f for a 50-step one (%.0f lease grants so far)", short, long, leaseGrants())
-	if long != short {
-		t.Errorf("a 50-step job made %.0f raft proposals and a 2-step one %.0f: progress must cost none", long, short)
+	t.Logf("raft proposals, lease grants aside: %.0f for a 2-step job, %.0f for a 50-step one", proposals(short), proposals(long))
+	if proposals(long) != proposals(short) {
+		t.Errorf("a 50-step job made %.0f raft proposals and a 2-step one %.0f (lease grants aside): progress must cost none\n2-step job, %.0f lease revocations:\n%s\n50-step job, %.0f lease revocations:\n%s",
+			proposals(long), proposals(short), short.raft.revokes, writesBetween(t, cl, short.from, short.to), long.raft.revokes, writesBetween(t, cl, long.from, long.to))
 	}
 	if r := done.Stages[jobs.Denoise]; r == nil || r.Node != "den" {
 		t.Fatalf("denoise ran on %+v, want den (the entry agent must ask it)", r)
@@ -138,4 +162,28 @@ func TestProgressOffRaft(t *testing.T) {
 			t.Errorf("GET showed step %d %v after the worker reached it, want within %v", st.Step, lag, stepLag)
 		}
 	}
+}
+
+// writesBetween lists etcd's writes after revision from up to to, a line
+// each, for a failure's message.
+func writesBetween(t *testing.T, cl *Cluster, from, to int64) string {
+	t.Helper()
+	if to <= from {
+		return "  (none)"
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	var b strings.Builder
+	for wr := range cl.Client.Watch(ctx, "\x00", clientv3.WithFromKey(), clientv3.WithRev(from+1)) {
+		if err := wr.Err(); err != nil {
+			return b.String() + "  (history: " + err.Error() + ")"
+		}
+		for _, ev := range wr.Events {
+			if ev.Kv.ModRevision > to {
+				return b.String()
+			}
+			fmt.Fprintf(&b, "  rev %d %s %s (lease %x)\n", ev.Kv.ModRevision, ev.Type, ev.Kv.Key, ev.Kv.Lease)
+		}
+	}
+	return b.String()
 }

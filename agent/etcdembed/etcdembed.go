@@ -149,6 +149,18 @@ func (s *Server) Endpoints() []string {
 	return eps
 }
 
+// RaftIndex returns the member's raft committed and applied indexes.
+// Every write, lease grant and lease revocation is one raft entry, so the
+// committed index's rise over a run counts its proposals (an election
+// adds one more). It is in step with what clients see: the committed
+// index rises before an entry is handed to be applied, while etcd's
+// Prometheus gauge of it (etcd_server_proposals_committed_total) is set
+// after, so a client could see a write applied that the gauge did not
+// count yet.
+func (s *Server) RaftIndex() (committed, applied uint64) {
+	return s.etcd.Server.CommittedIndex(), s.etcd.Server.AppliedIndex()
+}
+
 // Close stops the member and removes a temporary data directory. Idempotent.
 func (s *Server) Close() {
 	if s.etcd != nil {

@@ -43,6 +43,29 @@ func TestStartServesClients(t *testing.T) {
 	if a.Endpoints()[0] == b.Endpoints()[0] {
 		t.Fatalf("two servers share endpoint %s", a.Endpoints()[0])
 	}
+
+	// Each write is one raft entry, committed by the time its client has
+	// the answer (and applied then or a moment later), and b's index is
+	// its own.
+	before, _ := a.RaftIndex()
+	other, _ := b.RaftIndex()
+	for i := range 3 {
+		if _, err := cli.Put(ctx, "k", fmt.Sprint(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if committed, _ := a.RaftIndex(); committed != before+3 {
+		t.Errorf("after 3 writes: committed index %d, want %d", committed, before+3)
+	}
+	eventually(t, 5*time.Second, func() error {
+		if committed, applied := a.RaftIndex(); applied != committed {
+			return fmt.Errorf("applied index %d, committed %d", applied, committed)
+		}
+		return nil
+	})
+	if now, _ := b.RaftIndex(); now != other {
+		t.Errorf("the other server's committed index moved from %d to %d", other, now)
+	}
 }
 
 // eventually retries cond with backoff until it returns nil or timeout passes.

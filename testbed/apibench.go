@@ -12,9 +12,9 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 
+	"github.com/latentmesh/latentmesh/agent/etcdembed"
 	"github.com/latentmesh/latentmesh/agent/httpapi"
 	"github.com/latentmesh/latentmesh/agent/jobs"
 )
@@ -104,34 +104,19 @@ type APIBenchEtcd struct {
 	Watches  float64 `json:"watches"`
 	KeysRead float64 `json:"keys_read"`
 	// RaftProposals is what the embedded etcd committed through raft
-	// (etcd_server_proposals_committed_total): its writes, lease grants
-	// and revocations.
+	// (its committed index's rise, etcdembed.Server.RaftIndex): its
+	// writes, lease grants and revocations.
 	RaftProposals float64 `json:"raft_proposals"`
 }
 
-// raftProposals reads the embedded etcd's count of committed raft
-// proposals from this process's Prometheus registry (0 without one). The
-// gauge can lag a write that clients already see by a moment: a test
-// that counts a few proposals reads raftCount (raftcount_test.go).
-func raftProposals() float64 { return etcdMetric("etcd_server_proposals_committed_total") }
-
-// etcdMetric reads one of the embedded etcd's counters or gauges from
-// this process's Prometheus registry (0 without one).
-func etcdMetric(name string) float64 {
-	mfs, err := prometheus.DefaultGatherer.Gather()
-	if err != nil {
+// committed is srv's committed raft index (0 for none): its rise over a
+// run counts the run's raft proposals.
+func committed(srv *etcdembed.Server) float64 {
+	if srv == nil {
 		return 0
 	}
-	for _, mf := range mfs {
-		if mf.GetName() == name && len(mf.GetMetric()) > 0 {
-			m := mf.GetMetric()[0]
-			if m.GetGauge() != nil {
-				return m.GetGauge().GetValue()
-			}
-			return m.GetCounter().GetValue()
-		}
-	}
-	return 0
+	c, _ := srv.RaftIndex()
+	return float64(c)
 }
 
 // Quantiles are a P50 and a P90 in milliseconds.
@@ -161,7 +146,10 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 		cfg.Logger = zap.NewNop()
 	}
 	server := cfg.Server
-	var ops *EtcdOps // the in-process mesh's etcd requests
+	var (
+		ops  *EtcdOps          // the in-process mesh's etcd requests
+		etcd *etcdembed.Server // and its etcd, whose raft entries are counted
+	)
 	if server == "" {
 		cc := DefaultClusterConfig()
 		cc.Logger = cfg.Logger
@@ -183,7 +171,7 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 		}
 		defer cl.Close()
 		DelayEtcdWrites(cl.Client, cfg.EtcdWriteDelay)
-		ops = CountEtcdOps(cl.Client)
+		ops, etcd = CountEtcdOps(cl.Client), cl.Etcd
 		for _, st := range jobs.Stages() {
 			if _, err := cl.AddAgent(ctx, string(st)+"-1", st); err != nil {
 				return APIBenchReport{}, err
@@ -215,7 +203,7 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 	if ops != nil {
 		before = ops.Snap()
 	}
-	proposals := raftProposals()
+	proposals := committed(etcd)
 	start := time.Now()
 	for range cfg.Clients {
 		wg.Go(func() {
@@ -233,7 +221,7 @@ func RunAPIBench(ctx context.Context, cfg APIBenchConfig) (APIBenchReport, error
 	}
 	wg.Wait()
 	elapsed := time.Since(start)
-	proposals = raftProposals() - proposals
+	proposals = committed(etcd) - proposals
 	close(errs)
 	if err := <-errs; err != nil {
 		return APIBenchReport{}, err

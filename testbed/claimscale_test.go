@@ -247,7 +247,7 @@ func waitFor(t *testing.T, timeout time.Duration, what string, cond func() bool)
 // but the membership's safety-net read (its queue gauges come from its
 // watch-fed views).
 func TestIdleAgentEtcdLoad(t *testing.T) {
-	// Idle for a minute, it runs beside the other parallel test: raftCount
+	// Idle for a minute, it runs beside the other parallel test: settled
 	// reads this test's embedded etcd alone (its lease counters are the
 	// process's, and are not read here).
 	t.Parallel()

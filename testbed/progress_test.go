@@ -36,7 +36,7 @@ func TestProgressOffRaft(t *testing.T) {
 	defer cancel()
 	api := &httpapi.Client{BaseURL: "http://" + entry.HTTPAddr()}
 
-	// window is what one job cost etcd: its raft entries (raftCount,
+	// window is what one job cost etcd: its raft entries (settled,
 	// so that a write a client has seen is counted) and the revisions
 	// they made.
 	type window struct {

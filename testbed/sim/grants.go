@@ -179,11 +179,14 @@ func (s *sim) grantEnds(st *stage, w int32) {
 	}
 }
 
+// holds reports whether ledger p holds worker wk's credit now.
+func (s *sim) holds(p int32, wk *worker) bool { return wk.grantTo == p && wk.grantUntil > s.clk.now }
+
 // validGrants appends to dst the workers of list whose credit p's ledger
 // holds.
 func (s *sim) validGrants(st *stage, p int32, dst, list []int32) []int32 {
 	for _, w := range list {
-		if wk := st.workers[w]; wk.grantTo == p && wk.grantUntil > s.clk.now {
+		if s.holds(p, st.workers[w]) {
 			dst = append(dst, w)
 		}
 	}
@@ -201,7 +204,7 @@ func (s *sim) takeGrant(st *stage, p int32) int32 {
 	for len(l) > 0 {
 		w := l[len(l)-1]
 		l = l[:len(l)-1]
-		if wk := st.workers[w]; wk.grantTo == p && wk.grantUntil > s.clk.now {
+		if wk := st.workers[w]; s.holds(p, wk) {
 			wk.grantTo = -1 // spent
 			st.granted[p] = l
 			return w

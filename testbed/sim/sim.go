@@ -3,7 +3,6 @@ package sim
 import (
 	"fmt"
 	"math/rand/v2"
-	"slices"
 	"strconv"
 	"time"
 
@@ -849,11 +848,12 @@ func (s *sim) handOn(st *stage, tnow time.Time) {
 		l := st.ledgers[d]
 		l.credited = false
 		// Its credits of idle workers with nothing in their inbox.
-		granted := s.validGrants(st, d, s.grantedW[:0], st.granted[d])
-		granted = slices.DeleteFunc(granted, func(w int32) bool {
-			wk := st.workers[w]
-			return wk.waitPos < 0 || len(wk.pushed) > 0
-		})
+		granted := s.grantedW[:0]
+		for _, w := range st.granted[d] {
+			if wk := st.workers[w]; s.holds(d, wk) && wk.waitPos >= 0 && len(wk.pushed) == 0 {
+				granted = append(granted, w)
+			}
+		}
 		s.grantedW = granted
 		if l.q.queued > 0 && len(granted) > 0 {
 			s.handFrom(st, l, tnow, granted, nil)
